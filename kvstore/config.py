@@ -1,0 +1,107 @@
+"""Model geometry and store configuration: the one place every knob lives."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+_PRESETS: dict[str, dict[str, int]] = {
+    # Geometries from the models' published configs.
+    "llama3-8b": dict(num_layers=32, num_q_heads=32, num_kv_heads=8, head_dim=128),
+    "llama3-70b": dict(num_layers=80, num_q_heads=64, num_kv_heads=8, head_dim=128),
+    "qwen2.5-7b": dict(num_layers=28, num_q_heads=28, num_kv_heads=4, head_dim=128),
+    "smollm2-135m": dict(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """The attention geometry of a decoder: what one token's KV cache looks like."""
+
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float16
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_q_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelSpec.{name} must be a positive int, got {value!r}")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.dtype != torch.float16:
+            raise ValueError(f"ModelSpec.dtype must be torch.float16, got {self.dtype}")
+
+    @staticmethod
+    def preset(name: str, **overrides: int) -> ModelSpec:
+        """A named geometry (`ModelSpec.presets()` lists them); overrides replace fields, e.g. num_layers=2."""
+        if name not in _PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(_PRESETS)}")
+        return ModelSpec(**{**_PRESETS[name], **overrides})
+
+    @staticmethod
+    def presets() -> list[str]:
+        return sorted(_PRESETS)
+
+    @property
+    def gqa_group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def bytes_per_token(self) -> int:
+        """fp16 K and V of one token across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
+
+
+@dataclass(slots=True)
+class Config:
+    """Everything a KVStore needs. Windows are per sequence and layer; byte budgets are shared."""
+
+    model: ModelSpec
+    block_tokens: int = 32
+    sink_tokens: int = 64  # first tokens of every sequence, always hot (attention sinks)
+    hot_tokens: int = 4096  # most recent tokens, kept fp16 on the GPU
+    warm_tokens: int = 32768  # the next most recent, kept int8 on the GPU
+    gpu_bytes: int = 1 << 30  # hot + warm pools, shared by all sequences
+    cpu_bytes: int = 4 << 30  # cold host tier
+    cpu_dtype: str = "float16"  # "float16" (exact) or "int8" (half the bytes)
+    ssd_path: str | None = None  # None: a temporary directory removed on close()
+    ssd_bytes: int = 64 << 30
+    ssd_compression: str = "zstd-split"  # "zstd-split" (byte planes), "zstd", or "none"
+    ssd_level: int = 1
+    remote_url: str | None = None  # a `kvtier serve` sidecar; cold blocks go there instead of local ssd
+    remote_token: str | None = None
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    host_memory_reserve: int = 2 << 30  # never let host tiers push free RAM below this
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, ModelSpec):
+            raise ValueError(f"Config.model must be a ModelSpec, got {type(self.model).__name__}")
+        if self.block_tokens <= 0 or self.block_tokens & (self.block_tokens - 1):
+            raise ValueError(f"block_tokens must be a positive power of two, got {self.block_tokens}")
+        for name in ("sink_tokens", "hot_tokens", "warm_tokens", "gpu_bytes", "cpu_bytes", "ssd_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"Config.{name} must be >= 0, got {getattr(self, name)}")
+        if self.hot_tokens < self.block_tokens:
+            raise ValueError(
+                f"hot_tokens ({self.hot_tokens}) must cover at least one block ({self.block_tokens} tokens)"
+            )
+        if self.cpu_dtype not in ("float16", "int8"):
+            raise ValueError(f"cpu_dtype must be 'float16' or 'int8', got {self.cpu_dtype!r}")
+        if self.ssd_compression not in ("zstd-split", "zstd", "none"):
+            raise ValueError(f"ssd_compression must be 'zstd-split', 'zstd' or 'none', got {self.ssd_compression!r}")
+        try:
+            torch.device(self.device)
+        except RuntimeError as exc:
+            raise ValueError(f"Config.device must be a torch device string, got {self.device!r}") from exc
+        if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"Config.device is {self.device!r} but CUDA is not available; use device='cpu'")
+
+    def replace(self, **changes) -> Config:
+        return dataclasses.replace(self, **changes)
