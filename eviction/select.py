@@ -1,0 +1,133 @@
+"""The one budgeted selection every policy shares.
+
+Given per-block scores of one sequence and layer, keep per kv head the protected
+blocks (attention sinks and the recent window, always including the partial tail
+block) plus the highest-scoring others, up to a token budget counted in whole
+blocks. Rows come back sorted ascending so the tail block is last: the paged
+decode kernel masks only the last entry of a block table as partial.
+
+Everything here is sync-free on CUDA: counts are Python ints, tensors stay on
+the scores' device, so `select` can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_counts(*, num_tokens: int, block_tokens: int, sink_tokens: int, recent_tokens: int) -> None:
+    """Raise ValueError unless the token counts describe a non-empty sequence."""
+    for name, value, low in (
+        ("num_tokens", num_tokens, 1),
+        ("block_tokens", block_tokens, 1),
+        ("sink_tokens", sink_tokens, 0),
+        ("recent_tokens", recent_tokens, 0),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def protected_range(*, num_tokens: int, block_tokens: int, sink_tokens: int, recent_tokens: int) -> tuple[int, int]:
+    """(sink_blocks, recent_start): blocks [0, sink_blocks) and [recent_start, num_blocks) are protected.
+
+    Sinks are the first ceil(sink_tokens / block_tokens) blocks; the recent window is
+    every block holding one of the last recent_tokens tokens, and always the tail block.
+    """
+    check_counts(num_tokens=num_tokens, block_tokens=block_tokens, sink_tokens=sink_tokens, recent_tokens=recent_tokens)
+    num_blocks = cdiv(num_tokens, block_tokens)
+    sink_blocks = min(cdiv(sink_tokens, block_tokens), num_blocks)
+    recent_start = min(max(0, num_tokens - recent_tokens) // block_tokens, num_blocks - 1)
+    return sink_blocks, recent_start
+
+
+def num_protected(*, num_tokens: int, block_tokens: int, sink_tokens: int, recent_tokens: int) -> int:
+    sink_blocks, recent_start = protected_range(
+        num_tokens=num_tokens, block_tokens=block_tokens, sink_tokens=sink_tokens, recent_tokens=recent_tokens
+    )
+    return sink_blocks + cdiv(num_tokens, block_tokens) - max(recent_start, sink_blocks)
+
+
+def protected_mask(
+    *,
+    num_tokens: int,
+    block_tokens: int,
+    sink_tokens: int,
+    recent_tokens: int,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """bool [num_blocks]: True for sink and recent-window blocks."""
+    sink_blocks, recent_start = protected_range(
+        num_tokens=num_tokens, block_tokens=block_tokens, sink_tokens=sink_tokens, recent_tokens=recent_tokens
+    )
+    blocks = torch.arange(cdiv(num_tokens, block_tokens), device=device)  # [N]
+    return (blocks < sink_blocks) | (blocks >= recent_start)
+
+
+def num_selected(
+    *, num_tokens: int, block_tokens: int, budget_tokens: int, sink_tokens: int, recent_tokens: int
+) -> int:
+    """k, the blocks kept per kv head: max(protected, budget_tokens // block_tokens), at most num_blocks."""
+    if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int) or budget_tokens < 0:
+        raise ValueError(f"budget_tokens must be an int >= 0, got {budget_tokens!r}")
+    protected = num_protected(
+        num_tokens=num_tokens, block_tokens=block_tokens, sink_tokens=sink_tokens, recent_tokens=recent_tokens
+    )
+    return min(max(protected, budget_tokens // block_tokens), cdiv(num_tokens, block_tokens))
+
+
+def top_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """int64 [H, k]: per row the k highest-scoring block indices, sorted ascending.
+
+    Protected blocks must already score +inf and every other score must be below +inf.
+    """
+    num_kv_heads, num_blocks = scores.shape
+    if k >= num_blocks:  # the budget covers everything: no top-k launch
+        return torch.arange(num_blocks, device=scores.device).expand(num_kv_heads, num_blocks).contiguous()
+    chosen = torch.topk(scores, k, dim=1, sorted=False).indices  # [H, k]
+    return torch.sort(chosen, dim=1).values
+
+
+def select(
+    scores: torch.Tensor,
+    *,
+    num_tokens: int,
+    block_tokens: int,
+    budget_tokens: int,
+    sink_tokens: int,
+    recent_tokens: int,
+) -> torch.Tensor:
+    """int64 [kv_heads, k]: per kv head the protected blocks plus the best-scoring others, sorted ascending.
+
+    scores: float [kv_heads, num_blocks], higher = keep. NaN counts as -inf; +inf
+    on an unprotected block is clamped below the protected blocks' +inf, so the
+    sinks and the recent window are kept whatever the scores say.
+    """
+    if scores.dim() != 2 or not scores.is_floating_point():
+        raise ValueError(f"scores: expected a float [kv_heads, num_blocks] tensor, got {scores.dtype} {list(scores.shape)}")
+    k = num_selected(
+        num_tokens=num_tokens,
+        block_tokens=block_tokens,
+        budget_tokens=budget_tokens,
+        sink_tokens=sink_tokens,
+        recent_tokens=recent_tokens,
+    )
+    num_blocks = cdiv(num_tokens, block_tokens)
+    if scores.shape[1] != num_blocks:
+        raise ValueError(
+            f"scores: expected {num_blocks} blocks for {num_tokens} tokens of {block_tokens}, got {scores.shape[1]}"
+        )
+    if k >= num_blocks:
+        return top_blocks(scores, k)
+    finite = scores.float().nan_to_num(nan=float("-inf"), posinf=torch.finfo(torch.float32).max, neginf=float("-inf"))
+    protected = protected_mask(
+        num_tokens=num_tokens,
+        block_tokens=block_tokens,
+        sink_tokens=sink_tokens,
+        recent_tokens=recent_tokens,
+        device=scores.device,
+    )
+    return top_blocks(finite.masked_fill(protected, float("inf")), k)

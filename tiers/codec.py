@@ -1,0 +1,91 @@
+"""The bytes of one block at rest: header + compressed payload, checksummed.
+
+    header  (40 bytes, little endian): magic b"KVTB", layout version u16, format u8
+            (0 fp16, 1 int8), compression u8 (0 none, 1 zstd, 2 zstd over byte planes),
+            kv_heads u32, block_tokens u32, head_dim u32, payload length u64,
+            xxh3-64 of header-without-checksum + uncompressed payload u64
+    payload fp16: the block's bytes [2, H, B, D]; int8: data, then k_scale, then v_scale
+
+The byte-plane split stores the low bytes of every fp16 value, then the high bytes:
+the high bytes (sign, exponent) compress well, the low bytes hardly at all.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import torch
+import xxhash
+import zstandard
+
+from tiers.base import IntegrityError
+from tiers.layout import BlockLayout, Blocks, Int8Blocks
+
+LAYOUT_VERSION = 1
+_HEADER = struct.Struct("<4sHBBIIIQQ")
+_MAGIC = b"KVTB"
+COMPRESSIONS = {"none": 0, "zstd": 1, "zstd-split": 2}
+_FORMATS = {"float16": 0, "int8": 1}
+
+
+class Codec:
+    """Encodes and decodes single blocks; one per thread (zstd contexts are not shared)."""
+
+    def __init__(self, compression: str = "zstd-split", level: int = 1) -> None:
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {sorted(COMPRESSIONS)}, got {compression!r}")
+        self.compression = COMPRESSIONS[compression]
+        self.compressor = zstandard.ZstdCompressor(level=level)
+        self.decompressor = zstandard.ZstdDecompressor()
+
+    def encode(self, layout: BlockLayout, blocks: Blocks, row: int) -> bytes:
+        """Row `row` of a CPU batch -> one stored value."""
+        if isinstance(blocks, Int8Blocks):
+            fmt, parts = _FORMATS["int8"], [t[row] for t in blocks.tensors()]
+        else:
+            fmt, parts = _FORMATS["float16"], [blocks[row]]
+        payload = b"".join(p.contiguous().view(torch.uint8).numpy().tobytes() for p in parts)
+        split = self.compression == 2 and fmt == 0
+        body = payload
+        if self.compression:
+            planes = np.frombuffer(payload, np.uint8).reshape(-1, 2).T.tobytes() if split else payload
+            body = self.compressor.compress(planes)
+        header = _HEADER.pack(_MAGIC, LAYOUT_VERSION, fmt, self.compression, layout.num_kv_heads,
+                              layout.block_tokens, layout.head_dim, len(payload), 0)
+        digest = xxhash.xxh3_64_intdigest(header[:-8] + payload)
+        return header[:-8] + struct.pack("<Q", digest) + body
+
+    def decode(self, layout: BlockLayout, value: bytes | memoryview, what: str) -> Blocks:
+        """One stored value -> a batch of one block. Raises IntegrityError on any damage."""
+        if len(value) < _HEADER.size:
+            raise IntegrityError(f"{what}: value of {len(value)} bytes is shorter than its header")
+        magic, version, fmt, comp, h, b, d, length, digest = _HEADER.unpack_from(value)
+        if magic != _MAGIC or version != LAYOUT_VERSION or (h, b, d) != (
+            layout.num_kv_heads, layout.block_tokens, layout.head_dim
+        ):
+            raise IntegrityError(f"{what}: header does not match layout v{LAYOUT_VERSION} {layout}")
+        body = bytes(value[_HEADER.size:])
+        try:
+            payload = self.decompressor.decompress(body, max_output_size=length) if comp else body
+        except zstandard.ZstdError as exc:
+            raise IntegrityError(f"{what}: compressed payload is damaged ({exc})") from None
+        if comp == 2 and fmt == 0:
+            payload = np.frombuffer(payload, np.uint8).reshape(2, -1).T.tobytes()
+        if len(payload) != length or xxhash.xxh3_64_intdigest(bytes(value[: _HEADER.size - 8]) + payload) != digest:
+            raise IntegrityError(f"{what}: checksum mismatch")
+        return _unpack(layout, fmt, payload)
+
+
+def _unpack(layout: BlockLayout, fmt: int, payload: bytes) -> Blocks:
+    raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    if fmt == _FORMATS["float16"]:
+        return raw.view(torch.float16).reshape(1, *layout.shape)
+    h, b, d = layout.num_kv_heads, layout.block_tokens, layout.head_dim
+    sizes = [2 * h * b * d, 4 * h * d, 4 * h * b]
+    data, k_scale, v_scale = torch.split(raw, sizes)
+    return Int8Blocks(
+        data.view(torch.int8).reshape(1, 2, h, b, d),
+        k_scale.view(torch.float32).reshape(1, h, d),
+        v_scale.view(torch.float32).reshape(1, h, b),
+    )

@@ -1,0 +1,131 @@
+"""Cold CPU tier: host memory (pinned when CUDA exists), fp16 or int8, checksummed.
+
+Memory comes in slabs allocated on first use, so a large `cpu_bytes` costs nothing
+until blocks arrive, and `psutil` refuses a slab that would push free host memory
+below the reserve (the store then spills to ssd instead of being OOM-killed).
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Sequence
+
+import psutil
+import torch
+
+from tiers.base import IntegrityError, PooledTier, SlotPool, block_checksums, check_ids
+from tiers.layout import BlockLayout, Blocks, Int8Blocks
+from tiers.quant import dequantize, quantize
+
+_SLAB_BYTES = 256 << 20
+
+
+class CpuTier(PooledTier):
+    name = "cpu"
+
+    def __init__(
+        self, layout: BlockLayout, capacity_bytes: int, dtype: str = "float16",
+        pin: bool | None = None, memory_reserve: int = 2 << 30,
+    ) -> None:
+        self.layout = layout
+        self.dtype = dtype
+        self.block_bytes = layout.bytes_for(dtype)
+        self.device = torch.device("cpu")
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.memory_reserve = memory_reserve
+        self.slots = SlotPool(self.name, capacity_bytes // self.block_bytes)
+        self.slab_blocks = max(1, min(self.slots.num_slots, _SLAB_BYTES // self.block_bytes))
+        self.slabs: list[Blocks] = []
+        self.checksums: dict[int, int] = {}
+        self.integrity_errors = 0
+
+    # -- memory --------------------------------------------------------------------------
+    def _slabs_needed(self, n: int) -> int:
+        """Slabs to allocate so that the n lowest free slots exist."""
+        if n == 0:
+            return 0
+        highest = heapq.nsmallest(n, self.slots.free_slots)[-1]
+        return max(0, highest // self.slab_blocks + 1 - len(self.slabs))
+
+    def can_put(self, n: int) -> bool:
+        if not self.slots.can_allocate(n):
+            return False
+        new_bytes = self._slabs_needed(n) * self.slab_blocks * self.block_bytes
+        return new_bytes == 0 or psutil.virtual_memory().available - new_bytes >= self.memory_reserve
+
+    def free_blocks(self) -> int:
+        """Free slots in existing slabs plus those in slabs host memory still allows."""
+        allocated = len(self.slabs) * self.slab_blocks
+        in_slabs = allocated - self.num_blocks  # used slots all lie in allocated slabs
+        slab_bytes = self.slab_blocks * self.block_bytes
+        spare = max(0, psutil.virtual_memory().available - self.memory_reserve) // slab_bytes
+        return min(len(self.slots.free_slots), in_slabs + spare * self.slab_blocks)
+
+    def _grow_to(self, slot: int) -> None:
+        while len(self.slabs) <= slot // self.slab_blocks:
+            empty = self.layout.empty_fp16 if self.dtype == "float16" else self.layout.empty_int8
+            self.slabs.append(empty(self.slab_blocks, "cpu", pin=self.pin))
+
+    # -- protocol ------------------------------------------------------------------------
+    def put(self, ids: Sequence[int], blocks: Blocks) -> None:
+        self.layout.check(blocks)
+        check_ids(ids, len(blocks), self.name)
+        if not self.can_put(len(ids)):
+            raise MemoryError(f"cpu tier: no room for {len(ids)} blocks (capacity or host memory reserve)")
+        blocks = self._convert(blocks).to("cpu")
+        sums = block_checksums(blocks)
+        slots = self.slots.allocate(ids)
+        self.checksums.update(zip(ids, sums))
+        self._grow_to(max(slots))
+        for slab, (rows, positions) in self._by_slab(slots).items():
+            _copy_rows(blocks, positions, self.slabs[slab], rows)
+
+    def get(self, ids: Sequence[int]) -> Blocks:
+        """Gathers `ids` into one (pinned) batch and verifies every block's checksum."""
+        slots = self.slots.lookup(ids)
+        empty = self.layout.empty_fp16 if self.dtype == "float16" else self.layout.empty_int8
+        out = empty(len(ids), "cpu", pin=self.pin)
+        for slab, (rows, positions) in self._by_slab(slots).items():
+            _copy_rows(self.slabs[slab], rows, out, positions)
+        for block_id, got in zip(ids, block_checksums(out)):
+            if got != self.checksums[block_id]:
+                self.integrity_errors += 1
+                raise IntegrityError(f"cpu tier: block {block_id} failed its checksum")
+        return out
+
+    def delete(self, ids: Sequence[int]) -> None:
+        self.slots.release(ids)
+        for block_id in ids:
+            del self.checksums[block_id]
+
+    def check_integrity(self) -> None:
+        self.slots.check()
+        if self.checksums.keys() != self.slots.slot_of.keys():
+            raise AssertionError("cpu tier: checksum table and slot table disagree")
+
+    def close(self) -> None:
+        self.slabs.clear()
+
+    # -- helpers -------------------------------------------------------------------------
+    def _convert(self, blocks: Blocks) -> Blocks:
+        if self.dtype == "float16" and isinstance(blocks, Int8Blocks):
+            return dequantize(blocks)
+        if self.dtype == "int8" and not isinstance(blocks, Int8Blocks):
+            return quantize(blocks)
+        return blocks
+
+    def _by_slab(self, slots: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """slab -> (rows inside the slab, positions in the batch)."""
+        groups: dict[int, tuple[list[int], list[int]]] = {}
+        for pos, slot in enumerate(slots):
+            rows, positions = groups.setdefault(slot // self.slab_blocks, ([], []))
+            rows.append(slot % self.slab_blocks)
+            positions.append(pos)
+        return {slab: (torch.tensor(r), torch.tensor(p)) for slab, (r, p) in groups.items()}
+
+
+def _copy_rows(src: Blocks, src_rows: torch.Tensor, dst: Blocks, dst_rows: torch.Tensor) -> None:
+    """dst[dst_rows] = src[src_rows] for either block format."""
+    pairs = zip(dst.tensors(), src.tensors()) if isinstance(src, Int8Blocks) else [(dst, src)]
+    for d, s in pairs:
+        d[dst_rows] = s.index_select(0, src_rows)

@@ -1,0 +1,43 @@
+"""Hot tier: a preallocated fp16 pool on the store's device, one slot per block."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from tiers.base import PooledTier, SlotPool, check_ids
+from tiers.layout import BlockLayout, Blocks, Int8Blocks
+from tiers.quant import dequantize
+
+
+class HotTier(PooledTier):
+    name = "hot"
+
+    def __init__(self, layout: BlockLayout, capacity_bytes: int, device: torch.device | str) -> None:
+        self.layout = layout
+        self.block_bytes = layout.fp16_bytes
+        self.device = torch.device(device)
+        self.pool = layout.empty_fp16(capacity_bytes // self.block_bytes, self.device)  # [S, 2, H, B, D]
+        self.slots = SlotPool(self.name, self.pool.shape[0])
+
+    def put(self, ids: Sequence[int], blocks: Blocks) -> None:
+        self.layout.check(blocks)
+        check_ids(ids, len(blocks), self.name)
+        if isinstance(blocks, Int8Blocks):
+            blocks = dequantize(blocks.to(self.device))
+        slots = self.slots.allocate(ids)
+        self.pool[torch.tensor(slots, device=self.device)] = blocks.to(self.device, non_blocking=True)
+
+    def write_tokens(self, block_id: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v [t, H, D] at token offset `start` of a stored block (appends to a tail block)."""
+        slot = self.slots.lookup([block_id])[0]
+        end = start + k.shape[0]
+        self.pool[slot, 0, :, start:end] = k.transpose(0, 1)
+        self.pool[slot, 1, :, start:end] = v.transpose(0, 1)
+
+    def get(self, ids: Sequence[int]) -> torch.Tensor:
+        return self.pool[self.slot_tensor(ids)]
+
+    def close(self) -> None:
+        self.pool = self.pool[:0]

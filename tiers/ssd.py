@@ -1,0 +1,198 @@
+"""Cold SSD tier: an LMDB environment of compressed, checksummed block values.
+
+One writer thread owns every write transaction and batches whatever puts and deletes
+are queued into one commit; `put` returns once its commit is durable (LMDB's default
+sync: fsync per commit). Reads open their own read transactions and are safe from any
+thread. Reopening the same path finds every committed block.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Sequence
+
+import lmdb
+import torch
+
+from tiers.base import IntegrityError, check_ids
+from tiers.codec import Codec
+from tiers.layout import BlockLayout, Blocks, Int8Blocks, num_blocks
+
+_MAX_BATCH = 256  # queued write requests folded into one transaction
+
+
+class SsdTier:
+    name = "ssd"
+
+    def __init__(
+        self, layout: BlockLayout, path: str, capacity_bytes: int, compression: str = "zstd-split",
+        level: int = 1, sync: bool = True, key_prefix: bytes = b"b/",
+    ) -> None:
+        self.layout = layout
+        self.block_bytes = layout.fp16_bytes
+        self.path = path
+        self.key_prefix = key_prefix
+        self._capacity = capacity_bytes
+        self.codec_args = (compression, level)
+        self._local = threading.local()
+        self.integrity_errors = 0
+        try:
+            os.makedirs(path, exist_ok=True)
+            self.env = lmdb.open(path, map_size=max(2 * capacity_bytes, 1 << 30), sync=sync,
+                                 max_readers=256, readahead=False)
+        except (OSError, lmdb.Error) as exc:
+            raise ValueError(f"ssd path {path!r} is not a writable directory: {exc}") from None
+        self.sizes: dict[bytes, int] = self._scan()
+        self._used = sum(self.sizes.values())
+        self._lock = threading.Lock()  # guards sizes/_used between callers and the writer
+        self._queue: queue.Queue = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="kvtier-lmdb-writer", daemon=True)
+        self._writer.start()
+
+    # -- keys and codec ------------------------------------------------------------------
+    def key(self, block_id: int) -> bytes:
+        return self.key_prefix + block_id.to_bytes(8, "big")
+
+    def codec(self) -> Codec:
+        if not hasattr(self._local, "codec"):
+            self._local.codec = Codec(*self.codec_args)
+        return self._local.codec
+
+    def _scan(self) -> dict[bytes, int]:
+        with self.env.begin() as txn:
+            return {bytes(k): len(v) for k, v in txn.cursor() if bytes(k).startswith(self.key_prefix)}
+
+    # -- protocol ------------------------------------------------------------------------
+    def put(self, ids: Sequence[int], blocks: Blocks) -> None:
+        self.layout.check(blocks)
+        check_ids(ids, num_blocks(blocks), self.name)
+        blocks = blocks.to("cpu")
+        codec = self.codec()
+        values = [codec.encode(self.layout, blocks, row) for row in range(len(ids))]
+        self.put_values([self.key(i) for i in ids], values)
+
+    def get(self, ids: Sequence[int]) -> Blocks:
+        """Decodes and verifies every block; all of `ids` must share one format."""
+        codec = self.codec()
+        try:
+            parts = [codec.decode(self.layout, v, f"ssd block {i}") for i, v in zip(ids, self._read_checked(ids))]
+        except IntegrityError:
+            self.integrity_errors += 1
+            raise
+        if not parts:
+            return self.layout.empty_fp16(0, "cpu")
+        if len({isinstance(p, Int8Blocks) for p in parts}) > 1:
+            raise ValueError("ssd.get: fp16 and int8 blocks cannot share a batch; get them separately")
+        if isinstance(parts[0], Int8Blocks):
+            return Int8Blocks(*(torch.cat(ts) for ts in zip(*(p.tensors() for p in parts))))
+        return torch.cat(parts)
+
+    def _read_checked(self, ids: Sequence[int]) -> list[bytes]:
+        values = self.get_values([self.key(i) for i in ids])
+        missing = [i for i, v in zip(ids, values) if v is None]
+        if missing:
+            raise KeyError(f"ssd: blocks not stored: {missing[:8]}")
+        return values
+
+    def delete(self, ids: Sequence[int]) -> None:
+        keys = [self.key(i) for i in ids]
+        missing = [i for i, k in zip(ids, keys) if k not in self.sizes]
+        if missing:
+            raise KeyError(f"ssd: blocks not stored: {missing[:8]}")
+        self.delete_keys(keys)
+
+    def __contains__(self, block_id: int) -> bool:
+        return self.key(block_id) in self.sizes
+
+    def can_put(self, n: int) -> bool:
+        # Compression only shrinks fp16 values, so the uncompressed size is a safe estimate.
+        return n <= self.free_blocks()
+
+    def free_blocks(self) -> int:
+        return max(0, (self._capacity - self._used) // (self.block_bytes + 64))
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    def check_integrity(self) -> None:
+        on_disk = self._scan()
+        with self._lock:
+            if on_disk != self.sizes or sum(on_disk.values()) != self._used:
+                raise AssertionError("ssd tier: in-memory index disagrees with LMDB")
+
+    def close(self) -> None:
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+        self.env.close()
+
+    # -- raw values (the sidecar service stores its own keys through these) --------------
+    def put_values(self, keys: list[bytes], values: list[bytes]) -> None:
+        """Stores key -> value pairs in one transaction; returns once committed."""
+        self._submit([(k, v) for k, v in zip(keys, values)]).result()
+
+    def delete_keys(self, keys: list[bytes]) -> None:
+        self._submit([(k, None) for k in keys]).result()
+
+    def get_values(self, keys: list[bytes]) -> list[bytes | None]:
+        with self.env.begin(buffers=False) as txn:
+            return [txn.get(k) for k in keys]
+
+    def _submit(self, ops: list[tuple[bytes, bytes | None]]) -> Future:
+        future: Future = Future()
+        if not self._writer.is_alive():
+            raise RuntimeError("ssd tier is closed")
+        self._queue.put((ops, future))
+        return future
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            batch = [item]
+            while len(batch) < _MAX_BATCH:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._queue.put(None)  # finish this batch, then stop
+                    break
+                batch.append(nxt)
+            self._commit(batch)
+
+    def _commit(self, batch: list[tuple[list, Future]]) -> None:
+        try:
+            with self.env.begin(write=True) as txn:
+                for ops, _ in batch:
+                    for key, value in ops:
+                        if value is None:
+                            txn.delete(key)
+                        else:
+                            txn.put(key, value)
+        except lmdb.Error as exc:
+            for _, future in batch:
+                future.set_exception(RuntimeError(f"ssd tier: LMDB write failed: {exc}"))
+            return
+        with self._lock:
+            for ops, _ in batch:
+                for key, value in ops:
+                    self._used -= self.sizes.pop(key, 0)
+                    if value is not None:
+                        self.sizes[key] = len(value)
+                        self._used += len(value)
+        for _, future in batch:
+            future.set_result(None)
