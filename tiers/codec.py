@@ -1,6 +1,6 @@
 """The bytes of one block at rest: header + compressed payload, checksummed.
 
-    header  (40 bytes, little endian): magic b"KVTB", layout version u16, format u8
+    header  (36 bytes, little endian): magic b"KVTB", layout version u16, format u8
             (0 fp16, 1 int8), compression u8 (0 none, 1 zstd, 2 zstd over byte planes),
             kv_heads u32, block_tokens u32, head_dim u32, payload length u64,
             xxh3-64 of header-without-checksum + uncompressed payload u64
@@ -25,6 +25,7 @@ from tiers.layout import BlockLayout, Blocks, Int8Blocks
 LAYOUT_VERSION = 1
 _HEADER = struct.Struct("<4sHBBIIIQQ")
 _MAGIC = b"KVTB"
+HEADER_BYTES = _HEADER.size
 COMPRESSIONS = {"none": 0, "zstd": 1, "zstd-split": 2}
 _FORMATS = {"float16": 0, "int8": 1}
 

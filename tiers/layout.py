@@ -15,10 +15,12 @@ kernel reads [block_tokens, head_dim] per (block, head) in one sweep.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvstore.config import ModelSpec
+if TYPE_CHECKING:  # tiers/ stays importable without kvstore/
+    from kvstore.config import ModelSpec
 
 
 @dataclass(slots=True)

@@ -12,13 +12,13 @@ import os
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Sequence
+from typing import Callable, Sequence
 
 import lmdb
 import torch
 
 from tiers.base import IntegrityError, check_ids
-from tiers.codec import Codec
+from tiers.codec import HEADER_BYTES, Codec
 from tiers.layout import BlockLayout, Blocks, Int8Blocks, num_blocks
 
 _MAX_BATCH = 256  # queued write requests folded into one transaction
@@ -48,6 +48,9 @@ class SsdTier:
         self.sizes: dict[bytes, int] = self._scan()
         self._used = sum(self.sizes.values())
         self._lock = threading.Lock()  # guards sizes/_used between callers and the writer
+        # Called by the writer after each commit, in commit order, before the writers return:
+        # [(key, old size or None, new value or None for a delete)]. It must not raise.
+        self.on_commit: Callable[[list[tuple[bytes, int | None, bytes | None]]], None] | None = None
         self._queue: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="kvtier-lmdb-writer", daemon=True)
         self._writer.start()
@@ -62,16 +65,23 @@ class SsdTier:
         return self._local.codec
 
     def _scan(self) -> dict[bytes, int]:
-        with self.env.begin() as txn:
-            return {bytes(k): len(v) for k, v in txn.cursor() if bytes(k).startswith(self.key_prefix)}
+        # buffers=True: a value's length comes from its node; its pages are never read.
+        with self.env.begin(buffers=True) as txn:
+            return {bytes(k): len(v) for k, v in _prefix_items(txn.cursor(), self.key_prefix)}
 
     # -- protocol ------------------------------------------------------------------------
     def put(self, ids: Sequence[int], blocks: Blocks) -> None:
         self.layout.check(blocks)
         check_ids(ids, num_blocks(blocks), self.name)
+        stored = [i for i in ids if i in self]
+        if stored:
+            raise ValueError(f"ssd: block ids already stored: {stored[:8]}")
         blocks = blocks.to("cpu")
         codec = self.codec()
         values = [codec.encode(self.layout, blocks, row) for row in range(len(ids))]
+        new_bytes = sum(map(len, values))
+        if self._used + new_bytes > self._capacity:
+            raise MemoryError(f"ssd tier: {new_bytes} more bytes exceed the capacity of {self._capacity}")
         self.put_values([self.key(i) for i in ids], values)
 
     def get(self, ids: Sequence[int]) -> Blocks:
@@ -108,11 +118,11 @@ class SsdTier:
         return self.key(block_id) in self.sizes
 
     def can_put(self, n: int) -> bool:
-        # Compression only shrinks fp16 values, so the uncompressed size is a safe estimate.
         return n <= self.free_blocks()
 
     def free_blocks(self) -> int:
-        return max(0, (self._capacity - self._used) // (self.block_bytes + 64))
+        # Counted at the uncompressed size: compression only shrinks, so this never over-promises.
+        return max(0, (self._capacity - self._used) // (self.block_bytes + HEADER_BYTES))
 
     @property
     def num_blocks(self) -> int:
@@ -149,6 +159,17 @@ class SsdTier:
     def get_values(self, keys: list[bytes]) -> list[bytes | None]:
         with self.env.begin(buffers=False) as txn:
             return [txn.get(k) for k in keys]
+
+    def scan_keys(self, prefix: bytes, after: bytes = b"", limit: int | None = None) -> list[bytes]:
+        """Committed keys that start with `prefix` and sort after `after`, in byte order."""
+        out: list[bytes] = []
+        with self.env.begin(buffers=True) as txn:
+            cursor = txn.cursor()
+            for key, _ in _prefix_items(cursor, prefix, after):
+                if limit is not None and len(out) >= limit:
+                    break
+                out.append(bytes(key))
+        return out
 
     def _submit(self, ops: list[tuple[bytes, bytes | None]]) -> Future:
         future: Future = Future()
@@ -187,12 +208,28 @@ class SsdTier:
             for _, future in batch:
                 future.set_exception(RuntimeError(f"ssd tier: LMDB write failed: {exc}"))
             return
+        changes = []
         with self._lock:
             for ops, _ in batch:
                 for key, value in ops:
-                    self._used -= self.sizes.pop(key, 0)
+                    old = self.sizes.pop(key, None)
+                    self._used -= old or 0
                     if value is not None:
                         self.sizes[key] = len(value)
                         self._used += len(value)
+                    changes.append((key, old, value))
+        if self.on_commit is not None:
+            self.on_commit(changes)
         for _, future in batch:
             future.set_result(None)
+
+
+def _prefix_items(cursor: lmdb.Cursor, prefix: bytes, after: bytes = b""):
+    """(key, value) pairs of `cursor` whose key starts with `prefix` and sorts after `after`."""
+    start = max(prefix, after + b"\0") if after else prefix
+    if not cursor.set_range(start):
+        return
+    for key, value in cursor:
+        if bytes(key[: len(prefix)]) != prefix:
+            return
+        yield key, value

@@ -1,0 +1,119 @@
+"""The contract every tier keeps: round-trip, delete frees, capacity enforced."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiers.codec import HEADER_BYTES
+from tiers.cpu import CpuTier
+from tiers.hot import HotTier
+from tiers.layout import BlockLayout, Int8Blocks
+from tiers.quant import dequantize, error_bound, quantize
+from tiers.ssd import SsdTier
+from tiers.warm import WarmTier
+
+LAYOUT = BlockLayout(num_kv_heads=3, block_tokens=16, head_dim=64)
+CAPACITY_BLOCKS = 6
+
+
+def make_tier(name: str, tmp_path):
+    cap = CAPACITY_BLOCKS
+    if name == "hot":
+        return HotTier(LAYOUT, cap * LAYOUT.fp16_bytes, "cpu")
+    if name == "warm":
+        return WarmTier(LAYOUT, cap * LAYOUT.int8_bytes, "cpu")
+    if name == "cpu":
+        return CpuTier(LAYOUT, cap * LAYOUT.fp16_bytes, memory_reserve=0)
+    if name == "cpu-int8":
+        return CpuTier(LAYOUT, cap * LAYOUT.int8_bytes, dtype="int8", memory_reserve=0)
+    # Uncompressed, so capacity in bytes is exactly CAPACITY_BLOCKS values.
+    return SsdTier(LAYOUT, str(tmp_path / "lmdb"), cap * (LAYOUT.fp16_bytes + HEADER_BYTES), compression="none")
+
+
+TIERS = ["hot", "warm", "cpu", "cpu-int8", "ssd"]
+LOSSY = {"warm", "cpu-int8"}
+
+
+def random_blocks(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((n, *LAYOUT.shape), generator=g) * 3
+    x[:, 0, :, :, 5] *= 20  # an outlier channel in K, as real keys have
+    return x.half()
+
+
+def as_fp16(blocks) -> torch.Tensor:
+    return dequantize(blocks) if isinstance(blocks, Int8Blocks) else blocks
+
+
+@pytest.fixture(params=TIERS)
+def tier(request, tmp_path):
+    t = make_tier(request.param, tmp_path)
+    t.lossy = request.param in LOSSY
+    yield t
+    t.close()
+
+
+def test_round_trip(tier):
+    x = random_blocks(5, seed=1)
+    ids = [7, 3, 11, 2, 40]
+    tier.put(ids, x)
+    order = [40, 7, 2]
+    got = as_fp16(tier.get(order)).float()
+    want = x[[4, 0, 3]]
+    if tier.lossy:
+        assert ((got - want.float()).abs() <= error_bound(want)).all()
+    else:
+        assert torch.equal(got.half(), want)
+    tier.check_integrity()
+
+
+def test_int8_input_is_accepted(tier):
+    x = random_blocks(2, seed=2)
+    tier.put([1, 2], quantize(x))
+    got = as_fp16(tier.get([1, 2])).float()
+    assert ((got - x.float()).abs() <= error_bound(x)).all()
+
+
+def test_delete_frees_and_capacity_is_enforced(tier):
+    x = random_blocks(CAPACITY_BLOCKS, seed=3)
+    ids = list(range(CAPACITY_BLOCKS))
+    tier.put(ids, x)
+    assert tier.num_blocks == CAPACITY_BLOCKS
+    assert not tier.can_put(1) and tier.free_blocks() == 0
+    with pytest.raises((MemoryError, ValueError)):
+        tier.put([99], random_blocks(1, seed=4))
+    assert 99 not in tier and tier.num_blocks == CAPACITY_BLOCKS
+    tier.delete(ids[:2])
+    assert tier.can_put(2) and 0 not in tier and 2 in tier
+    tier.put([99], random_blocks(1, seed=4))
+    tier.delete([99] + ids[2:])
+    assert tier.num_blocks == 0 and tier.used_bytes == 0
+    tier.check_integrity()
+
+
+def test_bad_input_changes_nothing(tier):
+    with pytest.raises(ValueError, match="float16"):
+        tier.put([1], random_blocks(1, seed=5).float())
+    with pytest.raises(ValueError, match="ids"):
+        tier.put([1, 2], random_blocks(1, seed=5))
+    with pytest.raises(KeyError):
+        tier.get([12345])
+    assert tier.num_blocks == 0
+    tier.check_integrity()
+
+
+def test_int8_memory_really_halves():
+    assert LAYOUT.int8_bytes < 0.6 * LAYOUT.fp16_bytes
+    warm = WarmTier(LAYOUT, 10 * LAYOUT.fp16_bytes, "cpu")
+    assert warm.slots.num_slots >= 17  # 10 fp16 blocks' bytes hold ~18 int8 blocks
+
+
+def test_int8_error_bound_is_tight_and_holds():
+    x = random_blocks(8, seed=6)
+    err = (dequantize(quantize(x)).float() - x.float()).abs()
+    bound = error_bound(x)
+    assert (err <= bound).all()
+    k_absmax = x[:, 0].float().abs().amax(dim=2, keepdim=True)  # per channel over tokens
+    assert (err[:, 0] <= k_absmax / 254 + x[:, 0].float().abs() * 2**-10 + 1e-7).all()
+    assert err.max() > 0.3 * (bound - x.float().abs() * 2**-10).max()  # rounding really happens
