@@ -44,3 +44,21 @@ def error_bound(blocks: torch.Tensor) -> torch.Tensor:
     bound[:, 0] = q.k_scale[:, :, None, :] / 2
     bound[:, 1] = q.v_scale[:, :, :, None] / 2
     return bound + blocks.float().abs() * 2.0**-10 + 1e-7
+
+
+def sequence_error_bound(k: torch.Tensor, v: torch.Tensor, block_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Elementwise bounds on what int8 storage may change in k, v [T, H, D], blocked as the store blocks them."""
+    t, h, d = k.shape
+    n = -(-t // block_tokens)
+    pad = n * block_tokens - t
+    kv = torch.stack([torch.cat([x, x.new_zeros(pad, h, d)]) for x in (k, v)])  # [2, n*B, H, D]
+    blocks = kv.view(2, n, block_tokens, h, d).permute(1, 0, 3, 2, 4).contiguous()  # [n, 2, H, B, D]
+    bound = error_bound(blocks).permute(1, 0, 3, 2, 4).reshape(2, -1, h, d)[:, :t]
+    return bound[0], bound[1]
+
+
+def within_bound(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor],
+                 block_tokens: int) -> bool:
+    """True if stored-and-read-back (k, v) differ from the originals by no more than int8 allows."""
+    bounds = sequence_error_bound(*want, block_tokens)
+    return all(bool(((g.float() - w.float()).abs() <= b).all()) for g, w, b in zip(got, want, bounds))

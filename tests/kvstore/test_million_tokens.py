@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvstore import Config, KVStore, ModelSpec
-from tests.kvstore.test_store import within_int8
+from tiers.quant import within_bound as within_int8
 
 TOKENS = 1 << 20
 CHUNK = 1 << 16

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvstore import CapacityError, Config, KVStore, ModelSpec
-from tiers.quant import error_bound
+from tiers.quant import within_bound as within_int8
 
 SPEC = ModelSpec(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16)
 
@@ -21,22 +21,6 @@ def small_config(tmp_path, **overrides) -> Config:
 def kv(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return (torch.randn((t, 2, 16), generator=g).half(), torch.randn((t, 2, 16), generator=g).half())
-
-
-def int8_bound(k: torch.Tensor, v: torch.Tensor, block_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Elementwise bound on what the warm tier's int8 may change in k, v [T, H, D]."""
-    t, h, d = k.shape
-    n = -(-t // block_tokens)
-    pad = n * block_tokens - t
-    kv_pad = torch.stack([torch.cat([x, x.new_zeros(pad, h, d)]) for x in (k, v)])
-    blocks = kv_pad.view(2, n, block_tokens, h, d).permute(1, 0, 3, 2, 4).contiguous()
-    bound = error_bound(blocks).permute(1, 0, 3, 2, 4).reshape(2, -1, h, d)[:, :t]
-    return bound[0], bound[1]
-
-
-def within_int8(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], block_tokens: int) -> bool:
-    bounds = int8_bound(*want, block_tokens)
-    return all(((g.float() - w.float()).abs() <= b).all() for g, w, b in zip(got, want, bounds))
 
 
 def test_blocks_cool_through_every_tier_and_read_back(tmp_path):

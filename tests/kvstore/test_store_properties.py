@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvstore import Config, KVStore, ModelSpec
-from tests.kvstore.test_store import within_int8
+from tiers.quant import within_bound as within_int8
 
 SPEC = ModelSpec(num_layers=2, num_q_heads=2, num_kv_heads=1, head_dim=8)
 BLOCK = 4

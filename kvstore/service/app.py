@@ -1,0 +1,143 @@
+"""The sidecar's FastAPI app: lifespan, auth, error mapping, health and metrics.
+
+Every error is JSON {"error": <code>, "detail": <message>}:
+    400 bad_request       malformed descriptor, name, body framing or checksum
+    401 unauthorized      missing or wrong bearer token
+    404 not_found         unknown keys (all of them are named) or route
+    413 too_large         body or value over the configured limits
+    500 integrity_error   a stored value failed its checksum (its bytes are never sent)
+    507 storage_full      the ssd budget cannot take the put; nothing was stored
+Routes of the API itself live in kvstore/service/routes.py.
+"""
+
+from __future__ import annotations
+
+import hmac
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import anyio
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvstore.service.metrics import MetricsMiddleware, ServiceMetrics
+from kvstore.service.storage import NotFound, ServiceStorage, StorageFull
+from kvstore.service.wire import WireError
+from tiers.base import IntegrityError
+
+
+@dataclass(slots=True)
+class ServiceSettings:
+    data_dir: str
+    cpu_bytes: int = 1 << 30
+    ssd_bytes: int = 64 << 30
+    token: str | None = None
+    compression: str = "none"  # "none" or "zstd" (smaller on disk, slower puts and cold reads)
+    sync: bool = True  # fsync every LMDB commit
+    max_value_bytes: int = 256 << 20  # one tensor
+    max_body_bytes: int = 1 << 30  # one request body (a batch)
+    worker_threads: int = 16  # blocking LMDB / checksum / zstd work runs on these, never on the event loop
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_bytes", "ssd_bytes", "max_value_bytes", "max_body_bytes", "worker_threads"):
+            if getattr(self, name) < (0 if name == "cpu_bytes" else 1):
+                raise ValueError(f"ServiceSettings.{name} must be positive, got {getattr(self, name)}")
+        if self.token is not None and not self.token:
+            raise ValueError("ServiceSettings.token must be a non-empty string or None")
+
+
+class TooLarge(ValueError):
+    """A body or value over the configured limits (413)."""
+
+
+_bearer = HTTPBearer(auto_error=False, description="required when the server was started with --token")
+
+
+async def require_token(request: Request, cred: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+    token = request.app.state.settings.token
+    if token is None:
+        return
+    if cred is None or not hmac.compare_digest(cred.credentials.encode(), token.encode()):
+        raise HTTPException(401, "missing or wrong bearer token (send 'Authorization: Bearer <token>')",
+                            headers={"WWW-Authenticate": "Bearer"})
+
+
+def create_app(settings: ServiceSettings) -> FastAPI:
+    from kvstore.service.routes import router  # routes import this module for TooLarge/require_token
+
+    metrics = ServiceMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        storage = ServiceStorage(settings.data_dir, settings.cpu_bytes, settings.ssd_bytes, metrics,
+                                 settings.compression, settings.sync)
+        metrics.watch_tier("cpu", lambda: storage.cache.bytes, lambda: len(storage.cache.items))
+        metrics.watch_tier("ssd", lambda: storage.ssd.used_bytes, lambda: storage.ssd.num_blocks)
+        app.state.storage = storage
+        app.state.limiter = anyio.CapacityLimiter(settings.worker_threads)
+        try:
+            yield
+        finally:
+            storage.close()
+
+    app = FastAPI(title="kvtier sidecar", version="1", lifespan=lifespan,
+                  description="Shared, durable KV-cache block store. See kvstore/service/wire.py for the "
+                              "binary formats and kvstore/service/app.py for the error codes.")
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    _add_error_handlers(app)
+    app.include_router(router)
+
+    @app.get("/healthz", tags=["ops"])
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics", tags=["ops"], dependencies=[Depends(require_token)], response_class=Response,
+             responses={200: {"content": {"text/plain": {}}}})
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _error(status: int, code: str, detail: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": code, "detail": detail}, status_code=status, headers=headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    codes = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
+             413: "too_large", 507: "storage_full"}
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, codes.get(exc.status_code, "error"), str(exc.detail), exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in exc.errors())
+        return _error(400, "bad_request", problems[:2000])
+
+    @app.exception_handler(TooLarge)
+    async def too_large(request: Request, exc: TooLarge) -> JSONResponse:
+        return _error(413, "too_large", str(exc))
+
+    @app.exception_handler(WireError)
+    async def bad_request(request: Request, exc: WireError) -> JSONResponse:
+        return _error(400, "bad_request", str(exc))
+
+    @app.exception_handler(NotFound)
+    async def not_found(request: Request, exc: NotFound) -> JSONResponse:
+        return _error(404, "not_found", exc.args[0])
+
+    @app.exception_handler(StorageFull)
+    async def storage_full(request: Request, exc: StorageFull) -> JSONResponse:
+        return _error(507, "storage_full", str(exc))
+
+    @app.exception_handler(IntegrityError)
+    async def integrity_error(request: Request, exc: IntegrityError) -> JSONResponse:
+        return _error(500, "integrity_error", str(exc))

@@ -1,0 +1,84 @@
+"""`kvtier serve`: run the sidecar under uvicorn (also `python -m kvstore.service`).
+
+Binding anything but a loopback address requires a token (--token or $KVTIER_TOKEN);
+clients then send `Authorization: Bearer <token>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import re
+import sys
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'4096', '64M', '1.5G', '2GiB' -> bytes (binary units)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"expected a byte count like 4096, 512M or 2G, got {text!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    parser.add_argument("--port", type=int, default=8470)
+    parser.add_argument("--data-dir", required=True, help="directory of the LMDB store (created if missing)")
+    parser.add_argument("--cpu-bytes", type=parse_bytes, default=parse_bytes("1G"), help="read cache budget")
+    parser.add_argument("--ssd-bytes", type=parse_bytes, default=parse_bytes("64G"), help="LMDB budget")
+    parser.add_argument("--token", default=os.environ.get("KVTIER_TOKEN") or None,
+                        help="bearer token required on every /v1 and /metrics request (default $KVTIER_TOKEN)")
+    parser.add_argument("--compression", choices=("none", "zstd"), default="none",
+                        help="zstd level 1 on stored values: less disk, slower puts and cold reads")
+    parser.add_argument("--no-sync", action="store_true",
+                        help="skip the fsync per LMDB commit: acknowledged puts survive kill -9 but not an OS crash")
+    parser.add_argument("--max-value-bytes", type=parse_bytes, default=parse_bytes("256M"))
+    parser.add_argument("--max-body-bytes", type=parse_bytes, default=parse_bytes("1G"))
+    parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+
+
+def run(args: argparse.Namespace) -> int:
+    if not is_loopback(args.host) and not args.token:
+        print(f"kvtier serve: refusing to bind {args.host!r} without a token; pass --token or set KVTIER_TOKEN "
+              "(or bind 127.0.0.1)", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from kvstore.service.app import ServiceSettings, create_app
+
+    try:
+        settings = ServiceSettings(
+            data_dir=args.data_dir, cpu_bytes=args.cpu_bytes, ssd_bytes=args.ssd_bytes, token=args.token,
+            compression=args.compression, sync=not args.no_sync, max_value_bytes=args.max_value_bytes,
+            max_body_bytes=args.max_body_bytes,
+        )
+    except ValueError as exc:
+        print(f"kvtier serve: {exc}", file=sys.stderr)
+        return 2
+    config = uvicorn.Config(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=False, lifespan="on", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvtier serve", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Prometheus metrics of one sidecar: its own registry, so two apps in one process never clash.
+
+    kvtier_tier_bytes{tier}, kvtier_tier_blocks{tier}   gauges, tier = cpu (cache) | ssd (LMDB)
+    kvtier_lookups_total{result}                        cpu_hit | ssd_hit | miss, per key
+    kvtier_bytes_in_total, kvtier_bytes_out_total       tensor payload bytes received / sent
+    kvtier_request_seconds{method, route}               latency histogram, route = path template
+    kvtier_responses_total{method, route, status}
+    kvtier_integrity_errors_total                       stored values that failed a checksum
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class ServiceMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.tier_bytes = Gauge("kvtier_tier_bytes", "Bytes stored per tier", ["tier"], registry=r)
+        self.tier_blocks = Gauge("kvtier_tier_blocks", "Values stored per tier", ["tier"], registry=r)
+        self.lookups = Counter("kvtier_lookups", "Key lookups by where they were found", ["result"], registry=r)
+        self.bytes_in = Counter("kvtier_bytes_in", "Tensor payload bytes received", registry=r)
+        self.bytes_out = Counter("kvtier_bytes_out", "Tensor payload bytes sent", registry=r)
+        self.latency = Histogram("kvtier_request_seconds", "Request latency", ["method", "route"],
+                                 buckets=_BUCKETS, registry=r)
+        self.responses = Counter("kvtier_responses", "Responses", ["method", "route", "status"], registry=r)
+        self.integrity_errors = Counter("kvtier_integrity_errors", "Stored values that failed a checksum",
+                                        registry=r)
+        for result in ("cpu_hit", "ssd_hit", "miss"):
+            self.lookups.labels(result)
+
+    def watch_tier(self, tier: str, num_bytes: Callable[[], float], num_blocks: Callable[[], float]) -> None:
+        """Gauges read at scrape time."""
+        self.tier_bytes.labels(tier).set_function(num_bytes)
+        self.tier_blocks.labels(tier).set_function(num_blocks)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    """Pure ASGI middleware: latency and status per route template (not per raw path)."""
+
+    def __init__(self, app: ASGIApp, metrics: ServiceMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start, status = time.perf_counter(), 500
+
+        async def send_with_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_status)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", "unmatched")
+            self.metrics.latency.labels(scope["method"], path).observe(time.perf_counter() - start)
+            self.metrics.responses.labels(scope["method"], path, str(status)).inc()

@@ -1,0 +1,208 @@
+"""The /v1 API: tensors addressed by (namespace, key), binary bodies, explicit descriptors.
+
+Formats are in kvstore/service/wire.py, errors in kvstore/service/app.py. Handlers only
+parse and check on the event loop; LMDB, checksums, zstd and batch assembly run on
+worker threads (`_blocking`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Callable
+
+import anyio
+from fastapi import APIRouter, Depends, Header, Path, Query, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, Field
+
+from kvstore.service.app import TooLarge, require_token
+from kvstore.service.storage import ServiceStorage
+from kvstore.service.wire import (
+    H_CHECKSUM, Descriptor, WireError, check_key, check_namespace, check_prefix, format_checksum,
+    pack_batch, parse_checksum, unpack_batch,
+)
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], tags=["blocks"])
+
+
+class ErrorBody(BaseModel):
+    error: str
+    detail: str
+
+
+class Stored(BaseModel):
+    namespace: str
+    stored: int = Field(description="values stored")
+    nbytes: int = Field(description="payload bytes stored")
+
+
+class KeysRequest(BaseModel):
+    keys: list[str] = Field(max_length=100_000)
+
+
+class KeysPage(BaseModel):
+    keys: list[str]
+    truncated: bool = Field(description="more keys follow; ask again with after=<last key>")
+
+
+class Deleted(BaseModel):
+    deleted: int
+
+
+class NamespaceStats(BaseModel):
+    namespace: str
+    blocks: int
+    bytes: int
+
+
+_BINARY = {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}
+_BINARY_BODY = {"requestBody": {"required": True, **_BINARY}}
+_ERRORS: dict = {code: {"model": ErrorBody} for code in (400, 401, 404, 413, 500, 507)}
+Namespace = Annotated[str, Path(description="1-64 characters of [A-Za-z0-9_.-]; namespaces never share keys")]
+
+
+async def _blocking(request: Request, fn: Callable, *args: object):
+    return await anyio.to_thread.run_sync(fn, *args, limiter=request.app.state.limiter)
+
+
+async def _read_body(request: Request, limit: int, expected: int | None = None) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit():
+        if int(declared) > limit:
+            raise TooLarge(f"body of {declared} bytes exceeds the limit of {limit} bytes")
+        if expected is not None and int(declared) != expected:
+            raise WireError(f"body has {declared} bytes; the descriptor needs {expected}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _storage(request: Request) -> ServiceStorage:
+    return request.app.state.storage
+
+
+@router.put("/namespaces/{namespace}/blocks/{key:path}", status_code=201, response_model=Stored,
+            responses=_ERRORS, openapi_extra=_BINARY_BODY)
+async def put_block(
+    namespace: Namespace, key: str, request: Request,
+    x_kvtier_dtype: Annotated[str, Header()], x_kvtier_shape: Annotated[str, Header()],
+    x_kvtier_layout: Annotated[str, Header()], x_kvtier_checksum: Annotated[str | None, Header()] = None,
+) -> Stored:
+    """Store one tensor (raw bytes) under (namespace, key), replacing any earlier value."""
+    check_namespace(namespace)
+    check_key(key)
+    desc = Descriptor.from_headers(x_kvtier_dtype, x_kvtier_shape, x_kvtier_layout)
+    checksum = parse_checksum(x_kvtier_checksum)
+    settings = request.app.state.settings
+    if desc.nbytes > settings.max_value_bytes:
+        raise TooLarge(f"{desc.dtype} {list(desc.shape)} is {desc.nbytes} bytes; the limit is {settings.max_value_bytes}")
+    body = await _read_body(request, min(settings.max_value_bytes, settings.max_body_bytes), desc.nbytes)
+    if len(body) != desc.nbytes:
+        raise WireError(f"body has {len(body)} bytes; {desc.dtype} {list(desc.shape)} needs {desc.nbytes}")
+    nbytes = await _blocking(request, _storage(request).put, namespace, [(key, desc, body, checksum)])
+    request.app.state.metrics.bytes_in.inc(nbytes)
+    return Stored(namespace=namespace, stored=1, nbytes=nbytes)
+
+
+@router.get("/namespaces/{namespace}/blocks/{key:path}", response_class=Response,
+            responses={200: _BINARY, **_ERRORS})
+async def get_block(namespace: Namespace, key: str, request: Request) -> Response:
+    """One tensor's raw bytes; the descriptor and checksum come back in x-kvtier-* headers."""
+    check_namespace(namespace)
+    check_key(key)
+    (value,) = await _blocking(request, _storage(request).get, namespace, [key])
+    request.app.state.metrics.bytes_out.inc(len(value.payload))
+    headers = {**value.desc.headers(), H_CHECKSUM: format_checksum(value.checksum)}
+    return Response(value.payload, media_type="application/octet-stream", headers=headers)
+
+
+@router.delete("/namespaces/{namespace}/blocks/{key:path}", response_model=Deleted, responses=_ERRORS)
+async def delete_block(namespace: Namespace, key: str, request: Request) -> Deleted:
+    check_namespace(namespace)
+    check_key(key)
+    return Deleted(deleted=await _blocking(request, _storage(request).delete, namespace, [key]))
+
+
+@router.post("/namespaces/{namespace}/batch/get", response_class=Response, responses={200: _BINARY, **_ERRORS})
+async def batch_get(namespace: Namespace, body: KeysRequest, request: Request) -> Response:
+    """Many tensors in one framed body (kvstore/service/wire.py); 404 names every missing key."""
+    check_namespace(namespace)
+    for key in body.keys:
+        check_key(key)
+    limit = request.app.state.settings.max_body_bytes
+
+    def work() -> bytes:
+        values = _storage(request).get(namespace, body.keys)
+        total = sum(len(v.payload) for v in values)
+        if total > limit:
+            raise TooLarge(f"batch of {total} bytes exceeds the limit of {limit} bytes; ask for fewer keys")
+        request.app.state.metrics.bytes_out.inc(total)
+        return b"".join(pack_batch([(k, v.desc, v.checksum) for k, v in zip(body.keys, values)],
+                                   [v.payload for v in values]))
+
+    return Response(await _blocking(request, work), media_type="application/octet-stream")
+
+
+@router.post("/namespaces/{namespace}/batch/put", status_code=201, response_model=Stored, responses=_ERRORS,
+             openapi_extra=_BINARY_BODY)
+async def batch_put(namespace: Namespace, request: Request) -> Stored:
+    """Store many tensors from one framed body (kvstore/service/wire.py), all or none."""
+    check_namespace(namespace)
+    settings = request.app.state.settings
+    view = memoryview(await _read_body(request, settings.max_body_bytes))
+
+    def work() -> tuple[int, int]:
+        items = unpack_batch(view)
+        for key, _, _, _, nbytes in items:
+            if nbytes > settings.max_value_bytes:
+                raise TooLarge(f"batch item {key!r} is {nbytes} bytes; the limit is {settings.max_value_bytes}")
+        stored = _storage(request).put(namespace, [(k, d, view[o: o + n], c) for k, d, c, o, n in items])
+        return len(items), stored
+
+    count, nbytes = await _blocking(request, work)
+    request.app.state.metrics.bytes_in.inc(nbytes)
+    return Stored(namespace=namespace, stored=count, nbytes=nbytes)
+
+
+@router.post("/namespaces/{namespace}/batch/delete", response_model=Deleted, responses=_ERRORS)
+async def batch_delete(namespace: Namespace, body: KeysRequest, request: Request) -> Deleted:
+    """Delete every key, or none (404 naming the missing ones)."""
+    check_namespace(namespace)
+    for key in body.keys:
+        check_key(key)
+    return Deleted(deleted=await _blocking(request, _storage(request).delete, namespace, body.keys))
+
+
+@router.get("/namespaces/{namespace}/keys", response_model=KeysPage, responses=_ERRORS)
+async def list_keys(
+    namespace: Namespace, request: Request, prefix: str = "", after: str = "",
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+) -> KeysPage:
+    """Keys starting with `prefix`, in byte order; page with `after` = the last key seen."""
+    check_namespace(namespace)
+    check_prefix(prefix)
+    check_prefix(after)
+    keys, truncated = await _blocking(request, _storage(request).keys, namespace, prefix, after, limit)
+    return KeysPage(keys=keys, truncated=truncated)
+
+
+@router.get("/namespaces/{namespace}/stats", response_model=NamespaceStats, responses=_ERRORS)
+async def namespace_stats(namespace: Namespace, request: Request) -> NamespaceStats:
+    check_namespace(namespace)
+    return NamespaceStats(**_storage(request).namespace_stats(namespace))
+
+
+@router.delete("/namespaces/{namespace}", response_model=Deleted, responses=_ERRORS)
+async def drop_namespace(namespace: Namespace, request: Request) -> Deleted:
+    """Delete every key of a namespace."""
+    check_namespace(namespace)
+    return Deleted(deleted=await _blocking(request, _storage(request).drop, namespace))
+
+
+@router.get("/stats", responses=_ERRORS)
+async def stats(request: Request) -> dict:
+    """Tiers (cpu cache, ssd), namespace count, integrity errors, durability mode."""
+    return _storage(request).stats()
