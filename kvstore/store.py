@@ -249,7 +249,8 @@ class KVStore:
         out = self.layout.empty_fp16(len(ids), self.device)
         position = {block_id: i for i, block_id in enumerate(ids)}
         for level, group in self._group_by_tier(ids).items():
-            blocks = self.tiers[level].get(group)
+            tier = self.tiers[level]
+            blocks = self.cpu.fetch(group, self.device) if tier is self.cpu else tier.get(group)
             blocks = blocks.to(self.device, non_blocking=True)
             if isinstance(blocks, Int8Blocks):
                 blocks = dequantize(blocks)

@@ -8,7 +8,9 @@ below the reserve (the store then spills to ssd instead of being OOM-killed).
 from __future__ import annotations
 
 import heapq
-from typing import Sequence
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator, Sequence
 
 import psutil
 import torch
@@ -18,6 +20,7 @@ from tiers.layout import BlockLayout, Blocks, Int8Blocks
 from tiers.quant import dequantize, quantize
 
 _SLAB_BYTES = 256 << 20
+_CHUNK_BYTES = 8 << 20  # gathered, verified and sent over PCIe as one piece
 
 
 class CpuTier(PooledTier):
@@ -38,6 +41,7 @@ class CpuTier(PooledTier):
         self.slabs: list[Blocks] = []
         self.checksums: dict[int, int] = {}
         self.integrity_errors = 0
+        self._executor: ThreadPoolExecutor | None = None
 
     # -- memory --------------------------------------------------------------------------
     def _slabs_needed(self, n: int) -> int:
@@ -81,17 +85,56 @@ class CpuTier(PooledTier):
             _copy_rows(blocks, positions, self.slabs[slab], rows)
 
     def get(self, ids: Sequence[int]) -> Blocks:
-        """Gathers `ids` into one (pinned) batch and verifies every block's checksum."""
-        slots = self.slots.lookup(ids)
+        """Gathers `ids` into one (pinned) batch, verifying every block's checksum."""
+        out = self._empty(len(ids))
+        for _ in self._gather_chunks(ids, out):
+            pass
+        return out
+
+    def fetch(self, ids: Sequence[int], device: torch.device | str) -> Blocks:
+        """`get` straight into `device` memory: chunks are gathered and verified on worker
+        threads while earlier chunks are already on their way over PCIe."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self.get(ids)
+        staging = self._empty(len(ids))
         empty = self.layout.empty_fp16 if self.dtype == "float16" else self.layout.empty_int8
-        out = empty(len(ids), "cpu", pin=self.pin)
-        for slab, (rows, positions) in self._by_slab(slots).items():
-            _copy_rows(self.slabs[slab], rows, out, positions)
-        for block_id, got in zip(ids, block_checksums(out)):
+        out = empty(len(ids), device)
+        for lo, hi in self._gather_chunks(ids, staging):
+            _copy_slice(staging, out, lo, hi)
+        return out
+
+    def _empty(self, n: int) -> Blocks:
+        empty = self.layout.empty_fp16 if self.dtype == "float16" else self.layout.empty_int8
+        return empty(n, "cpu", pin=self.pin)
+
+    def _gather_chunks(self, ids: Sequence[int], out: Blocks) -> Iterator[tuple[int, int]]:
+        """Fill `out` with `ids` in chunks on a thread pool; yields each verified (lo, hi) in order."""
+        slots = self.slots.lookup(ids)
+        step = max(1, _CHUNK_BYTES // self.block_bytes)
+        chunks = [(lo, min(lo + step, len(ids))) for lo in range(0, len(ids), step)]
+        if len(chunks) <= 1:
+            for lo, hi in chunks:
+                self._gather_verify(ids, slots, out, lo, hi)
+                yield lo, hi
+            return
+        futures = [self._pool().submit(self._gather_verify, ids, slots, out, lo, hi) for lo, hi in chunks]
+        for (lo, hi), future in zip(chunks, futures):
+            future.result()
+            yield lo, hi
+
+    def _gather_verify(self, ids: Sequence[int], slots: list[int], out: Blocks, lo: int, hi: int) -> None:
+        for slab, (rows, positions) in self._by_slab(slots[lo:hi]).items():
+            _copy_rows(self.slabs[slab], rows, out, positions + lo)
+        for block_id, got in zip(ids[lo:hi], block_checksums(_slice(out, lo, hi))):
             if got != self.checksums[block_id]:
                 self.integrity_errors += 1
                 raise IntegrityError(f"cpu tier: block {block_id} failed its checksum")
-        return out
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(min(16, os.cpu_count() or 1), thread_name_prefix="kvtier-cpu")
+        return self._executor
 
     def delete(self, ids: Sequence[int]) -> None:
         self.slots.release(ids)
@@ -104,6 +147,8 @@ class CpuTier(PooledTier):
             raise AssertionError("cpu tier: checksum table and slot table disagree")
 
     def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown()
         self.slabs.clear()
 
     # -- helpers -------------------------------------------------------------------------
@@ -129,3 +174,13 @@ def _copy_rows(src: Blocks, src_rows: torch.Tensor, dst: Blocks, dst_rows: torch
     pairs = zip(dst.tensors(), src.tensors()) if isinstance(src, Int8Blocks) else [(dst, src)]
     for d, s in pairs:
         d[dst_rows] = s.index_select(0, src_rows)
+
+
+def _slice(blocks: Blocks, lo: int, hi: int) -> Blocks:
+    return blocks.index(slice(lo, hi)) if isinstance(blocks, Int8Blocks) else blocks[lo:hi]
+
+
+def _copy_slice(src: Blocks, dst: Blocks, lo: int, hi: int) -> None:
+    pairs = zip(dst.tensors(), src.tensors()) if isinstance(src, Int8Blocks) else [(dst, src)]
+    for d, s in pairs:
+        d[lo:hi].copy_(s[lo:hi], non_blocking=True)

@@ -202,6 +202,12 @@ async def drop_namespace(namespace: Namespace, request: Request) -> Deleted:
     return Deleted(deleted=await _blocking(request, _storage(request).drop, namespace))
 
 
+@router.get("/namespaces", responses=_ERRORS)
+async def namespaces(request: Request) -> dict[str, NamespaceStats]:
+    """Every namespace that holds values, with its totals."""
+    return {ns: NamespaceStats(**_storage(request).namespace_stats(ns)) for ns in _storage(request).namespace_names()}
+
+
 @router.get("/stats", responses=_ERRORS)
 async def stats(request: Request) -> dict:
     """Tiers (cpu cache, ssd), namespace count, integrity errors, durability mode."""

@@ -209,6 +209,10 @@ class ServiceStorage:
         if totals[0] == 0:
             del self.namespaces[namespace]
 
+    def namespace_names(self) -> list[str]:
+        with self._lock:
+            return sorted(self.namespaces)
+
     def namespace_stats(self, namespace: str) -> dict:
         with self._lock:
             blocks, nbytes = self.namespaces.get(namespace, (0, 0))
