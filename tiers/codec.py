@@ -50,7 +50,7 @@ class Codec:
         split = self.compression == 2 and fmt == 0
         body = payload
         if self.compression:
-            planes = np.frombuffer(payload, np.uint8).reshape(-1, 2).T.tobytes() if split else payload
+            planes = _split_planes(payload) if split else payload
             body = self.compressor.compress(planes)
         header = _HEADER.pack(_MAGIC, LAYOUT_VERSION, fmt, self.compression, layout.num_kv_heads,
                               layout.block_tokens, layout.head_dim, len(payload), 0)
@@ -72,10 +72,23 @@ class Codec:
         except zstandard.ZstdError as exc:
             raise IntegrityError(f"{what}: compressed payload is damaged ({exc})") from None
         if comp == 2 and fmt == 0:
-            payload = np.frombuffer(payload, np.uint8).reshape(2, -1).T.tobytes()
+            payload = _join_planes(payload)
         if len(payload) != length or xxhash.xxh3_64_intdigest(bytes(value[: _HEADER.size - 8]) + payload) != digest:
             raise IntegrityError(f"{what}: checksum mismatch")
         return _unpack(layout, fmt, payload)
+
+
+def _split_planes(payload: bytes) -> bytes:
+    """fp16 bytes -> all low bytes, then all high bytes."""
+    words = np.frombuffer(payload, np.uint16)
+    return (words & 0xFF).astype(np.uint8).tobytes() + (words >> 8).astype(np.uint8).tobytes()
+
+
+def _join_planes(planes: bytes) -> bytes:
+    half = len(planes) // 2
+    low = np.frombuffer(planes, np.uint8, count=half).astype(np.uint16)
+    high = np.frombuffer(planes, np.uint8, offset=half).astype(np.uint16)
+    return (low | (high << 8)).tobytes()
 
 
 def _unpack(layout: BlockLayout, fmt: int, payload: bytes) -> Blocks:

@@ -110,3 +110,20 @@ class BlockLayout:
 
 def num_blocks(blocks: Blocks) -> int:
     return len(blocks) if isinstance(blocks, Int8Blocks) else blocks.shape[0]
+
+
+def concat(parts: list[Blocks]) -> Blocks:
+    """CPU batches of one format -> one batch, copied with numpy: torch's CPU copies run
+    intra-op thread pools that stall badly when other processes hold the cores."""
+    if len({isinstance(p, Int8Blocks) for p in parts}) > 1:
+        raise ValueError("fp16 and int8 blocks cannot share a batch")
+    fields = [p.tensors() if isinstance(p, Int8Blocks) else (p,) for p in parts]
+    n = sum(f[0].shape[0] for f in fields)
+    outs = [torch.empty((n, *t.shape[1:]), dtype=t.dtype) for t in fields[0]]
+    row = 0
+    for part in fields:
+        size = part[0].shape[0]
+        for out, t in zip(outs, part):
+            out.numpy()[row:row + size] = t.numpy()
+        row += size
+    return Int8Blocks(*outs) if isinstance(parts[0], Int8Blocks) else outs[0]

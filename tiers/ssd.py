@@ -15,11 +15,10 @@ from concurrent.futures import Future
 from typing import Callable, Sequence
 
 import lmdb
-import torch
 
 from tiers.base import IntegrityError, check_ids
 from tiers.codec import HEADER_BYTES, Codec
-from tiers.layout import BlockLayout, Blocks, Int8Blocks, num_blocks
+from tiers.layout import BlockLayout, Blocks, concat, num_blocks
 
 _MAX_BATCH = 256  # queued write requests folded into one transaction
 
@@ -92,13 +91,7 @@ class SsdTier:
         except IntegrityError:
             self.integrity_errors += 1
             raise
-        if not parts:
-            return self.layout.empty_fp16(0, "cpu")
-        if len({isinstance(p, Int8Blocks) for p in parts}) > 1:
-            raise ValueError("ssd.get: fp16 and int8 blocks cannot share a batch; get them separately")
-        if isinstance(parts[0], Int8Blocks):
-            return Int8Blocks(*(torch.cat(ts) for ts in zip(*(p.tensors() for p in parts))))
-        return torch.cat(parts)
+        return concat(parts) if parts else self.layout.empty_fp16(0, "cpu")
 
     def _read_checked(self, ids: Sequence[int]) -> list[bytes]:
         values = self.get_values([self.key(i) for i in ids])

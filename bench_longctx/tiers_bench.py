@@ -1,0 +1,157 @@
+"""Tier bandwidths against ceilings measured in the same run.
+
+    python -m bench_longctx.tiers_bench --out DIR [--device cuda] [--blocks 2000] [--kv-file F.pt]
+
+Per tier and per move: hot put and decode-append rate, int8 quantize/dequantize,
+cpu -> device batched fetch of scattered blocks (vs one copy call per block),
+ssd write/read and zstd ratio/speed per compression mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+from bench_longctx.timing import copy_ceiling, disk_ceiling, environment, host_to_device_ceiling, median_seconds, sync
+from kvstore.config import Config, ModelSpec
+from kvstore.store import KVStore
+from tiers.cpu import CpuTier
+from tiers.hot import HotTier
+from tiers.layout import BlockLayout
+from tiers.quant import dequantize, quantize
+from tiers.ssd import SsdTier
+
+
+def kv_blocks(layout: BlockLayout, n: int, device: torch.device, kv_file: str | None = None) -> torch.Tensor:
+    """n fp16 blocks: from a saved real KV tensor [T, H, D] pair if given, else K-like random data."""
+    if kv_file:
+        k, v = torch.load(kv_file)
+        t = (k.shape[0] // layout.block_tokens) * layout.block_tokens
+        kv = torch.stack([k[:t], v[:t]]).view(2, -1, layout.block_tokens, *k.shape[1:]).permute(1, 0, 3, 2, 4)
+        reps = -(-n // kv.shape[0])
+        return kv.repeat(reps, 1, 1, 1, 1)[:n].contiguous().to(device)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn((n, *layout.shape), generator=g)
+    x[:, 0, :, :, :8] *= 12  # K's outlier channels
+    return x.half().to(device)
+
+
+def bench_gpu_tiers(layout: BlockLayout, x: torch.Tensor, device: torch.device) -> dict:
+    n, nbytes = x.shape[0], x.numel() * 2
+    hot = HotTier(layout, n * layout.fp16_bytes, device)
+    ids = list(range(n))
+
+    def put_delete() -> None:
+        hot.put(ids, x)
+        hot.delete(ids)
+
+    q = quantize(x)
+    return {
+        "hot_put_GBps": nbytes / median_seconds(put_delete, device) / 1e9,
+        "int8_quantize_GBps_fp16_in": nbytes / median_seconds(lambda: quantize(x), device) / 1e9,
+        "int8_dequantize_GBps_fp16_out": nbytes / median_seconds(lambda: dequantize(q), device) / 1e9,
+    }
+
+
+def bench_decode_append(spec: ModelSpec, device: torch.device, steps: int = 256) -> dict:
+    """Decode-step appends (T = 1) of one layer after an 8K-token prefill: the hot path."""
+    config = Config(model=spec, device=str(device), gpu_bytes=256 << 20, cpu_bytes=256 << 20, ssd_bytes=1 << 30,
+                    host_memory_reserve=0)
+    with KVStore(config) as store:
+        seq = store.create_sequence()
+        k = torch.randn(8192 + steps, spec.num_kv_heads, spec.head_dim, device=device).half()
+        store.append(seq, 0, k[:8192], k[:8192])
+        sync(device)
+        start = time.perf_counter()
+        for t in range(8192, 8192 + steps):
+            store.append(seq, 0, k[t:t + 1], k[t:t + 1])
+        sync(device)
+        per_step = (time.perf_counter() - start) / steps
+    return {"decode_append_us_per_layer": per_step * 1e6}
+
+
+def bench_cpu_fetch(layout: BlockLayout, x: torch.Tensor, device: torch.device, num_fetch: int) -> dict:
+    """Fetch `num_fetch` scattered blocks from the cpu tier to the device in one batched call."""
+    n = x.shape[0]
+    cpu = CpuTier(layout, n * layout.fp16_bytes, memory_reserve=0)
+    cpu.put(list(range(n)), x.cpu())
+    pick = torch.randperm(n, generator=torch.Generator().manual_seed(1))[:num_fetch].tolist()
+    nbytes = num_fetch * layout.fp16_bytes
+    out = {"fetch_blocks": num_fetch, "fetch_bytes": nbytes,
+           "cpu_fetch_batched_GBps": nbytes / median_seconds(lambda: cpu.fetch(pick, device), device) / 1e9,
+           "cpu_gather_verify_only_GBps": nbytes / median_seconds(lambda: cpu.get(pick), device) / 1e9}
+    if device.type == "cuda":
+        slab, rows = cpu.slabs, [(s // cpu.slab_blocks, s % cpu.slab_blocks) for s in cpu.slots.lookup(pick)]
+        dst = layout.empty_fp16(num_fetch, device)
+
+        def per_block() -> None:  # the baseline: one copy call per block, no verification
+            for i, (sl, r) in enumerate(rows):
+                dst[i].copy_(slab[sl][r], non_blocking=True)
+
+        out["cpu_fetch_per_block_copies_GBps"] = nbytes / median_seconds(per_block, device) / 1e9
+    cpu.close()
+    return out
+
+
+def bench_ssd(layout: BlockLayout, x: torch.Tensor, directory: str) -> dict:
+    """Write (one LMDB transaction per put, fsync'd) and read back, per compression mode."""
+    x = x.cpu()
+    n, nbytes = x.shape[0], x.numel() * 2
+    results = {}
+    for mode in ("zstd-split", "zstd", "none"):
+        path = tempfile.mkdtemp(dir=directory)
+        tier = SsdTier(layout, path, 4 * nbytes + (1 << 26), compression=mode, sync=True)
+        ids = list(range(n))
+        start = time.perf_counter()
+        for lo in range(0, n, 64):
+            tier.put(ids[lo:lo + 64], x[lo:lo + 64])
+        write_s = time.perf_counter() - start
+        ratio = nbytes / tier.used_bytes
+        start = time.perf_counter()
+        got = tier.get(ids)
+        read_s = time.perf_counter() - start
+        assert torch.equal(got, x), f"ssd round trip failed for {mode}"
+        results[mode] = {"ratio": ratio, "write_GBps": nbytes / write_s / 1e9, "read_GBps": nbytes / read_s / 1e9}
+        tier.close()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--geometry", default="llama3-8b")
+    parser.add_argument("--blocks", type=int, default=4096, help="blocks resident in the tiers")
+    parser.add_argument("--fetch", type=int, default=2000, help="scattered blocks per batched fetch")
+    parser.add_argument("--ssd-blocks", type=int, default=512)
+    parser.add_argument("--kv-file", default=None, help="torch.save((k, v)) of real KV [T, H, D] for ssd ratios")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    spec = ModelSpec.preset(args.geometry, num_layers=1)
+    layout = BlockLayout.of(spec, 32)
+    os.makedirs(args.out, exist_ok=True)
+    x = kv_blocks(layout, args.blocks, device)
+    result = {"environment": environment(device), "geometry": args.geometry, "block_tokens": 32,
+              "block_bytes_fp16": layout.fp16_bytes, "ceilings": {"copy_GBps": copy_ceiling(device) / 1e9}}
+    if device.type == "cuda":
+        result["ceilings"].update(host_to_device_ceiling(device))
+    result["ceilings"].update(disk_ceiling(args.out))
+    result["gpu_tiers" if device.type == "cuda" else "hot_warm_on_cpu"] = bench_gpu_tiers(layout, x, device)
+    result.update(bench_decode_append(spec, device))
+    result["cpu_fetch"] = bench_cpu_fetch(layout, x, device, min(args.fetch, args.blocks))
+    ssd_x = kv_blocks(layout, args.ssd_blocks, torch.device("cpu"), args.kv_file)
+    result["ssd"] = bench_ssd(layout, ssd_x, args.out)
+    name = f"tiers_{'h200' if device.type == 'cuda' else 'cpu'}.json"
+    with open(os.path.join(args.out, name), "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
