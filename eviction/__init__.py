@@ -1,0 +1,32 @@
+"""Which KV blocks a decode step attends, and which ones leave first.
+
+    from eviction import POLICIES, ScoreContext
+    ctx = ScoreContext(summaries, num_tokens, block_tokens, sink_tokens, recent_tokens, q=q, h2o_scores=scores)
+    block_table = POLICIES["topk"]().select(ctx, budget_tokens)  # int64 [kv_heads, k], rows ascending
+"""
+
+from __future__ import annotations
+
+from eviction.base import Policy, ScoreContext
+from eviction.h2o import H2O, H2OAccumulator, coldest, h2o_evict
+from eviction.select import protected_mask, protected_range, select
+from eviction.topk import TopK, topk_select
+from eviction.window import Window
+
+POLICIES: dict[str, type[Policy]] = {"window": Window, "h2o": H2O, "topk": TopK}
+
+__all__ = [
+    "POLICIES",
+    "H2O",
+    "H2OAccumulator",
+    "Policy",
+    "ScoreContext",
+    "TopK",
+    "Window",
+    "coldest",
+    "h2o_evict",
+    "protected_mask",
+    "protected_range",
+    "select",
+    "topk_select",
+]

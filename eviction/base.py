@@ -37,7 +37,9 @@ class ScoreContext:
         n = cdiv(self.num_tokens, self.block_tokens)
         if not isinstance(s, torch.Tensor) or s.dim() != 4 or s.shape[0] != n or s.shape[1] != 2:
             got = f"{s.dtype} {list(s.shape)}" if isinstance(s, torch.Tensor) else type(s).__name__
-            raise ValueError(f"summaries: expected [{n}, 2, kv_heads, head_dim] for {self.num_tokens} tokens, got {got}")
+            raise ValueError(
+                f"summaries: expected [{n}, 2, kv_heads, head_dim] for {self.num_tokens} tokens, got {got}"
+            )
         if self.q is not None and (self.q.dim() != 2 or self.q.shape[1] != s.shape[3]):
             raise ValueError(f"q: expected [num_q_heads, {s.shape[3]}], got {list(self.q.shape)}")
         if self.h2o_scores is not None and tuple(self.h2o_scores.shape) != (s.shape[2], n):

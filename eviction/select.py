@@ -79,6 +79,11 @@ def num_selected(
     return min(max(protected, budget_tokens // block_tokens), cdiv(num_tokens, block_tokens))
 
 
+def all_blocks(num_kv_heads: int, num_blocks: int, device: torch.device | str) -> torch.Tensor:
+    """int64 [kv_heads, num_blocks]: every block for every head (what a budget covering everything selects)."""
+    return torch.arange(num_blocks, device=device).expand(num_kv_heads, num_blocks).contiguous()
+
+
 def top_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
     """int64 [H, k]: per row the k highest-scoring block indices, sorted ascending.
 
@@ -86,7 +91,7 @@ def top_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
     """
     num_kv_heads, num_blocks = scores.shape
     if k >= num_blocks:  # the budget covers everything: no top-k launch
-        return torch.arange(num_blocks, device=scores.device).expand(num_kv_heads, num_blocks).contiguous()
+        return all_blocks(num_kv_heads, num_blocks, scores.device)
     chosen = torch.topk(scores, k, dim=1, sorted=False).indices  # [H, k]
     return torch.sort(chosen, dim=1).values
 
@@ -107,7 +112,8 @@ def select(
     sinks and the recent window are kept whatever the scores say.
     """
     if scores.dim() != 2 or not scores.is_floating_point():
-        raise ValueError(f"scores: expected a float [kv_heads, num_blocks] tensor, got {scores.dtype} {list(scores.shape)}")
+        got = f"{scores.dtype} {list(scores.shape)}"
+        raise ValueError(f"scores: expected a float [kv_heads, num_blocks] tensor, got {got}")
     k = num_selected(
         num_tokens=num_tokens,
         block_tokens=block_tokens,
