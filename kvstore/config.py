@@ -68,7 +68,9 @@ class Config:
     sink_tokens: int = 64  # first tokens of every sequence, always hot (attention sinks)
     hot_tokens: int = 4096  # most recent tokens, kept fp16 on the GPU
     warm_tokens: int = 32768  # the next most recent, kept int8 on the GPU
-    gpu_bytes: int = 1 << 30  # hot + warm pools, shared by all sequences
+    recent_tokens: int | None = None  # window every sparse step attends besides its picks (None: min(1024, hot_tokens))
+    gpu_bytes: int = 1 << 30  # hot + warm pools + staging, shared by all sequences
+    staging_tokens: int | None = None  # GPU fp16 slots cold blocks are fetched into per decode step (None: hot_tokens)
     cpu_bytes: int = 4 << 30  # cold host tier
     cpu_dtype: str = "float16"  # "float16" (exact) or "int8" (half the bytes)
     ssd_path: str | None = None  # None: a temporary directory removed on close()
@@ -92,6 +94,14 @@ class Config:
             raise ValueError(
                 f"hot_tokens ({self.hot_tokens}) must cover at least one block ({self.block_tokens} tokens)"
             )
+        if self.recent_tokens is None:
+            self.recent_tokens = min(1024, self.hot_tokens)
+        if self.recent_tokens < 0:
+            raise ValueError(f"Config.recent_tokens must be >= 0, got {self.recent_tokens}")
+        if self.staging_tokens is None:
+            self.staging_tokens = self.hot_tokens
+        if self.staging_tokens < 0:
+            raise ValueError(f"Config.staging_tokens must be >= 0, got {self.staging_tokens}")
         if self.cpu_dtype not in ("float16", "int8"):
             raise ValueError(f"cpu_dtype must be 'float16' or 'int8', got {self.cpu_dtype!r}")
         if self.ssd_compression not in ("zstd-split", "zstd", "none"):

@@ -10,12 +10,14 @@ import torch
 
 from kvstore import decode
 from kvstore.config import Config
-from kvstore.placement import COLD, HOT, Placement
-from kvstore.table import LayerTable, Summaries
+from kvstore.placement import COLD, HOT, WARM, Placement
+from kvstore.moves import TierMoves
+from kvstore.registry import BlockRegistry
+from kvstore.table import DROPPED, LayerTable, TableTensors
 from tiers.base import Tier
 from tiers.cpu import CpuTier
 from tiers.hot import HotTier
-from tiers.layout import BlockLayout, Blocks, Int8Blocks
+from tiers.layout import BlockLayout, Int8Blocks
 from tiers.quant import dequantize
 from tiers.ssd import SsdTier
 from tiers.warm import WarmTier
@@ -27,7 +29,7 @@ class CapacityError(RuntimeError):
     """Every tier is full: the append was refused and nothing changed."""
 
 
-class KVStore:
+class KVStore(TierMoves):
     def __init__(self, config: Config) -> None:
         c = self.config = config
         self.spec = c.model
@@ -37,35 +39,35 @@ class KVStore:
         hot_bytes, warm_bytes = self._split_gpu_bytes()
         self._tempdir = None if c.ssd_path or c.remote_url else tempfile.mkdtemp(prefix="kvtier-ssd-")
         self.tiers: list[Tier] = [
-            HotTier(self.layout, hot_bytes, self.device),
+            HotTier(self.layout, hot_bytes, self.device, staging_blocks=c.staging_tokens // c.block_tokens),
             WarmTier(self.layout, warm_bytes, self.device),
             CpuTier(self.layout, c.cpu_bytes, c.cpu_dtype, pin=self.device.type == "cuda",
                     memory_reserve=c.host_memory_reserve),
             self._open_cold_tier(),
         ]
         self.hot, self.warm, self.cpu, self.cold = self.tiers
-        self.tier_of: dict[int, int] = {}  # block id -> index into self.tiers
-        self.owner: dict[int, tuple[int, int, int]] = {}  # block id -> (sequence, layer, block index)
-        self.order: list[dict[int, None]] = [{} for _ in self.tiers]  # per tier, oldest arrival first
+        self.blocks = BlockRegistry(len(self.tiers))
         self.sequences: dict[int, list[LayerTable]] = {}
-        self.summaries = Summaries(c.model.num_kv_heads, c.model.head_dim, c.block_tokens, self.device)
-        self._next_block = 0
+        self.tensors = TableTensors(c.model.num_kv_heads, c.model.head_dim, c.block_tokens, self.device)
+        self.attend_stats = decode.AttendStats()
         self._next_sequence = 0
 
     # -- construction ------------------------------------------------------------------------
     def _split_gpu_bytes(self) -> tuple[int, int]:
-        """Split gpu_bytes between the hot and warm pools in proportion to one sequence's windows."""
+        """Staging comes first; the rest is split between hot and warm in proportion to one sequence's windows."""
         c, lay, p = self.config, self.layout, self.placement
         hot_blocks = c.model.num_layers * (p.sink_blocks + -(-c.hot_tokens // c.block_tokens) + 1)
         warm_blocks = c.model.num_layers * (c.warm_tokens // c.block_tokens)
         hot_need, warm_need = hot_blocks * lay.fp16_bytes, warm_blocks * lay.int8_bytes
-        if c.gpu_bytes < hot_need:
+        pools = c.gpu_bytes - (c.staging_tokens // c.block_tokens) * lay.fp16_bytes
+        if pools < hot_need:
             raise ValueError(
                 f"gpu_bytes={c.gpu_bytes} is too small: one sequence needs {hot_need} bytes of hot blocks "
-                f"(sinks + hot window + tail for {c.model.num_layers} layers at block_tokens={c.block_tokens})"
+                f"(sinks + hot window + tail for {c.model.num_layers} layers at block_tokens={c.block_tokens}) "
+                f"besides {c.gpu_bytes - pools} bytes of staging for {c.staging_tokens} staging_tokens"
             )
-        hot_bytes = c.gpu_bytes * hot_need // (hot_need + warm_need)
-        return hot_bytes, c.gpu_bytes - hot_bytes
+        hot_bytes = pools * hot_need // (hot_need + warm_need)
+        return hot_bytes, pools - hot_bytes
 
     def _open_cold_tier(self) -> Tier:
         c = self.config
@@ -87,31 +89,41 @@ class KVStore:
         self.sequences[seq] = [LayerTable() for _ in range(self.spec.num_layers)]
         return seq
 
-    def _table(self, seq: int, layer: int) -> LayerTable:
+    def table(self, seq: int, layer: int) -> LayerTable:
         if seq not in self.sequences:
             raise KeyError(f"unknown sequence {seq!r} (never created or already freed)")
-        if not isinstance(layer, int) or not 0 <= layer < self.spec.num_layers:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.spec.num_layers:
             raise ValueError(f"layer must be an int in [0, {self.spec.num_layers}), got {layer!r}")
         return self.sequences[seq][layer]
 
     def free(self, seq: int) -> None:
         """Return every block of `seq` to its tier."""
-        self._table(seq, 0)
-        for table in self.sequences.pop(seq):
-            self._drop_blocks(table.block_ids)
+        self.table(seq, 0)
+        for table in self.sequences[seq]:
+            self._delete([i for i in table.block_ids if i != DROPPED])
+        del self.sequences[seq]
 
-    def _drop_blocks(self, ids: Sequence[int]) -> None:
-        for level, group in self._group_by_tier(ids).items():
+    def drop(self, seq: int, layer: int, indices: Sequence[int]) -> None:
+        """Free blocks for good (H2O drop mode): they are never attended or read again."""
+        table = self.table(seq, layer)
+        ids = [table.block_ids[i] for i in indices]
+        if DROPPED in ids or table.num_blocks - 1 in indices:
+            raise ValueError("drop: a block was already dropped, or is the tail block")
+        self._delete(ids)
+        for i in indices:
+            table.block_ids[i] = DROPPED
+        self.tensors.set_location(table, list(indices), [-1] * len(indices), DROPPED)
+
+    def _delete(self, ids: Sequence[int]) -> None:
+        for level, group in self.blocks.by_tier(ids).items():
             self.tiers[level].delete(group)
-            for block_id in group:
-                del self.order[level][block_id]
-        for block_id in ids:
-            del self.tier_of[block_id], self.owner[block_id]
+            self._account_cold(group, level, -1)
+        self.blocks.remove(ids)
 
     # -- append ------------------------------------------------------------------------------
     def append(self, seq: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append k, v [T, kv_heads, head_dim] (fp16, on the store's device) to one layer."""
-        table = self._table(seq, layer)
+        table = self.table(seq, layer)
         self._check_kv(k, v)
         b = self.config.block_tokens
         fill = (-table.num_tokens) % b if table.block_ids else 0  # room left in the tail block
@@ -121,9 +133,9 @@ class KVStore:
             raise CapacityError(f"no room for {num_new} more blocks in any tier (stats: {self.stats()['tiers']})")
         old_tokens = table.num_tokens
         if head:
-            tail = len(table.block_ids) - 1
+            tail = table.num_blocks - 1
             self.hot.write_tokens(table.block_ids[tail], b - fill, k[:head], v[:head])
-            self.summaries.extend_tail(table, tail, k[:head])
+            self.tensors.extend_tail(table, tail, k[:head])
             table.num_tokens += head
         if num_new:
             self._append_blocks(seq, layer, table, k[head:], v[head:])
@@ -144,102 +156,38 @@ class KVStore:
             raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
 
     def _append_blocks(self, seq: int, layer: int, table: LayerTable, k: torch.Tensor, v: torch.Tensor) -> None:
-        b, n = self.config.block_tokens, -(-k.shape[0] // self.config.block_tokens)
+        b, t = self.config.block_tokens, k.shape[0]
+        n, full = -(-t // b), t // b
         blocks = torch.zeros((n, 2, self.spec.num_kv_heads, b, self.spec.head_dim),
                              dtype=torch.float16, device=self.device)  # [n, 2, H, B, D]
         kv = torch.stack([k, v])  # [2, T, H, D]
-        full = (k.shape[0] // b) * b
-        blocks[: full // b] = kv[:, :full].reshape(2, full // b, b, *k.shape[1:]).permute(1, 0, 3, 2, 4)
-        if full < k.shape[0]:
-            blocks[-1, :, :, : k.shape[0] - full] = kv[:, full:].transpose(1, 2)
-        first = len(table.block_ids)
-        ids = list(range(self._next_block, self._next_block + n))
-        self._next_block += n
-        self.summaries.write_new(table, first, k)
+        blocks[:full] = kv[:, :full * b].reshape(2, full, b, *k.shape[1:]).permute(1, 0, 3, 2, 4)
+        if full < n:
+            blocks[-1, :, :, : t - full * b] = kv[:, full * b:].transpose(1, 2)
+        first = table.num_blocks
+        ids = self.blocks.new_ids(n, seq, layer, first)
+        self.tensors.write_new(table, first, k)
         table.block_ids.extend(ids)
-        table.num_tokens += k.shape[0]
-        for offset, block_id in enumerate(ids):
-            self.owner[block_id] = (seq, layer, first + offset)
+        table.num_tokens += t
         levels = [self.placement.level(first + i, table.num_tokens) for i in range(n)]
-        for level in (HOT, HOT + 1, COLD):
+        for level in (HOT, WARM, COLD):
             positions = [i for i, lv in enumerate(levels) if lv == level]
             if positions:
                 self._place([ids[i] for i in positions], blocks[positions], level)
 
-    # -- placement ---------------------------------------------------------------------------
-    def _place(self, ids: list[int], blocks: Blocks, level: int) -> None:
-        """Put new blocks into tier `level`; what does not fit goes one tier colder, oldest first."""
-        room = self._make_room(level, len(ids))
-        spill = len(ids) - room
-        if spill:
-            if level + 1 == len(self.tiers):
-                raise CapacityError(f"{self.tiers[level].name} tier is full")
-            self._place(ids[:spill], _rows(blocks, slice(0, spill)), level + 1)
-        if room:
-            self.tiers[level].put(ids[spill:], _rows(blocks, slice(spill, None)))
-            self._record(ids[spill:], level)
-
-    def _record(self, ids: Sequence[int], level: int) -> None:
-        for block_id in ids:
-            self.tier_of[block_id] = level
-            self.order[level][block_id] = None
-
-    def _make_room(self, level: int, n: int) -> int:
-        """Cool victims out of tier `level` until n blocks fit; returns how many fit."""
-        tier = self.tiers[level]
-        deficit = n - tier.free_blocks()
-        if deficit > 0 and level + 1 < len(self.tiers):
-            victims = self.placement.victims(self.order[level], deficit, self._is_pinned, self._is_protected)
-            for src_level, group in self._group_by_tier(victims).items():
-                self._move(group, src_level, level + 1)
-        return min(n, tier.free_blocks())
-
-    def _move(self, ids: list[int], src: int, dst: int) -> None:
-        """Move blocks one or more tiers colder; those that do not fit go colder still."""
-        blocks = self.tiers[src].get(ids)
-        self.tiers[src].delete(ids)
-        for block_id in ids:
-            del self.order[src][block_id]
-        self._place(ids, blocks, dst)
-
-    def _cool(self, table: LayerTable, old_tokens: int) -> None:
-        """Demote blocks of `table` that left the hot or warm window."""
-        crossed = self.placement.crossing(old_tokens, table.num_tokens, len(table.block_ids))
-        wanted: dict[tuple[int, int], list[int]] = {}
-        for index in crossed:
-            block_id = table.block_ids[index]
-            level = min(self.placement.level(index, table.num_tokens), COLD)
-            if self.tier_of[block_id] < level:
-                wanted.setdefault((self.tier_of[block_id], level), []).append(block_id)
-        for (src, dst), ids in wanted.items():
-            self._move(ids, src, dst)
-
-    def _is_pinned(self, block_id: int) -> bool:
-        """Tail blocks are written in place, so they never leave the hot tier."""
-        seq, layer, index = self.owner[block_id]
-        return index == len(self.sequences[seq][layer].block_ids) - 1
-
-    def _is_protected(self, block_id: int) -> bool:
-        seq, layer, index = self.owner[block_id]
-        table = self.sequences[seq][layer]
-        return self.placement.is_protected(index, len(table.block_ids), table.num_tokens)
-
-    def _group_by_tier(self, ids: Sequence[int]) -> dict[int, list[int]]:
-        groups: dict[int, list[int]] = {}
-        for block_id in ids:
-            groups.setdefault(self.tier_of[block_id], []).append(block_id)
-        return groups
-
     # -- read --------------------------------------------------------------------------------
     def read(self, seq: int, layer: int, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense K, V [end - start, kv_heads, head_dim] fp16 on the store's device."""
-        table = self._table(seq, layer)
+        table = self.table(seq, layer)
         end = table.num_tokens if end is None else end
         if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= table.num_tokens):
             raise ValueError(f"need 0 <= start <= end <= {table.num_tokens}, got start={start!r} end={end!r}")
         b = self.config.block_tokens
         first, last = start // b, -(-end // b)
-        blocks = self.gather(table.block_ids[first:last])  # [n, 2, H, B, D]
+        ids = table.block_ids[first:last]
+        if DROPPED in ids:
+            raise ValueError(f"tokens [{start}, {end}) of sequence {seq} layer {layer} include blocks H2O dropped")
+        blocks = self.gather(ids)  # [n, 2, H, B, D]
         kv = blocks.permute(1, 0, 3, 2, 4).reshape(2, -1, self.spec.num_kv_heads, self.spec.head_dim)
         kv = kv[:, start - first * b: end - first * b]
         return kv[0], kv[1]
@@ -248,7 +196,7 @@ class KVStore:
         """fp16 blocks [n, 2, H, B, D] on the store's device, from whichever tiers hold them."""
         out = self.layout.empty_fp16(len(ids), self.device)
         position = {block_id: i for i, block_id in enumerate(ids)}
-        for level, group in self._group_by_tier(ids).items():
+        for level, group in self.blocks.by_tier(ids).items():
             tier = self.tiers[level]
             blocks = self.cpu.fetch(group, self.device) if tier is self.cpu else tier.get(group)
             blocks = blocks.to(self.device, non_blocking=True)
@@ -257,9 +205,10 @@ class KVStore:
             out[torch.tensor([position[i] for i in group], device=self.device)] = blocks
         return out
 
-    def attend(self, seq: int, layer: int, q: torch.Tensor, mode: str = "dense", budget: int = 4096) -> torch.Tensor:
+    def attend(self, seq: int, layer: int, q: torch.Tensor, mode: str = "dense", budget: int = 4096,
+               measure_mass: bool = False) -> torch.Tensor:
         """Decode attention of q [num_q_heads, head_dim] over one layer of `seq` (see kvstore.decode)."""
-        return decode.attend(self, seq, layer, q, mode, budget)
+        return decode.attend(self, seq, layer, q, mode, budget, measure_mass)
 
     # -- introspection -----------------------------------------------------------------------
     def stats(self) -> dict:
@@ -270,26 +219,36 @@ class KVStore:
             "tiers": tiers,
             "sequences": {"count": len(self.sequences), "tokens": tokens},
             "integrity_errors": sum(getattr(t, "integrity_errors", 0) for t in self.tiers),
+            "attend": self.attend_stats.as_dict(),
         }
 
     def check_integrity(self) -> None:
         """Raise AssertionError if any invariant is broken."""
-        for level, tier in enumerate(self.tiers):
+        for tier in self.tiers:
             tier.check_integrity()
-            if tier.num_blocks != len(self.order[level]) or any(i not in tier for i in self.order[level]):
-                raise AssertionError(f"{tier.name}: {tier.num_blocks} blocks stored, {len(self.order[level])} recorded")
-        if sum(len(o) for o in self.order) != len(self.tier_of) or len(self.tier_of) != len(self.owner):
-            raise AssertionError("block records disagree: a block is in two tiers or in none")
-        b = self.config.block_tokens
+        self.blocks.check(self.tiers)
         for seq, tables in self.sequences.items():
             for layer, table in enumerate(tables):
-                if len(table.block_ids) != -(-table.num_tokens // b):
-                    raise AssertionError(f"seq {seq} layer {layer}: {len(table.block_ids)} blocks for {table.num_tokens} tokens")
-                for index, block_id in enumerate(table.block_ids):
-                    if self.owner.get(block_id) != (seq, layer, index):
-                        raise AssertionError(f"seq {seq} layer {layer}: block {block_id} is not owned by its table")
-                if table.block_ids and self.tier_of[table.block_ids[-1]] != 0:
-                    raise AssertionError(f"seq {seq} layer {layer}: the tail block left the hot tier")
+                self._check_table(seq, layer, table)
+
+    def _check_table(self, seq: int, layer: int, table: LayerTable) -> None:
+        where = f"seq {seq} layer {layer}"
+        if table.num_blocks != -(-table.num_tokens // self.config.block_tokens):
+            raise AssertionError(f"{where}: {table.num_blocks} blocks for {table.num_tokens} tokens")
+        live = [(i, b) for i, b in enumerate(table.block_ids) if b != DROPPED]
+        if any(self.blocks.owner.get(b) != (seq, layer, i) for i, b in live):
+            raise AssertionError(f"{where}: a block is not owned by its table")
+        levels = [self.blocks.tier_of[b] for _, b in live]
+        if table.num_cold != sum(lv >= COLD for lv in levels):
+            raise AssertionError(f"{where}: num_cold {table.num_cold} is stale")
+        if table.block_ids and levels and self.blocks.tier_of.get(table.block_ids[-1]) != HOT:
+            raise AssertionError(f"{where}: the tail block left the hot tier")
+        if table.num_blocks:
+            want = [-1] * table.num_blocks
+            for (i, _), lv in zip(live, levels):
+                want[i] = lv
+            if table.level_map[: table.num_blocks].tolist() != want:
+                raise AssertionError(f"{where}: the device level map disagrees with the registry")
 
     def close(self) -> None:
         for tier in self.tiers:
@@ -302,7 +261,3 @@ class KVStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _rows(blocks: Blocks, rows: slice) -> Blocks:
-    return blocks.index(rows) if isinstance(blocks, Int8Blocks) else blocks[rows]

@@ -1,4 +1,11 @@
-"""Per (sequence, layer) block tables and the key summaries top-K selection scans."""
+"""Per (sequence, layer) block tables and the device tensors the decode path reads.
+
+For every block of a table the store keeps, on its device:
+  summaries  fp16 [n, 2, H, D]  elementwise min (0) and max (1) of the block's keys
+  slot_map   int32 [n]          slot in the hot or warm pool (-1 when cold or dropped)
+  level_map  int8 [n]           tier level: 0 hot, 1 warm, 2 cpu, 3 ssd, -1 dropped (H2O)
+so one decode step turns a selection into a kernel block table without a host round trip.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +13,29 @@ from dataclasses import dataclass, field
 
 import torch
 
+DROPPED = -1  # block id of a block H2O drop-mode evicted for good
+
 
 @dataclass(slots=True)
 class LayerTable:
     """The blocks of one sequence in one layer, oldest first."""
 
-    block_ids: list[int] = field(default_factory=list)  # block index -> global block id
+    block_ids: list[int] = field(default_factory=list)  # block index -> global block id (or DROPPED)
     num_tokens: int = 0
-    summaries: torch.Tensor | None = None  # fp16 [capacity, 2, H, D]: min (0) and max (1) of K per block
+    summaries: torch.Tensor | None = None  # fp16 [capacity, 2, H, D]
+    slot_map: torch.Tensor | None = None  # int32 [capacity]
+    level_map: torch.Tensor | None = None  # int8 [capacity]
+    num_cold: int = 0  # blocks in the cpu or ssd tier (the decode path stages them)
+    h2o_scores: torch.Tensor | None = None  # fp32 [H, capacity]: accumulated attention mass
+    cold_hits: dict[int, int] = field(default_factory=dict)  # block index -> times fetched while cold
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
 
 
-class Summaries:
-    """Keeps `LayerTable.summaries` on the store's device, growing it by doubling."""
+class TableTensors:
+    """Grows and writes the device tensors of LayerTables (capacity doubles)."""
 
     def __init__(self, num_kv_heads: int, head_dim: int, block_tokens: int, device: torch.device) -> None:
         self.num_kv_heads = num_kv_heads
@@ -29,11 +47,20 @@ class Summaries:
         capacity = 0 if table.summaries is None else table.summaries.shape[0]
         if num_blocks <= capacity:
             return
-        grown = torch.empty((max(num_blocks, 2 * capacity, 16), 2, self.num_kv_heads, self.head_dim),
-                            dtype=torch.float16, device=self.device)
+        new = max(num_blocks, 2 * capacity, 16)
+        h, d, dev = self.num_kv_heads, self.head_dim, self.device
+        grown = (
+            torch.empty((new, 2, h, d), dtype=torch.float16, device=dev),
+            torch.full((new,), -1, dtype=torch.int32, device=dev),
+            torch.full((new,), DROPPED, dtype=torch.int8, device=dev),
+            torch.zeros((h, new), dtype=torch.float32, device=dev),
+        )
         if capacity:
-            grown[:capacity] = table.summaries
-        table.summaries = grown
+            grown[0][:capacity] = table.summaries
+            grown[1][:capacity] = table.slot_map
+            grown[2][:capacity] = table.level_map
+            grown[3][:, :capacity] = table.h2o_scores
+        table.summaries, table.slot_map, table.level_map, table.h2o_scores = grown
 
     def extend_tail(self, table: LayerTable, index: int, k: torch.Tensor) -> None:
         """Fold keys k [t, H, D] appended to block `index` into its summary."""
@@ -52,3 +79,9 @@ class Summaries:
         self.reserve(table, first + n)
         table.summaries[first:first + n, 0] = k.amin(dim=1)
         table.summaries[first:first + n, 1] = k.amax(dim=1)
+
+    def set_location(self, table: LayerTable, indices: list[int], slots: list[int], level: int) -> None:
+        """Blocks `indices` of `table` now live in tier `level` at `slots` (-1 for tiers without slots)."""
+        idx = torch.tensor(indices, dtype=torch.int64).to(self.device, non_blocking=True)
+        table.slot_map[idx] = torch.tensor(slots, dtype=torch.int32).to(self.device, non_blocking=True)
+        table.level_map[idx] = level

@@ -14,12 +14,16 @@ from tiers.quant import dequantize
 class HotTier(PooledTier):
     name = "hot"
 
-    def __init__(self, layout: BlockLayout, capacity_bytes: int, device: torch.device | str) -> None:
+    def __init__(self, layout: BlockLayout, capacity_bytes: int, device: torch.device | str,
+                 staging_blocks: int = 0) -> None:
         self.layout = layout
         self.block_bytes = layout.fp16_bytes
         self.device = torch.device(device)
-        self.pool = layout.empty_fp16(capacity_bytes // self.block_bytes, self.device)  # [S, 2, H, B, D]
-        self.slots = SlotPool(self.name, self.pool.shape[0])
+        num_slots = capacity_bytes // self.block_bytes
+        # Rows past num_slots are staging: cold blocks fetched for one decode step, not stored here.
+        self.pool = layout.empty_fp16(num_slots + staging_blocks, self.device)  # [S + staging, 2, H, B, D]
+        self.slots = SlotPool(self.name, num_slots)
+        self.staging_blocks = staging_blocks
 
     def put(self, ids: Sequence[int], blocks: Blocks) -> None:
         self.layout.check(blocks)
@@ -35,6 +39,15 @@ class HotTier(PooledTier):
         end = start + k.shape[0]
         self.pool[slot, 0, :, start:end] = k.transpose(0, 1)
         self.pool[slot, 1, :, start:end] = v.transpose(0, 1)
+
+    def stage(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Copy fp16 blocks [n, 2, H, B, D] into the staging rows; returns their slots (int32)."""
+        n = blocks.shape[0]
+        if n > self.staging_blocks:
+            raise ValueError(f"hot tier: {n} blocks to stage, {self.staging_blocks} staging slots")
+        first = self.slots.num_slots
+        self.pool[first:first + n] = blocks
+        return torch.arange(first, first + n, dtype=torch.int32, device=self.device)
 
     def get(self, ids: Sequence[int]) -> torch.Tensor:
         return self.pool[self.slot_tensor(ids)]

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 from kvstore.service.app import TooLarge, require_token
 from kvstore.service.storage import ServiceStorage
 from kvstore.service.wire import (
-    H_CHECKSUM, Descriptor, WireError, check_key, check_namespace, check_prefix, format_checksum,
+    DTYPES, H_CHECKSUM, LAYOUT_VERSION, Descriptor, WireError, check_key, check_namespace, check_prefix, format_checksum,
     pack_batch, parse_checksum, unpack_batch,
 )
 
@@ -57,7 +57,16 @@ class NamespaceStats(BaseModel):
 _BINARY = {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}
 _BINARY_BODY = {"requestBody": {"required": True, **_BINARY}}
 _ERRORS: dict = {code: {"model": ErrorBody} for code in (400, 401, 404, 413, 500, 507)}
-Namespace = Annotated[str, Path(description="1-64 characters of [A-Za-z0-9_.-]; namespaces never share keys")]
+# Patterns and enums below only document the API (and steer schemathesis); the wire.check_* functions
+# enforce them with messages that name the problem.
+Namespace = Annotated[str, Path(description="namespaces never share keys",
+                                json_schema_extra={"pattern": "^[A-Za-z0-9_.-]{1,64}$"})]
+Key = Annotated[str, Path(description="'/'-separated segments of [A-Za-z0-9_.~:@+=-], at most 400 bytes",
+                          json_schema_extra={"pattern": "^[A-Za-z0-9_~:@+=-]+(/[A-Za-z0-9_~:@+=-]+)*$"})]
+Dtype = Annotated[str, Header(json_schema_extra={"enum": list(DTYPES)})]
+Shape = Annotated[str, Header(description="comma separated dims; empty for a 0-d tensor",
+                              json_schema_extra={"pattern": "^([0-9]{1,4}(,[0-9]{1,4}){0,3})?$"})]
+Layout = Annotated[str, Header(json_schema_extra={"enum": [str(LAYOUT_VERSION)]})]
 
 
 async def _blocking(request: Request, fn: Callable, *args: object):
@@ -87,9 +96,9 @@ def _storage(request: Request) -> ServiceStorage:
 @router.put("/namespaces/{namespace}/blocks/{key:path}", status_code=201, response_model=Stored,
             responses=_ERRORS, openapi_extra=_BINARY_BODY)
 async def put_block(
-    namespace: Namespace, key: str, request: Request,
-    x_kvtier_dtype: Annotated[str, Header()], x_kvtier_shape: Annotated[str, Header()],
-    x_kvtier_layout: Annotated[str, Header()], x_kvtier_checksum: Annotated[str | None, Header()] = None,
+    namespace: Namespace, key: Key, request: Request,
+    x_kvtier_dtype: Dtype, x_kvtier_shape: Shape, x_kvtier_layout: Layout,
+    x_kvtier_checksum: Annotated[str | None, Header(description="xxh3-64 of the body, 16 hex digits")] = None,
 ) -> Stored:
     """Store one tensor (raw bytes) under (namespace, key), replacing any earlier value."""
     check_namespace(namespace)
@@ -109,7 +118,7 @@ async def put_block(
 
 @router.get("/namespaces/{namespace}/blocks/{key:path}", response_class=Response,
             responses={200: _BINARY, **_ERRORS})
-async def get_block(namespace: Namespace, key: str, request: Request) -> Response:
+async def get_block(namespace: Namespace, key: Key, request: Request) -> Response:
     """One tensor's raw bytes; the descriptor and checksum come back in x-kvtier-* headers."""
     check_namespace(namespace)
     check_key(key)
@@ -120,7 +129,7 @@ async def get_block(namespace: Namespace, key: str, request: Request) -> Respons
 
 
 @router.delete("/namespaces/{namespace}/blocks/{key:path}", response_model=Deleted, responses=_ERRORS)
-async def delete_block(namespace: Namespace, key: str, request: Request) -> Deleted:
+async def delete_block(namespace: Namespace, key: Key, request: Request) -> Deleted:
     check_namespace(namespace)
     check_key(key)
     return Deleted(deleted=await _blocking(request, _storage(request).delete, namespace, [key]))

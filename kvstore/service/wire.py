@@ -136,13 +136,11 @@ def pack_batch(items: list[tuple[str, Descriptor, int | None]], payloads: list) 
         start = _aligned(_LENGTH.size + len(index))
     chunks: list = [_LENGTH.pack(len(index)), index, bytes(start - _LENGTH.size - len(index))]
     position = start
-    for payload in payloads:
+    for payload, rel in zip(payloads, relative):
+        if start + rel > position:
+            chunks.append(bytes(start + rel - position))  # zero padding up to the aligned offset
         chunks.append(payload)
-        position += len(payload)
-        pad = _aligned(position) - position
-        if pad:
-            chunks.append(bytes(pad))
-            position += pad
+        position = start + rel + len(payload)
     return chunks
 
 

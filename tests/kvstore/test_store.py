@@ -13,7 +13,7 @@ SPEC = ModelSpec(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16)
 
 def small_config(tmp_path, **overrides) -> Config:
     base = dict(model=SPEC, block_tokens=8, sink_tokens=8, hot_tokens=32, warm_tokens=64,
-                gpu_bytes=48 << 10, cpu_bytes=24 << 10, ssd_path=str(tmp_path / "ssd"),
+                gpu_bytes=48 << 10, cpu_bytes=24 << 10, ssd_path=str(tmp_path / "ssd"), staging_tokens=16,
                 ssd_bytes=64 << 20, device="cpu", host_memory_reserve=0)
     return Config(**{**base, **overrides})
 

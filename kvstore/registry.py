@@ -1,0 +1,56 @@
+"""Where every block is: its tier, its owner, and each tier's arrival order."""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+
+class BlockRegistry:
+    """Global block ids -> (tier level, owner). Plain dicts: the store touches it per block move,
+    never per token, and the decode path reads the per-table device maps instead."""
+
+    def __init__(self, num_tiers: int) -> None:
+        self.tier_of: dict[int, int] = {}  # block id -> index into KVStore.tiers
+        self.owner: dict[int, tuple[int, int, int]] = {}  # block id -> (sequence, layer, block index)
+        self.order: list[dict[int, None]] = [{} for _ in range(num_tiers)]  # per tier, oldest arrival first
+        self._next = 0
+
+    def new_ids(self, n: int, seq: int, layer: int, first_index: int) -> list[int]:
+        ids = list(range(self._next, self._next + n))
+        self._next += n
+        for offset, block_id in enumerate(ids):
+            self.owner[block_id] = (seq, layer, first_index + offset)
+        return ids
+
+    def record(self, ids: Sequence[int], level: int) -> None:
+        """`ids` now live in tier `level`."""
+        for block_id in ids:
+            self.tier_of[block_id] = level
+            self.order[level][block_id] = None
+
+    def forget(self, ids: Sequence[int]) -> None:
+        """`ids` left their tier (about to be recorded elsewhere, or removed)."""
+        for block_id in ids:
+            del self.order[self.tier_of.pop(block_id)][block_id]
+
+    def remove(self, ids: Sequence[int]) -> None:
+        self.forget(ids)
+        for block_id in ids:
+            del self.owner[block_id]
+
+    def by_tier(self, ids: Sequence[int]) -> dict[int, list[int]]:
+        groups: dict[int, list[int]] = {}
+        for block_id in ids:
+            groups.setdefault(self.tier_of[block_id], []).append(block_id)
+        return groups
+
+    def oldest(self, level: int) -> Iterator[int]:
+        return iter(self.order[level])
+
+    def check(self, tiers: Sequence) -> None:
+        for level, tier in enumerate(tiers):
+            recorded = self.order[level]
+            if tier.num_blocks != len(recorded) or any(i not in tier for i in recorded):
+                raise AssertionError(f"{tier.name}: {tier.num_blocks} blocks stored, {len(recorded)} recorded")
+        if sum(len(o) for o in self.order) != len(self.tier_of) or len(self.tier_of) != len(self.owner):
+            raise AssertionError("block records disagree: a block is in two tiers or in none")
