@@ -129,8 +129,8 @@ class KVStore(TierMoves):
         fill = (-table.num_tokens) % b if table.block_ids else 0  # room left in the tail block
         head = min(fill, k.shape[0])
         num_new = -(-(k.shape[0] - head) // b)
-        if num_new and num_new > sum(t.free_blocks() for t in self.tiers):
-            raise CapacityError(f"no room for {num_new} more blocks in any tier (stats: {self.stats()['tiers']})")
+        if num_new:
+            self._check_room(num_new)
         old_tokens = table.num_tokens
         if head:
             tail = table.num_blocks - 1
@@ -140,6 +140,16 @@ class KVStore(TierMoves):
         if num_new:
             self._append_blocks(seq, layer, table, k[head:], v[head:])
         self._cool(table, old_tokens)
+
+    def _check_room(self, num_new: int) -> None:
+        """Refuse, before changing anything, an append the tiers cannot hold."""
+        if num_new > sum(t.free_blocks() for t in self.tiers):
+            raise CapacityError(f"no room for {num_new} more blocks in any tier (stats: {self.stats()['tiers']})")
+        if not self.hot.free_blocks() and all(self._is_pinned(b) for b in self.blocks.oldest(HOT)):
+            raise CapacityError(
+                f"the hot pool's {self.hot.slots.num_slots} slots all hold tail blocks of live sequences; "
+                "free a sequence or give the store more gpu_bytes"
+            )
 
     def _check_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         h, d = self.spec.num_kv_heads, self.spec.head_dim
