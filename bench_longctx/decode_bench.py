@@ -1,0 +1,130 @@
+"""Decode-step attention on one H200 layer against torch SDPA, measured in one run.
+
+    python -m bench_longctx.decode_bench --out DIR [--contexts 131072,1048576] [--block-tokens 32,64]
+
+One layer of Llama-3.1-8B's geometry (32 q / 8 kv heads, head_dim 128). Per context:
+SDPA (enable_gqa) on contiguous fp16 K/V (the baseline); kvtier's paged kernel over an
+all-fp16 and an all-int8 store (kernel alone, and store.attend end to end); a top-K step
+with budget 4096 (store.attend eager, and GraphedTopK: select + attend + H2O in one graph);
+and a planted needle that top-K must find. Achieved GB/s against the copy ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+from bench_longctx.timing import copy_ceiling, environment
+from engine_adapter.paged_attention import paged_decode
+from eviction.topk import topk_select
+from kvstore.config import Config, ModelSpec
+from kvstore.graph_step import GraphedTopK
+from kvstore.store import KVStore
+
+SPEC = ModelSpec.preset("llama3-8b", num_layers=1)
+BUDGET = 4096
+CHUNK = 1 << 16
+
+
+def ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def build_store(ctx: int, block_tokens: int, int8: bool, needle: tuple[int, torch.Tensor] | None) -> tuple[KVStore, int]:
+    """A one-layer store holding ctx random tokens, all fp16 (hot) or all int8 (warm) but the window."""
+    token_bytes = 2 * SPEC.num_kv_heads * SPEC.head_dim * 2
+    hot = 1024 if int8 else ctx + 2 * block_tokens
+    gpu = int((hot + 2 * block_tokens + 64 + (ctx * 0.56 if int8 else 0)) * token_bytes) + (8 << 20) + (4096 * token_bytes)
+    store = KVStore(Config(model=SPEC, block_tokens=block_tokens, sink_tokens=64, hot_tokens=hot,
+                           warm_tokens=ctx if int8 else 0, recent_tokens=1024, gpu_bytes=gpu, staging_tokens=4096,
+                           cpu_bytes=1 << 30, ssd_bytes=1 << 30, device="cuda", host_memory_reserve=0))
+    seq = store.create_sequence()
+    g = torch.Generator(device="cuda").manual_seed(ctx + block_tokens)
+    for start in range(0, ctx, CHUNK):
+        k = torch.randn((CHUNK, SPEC.num_kv_heads, SPEC.head_dim), device="cuda", generator=g)
+        k[..., :8] *= 6  # outlier channels, as real keys have
+        v = torch.randn((CHUNK, SPEC.num_kv_heads, SPEC.head_dim), device="cuda", generator=g)
+        if needle and start <= needle[0] < start + CHUNK:
+            k[needle[0] - start] = needle[1]
+            v[needle[0] - start] = 4.0
+        store.append(seq, 0, k.half(), v.half())
+    assert store.table(seq, 0).num_cold == 0
+    return store, seq
+
+
+def kernel_only(store: KVStore, seq: int, q: torch.Tensor) -> float:
+    t = store.table(seq, 0)
+    n = t.num_blocks
+    slots = t.slot_map[:n].expand(SPEC.num_kv_heads, n)[None]
+    is_int8 = (t.level_map[:n] == 1).expand(SPEC.num_kv_heads, n)[None]
+    num = torch.tensor([t.num_tokens], dtype=torch.int32, device="cuda")
+    w = store.warm.pool
+    return ms(lambda: paged_decode(q[None], store.hot.pool, w.data, w.k_scale, w.v_scale, slots, is_int8, num))
+
+
+def run_context(ctx: int, block_tokens: int, ceiling: float) -> dict:
+    kv_bytes = ctx * SPEC.num_kv_heads * SPEC.head_dim * 2 * 2
+    q = torch.randn((SPEC.num_q_heads, SPEC.head_dim), device="cuda").half()
+    row = {"context": ctx, "block_tokens": block_tokens, "kv_bytes_fp16": kv_bytes}
+    k = torch.randn((1, SPEC.num_kv_heads, ctx, SPEC.head_dim), device="cuda").half()
+    v = torch.randn_like(k)
+    row["sdpa_ms"] = ms(lambda: F.scaled_dot_product_attention(q[None, :, None], k, v, enable_gqa=True))
+    del k, v
+    needle_pos = ctx * 5 // 7 + 3
+    needle_key = (q.float().view(SPEC.num_kv_heads, -1, SPEC.head_dim).mean(1) * 3).half()  # [H, D]: aligned with its group
+    store, seq = build_store(ctx, block_tokens, int8=False, needle=(needle_pos, needle_key))
+    row["fp16_kernel_ms"] = kernel_only(store, seq, q)
+    row["fp16_attend_dense_ms"] = ms(lambda: store.attend(seq, 0, q, mode="dense"))
+    row["topk_attend_eager_ms"] = ms(lambda: store.attend(seq, 0, q, mode="topk", budget=BUDGET))
+    graphed = GraphedTopK(store, seq, 0, BUDGET)
+    row["topk_graphed_ms"] = ms(lambda: graphed(q))
+    t = store.table(seq, 0)
+    chosen = topk_select(q, t.summaries[: t.num_blocks], num_tokens=t.num_tokens, block_tokens=block_tokens,
+                         budget_tokens=BUDGET, sink_tokens=64, recent_tokens=1024)
+    row["needle_found_heads"] = int((chosen == needle_pos // block_tokens).any(dim=1).sum())
+    dense_out, topk_out = store.attend(seq, 0, q, mode="dense"), graphed(q).clone()
+    row["topk_vs_dense_max_abs_err"] = float((dense_out.float() - topk_out.float()).abs().max())
+    store.close()
+    del store, graphed
+    store, seq = build_store(ctx, block_tokens, int8=True, needle=None)
+    row["int8_kernel_ms"] = kernel_only(store, seq, q)
+    row["int8_attend_dense_ms"] = ms(lambda: store.attend(seq, 0, q, mode="dense"))
+    store.close()
+    for name in ("fp16_kernel", "int8_kernel", "topk_graphed", "topk_attend_eager", "fp16_attend_dense"):
+        row[f"{name}_speedup_vs_sdpa"] = row["sdpa_ms"] / row[f"{name}_ms"]
+    row["sdpa_GBps"] = kv_bytes / row["sdpa_ms"] / 1e6
+    row["fp16_kernel_GBps"] = kv_bytes / row["fp16_kernel_ms"] / 1e6
+    row["fp16_kernel_fraction_of_copy_ceiling"] = row["fp16_kernel_GBps"] / ceiling
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--contexts", default="131072,1048576")
+    parser.add_argument("--block-tokens", default="32,64")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    ceiling = copy_ceiling(device) / 1e9
+    rows = [run_context(int(c), int(b), ceiling) for b in args.block_tokens.split(",") for c in args.contexts.split(",")]
+    result = {"environment": environment(device), "copy_ceiling_GBps": ceiling, "budget": BUDGET, "rows": rows}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "decode_h200.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    keys = ["context", "block_tokens", "sdpa_ms", "fp16_kernel_ms", "int8_kernel_ms", "topk_graphed_ms",
+            "topk_attend_eager_ms", "fp16_kernel_speedup_vs_sdpa", "int8_kernel_speedup_vs_sdpa",
+            "topk_graphed_speedup_vs_sdpa", "needle_found_heads"]
+    print(" | ".join(keys))
+    for row in rows:
+        print(" | ".join(f"{row[k]:.4g}" if isinstance(row[k], float) else str(row[k]) for k in keys))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,227 @@
+"""Paged decode attention at 128K and 1M tokens on one GPU, against torch SDPA and the copy ceiling.
+
+    python -m bench_longctx.kernel_bench --out DIR [--quick]
+
+One layer of Llama-3-8B attention (32 q / 8 kv heads, head_dim 128), batch 1, block sizes
+32 and 64. Per context and block size: torch SDPA (enable_gqa) over contiguous fp16 K/V, and
+paged_decode over
+    fp16           every block fp16, only the hot pool (the kernel's pure fp16 build)
+    fp16+warm      the same table with a warm pool present (per-split dispatch picks fp16)
+    int8           every block int8, only the warm pool
+    int8+hot       the same with a hot pool present (dispatch picks int8)
+    mixed          blocks alternate fp16/int8 (the loop that loads from both pools)
+    fp16+mass      fp16 with return_block_mass=True (the H2O scores)
+The table is a random permutation of the blocks, one row expanded over the kv heads (dense
+mode). Times are medians of triton.testing.do_bench, which flushes L2 before every run;
+GB/s counts the bytes the kernel must read (K, V, scales). Unless --quick, at 1M tokens it
+first sweeps tile and split configs for fp16 and int8 per block size and then uses the
+fastest for every case of that pool and block size. Ends with a correctness check against
+paged_decode_ref at 8K tokens (mixed blocks, GQA 4, block mass). Needs < 16 GB of GPU memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+from bench_longctx.timing import environment
+from engine_adapter.paged_attention import paged_decode
+from engine_adapter.paged_attention_plan import DecodeGeometry, decode_config
+from engine_adapter.paged_attention_ref import paged_decode_ref
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
+CONTEXTS = (131072, 1048576)
+BLOCK_SIZES = (32, 64)
+TARGETS = {"fp16": 0.92, "int8": 1.7}  # speed relative to SDPA the kernel aims for at 1M tokens
+SWEEP_TOKENS_PER_ITER, SWEEP_WARPS, SWEEP_STAGES, SWEEP_SPLIT_FACTORS = (64, 128), (4, 8), (2, 3), (0.5, 1, 2)
+
+
+def median_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def copy_ceiling_GBps(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Bytes read + written per second by one large device-to-device copy."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    return 2 * nbytes / median_ms(lambda: dst.copy_(src)) / 1e6
+
+
+def make_pools(num_tokens: int, block_tokens: int, device: torch.device) -> dict:
+    """Full hot and warm pools holding every block, small spare pools, and a permuted dense table."""
+    n = num_tokens // block_tokens
+    shape = (n, 2, NUM_KV_HEADS, block_tokens, HEAD_DIM)
+    hot = torch.randn(shape, dtype=torch.float16, device=device)
+    warm = torch.randint(-127, 128, shape, dtype=torch.int8, device=device)
+    k_scale = torch.rand((n, NUM_KV_HEADS, HEAD_DIM), device=device) * 0.02 + 0.005
+    v_scale = torch.rand((n, NUM_KV_HEADS, block_tokens), device=device) * 0.02 + 0.005
+    table = torch.randperm(n, device=device).int()[None, None].expand(1, NUM_KV_HEADS, n)
+    alternate = (torch.arange(n, device=device) % 2 == 1)[None, None].expand(1, NUM_KV_HEADS, n)
+    return dict(hot=hot, warm=warm, k_scale=k_scale, v_scale=v_scale, table=table, alternate=alternate,
+                n=n, block_tokens=block_tokens)
+
+
+def case_args(pools: dict, case: str, q: torch.Tensor) -> tuple:
+    """paged_decode's positional arguments for one case."""
+    p, n = pools, pools["n"]
+    all_int8 = torch.ones_like(p["alternate"])
+    small_hot, small_warm = p["hot"][:16], (p["warm"][:16], p["k_scale"][:16], p["v_scale"][:16])
+    empty_hot, empty_warm = p["hot"][:0], (p["warm"][:0], p["k_scale"][:0], p["v_scale"][:0])
+    full_warm = (p["warm"], p["k_scale"], p["v_scale"])
+    pools_and_flags = {
+        "fp16": (p["hot"], empty_warm, ~all_int8), "fp16+warm": (p["hot"], small_warm, ~all_int8),
+        "fp16+mass": (p["hot"], empty_warm, ~all_int8), "int8": (empty_hot, full_warm, all_int8),
+        "int8+hot": (small_hot, full_warm, all_int8), "mixed": (p["hot"], full_warm, p["alternate"]),
+    }[case]
+    hot, warm, flags = pools_and_flags
+    num_tokens = torch.tensor([n * p["block_tokens"]], dtype=torch.int32, device=q.device)
+    return (q, hot, *warm, p["table"], flags, num_tokens)
+
+
+def bytes_read(case: str, num_tokens: int, block_tokens: int) -> int:
+    fp16 = 2 * num_tokens * NUM_KV_HEADS * HEAD_DIM * 2
+    int8 = fp16 // 2 + (num_tokens // block_tokens) * NUM_KV_HEADS * (HEAD_DIM + block_tokens) * 4
+    return {"int8": int8, "int8+hot": int8, "mixed": (fp16 + int8) // 2}.get(case, fp16)
+
+
+def pool_kind(case: str) -> str:
+    return "int8" if case.startswith("int8") else "fp16"
+
+
+def sweep(pools: dict, q: torch.Tensor, case: str, deadline: float) -> tuple[dict, list[dict]]:
+    """Time paged_decode over a grid of configs; returns the fastest config and every row."""
+    args = case_args(pools, case, q)
+    geom = DecodeGeometry(1, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, pools["block_tokens"], pools["n"])
+    rows = []
+    grid = itertools.product(SWEEP_TOKENS_PER_ITER, SWEEP_WARPS, SWEEP_STAGES, SWEEP_SPLIT_FACTORS)
+    for tokens, warps, stages, factor in grid:
+        if time.time() > deadline:
+            break
+        bpi = max(1, tokens // pools["block_tokens"])
+        auto = decode_config(geom, q.device, blocks_per_iter=bpi).num_splits
+        config = dict(blocks_per_iter=bpi, num_warps=warps, num_stages=stages, num_splits=max(1, int(auto * factor)))
+        ms = median_ms(lambda: paged_decode(*args, **config))
+        rows.append({"case": case, "block_tokens": pools["block_tokens"], **config, "ms": ms})
+    if not rows:  # out of time before the first config
+        return {}, rows
+    best = min(rows, key=lambda r: r["ms"])
+    return {k: best[k] for k in ("blocks_per_iter", "num_warps", "num_stages", "num_splits")}, rows
+
+
+def run_context(num_tokens: int, block_tokens: int, q: torch.Tensor, sdpa_ms: float, ceiling: float,
+                best: dict) -> list[dict]:
+    """Every paged case at one context and block size, default config and (if swept) the best one."""
+    pools = make_pools(num_tokens, block_tokens, q.device)
+    rows = []
+    for case in ("fp16", "fp16+warm", "int8", "int8+hot", "mixed", "fp16+mass"):
+        args = case_args(pools, case, q)
+        configs = {"default": {}}
+        if (pool_kind(case), block_tokens) in best:
+            configs["best"] = best[(pool_kind(case), block_tokens)]
+        for label, config in configs.items():
+            ms = median_ms(lambda: paged_decode(*args, return_block_mass=case == "fp16+mass", **config))
+            gbps = bytes_read(case, num_tokens, block_tokens) / ms / 1e6
+            rows.append({"tokens": num_tokens, "block_tokens": block_tokens, "case": case, "config": label,
+                         **config, "ms": ms, "GBps": gbps, "of_ceiling": gbps / ceiling,
+                         "speed_vs_sdpa": sdpa_ms / ms})
+    del pools
+    torch.cuda.empty_cache()
+    return rows
+
+
+def sdpa_ms(num_tokens: int, q: torch.Tensor) -> float:
+    k = torch.randn((1, NUM_KV_HEADS, num_tokens, HEAD_DIM), dtype=torch.float16, device=q.device)
+    v = torch.randn_like(k)
+    q4 = q[:, :, None, :]  # [1, Hq, 1, D]
+    ms = median_ms(lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True))
+    del k, v
+    torch.cuda.empty_cache()
+    return ms
+
+
+def check_correctness(device: torch.device, configs: list[dict]) -> dict:
+    """paged_decode vs paged_decode_ref: 2 rows (8205 and 5000 tokens), mixed blocks, per-head tables."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    block_tokens, max_blocks, n_slots = 32, 300, 700
+    hot = torch.randn((n_slots, 2, NUM_KV_HEADS, block_tokens, HEAD_DIM), generator=gen, device=device).half()
+    warm = torch.randint(-127, 128, hot.shape, generator=gen, device=device, dtype=torch.int8)
+    k_scale = torch.rand((n_slots, NUM_KV_HEADS, HEAD_DIM), generator=gen, device=device) * 0.02 + 0.005
+    v_scale = torch.rand((n_slots, NUM_KV_HEADS, block_tokens), generator=gen, device=device) * 0.02 + 0.005
+    table = torch.randint(0, n_slots, (2, NUM_KV_HEADS, max_blocks), generator=gen, device=device).int()
+    is_int8 = torch.rand(table.shape, generator=gen, device=device) < 0.5
+    q = torch.randn((2, NUM_Q_HEADS, HEAD_DIM), generator=gen, device=device).half()
+    num_tokens = torch.tensor([8205, 5000], dtype=torch.int32, device=device)
+    args = (q, hot, warm, k_scale, v_scale, table, is_int8, num_tokens)
+    ref_out, ref_mass = paged_decode_ref(*args, return_block_mass=True)
+    result = {}
+    for config in [{}] + configs:
+        out, mass = paged_decode(*args, return_block_mass=True, **config)
+        err_out = (out.float() - ref_out.float()).abs().max().item()
+        err_mass = (mass - ref_mass).abs().max().item()
+        key = ",".join(f"{k}={v}" for k, v in config.items()) or "default"
+        result[key] = {"max_abs_err_out": err_out, "max_abs_err_mass": err_mass,
+                       "ok": err_out < 5e-3 and err_mass < 1e-3}
+    return result
+
+
+def print_rows(rows: list[dict]) -> None:
+    print(f"{'tokens':>8} {'bt':>3} {'case':<10} {'config':<8} {'ms':>8} {'GB/s':>7} {'ceil':>5} {'vs sdpa':>7}")
+    for r in rows:
+        print(f"{r['tokens']:>8} {r['block_tokens']:>3} {r['case']:<10} {r['config']:<8} {r['ms']:>8.4f} "
+              f"{r['GBps']:>7.0f} {r['of_ceiling']:>5.2f} {r['speed_vs_sdpa']:>6.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="directory for kernel_bench.json")
+    parser.add_argument("--quick", action="store_true", help="default configs only, no sweep")
+    parser.add_argument("--sweep-seconds", type=float, default=75.0, help="time budget of the config sweep")
+    opts = parser.parse_args()
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    ceiling = copy_ceiling_GBps(device)
+    q = torch.randn((1, NUM_Q_HEADS, HEAD_DIM), dtype=torch.float16, device=device)
+    sdpa = {n: sdpa_ms(n, q) for n in CONTEXTS}
+    best, sweep_rows = {}, []
+    deadline = time.time() + opts.sweep_seconds
+    if not opts.quick:
+        for block_tokens in BLOCK_SIZES:
+            pools = make_pools(CONTEXTS[-1], block_tokens, device)
+            for case in ("fp16", "int8"):
+                config, rows = sweep(pools, q, case, deadline)
+                sweep_rows += rows
+                if config:
+                    best[(case, block_tokens)] = config
+            del pools
+            torch.cuda.empty_cache()
+    rows = []
+    for num_tokens, block_tokens in itertools.product(CONTEXTS, BLOCK_SIZES):
+        rows.append({"tokens": num_tokens, "block_tokens": block_tokens, "case": "sdpa", "config": "torch",
+                     "ms": sdpa[num_tokens], "GBps": bytes_read("sdpa", num_tokens, 1) / sdpa[num_tokens] / 1e6,
+                     "of_ceiling": bytes_read("sdpa", num_tokens, 1) / sdpa[num_tokens] / 1e6 / ceiling,
+                     "speed_vs_sdpa": 1.0})
+        rows += run_context(num_tokens, block_tokens, q, sdpa[num_tokens], ceiling, best)
+    print(f"copy ceiling {ceiling:.0f} GB/s (read + write)")
+    print_rows(rows)
+    correctness = check_correctness(device, list(best.values()))
+    print("correctness vs reference:", json.dumps(correctness))
+    result = {**environment(device), "copy_ceiling_GBps": ceiling, "targets_vs_sdpa_at_1M": TARGETS,
+              "rows": rows, "sweep": sweep_rows, "best_configs": {f"{k[0]}/bt{k[1]}": v for k, v in best.items()},
+              "correctness": correctness}
+    os.makedirs(opts.out, exist_ok=True)
+    path = os.path.join(opts.out, "kernel_bench.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
