@@ -7,6 +7,7 @@ tables under a token budget and always keeps the sinks and the recent window.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -59,12 +60,12 @@ class ScoreContext:
 
 
 @dataclass
-class Policy:
+class Policy(ABC):
     """Base of every policy: subclasses implement `score`, the shared `select` does the rest."""
 
+    @abstractmethod
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         """float32 [kv_heads, num_blocks]; higher = more worth keeping."""
-        raise NotImplementedError(f"{type(self).__name__} must implement score()")
 
     def select(self, ctx: ScoreContext, budget_tokens: int) -> torch.Tensor:
         """int64 [kv_heads, k], rows sorted ascending (tail block last): the blocks to attend."""

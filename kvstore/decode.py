@@ -17,10 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine_adapter.paged_attention_ref import paged_decode_ref
-from eviction.base import ScoreContext
-from eviction.h2o import H2O
-from eviction.topk import TopK
-from eviction.window import Window
+from eviction import POLICIES, ScoreContext
 from kvstore.placement import COLD, HOT, WARM
 from kvstore.table import DROPPED, LayerTable
 
@@ -29,7 +26,6 @@ if TYPE_CHECKING:
 
 MODES = ("dense", "topk", "h2o", "window")
 PROMOTE_AFTER = 2  # cold fetches of one block before it moves to the warm tier
-POLICIES = {"topk": TopK(), "window": Window(), "h2o": H2O()}
 
 
 @dataclass
@@ -105,11 +101,11 @@ def _select(store: KVStore, seq: int, layer: int, table: LayerTable, q: torch.Te
             _, mass = _attend_blocks(store, table, q, _live_blocks(store, table))  # seed: H2O scores prefill too
             table.h2o_scores[:, : table.num_blocks] += mass
         dropped = [i for i, b in enumerate(table.block_ids) if b == DROPPED]
-        evict = POLICIES["h2o"].evict(_context(store, table, q), keep_tokens=budget, dropped=dropped)
+        evict = POLICIES["h2o"]().evict(_context(store, table, q), keep_tokens=budget, dropped=dropped)
         if evict:
             store.drop(seq, layer, evict)
         return _live_blocks(store, table)
-    return POLICIES[mode].select(_context(store, table, q), budget)
+    return POLICIES[mode]().select(_context(store, table, q), budget)
 
 
 def _live_blocks(store: KVStore, table: LayerTable) -> torch.Tensor:

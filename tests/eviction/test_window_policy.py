@@ -53,5 +53,5 @@ def test_every_policy_returns_sorted_tables_with_protected_blocks(name, num_toke
 
 
 def test_base_policy_has_no_score() -> None:
-    with pytest.raises(NotImplementedError):
-        Policy().select(_context(), budget_tokens=64)
+    with pytest.raises(TypeError, match="abstract"):
+        Policy()
