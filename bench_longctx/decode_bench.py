@@ -35,21 +35,23 @@ def ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-def build_store(ctx: int, block_tokens: int, int8: bool, needle: tuple[int, torch.Tensor] | None) -> tuple[KVStore, int]:
+def build_store(ctx: int, block_tokens: int, int8: bool, needle: tuple[int, torch.Tensor] | None,
+                spec: ModelSpec = SPEC, device: str = "cuda", recent_tokens: int = 1024) -> tuple[KVStore, int]:
     """A one-layer store holding ctx random tokens, all fp16 (hot) or all int8 (warm) but the window."""
-    token_bytes = 2 * SPEC.num_kv_heads * SPEC.head_dim * 2
+    token_bytes = 2 * spec.num_kv_heads * spec.head_dim * 2
     hot = 1024 if int8 else ctx + 2 * block_tokens
     gpu = int((hot + 2 * block_tokens + 64 + (ctx * 0.56 if int8 else 0)) * token_bytes) + (8 << 20) + (4096 * token_bytes)
-    store = KVStore(Config(model=SPEC, block_tokens=block_tokens, sink_tokens=64, hot_tokens=hot,
-                           warm_tokens=ctx if int8 else 0, recent_tokens=1024, gpu_bytes=gpu, staging_tokens=4096,
-                           cpu_bytes=1 << 30, ssd_bytes=1 << 30, device="cuda", host_memory_reserve=0))
+    store = KVStore(Config(model=spec, block_tokens=block_tokens, sink_tokens=64, hot_tokens=hot,
+                           warm_tokens=ctx if int8 else 0, recent_tokens=recent_tokens, gpu_bytes=gpu, staging_tokens=4096,
+                           cpu_bytes=1 << 30, ssd_bytes=1 << 30, device=device, host_memory_reserve=0))
     seq = store.create_sequence()
-    g = torch.Generator(device="cuda").manual_seed(ctx + block_tokens)
+    g = torch.Generator(device=device).manual_seed(ctx + block_tokens)
     for start in range(0, ctx, CHUNK):
-        k = torch.randn((CHUNK, SPEC.num_kv_heads, SPEC.head_dim), device="cuda", generator=g)
+        n = min(CHUNK, ctx - start)
+        k = torch.randn((n, spec.num_kv_heads, spec.head_dim), device=device, generator=g)
         k[..., :8] *= 6  # outlier channels, as real keys have
-        v = torch.randn((CHUNK, SPEC.num_kv_heads, SPEC.head_dim), device="cuda", generator=g)
-        if needle and start <= needle[0] < start + CHUNK:
+        v = torch.randn((n, spec.num_kv_heads, spec.head_dim), device=device, generator=g)
+        if needle and start <= needle[0] < start + n:
             k[needle[0] - start] = needle[1]
             v[needle[0] - start] = 4.0
         store.append(seq, 0, k.half(), v.half())
@@ -58,11 +60,12 @@ def build_store(ctx: int, block_tokens: int, int8: bool, needle: tuple[int, torc
 
 
 def kernel_only(store: KVStore, seq: int, q: torch.Tensor) -> float:
+    """Median ms of the paged kernel alone over every block of the sequence's layer 0 (CUDA only)."""
     t = store.table(seq, 0)
-    n = t.num_blocks
-    slots = t.slot_map[:n].expand(SPEC.num_kv_heads, n)[None]
-    is_int8 = (t.level_map[:n] == 1).expand(SPEC.num_kv_heads, n)[None]
-    num = torch.tensor([t.num_tokens], dtype=torch.int32, device="cuda")
+    n, h = t.num_blocks, store.spec.num_kv_heads
+    slots = t.slot_map[:n].expand(h, n)[None]
+    is_int8 = (t.level_map[:n] == 1).expand(h, n)[None]
+    num = torch.tensor([t.num_tokens], dtype=torch.int32, device=store.device)
     w = store.warm.pool
     return ms(lambda: paged_decode(q[None], store.hot.pool, w.data, w.k_scale, w.v_scale, slots, is_int8, num))
 

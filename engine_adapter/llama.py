@@ -59,6 +59,12 @@ class LlamaArgs:
                          dim, hidden, rope_theta=rope_theta)
 
 
+def default_inv_freq(args: LlamaArgs) -> torch.Tensor:
+    """Plain RoPE frequencies [D/2] (fp32, on the CPU whatever the default device)."""
+    exponents = torch.arange(0, args.head_dim, 2, dtype=torch.float32, device="cpu") / args.head_dim
+    return 1.0 / args.rope_theta ** exponents
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -120,7 +126,7 @@ class Llama(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         if inv_freq is None:
-            inv_freq = 1.0 / args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float32) / args.head_dim)
+            inv_freq = default_inv_freq(args)
         if inv_freq.shape != (args.head_dim // 2,):
             raise ValueError(f"inv_freq must have shape ({args.head_dim // 2},), got {tuple(inv_freq.shape)}")
         self.inv_freq = inv_freq.float()  # [D/2]; not a buffer, so casting the model to fp16 leaves it fp32
@@ -161,10 +167,10 @@ class Decoder:
         self.store = store
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
-        self._lengths: dict[int, int] = {}  # tokens each sequence holds, as this decoder appended them
 
     def length(self, seq: int) -> int:
-        return self._lengths.get(seq, 0)
+        """Tokens the sequence holds (its next position)."""
+        return self.store.table(seq, 0).num_tokens
 
     def _tokens(self, token_ids) -> torch.Tensor:
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(-1)  # [T]
@@ -174,8 +180,8 @@ class Decoder:
         return ids
 
     @torch.inference_mode()
-    def forward_chunk(self, seq: int, token_ids) -> torch.Tensor:
-        """Append one chunk to the sequence; returns fp32 logits [T, vocab] for its positions."""
+    def forward_chunk(self, seq: int, token_ids, all_logits: bool = False) -> torch.Tensor:
+        """Append one chunk to the sequence; fp32 logits [T, vocab] for its positions ([1, vocab]: the last)."""
         ids = self._tokens(token_ids)
         start = self.length(seq)
         cos, sin = self.model.rope(torch.arange(start, start + ids.numel(), device=self.device), self.dtype)
@@ -186,22 +192,22 @@ class Decoder:
             keys, values = self.store.read(seq, i)  # [S, Hkv, D] fp16, this chunk included
             attn = chunk_attention(q, keys.to(q), values.to(q), start)
             x = layer.finish(x, attn)
-        self._lengths[seq] = start + ids.numel()
-        return self.model.logits(x)
+        return self.model.logits(x if all_logits else x[-1:])
 
-    def prefill_logits(self, seq: int, token_ids, chunk_tokens: int = 512) -> Iterator[torch.Tensor]:
-        """Prefill chunk by chunk, yielding each chunk's logits [t, vocab]."""
+    def prefill_logits(self, seq: int, token_ids, chunk_tokens: int = 512,
+                       all_logits: bool = True) -> Iterator[torch.Tensor]:
+        """Prefill chunk by chunk, yielding each chunk's logits [t, vocab] (or [1, vocab], its last)."""
         if chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
         ids = self._tokens(token_ids)
         if ids.numel() == 0:
             raise ValueError("prefill needs at least one token, got none")
         for begin in range(0, ids.numel(), chunk_tokens):
-            yield self.forward_chunk(seq, ids[begin : begin + chunk_tokens])
+            yield self.forward_chunk(seq, ids[begin : begin + chunk_tokens], all_logits)
 
     def prefill(self, seq: int, token_ids, chunk_tokens: int = 512) -> torch.Tensor:
         """Prefill the prompt; returns the logits [vocab] that predict the next token."""
-        for logits in self.prefill_logits(seq, token_ids, chunk_tokens):
+        for logits in self.prefill_logits(seq, token_ids, chunk_tokens, all_logits=False):
             last = logits[-1]
         return last
 
@@ -215,9 +221,8 @@ class Decoder:
         for i, layer in enumerate(self.model.layers):
             q, k, v = layer.qkv(x, cos, sin)
             self.store.append(seq, i, k.half(), v.half())
-            attn = self.store.attend(seq, i, q[0], mode=mode, budget=budget)  # [Hq, D]
+            attn = self.store.attend(seq, i, q[0].half(), mode=mode, budget=budget)  # [Hq, D] fp16
             x = layer.finish(x, attn[None])
-        self._lengths[seq] = pos + 1
         return self.model.logits(x)[0]
 
     def generate(self, seq: int, prompt_ids, max_new_tokens: int, mode: str = "dense", budget: int = 4096,
@@ -226,11 +231,25 @@ class Decoder:
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
         logits = self.prefill(seq, prompt_ids, chunk_tokens)
+        return self.continue_greedy(seq, logits, max_new_tokens, mode, budget, eos_id)
+
+    def continue_greedy(self, seq: int, logits: torch.Tensor, max_new_tokens: int, mode: str = "dense",
+                        budget: int = 4096, eos_id: int | None = None) -> list[int]:
+        """Greedy tokens from next-token logits [vocab] of an already prefilled sequence."""
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
         out = [int(logits.argmax())]
         while len(out) < max_new_tokens and out[-1] != eos_id:
             out.append(int(self.decode_step(seq, out[-1], mode, budget).argmax()))
         return out
 
+    def fork(self, seq: int) -> int:
+        """A new sequence holding a copy of seq's K/V, so several decode modes can share one prefill."""
+        copy = self.store.create_sequence()
+        for layer in range(self.model.args.num_layers):
+            k, v = self.store.read(seq, layer)  # [T, Hkv, D]
+            self.store.append(copy, layer, k, v)
+        return copy
+
     def free(self, seq: int) -> None:
         self.store.free(seq)
-        self._lengths.pop(seq, None)

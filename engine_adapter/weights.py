@@ -114,11 +114,13 @@ def random_llama(spec: ModelSpec, seed: int = 0, vocab_size: int = 32000, dtype:
     return model.to(device=device, dtype=dtype).eval()
 
 
-def load_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0, **overrides: int):
-    """(Llama, tokenizer or None): a packaged real model by name, else a random one for a ModelSpec preset."""
-    if name in PACKAGED_MODELS:
+def load_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
+               random_weights: bool = False, **overrides: int):
+    """(Llama, tokenizer or None): a packaged real model by name, else (or if random_weights) seeded random
+    weights for the ModelSpec preset of that name, with overrides such as num_layers=2."""
+    if name in PACKAGED_MODELS and not random_weights:
         if overrides:
-            raise ValueError(f"geometry overrides {sorted(overrides)} apply to random presets, not to {name!r}")
+            raise ValueError(f"geometry overrides {sorted(overrides)} apply to random weights, not to {name!r}")
         hf_model, tokenizer = load_hf(name)
         return llama_from_hf(hf_model, dtype).to(device), tokenizer
     return random_llama(ModelSpec.preset(name, **overrides), seed=seed, dtype=dtype, device=device), None

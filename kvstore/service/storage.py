@@ -18,6 +18,7 @@ namespace's keys are never a prefix scan away from another's.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections import OrderedDict
@@ -196,10 +197,14 @@ class ServiceStorage:
         return self._codec.codec
 
     def _on_commit(self, changes: list[tuple[bytes, int | None, bytes | None]]) -> None:
-        self.cache.apply(changes)
-        with self._lock:
-            for key, old, value in changes:
-                self._count(key, old, None if value is None else len(value))
+        """Runs on the LMDB writer thread after each commit; it must never raise there."""
+        try:
+            self.cache.apply(changes)
+            with self._lock:
+                for key, old, value in changes:
+                    self._count(key, old, None if value is None else len(value))
+        except Exception:  # a bookkeeping bug must not stop the writer: the commit itself is durable
+            logging.getLogger(__name__).exception("kvtier service: commit bookkeeping failed")
 
     def _count(self, key: bytes, old: int | None, new: int | None) -> None:
         namespace = key[len(_PREFIX):].split(b"/", 1)[0].decode()

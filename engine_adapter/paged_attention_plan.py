@@ -1,0 +1,133 @@
+"""Plan for the paged decode kernel: argument checks, geometry, and the split/tile config.
+
+Kept apart from the kernels (engine_adapter/paged_attention.py) so the reference and the
+benchmark can share the checks and read the chosen config without launching anything.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+_TILE_ELEMENTS = 8192  # K elements per iteration by default: 64 tokens at head_dim 128
+_MAX_TOKENS_PER_ITER = 128  # the score tile [16, tokens] in fp32 must stay in registers too
+_PROGRAMS_PER_SM = 12  # programs per SM the split count aims at: whole waves at 2, 3 or 4 resident
+_MIN_ITERS_PER_SPLIT = 4  # below this, a split's fixed cost (q load, partial store) dominates
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeGeometry:
+    batch: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_tokens: int
+    max_blocks: int
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """How the split kernel walks the table; every field can be forced through paged_decode's kwargs."""
+
+    blocks_per_iter: int
+    num_splits: int
+    blocks_per_split: int
+    num_warps: int
+    num_stages: int
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _check_tensor(name: str, t: object, dtypes: tuple, shape: tuple, device: torch.device) -> None:
+    """Shape entries of None match any size."""
+    ok = isinstance(t, torch.Tensor) and t.dtype in dtypes and t.device == device and t.dim() == len(shape)
+    ok = ok and all(want is None or want == got for want, got in zip(shape, t.shape))
+    if not ok:
+        want = "[" + ", ".join("n" if s is None else str(s) for s in shape) + "]"
+        got = f"{t.dtype} {list(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name}: expected {'/'.join(map(str, dtypes))} {want} on {device}, got {got}")
+
+
+def check_decode_inputs(
+    q: torch.Tensor, hot_pool: torch.Tensor, warm_data: torch.Tensor, warm_k_scale: torch.Tensor,
+    warm_v_scale: torch.Tensor, block_table: torch.Tensor, block_is_int8: torch.Tensor, num_tokens: torch.Tensor,
+) -> DecodeGeometry:
+    """Raise ValueError unless the arguments of paged_decode agree with each other; return their geometry."""
+    for name, t, rank in (("q", q, 3), ("hot_pool", hot_pool, 5), ("block_table", block_table, 3)):
+        if not isinstance(t, torch.Tensor) or t.dim() != rank:
+            raise ValueError(f"{name}: expected a {rank}-d tensor, got {getattr(t, 'shape', type(t).__name__)}")
+    batch, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, max_blocks = block_table.shape
+    block_tokens = hot_pool.shape[3]
+    specs = (
+        ("q", q, (torch.float16,), (batch, num_q_heads, head_dim)),
+        ("hot_pool", hot_pool, (torch.float16,), (None, 2, num_kv_heads, block_tokens, head_dim)),
+        ("warm_data", warm_data, (torch.int8,), (None, 2, num_kv_heads, block_tokens, head_dim)),
+        ("warm_k_scale", warm_k_scale, (torch.float32,), (len(warm_data), num_kv_heads, head_dim)),
+        ("warm_v_scale", warm_v_scale, (torch.float32,), (len(warm_data), num_kv_heads, block_tokens)),
+        ("block_table", block_table, (torch.int32,), (batch, num_kv_heads, max_blocks)),
+        ("block_is_int8", block_is_int8, (torch.bool, torch.int8), (batch, num_kv_heads, max_blocks)),
+        ("num_tokens", num_tokens, (torch.int32,), (batch,)),
+    )
+    for name, t, dtypes, shape in specs:
+        _check_tensor(name, t, dtypes, shape, q.device)
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads})")
+    if not (_is_pow2(head_dim) and 16 <= head_dim <= 256) or not _is_pow2(block_tokens):
+        raise ValueError(f"head_dim: expected a power of two in 16..256, block_tokens: a power of two; "
+                         f"got {head_dim} and {block_tokens}")
+    return DecodeGeometry(batch, num_q_heads, num_kv_heads, head_dim, block_tokens, max_blocks)
+
+
+def check_kernel_layout(q: torch.Tensor, hot_pool: torch.Tensor, warm_data: torch.Tensor,
+                        warm_k_scale: torch.Tensor, warm_v_scale: torch.Tensor) -> None:
+    """What the kernel needs beyond check_decode_inputs: unit-stride rows, int8 rows in whole words, a pool."""
+    for name, t in (("q", q), ("hot_pool", hot_pool), ("warm_data", warm_data), ("warm_k_scale", warm_k_scale),
+                    ("warm_v_scale", warm_v_scale)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected a contiguous last dim (stride 1), got strides {t.stride()}")
+    if warm_data.storage_offset() % 4 or any(s % 4 for s in warm_data.stride()[:-1]):
+        raise ValueError(f"warm_data: expected strides and offset in whole 4-byte words, got strides "
+                         f"{warm_data.stride()} and offset {warm_data.storage_offset()}")
+    if hot_pool.shape[0] == 0 and warm_data.shape[0] == 0:
+        raise ValueError("hot_pool and warm_data: expected at least one pool with slots, got 0 and 0")
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few splits, so tests walk the combine path
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_config(
+    geom: DecodeGeometry, device: torch.device, *, num_splits: int | None = None,
+    blocks_per_iter: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+) -> DecodeConfig:
+    """Defaults: ~_TILE_ELEMENTS of K per iteration; enough splits for _PROGRAMS_PER_SM programs on every SM."""
+    if blocks_per_iter is None:
+        tokens = min(_MAX_TOKENS_PER_ITER, max(16, _TILE_ELEMENTS // geom.head_dim))
+        blocks_per_iter = max(1, tokens // geom.block_tokens)
+    if not _is_pow2(blocks_per_iter) or blocks_per_iter * geom.block_tokens < 16:
+        raise ValueError(f"blocks_per_iter: expected a power of two with >= 16 tokens, got {blocks_per_iter}")
+    iters = max(1, triton.cdiv(geom.max_blocks, blocks_per_iter))
+    if num_splits is None:
+        wanted = triton.cdiv(_PROGRAMS_PER_SM * _sm_count(device), max(1, geom.batch * geom.num_kv_heads))
+        num_splits = min(wanted, max(1, iters // _MIN_ITERS_PER_SPLIT))
+    if num_splits < 1:
+        raise ValueError(f"num_splits: expected >= 1, got {num_splits}")
+    blocks_per_split = triton.cdiv(iters, min(num_splits, iters)) * blocks_per_iter
+    num_splits = max(1, triton.cdiv(geom.max_blocks, blocks_per_split))  # no split left empty by rounding
+    tile = blocks_per_iter * geom.block_tokens * geom.head_dim
+    num_warps = num_warps or (8 if tile > _TILE_ELEMENTS else 4)
+    num_stages = num_stages or 2
+    return DecodeConfig(blocks_per_iter, num_splits, blocks_per_split, num_warps, num_stages)

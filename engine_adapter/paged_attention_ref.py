@@ -1,0 +1,55 @@
+"""Pure-torch reference for engine_adapter.paged_attention.paged_decode.
+
+Gathers each row's blocks per kv head, dequantizes int8 blocks (value = data * scale),
+and runs plain fp32 softmax attention. Slow (Python loop over rows and kv heads); it is
+the definition the kernel is tested against, not a fallback.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine_adapter.paged_attention_plan import check_decode_inputs
+
+
+def gather_kv(
+    hot_pool: torch.Tensor, warm_data: torch.Tensor, warm_k_scale: torch.Tensor, warm_v_scale: torch.Tensor,
+    slots: torch.Tensor, is_int8: torch.Tensor, head: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one kv head over the blocks `slots` (int [n]), float32 [n * block_tokens, head_dim] each."""
+    n, block_tokens, head_dim = slots.numel(), hot_pool.shape[3], hot_pool.shape[4]
+    k = torch.empty((n, block_tokens, head_dim), dtype=torch.float32, device=hot_pool.device)  # [n, T, D]
+    v = torch.empty_like(k)
+    hot_ids, warm_ids = slots[~is_int8].long(), slots[is_int8].long()
+    k[~is_int8] = hot_pool[hot_ids, 0, head].float()
+    v[~is_int8] = hot_pool[hot_ids, 1, head].float()
+    k[is_int8] = warm_data[warm_ids, 0, head].float() * warm_k_scale[warm_ids, head][:, None, :]
+    v[is_int8] = warm_data[warm_ids, 1, head].float() * warm_v_scale[warm_ids, head][:, :, None]
+    return k.reshape(-1, head_dim), v.reshape(-1, head_dim)
+
+
+def paged_decode_ref(
+    q: torch.Tensor, hot_pool: torch.Tensor, warm_data: torch.Tensor, warm_k_scale: torch.Tensor,
+    warm_v_scale: torch.Tensor, block_table: torch.Tensor, block_is_int8: torch.Tensor, num_tokens: torch.Tensor,
+    *, sm_scale: float | None = None, return_block_mass: bool = False, num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Same contract as paged_decode (num_splits is accepted and ignored)."""
+    geom = check_decode_inputs(q, hot_pool, warm_data, warm_k_scale, warm_v_scale, block_table, block_is_int8, num_tokens)
+    group, block_tokens = geom.group, geom.block_tokens
+    scale = sm_scale if sm_scale is not None else geom.head_dim**-0.5
+    out = torch.zeros_like(q)  # [B, Hq, D]
+    mass = torch.zeros(block_table.shape, dtype=torch.float32, device=q.device)  # [B, H, max_blocks]
+    for b in range(geom.batch):
+        n = int(num_tokens[b])
+        n_blocks = -(-n // block_tokens)
+        if n == 0:
+            continue
+        for h in range(geom.num_kv_heads):
+            slots, is_int8 = block_table[b, h, :n_blocks], block_is_int8[b, h, :n_blocks].bool()
+            k, v = gather_kv(hot_pool, warm_data, warm_k_scale, warm_v_scale, slots, is_int8, h)
+            q_group = q[b, h * group : (h + 1) * group].float()  # [G, D]
+            p = torch.softmax(q_group @ k[:n].T * scale, dim=-1)  # [G, n]
+            out[b, h * group : (h + 1) * group] = (p @ v[:n]).half()
+            p_blocks = torch.nn.functional.pad(p, (0, n_blocks * block_tokens - n))  # [G, n_blocks * T]
+            mass[b, h, :n_blocks] = p_blocks.view(group, n_blocks, block_tokens).sum(-1).mean(0)
+    return out, (mass if return_block_mass else None)
