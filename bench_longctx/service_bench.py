@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "load_average_before": load_before, "load_average_after": os.getloadavg()},
-        "server": {"durability": "fsync per commit", "compression": "none", "http": "uvicorn (h11), httpx client"},
+        "server": {"durability": "fsync per commit", "compression": "none", "http": "uvicorn with h11 (no httptools/uvloop); client: httpx, gets via http.client readinto"},
         "goal": {"batched_get_gb_per_s": GOAL_BATCHED_GET_GBPS, "best_batched_get_gb_per_s": best_get,
                  "met": best_get >= GOAL_BATCHED_GET_GBPS},
         "results": rows,

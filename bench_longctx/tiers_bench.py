@@ -4,7 +4,8 @@
 
 Per tier and per move: hot put and decode-append rate, int8 quantize/dequantize,
 cpu -> device batched fetch of scattered blocks (vs one copy call per block),
-ssd write/read and zstd ratio/speed per compression mode.
+ssd write/read and zstd ratio/speed per compression mode, and the block codec alone
+(encode/decode incl. checksum). `run_tiers` is what `kvtier bench tiers` calls.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from bench_longctx.timing import copy_ceiling, disk_ceiling, environment, host_to_device_ceiling, median_seconds, sync
 from kvstore.config import Config, ModelSpec
 from kvstore.store import KVStore
+from tiers.codec import Codec
 from tiers.cpu import CpuTier
 from tiers.hot import HotTier
 from tiers.layout import BlockLayout
@@ -121,6 +123,45 @@ def bench_ssd(layout: BlockLayout, x: torch.Tensor, directory: str) -> dict:
     return results
 
 
+def bench_codec(layout: BlockLayout, x: torch.Tensor) -> dict:
+    """Encode and decode (checksum included) of single blocks, one thread, per compression mode."""
+    x = x.cpu()
+    nbytes, results = x.numel() * 2, {}
+    for mode in ("zstd-split", "zstd"):
+        codec = Codec(mode, level=1)
+        start = time.perf_counter()
+        values = [codec.encode(layout, x, row) for row in range(x.shape[0])]
+        encode_s = time.perf_counter() - start
+        start = time.perf_counter()
+        for i, value in enumerate(values):
+            codec.decode(layout, value, f"block {i}")
+        decode_s = time.perf_counter() - start
+        results[mode] = {"ratio": nbytes / sum(len(v) for v in values), "encode_GBps": nbytes / encode_s / 1e9,
+                         "decode_GBps": nbytes / decode_s / 1e9}
+    return results
+
+
+def run_tiers(device: torch.device, directory: str, geometry: str = "llama3-8b", blocks: int = 4096,
+              fetch: int = 2000, ssd_blocks: int = 512, kv_file: str | None = None,
+              ceiling_bytes: int = 1 << 30, disk_bytes: int = 256 << 20) -> dict:
+    """Every tier measurement and the ceilings they are read against, all from this run."""
+    spec = ModelSpec.preset(geometry, num_layers=1)
+    layout = BlockLayout.of(spec, 32)
+    x = kv_blocks(layout, blocks, device)
+    result = {"environment": environment(device), "geometry": geometry, "block_tokens": 32,
+              "block_bytes_fp16": layout.fp16_bytes, "ceilings": {"copy_GBps": copy_ceiling(device, ceiling_bytes) / 1e9}}
+    if device.type == "cuda":
+        result["ceilings"].update(host_to_device_ceiling(device, ceiling_bytes))
+    result["ceilings"].update(disk_ceiling(directory, disk_bytes))
+    result["gpu_tiers" if device.type == "cuda" else "hot_warm_on_cpu"] = bench_gpu_tiers(layout, x, device)
+    result.update(bench_decode_append(spec, device))
+    result["cpu_fetch"] = bench_cpu_fetch(layout, x, device, min(fetch, blocks))
+    ssd_x = kv_blocks(layout, ssd_blocks, torch.device("cpu"), kv_file)
+    result["ssd"] = bench_ssd(layout, ssd_x, directory)
+    result["codec"] = bench_codec(layout, ssd_x)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
@@ -132,20 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-file", default=None, help="torch.save((k, v)) of real KV [T, H, D] for ssd ratios")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    spec = ModelSpec.preset(args.geometry, num_layers=1)
-    layout = BlockLayout.of(spec, 32)
     os.makedirs(args.out, exist_ok=True)
-    x = kv_blocks(layout, args.blocks, device)
-    result = {"environment": environment(device), "geometry": args.geometry, "block_tokens": 32,
-              "block_bytes_fp16": layout.fp16_bytes, "ceilings": {"copy_GBps": copy_ceiling(device) / 1e9}}
-    if device.type == "cuda":
-        result["ceilings"].update(host_to_device_ceiling(device))
-    result["ceilings"].update(disk_ceiling(args.out))
-    result["gpu_tiers" if device.type == "cuda" else "hot_warm_on_cpu"] = bench_gpu_tiers(layout, x, device)
-    result.update(bench_decode_append(spec, device))
-    result["cpu_fetch"] = bench_cpu_fetch(layout, x, device, min(args.fetch, args.blocks))
-    ssd_x = kv_blocks(layout, args.ssd_blocks, torch.device("cpu"), args.kv_file)
-    result["ssd"] = bench_ssd(layout, ssd_x, args.out)
+    result = run_tiers(device, args.out, args.geometry, args.blocks, args.fetch, args.ssd_blocks, args.kv_file)
     name = f"tiers_{'h200' if device.type == 'cuda' else 'cpu'}.json"
     with open(os.path.join(args.out, name), "w") as f:
         json.dump(result, f, indent=2)

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from engine_adapter.llama import Decoder
+
+Tokenizer = Any  # a transformers tokenizer: __call__(text)["input_ids"] and decode(ids)
 
 INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
          "Find it and memorize it. I will quiz you about it at the end.")
@@ -22,7 +25,7 @@ NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "\n\nWhat is the pass key? The pass key is "  # the trailing space makes the next token a digit
 
 
-def passkey_prompt(tokenizer, total_tokens: int, depth: float, passkey: str, filler: str = FILLER) -> list[int]:
+def passkey_prompt(tokenizer: Tokenizer, total_tokens: int, depth: float, passkey: str, filler: str = FILLER) -> list[int]:
     """Token ids of a passkey prompt of exactly total_tokens tokens, the needle at relative depth in [0, 1]."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must lie in [0, 1], got {depth}")
@@ -42,13 +45,13 @@ def passkey_prompt(tokenizer, total_tokens: int, depth: float, passkey: str, fil
 
 
 def read_passkey(text: str) -> str | None:
-    """The first 5-digit number in a continuation, or None."""
-    found = re.search(r"\d{5}", text.replace(" ", ""))
+    """The first number in a continuation (spaces between digits ignored), or None."""
+    found = re.search(r"\d+", text.replace(" ", ""))
     return found.group(0) if found else None
 
 
-def passkey_by_mode(decoder: Decoder, tokenizer, prompt_ids: list[int], modes: dict[str, int],
-                    max_new_tokens: int = 7, chunk_tokens: int = 512) -> dict[str, str | None]:
+def passkey_by_mode(decoder: Decoder, tokenizer: Tokenizer, prompt_ids: list[int], modes: dict[str, int],
+                    max_new_tokens: int = 6, chunk_tokens: int = 512) -> dict[str, str | None]:
     """Prefill once, then answer under each mode -> budget; returns mode -> passkey read (or None)."""
     base = decoder.store.create_sequence()
     try:

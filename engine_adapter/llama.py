@@ -13,14 +13,20 @@ model's dtype (fp32 matches the HF reference best on CPU).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvstore.config import ModelSpec
+
+if TYPE_CHECKING:
+    from kvstore.store import KVStore
+
+TokenIds = Sequence[int] | torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,21 +164,26 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
 
 
 class Decoder:
-    """Runs a Llama against a KVStore: chunked prefill, per-token decode, greedy generation."""
+    """Runs a Llama against a KVStore: chunked prefill, per-token decode, greedy generation.
 
-    def __init__(self, model: Llama, store) -> None:
+    A step that fails part way (a full store, a bad mode) leaves the sequence with some layers
+    ahead of others: free it. The store's length of a sequence is its next position."""
+
+    def __init__(self, model: Llama, store: KVStore) -> None:
         if model.args.spec != store.config.model:
             raise ValueError(f"store geometry {store.config.model} does not match the model's {model.args.spec}")
         self.model = model
         self.store = store
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
+        if self.device.type != store.device.type:
+            raise ValueError(f"model on {self.device} but store on {store.device}; put both on one device type")
 
     def length(self, seq: int) -> int:
         """Tokens the sequence holds (its next position)."""
         return self.store.table(seq, 0).num_tokens
 
-    def _tokens(self, token_ids) -> torch.Tensor:
+    def _tokens(self, token_ids: TokenIds) -> torch.Tensor:
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(-1)  # [T]
         vocab = self.model.args.vocab_size
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
@@ -180,7 +191,7 @@ class Decoder:
         return ids
 
     @torch.inference_mode()
-    def forward_chunk(self, seq: int, token_ids, all_logits: bool = False) -> torch.Tensor:
+    def forward_chunk(self, seq: int, token_ids: TokenIds, all_logits: bool = False) -> torch.Tensor:
         """Append one chunk to the sequence; fp32 logits [T, vocab] for its positions ([1, vocab]: the last)."""
         ids = self._tokens(token_ids)
         start = self.length(seq)
@@ -194,7 +205,7 @@ class Decoder:
             x = layer.finish(x, attn)
         return self.model.logits(x if all_logits else x[-1:])
 
-    def prefill_logits(self, seq: int, token_ids, chunk_tokens: int = 512,
+    def prefill_logits(self, seq: int, token_ids: TokenIds, chunk_tokens: int = 512,
                        all_logits: bool = True) -> Iterator[torch.Tensor]:
         """Prefill chunk by chunk, yielding each chunk's logits [t, vocab] (or [1, vocab], its last)."""
         if chunk_tokens <= 0:
@@ -205,7 +216,7 @@ class Decoder:
         for begin in range(0, ids.numel(), chunk_tokens):
             yield self.forward_chunk(seq, ids[begin : begin + chunk_tokens], all_logits)
 
-    def prefill(self, seq: int, token_ids, chunk_tokens: int = 512) -> torch.Tensor:
+    def prefill(self, seq: int, token_ids: TokenIds, chunk_tokens: int = 512) -> torch.Tensor:
         """Prefill the prompt; returns the logits [vocab] that predict the next token."""
         for logits in self.prefill_logits(seq, token_ids, chunk_tokens, all_logits=False):
             last = logits[-1]
@@ -225,7 +236,7 @@ class Decoder:
             x = layer.finish(x, attn[None])
         return self.model.logits(x)[0]
 
-    def generate(self, seq: int, prompt_ids, max_new_tokens: int, mode: str = "dense", budget: int = 4096,
+    def generate(self, seq: int, prompt_ids: TokenIds, max_new_tokens: int, mode: str = "dense", budget: int = 4096,
                  chunk_tokens: int = 512, eos_id: int | None = None) -> list[int]:
         """Greedy: prefill the prompt, then decode up to max_new_tokens (stopping after eos_id)."""
         if max_new_tokens <= 0:
@@ -244,7 +255,8 @@ class Decoder:
         return out
 
     def fork(self, seq: int) -> int:
-        """A new sequence holding a copy of seq's K/V, so several decode modes can share one prefill."""
+        """A new sequence holding a copy of seq's K/V, so several decode modes can share one prefill
+        (not after h2o mode dropped blocks of seq: those are gone)."""
         copy = self.store.create_sequence()
         for layer in range(self.model.args.num_layers):
             k, v = self.store.read(seq, layer)  # [T, Hkv, D]

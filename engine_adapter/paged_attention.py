@@ -64,6 +64,36 @@ def _words_to_fp16(words, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _load_int8_k(
+    warm_ptr, k_scale_ptr, table_row, is_int8_row, s_tab_blk, s_i8_blk, j0, blk_hi, tok_hi, head,
+    s_warm_slot, s_warm_head, s_warm_tok, s_ks_slot, s_ks_head,
+    HEAD_DIM: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr,
+    CHECK_FLAGS: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    """Dequantized K of the int8 blocks among j0 .. j0 + BLOCKS_PER_ITER, fp16 [N, D], 0 elsewhere.
+
+    K's scale is per (block, channel), so K is loaded per block and the scale broadcasts over its
+    tokens. It is applied in fp16: exact to rounding unless a channel's absmax is < 2^-7 (scale in
+    fp16's subnormals), where the channel adds next to nothing to q.k anyway.
+    """
+    blk = j0 + tl.arange(0, BLOCKS_PER_ITER)  # [J]
+    slot = tl.load(table_row + blk * s_tab_blk, mask=blk < blk_hi, other=0).to(tl.int64)
+    is_int8 = blk < blk_hi
+    if CHECK_FLAGS:
+        is_int8 &= tl.load(is_int8_row + blk * s_i8_blk, mask=blk < blk_hi, other=0) != 0
+    offs_t = tl.arange(0, BLOCK_TOKENS)
+    offs_w = tl.arange(0, HEAD_DIM // 4)
+    mask = (blk[:, None] * BLOCK_TOKENS + offs_t[None, :] < tok_hi) & is_int8[:, None]  # [J, T]
+    base = slot * s_warm_slot + head * s_warm_head  # [J] int64
+    ptrs = warm_ptr + base[:, None, None] + offs_t[None, :, None] * s_warm_tok + offs_w[None, None, :]
+    k = _words_to_fp16(tl.load(ptrs, mask=mask[:, :, None], other=0), USE_ASM)
+    k = tl.reshape(k, [BLOCKS_PER_ITER, BLOCK_TOKENS, HEAD_DIM])
+    ks_ptrs = k_scale_ptr + (slot * s_ks_slot + head * s_ks_head)[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+    k_scale = tl.load(ks_ptrs, mask=is_int8[:, None], other=0.0).to(tl.float16)  # [J, D]
+    return tl.reshape(k * k_scale[:, None, :], [BLOCKS_PER_ITER * BLOCK_TOKENS, HEAD_DIM])
+
+
+@triton.jit
 def _load_kv(
     hot_ptr, warm_ptr, k_scale_ptr, v_scale_ptr, table_row, is_int8_row, s_tab_blk, s_i8_blk,
     j0, blk_hi, tok_hi, head,
@@ -107,23 +137,11 @@ def _load_kv(
         v8 = tl.reshape(_words_to_fp16(v8, USE_ASM), [n, HEAD_DIM])
         vs_ptrs = v_scale_ptr + tok_slot * s_vs_slot + head * s_vs_head + tok_in_blk
         v_mul = tl.where(warm_ok, tl.load(vs_ptrs, mask=warm_ok, other=0.0), tok_ok.to(tl.float32)) * V_BOOST
-        # K's scale is per (block, channel): K is loaded per block so the scale broadcasts over its
-        # tokens. It is applied in fp16, exact to rounding unless a channel's absmax is < 2^-7
-        # (scale in fp16's subnormals), where the channel contributes next to nothing anyway.
-        blk = j0 + tl.arange(0, BLOCKS_PER_ITER)  # [J]
-        slot = tl.load(table_row + blk * s_tab_blk, mask=blk < blk_hi, other=0).to(tl.int64)
-        is_int8 = blk < blk_hi
-        if HAS_HOT:
-            is_int8 &= tl.load(is_int8_row + blk * s_i8_blk, mask=blk < blk_hi, other=0) != 0
-        offs_t = tl.arange(0, BLOCK_TOKENS)
-        mask = (blk[:, None] * BLOCK_TOKENS + offs_t[None, :] < tok_hi) & is_int8[:, None]  # [J, T]
-        base = slot * s_warm_slot + head * s_warm_head  # [J] int64
-        ptrs = warm_ptr + base[:, None, None] + offs_t[None, :, None] * s_warm_tok + offs_w[None, None, :]
-        k8 = _words_to_fp16(tl.load(ptrs, mask=mask[:, :, None], other=0), USE_ASM)
-        k8 = tl.reshape(k8, [BLOCKS_PER_ITER, BLOCK_TOKENS, HEAD_DIM])
-        ks_ptrs = k_scale_ptr + (slot * s_ks_slot + head * s_ks_head)[:, None] + offs_d[None, :]
-        k_scale = tl.load(ks_ptrs, mask=is_int8[:, None], other=0.0).to(tl.float16)  # [J, D]
-        k8 = tl.reshape(k8 * k_scale[:, None, :], [n, HEAD_DIM])
+        k8 = _load_int8_k(
+            warm_ptr, k_scale_ptr, table_row, is_int8_row, s_tab_blk, s_i8_blk, j0, blk_hi, tok_hi, head,
+            s_warm_slot, s_warm_head, s_warm_tok, s_ks_slot, s_ks_head,
+            HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER, HAS_HOT, USE_ASM,
+        )
         if HAS_HOT:
             k += k8  # each element comes from one pool; the other load gave 0
             v += v8
@@ -277,7 +295,8 @@ def paged_decode(
     gets zeros. block_mass (if asked): softmax mass per block averaged over each group's q heads.
     The last four kwargs override the tile/split config (see decode_config) for benchmarks.
     """
-    geom = check_decode_inputs(q, hot_pool, warm_data, warm_k_scale, warm_v_scale, block_table, block_is_int8, num_tokens)
+    geom = check_decode_inputs(q, hot_pool, warm_data, warm_k_scale, warm_v_scale, block_table, block_is_int8,
+                               num_tokens)
     check_kernel_layout(q, hot_pool, warm_data, warm_k_scale, warm_v_scale)
     has_hot, has_warm = hot_pool.shape[0] > 0, warm_data.shape[0] > 0
     cfg = decode_config(geom, q.device, num_splits=num_splits, blocks_per_iter=blocks_per_iter,

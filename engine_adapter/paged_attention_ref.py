@@ -34,7 +34,8 @@ def paged_decode_ref(
     *, sm_scale: float | None = None, return_block_mass: bool = False, num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same contract as paged_decode (num_splits is accepted and ignored)."""
-    geom = check_decode_inputs(q, hot_pool, warm_data, warm_k_scale, warm_v_scale, block_table, block_is_int8, num_tokens)
+    geom = check_decode_inputs(q, hot_pool, warm_data, warm_k_scale, warm_v_scale, block_table, block_is_int8,
+                               num_tokens)
     group, block_tokens = geom.group, geom.block_tokens
     scale = sm_scale if sm_scale is not None else geom.head_dim**-0.5
     out = torch.zeros_like(q)  # [B, Hq, D]

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from eviction.topk_kernel import MAX_BLOCKS, topk_sorted
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -92,6 +94,8 @@ def top_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
     num_kv_heads, num_blocks = scores.shape
     if k >= num_blocks:  # the budget covers everything: no top-k launch
         return all_blocks(num_kv_heads, num_blocks, scores.device)
+    if scores.is_cuda and num_blocks <= MAX_BLOCKS:
+        return topk_sorted(scores, k)  # one launch instead of topk's radix passes + a sort
     chosen = torch.topk(scores, k, dim=1, sorted=False).indices  # [H, k]
     return torch.sort(chosen, dim=1).values
 

@@ -5,14 +5,17 @@
         t = c.get("engine-a", "seq7/layer3/block0")            # CPU tensor, bit-exact
         ts = c.get_many("engine-a", ["k1", "k2"])              # one request
 
-One pooled httpx connection set is reused by every call and is safe to share between
-threads. Every value carries an xxh3-64 checksum both ways: the service rejects a put
-whose bytes changed on the way, the client rejects a get whose bytes did. Errors raise
-a ServiceError subclass carrying the server's status, code and message.
+Connections are kept alive and reused, and a Client is safe to share between threads:
+httpx for every call but get/get_many, whose bodies kvstore.service.reader reads straight
+into the result tensor (see there why). Every value carries an xxh3-64 checksum both ways:
+the service rejects a put whose bytes changed on the way, the client rejects a get whose
+bytes did. Errors raise a ServiceError subclass carrying the server's status, code and message.
 """
 
 from __future__ import annotations
 
+import http.client
+import json
 from typing import Iterable, Mapping, Sequence
 from urllib.parse import quote
 
@@ -20,9 +23,10 @@ import httpx
 import torch
 import xxhash
 
+from kvstore.service.reader import BinaryReader
 from kvstore.service.wire import (
     DTYPES, H_CHECKSUM, H_DTYPE, H_LAYOUT, H_SHAPE, Descriptor, check_key, check_namespace, format_checksum,
-    pack_batch, unpack_batch,
+    pack_batch, parse_checksum, unpack_batch,
 )
 from tiers.base import IntegrityError
 
@@ -78,6 +82,7 @@ class Client:
         self.base_url = base_url.rstrip("/")
         self.http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout,
                                  transport=httpx.HTTPTransport(retries=2))
+        self.reader = BinaryReader(self.base_url, headers, timeout)
 
     # -- values --------------------------------------------------------------------------------
     def put(self, namespace: str, key: str, tensor: torch.Tensor) -> None:
@@ -99,14 +104,18 @@ class Client:
     def get(self, namespace: str, key: str) -> torch.Tensor:
         """The tensor stored under (namespace, key), on CPU; NotFoundError if there is none."""
         buf, headers = self._download("GET", _block_url(namespace, key))
-        desc = Descriptor.from_headers(headers[H_DTYPE], headers[H_SHAPE], headers[H_LAYOUT])
-        return _tensor(buf, desc, int(headers[H_CHECKSUM], 16), f"{namespace}/{key}")
+        fields = [headers.get(name) for name in (H_DTYPE, H_SHAPE, H_LAYOUT, H_CHECKSUM)]
+        if None in fields:
+            raise CorruptValueError(200, "bad_response", f"{namespace}/{key}: response lacks x-kvtier-* headers")
+        desc = Descriptor.from_headers(*fields[:3])
+        return _tensor(buf, desc, parse_checksum(fields[3]), f"{namespace}/{key}")
 
     def get_many(self, namespace: str, keys: Sequence[str]) -> list[torch.Tensor]:
         """Tensors of `keys` in order, from one request (views into one buffer); NotFoundError names the missing."""
         if not keys:
             return []
-        buf, _ = self._download("POST", f"/v1/namespaces/{_q(namespace)}/batch/get", json={"keys": list(keys)})
+        body = json.dumps({"keys": list(keys)}).encode()
+        buf, _ = self._download("POST", f"/v1/namespaces/{_q(namespace)}/batch/get", body)
         items = unpack_batch(memoryview(buf.numpy()))
         if [k for k, *_ in items] != list(keys):
             raise CorruptValueError(200, "bad_response", "batch get answered other keys than were asked")
@@ -154,6 +163,7 @@ class Client:
 
     def close(self) -> None:
         self.http.close()
+        self.reader.close()
 
     def __enter__(self) -> Client:
         return self
@@ -168,29 +178,19 @@ class Client:
         except httpx.TransportError as exc:
             raise UnreachableError(0, "unreachable", f"{method} {self.base_url}{path}: {exc!r}") from exc
         if response.status_code >= 300:
-            raise _error(response)
+            raise _error(response.status_code, response.content)
         return response
 
-    def _download(self, method: str, path: str, **kwargs: object) -> tuple[torch.Tensor, httpx.Headers]:
-        """Stream a binary response straight into one CPU byte tensor."""
+    def _download(self, method: str, path: str, body: bytes | None = None) -> tuple[torch.Tensor, Mapping[str, str]]:
+        """A binary response as one CPU byte tensor [nbytes], read with a single copy."""
         try:
-            with self.http.stream(method, path, **kwargs) as response:
-                if response.status_code >= 300:
-                    response.read()
-                    raise _error(response)
-                size = int(response.headers["content-length"])
-                buf = torch.empty(size, dtype=torch.uint8)  # [nbytes]
-                view, filled = memoryview(buf.numpy()), 0
-                for chunk in response.iter_raw():
-                    if filled + len(chunk) > size:
-                        raise CorruptValueError(200, "bad_response", f"response is longer than its {size} bytes")
-                    view[filled: filled + len(chunk)] = chunk
-                    filled += len(chunk)
-        except httpx.TransportError as exc:
+            content_type = {"Content-Type": "application/json"} if body is not None else None
+            status, headers, content = self.reader.fetch(method, path, body, content_type)
+        except (OSError, http.client.HTTPException) as exc:
             raise UnreachableError(0, "unreachable", f"{method} {self.base_url}{path}: {exc!r}") from exc
-        if filled != size:
-            raise CorruptValueError(200, "bad_response", f"response has {filled} of its {size} bytes")
-        return buf, response.headers
+        if status >= 300:
+            raise _error(status, content)
+        return content, headers
 
 
 def tensor_bytes(tensor: torch.Tensor) -> tuple[Descriptor, memoryview]:
@@ -211,15 +211,15 @@ def _tensor(buf: torch.Tensor, desc: Descriptor, checksum: int | None, what: str
     return buf.view(TORCH_DTYPES[desc.dtype]).reshape(desc.shape)
 
 
-def _error(response: httpx.Response) -> ServiceError:
+def _error(status: int, body: bytes) -> ServiceError:
     try:
-        body = response.json()
-        code, detail = str(body["error"]), str(body["detail"])
+        content = json.loads(body)
+        code, detail = str(content["error"]), str(content["detail"])
     except (ValueError, KeyError, TypeError):
-        code, detail = "error", response.text[:500]
+        code, detail = "error", body[:500].decode(errors="replace")
     if code == "integrity_error":
-        return CorruptValueError(response.status_code, code, detail)
-    return _ERRORS.get(response.status_code, ServiceError)(response.status_code, code, detail)
+        return CorruptValueError(status, code, detail)
+    return _ERRORS.get(status, ServiceError)(status, code, detail)
 
 
 def _q(namespace: str) -> str:

@@ -224,6 +224,8 @@ class KVStore(TierMoves):
     def stats(self) -> dict:
         tiers = {name: {"blocks": t.num_blocks, "bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes}
                  for name, t in zip(TIER_NAMES, self.tiers)}
+        if self.cold.name == "remote":  # cold blocks live in a sidecar, not on a local disk
+            tiers["remote"] = tiers.pop("ssd")
         tokens = sum(tables[0].num_tokens for tables in self.sequences.values())
         return {
             "tiers": tiers,

@@ -230,6 +230,7 @@ def test_sm_scale_int8_flags_and_no_mass() -> None:
     (5, lambda t: t.long(), "block_table: expected"),
     (6, lambda t: t.float(), "block_is_int8: expected"),
     (7, lambda t: t[:1], "num_tokens: expected"),
+    (7, lambda t: t.to("meta"), "num_tokens: expected"),
 ])
 def test_bad_arguments_raise_value_error(field: int, bad, message: str) -> None:
     case, _ = _build("gqa4_mixed")

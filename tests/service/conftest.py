@@ -29,14 +29,16 @@ class ServerProcess:
     def __init__(self, data_dir: Path, *args: str, token: str | None = None) -> None:
         self.data_dir, self.args, self.token = data_dir, list(args), token
         self.proc: subprocess.Popen | None = None
+        self.port: int | None = None
         self.log = data_dir.parent / f"{data_dir.name}-server.log"
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 60.0) -> ServerProcess:
-        self.port = free_port()
+    def start(self, timeout: float = 60.0, same_port: bool = False) -> ServerProcess:
+        if not (same_port and self.port):
+            self.port = free_port()
         cmd = [sys.executable, "-m", "kvstore.service", "--data-dir", str(self.data_dir), "--port", str(self.port),
                *self.args, *(["--token", self.token] if self.token else [])]
         env = {**os.environ, "PYTHONPATH": str(REPO)}

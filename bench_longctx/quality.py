@@ -1,0 +1,99 @@
+"""`kvtier bench quality`: perplexity deltas of int8 warm blocks and of each sparse mode (SmolLM2-135M).
+
+Two measurements on natural text (tests/data/prose.txt, a short story):
+  prefill  engine_adapter.evaluate.perplexity over the first `prefill_tokens` tokens, in a
+           store that keeps everything fp16 and in one whose blocks older than
+           `int8_hot_tokens` are int8 (KIVI) in the warm tier: the cost of int8 warm.
+  decode   after prefilling `prefix_tokens`, the next `scored_tokens` tokens are fed one
+           decode step at a time (teacher forcing) and scored, per mode and budget, each
+           on its own fork of the prefill; deltas are against dense fp16 over the same
+           positions. Dense and top-K also run over the int8 store (kvtier's real setup).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench_longctx.measure import Deadline, release
+from bench_longctx.models import Models, model_store
+from bench_longctx.presets import QualityPreset
+from engine_adapter.evaluate import perplexity
+from engine_adapter.llama import Decoder
+
+TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "prose.txt"
+
+
+def decode_nll(decoder: Decoder, seq: int, logits: torch.Tensor, targets: list[int], mode: str, budget: int) -> float:
+    """Summed NLL of targets, teacher-forced: logits [vocab] predict targets[0], each step the next."""
+    total = float(F.cross_entropy(logits[None], torch.tensor(targets[:1], device=logits.device)))
+    for prev, target in zip(targets[:-1], targets[1:]):
+        step = decoder.decode_step(seq, prev, mode, budget)
+        total += float(F.cross_entropy(step[None], torch.tensor([target], device=step.device)))
+    return total
+
+
+def decode_perplexities(decoder: Decoder, prefix: list[int], targets: list[int],
+                        cells: list[tuple[str, int]]) -> list[float]:
+    base = decoder.store.create_sequence()
+    try:
+        logits = decoder.prefill(base, prefix)
+        out = []
+        for mode, budget in cells:
+            seq = decoder.fork(base)
+            try:
+                out.append(math.exp(decode_nll(decoder, seq, logits, targets, mode, budget) / len(targets)))
+            finally:
+                decoder.free(seq)
+        return out
+    finally:
+        decoder.free(base)
+
+
+def stores(spec, p: QualityPreset, device: torch.device, tokens: int) -> dict:
+    """'fp16': every block hot; 'int8_warm': all but the sinks and the last int8_hot_tokens are int8."""
+    common = dict(sink_tokens=p.sink_tokens, recent_tokens=p.recent_tokens)
+    return {"fp16": model_store(spec, device, hot_tokens=tokens + 256, warm_tokens=0, **common),
+            "int8_warm": model_store(spec, device, hot_tokens=p.int8_hot_tokens, warm_tokens=tokens + 256, **common)}
+
+
+def run_quality(p: QualityPreset, device: torch.device, models: Models, deadline: Deadline, progress) -> dict:
+    note = models.note() or (None if TEXT.is_file() else f"quality skipped: {TEXT} not found")
+    if note:
+        return {"skipped": note}
+    model, tokenizer = models.smollm2()
+    ids = tokenizer(TEXT.read_text(), add_special_tokens=False)["input_ids"]
+    n = min(p.prefill_tokens, len(ids))
+    prefix_len = min(p.prefix_tokens, len(ids) - p.scored_tokens - 1)
+    prefix, targets = ids[:prefix_len], ids[prefix_len: prefix_len + p.scored_tokens]
+    built = stores(model.args.spec, p, device, max(n, prefix_len + len(targets)))
+    try:
+        decoders = {name: Decoder(model, store) for name, store in built.items()}
+        prefill = {name: perplexity(dec, ids[:n]) for name, dec in progress(decoders.items(), "quality prefill")}
+        cells = {"fp16": [("dense", prefix_len + len(targets))] + [(m, b) for m in ("topk", "window", "h2o")
+                                                                   for b in p.budgets],
+                 "int8_warm": [("dense", prefix_len + len(targets))] + [("topk", b) for b in p.budgets]}
+        rows = []
+        for name in progress(list(cells), "quality decode"):
+            if deadline.expired():
+                break
+            ppls = decode_perplexities(decoders[name], prefix, targets, cells[name])
+            rows += [{"store": name, "mode": m, "budget": b if m != "dense" else None, "ppl": v}
+                     for (m, b), v in zip(cells[name], ppls)]
+    finally:
+        for store in built.values():
+            store.close()
+        release(device)
+    reference = next((r["ppl"] for r in rows if r["store"] == "fp16" and r["mode"] == "dense"), None)
+    for r in rows:
+        r["delta_vs_dense_fp16"] = None if reference is None else r["ppl"] - reference
+        r["relative_delta"] = None if reference is None else r["ppl"] / reference - 1
+    return {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized, fp32)", "text": TEXT.name,
+            "text_tokens": len(ids), "sink_tokens": p.sink_tokens, "recent_tokens": p.recent_tokens,
+            "prefill": {"tokens": n, "fp16_ppl": prefill["fp16"], "int8_warm_ppl": prefill["int8_warm"],
+                        "int8_hot_tokens": p.int8_hot_tokens, "delta": prefill["int8_warm"] - prefill["fp16"],
+                        "relative_delta": prefill["int8_warm"] / prefill["fp16"] - 1},
+            "decode": {"prefix_tokens": prefix_len, "scored_tokens": len(targets), "rows": rows}}

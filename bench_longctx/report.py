@@ -1,0 +1,125 @@
+"""What a `kvtier bench` run leaves behind: results.json, readable tables (printed and summary.md)
+and PNG plots (bench_longctx.plots)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+def fmt(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            return str(value)
+        return f"{value:.3g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    if isinstance(value, int) and value >= 1024 and value % 1024 == 0:
+        return f"{value // (1 << 20)}M" if value % (1 << 20) == 0 else f"{value // 1024}K"
+    return str(value)
+
+
+def md_table(headers: list[str], rows: list[list[object]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def decode_table(r: dict) -> str:
+    rows = [row for row in r["rows"] if "modes" in row]
+    modes = list(dict.fromkeys(m for row in rows for m in row["modes"]))
+    table = [[row["context"], *[row["modes"].get(m, {}).get("ms") for m in modes]] for row in rows]
+    speed = [[row["context"], *[row["modes"].get(m, {}).get("speedup_vs_sdpa") for m in modes]] for row in rows]
+    frac = [[row["context"], *[row["modes"].get(m, {}).get("of_copy_ceiling") for m in modes]] for row in rows]
+    errors = [f"- {row['context']}: {row['error']}" for row in r["rows"] if "error" in row]
+    return "\n\n".join([
+        f"Decode step, one {r['geometry']} layer: ms (copy ceiling {r['copy_ceiling_GBps']:.1f} GB/s)",
+        md_table(["context", *modes], table), "Speedup over SDPA (same run)", md_table(["context", *modes], speed),
+        "Achieved bandwidth as a fraction of the copy ceiling", md_table(["context", *modes], frac), *errors])
+
+
+def needle_table(r: dict) -> str:
+    parts = []
+    syn = r.get("synthetic", {})
+    if "rows" in syn:
+        rows = [[x["context"], x["mode"], x["budget"], x["recall"], x["mass_captured"], x["read_fraction"]]
+                for x in syn["rows"]]
+        parts += [f"Planted-needle recall, one {syn['geometry']} layer ({syn['needles_per_context']} needles "
+                  f"per context)", md_table(["context", "mode", "budget", "recall", "mass captured", "read"], rows)]
+        parts += [f"- {e['context']}: {e['error']}" for e in syn.get("errors", [])]
+    parts += _skip_or_error("synthetic needle", syn)
+    pk = r.get("passkey", {})
+    if "accuracy" in pk:
+        rows = [[a["context"], a["mode"], a["budget"], a["accuracy"], a["prompts"]] for a in pk["accuracy"]]
+        parts += ["SmolLM2-135M passkey accuracy", md_table(["context", "mode", "budget", "accuracy", "prompts"], rows)]
+    parts += _skip_or_error("passkey", pk)
+    return "\n\n".join(parts)
+
+
+def tiers_table(r: dict) -> str:
+    rows = [[m["move"], m["GBps"], m["ceiling"], m["ceiling_GBps"], m["of_ceiling"]] for m in r["moves"]]
+    parts = [f"Tier moves, {r['geometry']} blocks (ceilings measured in this run)",
+             md_table(["move", "GB/s", "ceiling", "ceiling GB/s", "of ceiling"], rows)]
+    return "\n\n".join(parts + _skip_or_error("service", r.get("service", {})))
+
+
+def quality_table(r: dict) -> str:
+    p = r["prefill"]
+    rows = [[x["store"], x["mode"], x["budget"], x["ppl"], x["delta_vs_dense_fp16"], x["relative_delta"]]
+            for x in r["decode"]["rows"]]
+    return "\n\n".join([
+        f"Perplexity, {r['model']}, {r['text']}",
+        md_table(["prefill tokens", "fp16", "int8 warm", "delta", "relative"],
+                 [[p["tokens"], p["fp16_ppl"], p["int8_warm_ppl"], p["delta"], p["relative_delta"]]]),
+        f"Teacher-forced decode: {r['decode']['scored_tokens']} tokens after a {r['decode']['prefix_tokens']}-token "
+        "prefix", md_table(["store", "mode", "budget", "ppl", "delta", "relative"], rows)])
+
+
+def e2e_table(r: dict) -> str:
+    rows = [[name, x["tokens_per_s"], x["ms_per_token"], x["steps"]] for name, x in r["paths"].items()]
+    tiers = [[name, t["blocks"], t["bytes"] / 2**30, t["capacity_bytes"] / 2**30]
+             for name, t in r["memory"]["tiers"].items()]
+    mem = r["memory"]
+    extra = [["block index (summaries, maps, H2O)", None, mem["block_index_bytes"] / 2**30, None],
+             ["model weights", None, mem["model_weights_bytes"] / 2**30, None]]
+    if "cuda_max_allocated_bytes" in mem:
+        extra.append(["CUDA max allocated", None, mem["cuda_max_allocated_bytes"] / 2**30, None])
+    return "\n\n".join([
+        f"Greedy decode, {r['geometry']} geometry ({r['layers']} layers, random {r['dtype']} weights), "
+        f"context {fmt(r['context'])}, top-K budget {r['budget']}, fill: {r['fill']}",
+        md_table(["path", "tokens/s", "ms/token", "steps"], rows),
+        md_table(["memory", "blocks", "GiB", "capacity GiB"], tiers + extra), *[f"- {n}" for n in r["notes"]]])
+
+
+TABLES = {"decode": decode_table, "needle": needle_table, "tiers": tiers_table, "quality": quality_table,
+          "e2e": e2e_table}
+
+
+def _skip_or_error(what: str, r: dict) -> list[str]:
+    if "skipped" in r:
+        return [f"- {what}: {r['skipped']}"]
+    if "error" in r:
+        return [f"- {what} FAILED: {r['error']}"]
+    return []
+
+
+def summary(results: dict) -> str:
+    env = results["environment"]
+    parts = [f"# kvtier bench, preset {results['preset']['name']}",
+             f"{env['date']} on {env['device_name']} ({env['device']}), torch {env['torch']}; "
+             f"wall {results['wall_s']:.0f} s; command: `{env['command']}`"]
+    for name, r in results["suites"].items():
+        parts.append(f"## {name} ({r.get('wall_s', 0):.0f} s)")
+        problems = _skip_or_error(name, r)
+        parts += problems if problems else [TABLES[name](r)]
+    return "\n\n".join(parts) + "\n"
+
+
+def write(results: dict, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    (out / "summary.md").write_text(summary(results))
+    return [out / "results.json", out / "summary.md"]

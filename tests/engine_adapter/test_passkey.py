@@ -1,0 +1,88 @@
+"""Passkey retrieval with SmolLM2-135M at ~2K, ~4K and ~7.5K tokens: top-K at 1/8 of the context
+finds every passkey dense attention finds; window and H2O are recorded as negative controls."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_adapter.evaluate import passkey_by_mode, passkey_prompt
+from engine_adapter.llama import Decoder
+from kvstore import Config, KVStore, ModelSpec
+from tests.engine_adapter import smollm2
+
+# (prompt tokens, relative depth of the needle); each case is one prefill shared by every mode
+CASES = [(2000, 0.2), (2000, 0.5), (2000, 0.8), (4000, 0.25), (4000, 0.75), (7500, 0.3), (7500, 0.7)]
+MODES = ("dense", "topk", "window", "h2o")
+
+
+def passkey_for(case: int) -> str:
+    return str(10000 + (case + 1) * 48271 % 90000)  # distinct 5-digit keys, no digit pattern shared
+
+
+def budget_for(tokens: int) -> int:
+    return tokens // 8 // 32 * 32  # at most 1/8 of the context, whole blocks
+
+
+def config() -> Config:
+    # recent_tokens 64 leaves most of a 1/8 budget to top-K's picks
+    return Config(model=ModelSpec.preset("smollm2-135m"), block_tokens=32, sink_tokens=64, hot_tokens=4096,
+                  warm_tokens=32768, recent_tokens=64, gpu_bytes=768 << 20, cpu_bytes=64 << 20, device="cpu")
+
+
+def report(request: pytest.FixtureRequest, rows: list[dict]) -> None:
+    lines = [f"{'tokens':>7}{'depth':>7}{'budget':>8}{'passkey':>9}" + "".join(f"{m:>9}" for m in MODES)]
+    for r in rows:
+        cells = "".join(f"{(r['answers'][m] or '-') + ('' if r['answers'][m] == r['key'] else '*'):>9}" for m in MODES)
+        lines.append(f"{r['tokens']:>7}{r['depth']:>7}{r['budget']:>8}{r['key']:>9}{cells}")
+    found = {m: sum(r["answers"][m] == r["key"] for r in rows) for m in MODES}
+    lines.append("found: " + ", ".join(f"{m} {n}/{len(rows)}" for m, n in found.items()) + "   (* = missed)")
+    terminal = request.config.pluginmanager.get_plugin("terminalreporter")
+    if terminal is not None:
+        terminal.write_line("\npasskey retrieval, SmolLM2-135M:\n" + "\n".join(lines))
+
+
+@pytest.fixture(scope="module")
+def results(request: pytest.FixtureRequest) -> list[dict]:
+    _, tokenizer, model = smollm2.smollm2()
+    rows = []
+    with KVStore(config()) as store:
+        decoder = Decoder(model, store)
+        for case, (tokens, depth) in enumerate(CASES):
+            key, budget = passkey_for(case), budget_for(tokens)
+            prompt = passkey_prompt(tokenizer, tokens, depth, key)
+            answers = passkey_by_mode(decoder, tokenizer, prompt, {mode: budget for mode in MODES})
+            rows.append(dict(tokens=tokens, depth=depth, key=key, budget=budget, answers=answers))
+        store.check_integrity()
+        assert store.stats()["sequences"]["count"] == 0
+    report(request, rows)
+    return rows
+
+
+def test_prompts_have_the_planned_length_and_needle() -> None:
+    _, tokenizer, _ = smollm2.smollm2()
+    ids = passkey_prompt(tokenizer, 2000, 0.5, "31415")
+    assert len(ids) == 2000
+    text = tokenizer.decode(ids)
+    assert text.count("31415") == 2 and 0.4 < text.index("31415") / len(text) < 0.6
+    with pytest.raises(ValueError, match="5 digits"):
+        passkey_prompt(tokenizer, 2000, 0.5, "314")
+    with pytest.raises(ValueError, match="at least"):
+        passkey_prompt(tokenizer, 20, 0.5, "31415")
+
+
+def test_dense_finds_the_passkey_in_most_cases(results: list[dict]) -> None:
+    found = [r for r in results if r["answers"]["dense"] == r["key"]]
+    assert len(found) >= len(results) - 1, results  # otherwise the comparison below says little
+
+
+def test_topk_finds_every_passkey_dense_finds(results: list[dict]) -> None:
+    misses = [r for r in results if r["answers"]["dense"] == r["key"] != r["answers"]["topk"]]
+    assert not misses, misses
+
+
+def test_window_and_h2o_controls_are_recorded(results: list[dict]) -> None:
+    for r in results:
+        assert r["budget"] * 8 <= r["tokens"]
+        for mode in ("window", "h2o"):
+            answer = r["answers"][mode]
+            assert answer is None or answer.isdigit(), (mode, r)
