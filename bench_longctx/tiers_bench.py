@@ -84,6 +84,7 @@ def bench_cpu_fetch(layout: BlockLayout, x: torch.Tensor, device: torch.device, 
     cpu.put(list(range(n)), x.cpu())
     pick = torch.randperm(n, generator=torch.Generator().manual_seed(1))[:num_fetch].tolist()
     nbytes = num_fetch * layout.fp16_bytes
+    assert torch.equal(cpu.fetch(pick, device).cpu(), x.cpu()[pick]), "cpu -> device fetch returned wrong data"
     out = {"fetch_blocks": num_fetch, "fetch_bytes": nbytes,
            "cpu_fetch_batched_GBps": nbytes / median_seconds(lambda: cpu.fetch(pick, device), device) / 1e9,
            "cpu_gather_verify_only_GBps": nbytes / median_seconds(lambda: cpu.get(pick), device) / 1e9}

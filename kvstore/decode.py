@@ -55,7 +55,7 @@ def attend(store: KVStore, seq: int, layer: int, q: torch.Tensor, mode: str = "d
     _check_query(store, q, mode, budget)
     if table.num_tokens == 0:
         raise ValueError(f"sequence {seq} layer {layer} holds no tokens to attend to")
-    if DROPPED in table.block_ids and mode != "h2o":
+    if table.num_dropped and mode != "h2o":
         raise ValueError(f"sequence {seq} layer {layer}: h2o mode dropped blocks; only mode='h2o' can attend it")
     selected = _select(store, seq, layer, table, q, mode, budget)  # int64 [H, k], ascending, tail last
     out, mass = _attend_blocks(store, table, q, selected)
@@ -110,14 +110,17 @@ def _select(store: KVStore, seq: int, layer: int, table: LayerTable, q: torch.Te
 
 def _live_blocks(store: KVStore, table: LayerTable) -> torch.Tensor:
     """int64 [H, n_live]: every block not dropped, for every kv head."""
-    live = [i for i, b in enumerate(table.block_ids) if b != DROPPED]
-    idx = torch.tensor(live, dtype=torch.int64).to(store.device)
+    if table.num_dropped:
+        live = [i for i, b in enumerate(table.block_ids) if b != DROPPED]
+        idx = torch.tensor(live, dtype=torch.int64).to(store.device)
+    else:
+        idx = torch.arange(table.num_blocks, device=store.device)
     return idx.expand(store.spec.num_kv_heads, -1)
 
 
 def _live_positions(table: LayerTable, selected: torch.Tensor) -> torch.Tensor:
     """Column of each selected block in the dense (live-only) selection."""
-    if DROPPED not in table.block_ids:
+    if not table.num_dropped:
         return selected
     live = torch.tensor([b != DROPPED for b in table.block_ids], device=selected.device)
     return (live.cumsum(0) - 1)[selected]
@@ -139,6 +142,8 @@ def _attend_blocks(store: KVStore, table: LayerTable, q: torch.Tensor,
         hot_pool, slots, is_int8 = _stage_cold(store, table, selected, slots, is_int8)
     num_tokens = torch.tensor([_tokens_covered(store, table, selected.shape[1])], dtype=torch.int32)
     warm = store.warm.pool
+    if not table.num_warm:  # no int8 block in the table: the kernel's pure-fp16 build
+        warm = warm.index(slice(0, 0))
     kernel = _kernel(store.device)
     out, mass = kernel(q[None], hot_pool, warm.data, warm.k_scale, warm.v_scale, slots[None], is_int8[None],
                        num_tokens.to(store.device), return_block_mass=True)

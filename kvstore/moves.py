@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from kvstore.placement import COLD
+from kvstore.placement import COLD, HOT, WARM
 from kvstore.table import LayerTable
 from tiers.layout import Blocks, Int8Blocks
 
@@ -36,7 +36,7 @@ class TierMoves:
     def _record(self: KVStore, ids: Sequence[int], level: int) -> None:
         """Book `ids` into tier `level` and point their tables' device maps at them."""
         self.blocks.record(ids, level)
-        self._account_cold(ids, level, +1)
+        self._account(ids, level, +1)
         by_table: dict[tuple[int, int], list[int]] = {}
         for block_id in ids:
             seq, layer, index = self.blocks.owner[block_id]
@@ -47,11 +47,17 @@ class TierMoves:
             slots = tier.slots.lookup([table.block_ids[i] for i in indices]) if level < COLD else [-1] * len(indices)
             self.tensors.set_location(table, indices, slots, level)
 
-    def _account_cold(self: KVStore, ids: Sequence[int], level: int, sign: int) -> None:
-        if level >= COLD:
-            for block_id in ids:
-                seq, layer, _ = self.blocks.owner[block_id]
-                self.sequences[seq][layer].num_cold += sign
+    def _account(self: KVStore, ids: Sequence[int], level: int, sign: int) -> None:
+        """Keep each table's count of warm and of cold blocks (the decode path branches on them)."""
+        if level == HOT:
+            return
+        for block_id in ids:
+            seq, layer, _ = self.blocks.owner[block_id]
+            table = self.sequences[seq][layer]
+            if level == WARM:
+                table.num_warm += sign
+            else:
+                table.num_cold += sign
 
     def _make_room(self: KVStore, level: int, n: int) -> int:
         """Cool victims out of tier `level` until n blocks fit; returns how many fit."""
@@ -78,7 +84,7 @@ class TierMoves:
         """Move blocks to a colder (or, for promotions, hotter) tier."""
         blocks = self.tiers[src].get(ids)
         self.tiers[src].delete(ids)
-        self._account_cold(ids, src, -1)
+        self._account(ids, src, -1)
         self.blocks.forget(ids)
         self._place(ids, blocks, dst)
 

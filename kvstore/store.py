@@ -112,12 +112,13 @@ class KVStore(TierMoves):
         self._delete(ids)
         for i in indices:
             table.block_ids[i] = DROPPED
+        table.num_dropped += len(indices)
         self.tensors.set_location(table, list(indices), [-1] * len(indices), DROPPED)
 
     def _delete(self, ids: Sequence[int]) -> None:
         for level, group in self.blocks.by_tier(ids).items():
             self.tiers[level].delete(group)
-            self._account_cold(group, level, -1)
+            self._account(group, level, -1)
         self.blocks.remove(ids)
 
     # -- append ------------------------------------------------------------------------------
@@ -251,8 +252,9 @@ class KVStore(TierMoves):
         if any(self.blocks.owner.get(b) != (seq, layer, i) for i, b in live):
             raise AssertionError(f"{where}: a block is not owned by its table")
         levels = [self.blocks.tier_of[b] for _, b in live]
-        if table.num_cold != sum(lv >= COLD for lv in levels):
-            raise AssertionError(f"{where}: num_cold {table.num_cold} is stale")
+        counts = (sum(lv == WARM for lv in levels), sum(lv >= COLD for lv in levels), table.block_ids.count(DROPPED))
+        if counts != (table.num_warm, table.num_cold, table.num_dropped):
+            raise AssertionError(f"{where}: warm/cold/dropped counts {counts} are stale")
         if table.block_ids and levels and self.blocks.tier_of.get(table.block_ids[-1]) != HOT:
             raise AssertionError(f"{where}: the tail block left the hot tier")
         if table.num_blocks:

