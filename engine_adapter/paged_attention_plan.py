@@ -13,6 +13,8 @@ import torch
 import triton
 
 _TILE_ELEMENTS = 8192  # K elements per iteration by default: 64 tokens at head_dim 128
+# 16-token tiles compute wrong results compiled on the H200 (triton 3.6; right in the interpreter): refused.
+_MIN_TOKENS_PER_ITER = 32
 _MAX_TOKENS_PER_ITER = 128  # the score tile [16, tokens] in fp32 must stay in registers too
 _PROGRAMS_PER_SM = 12  # programs per SM the split count aims at: whole waves at 2, 3 or 4 resident
 _MIN_ITERS_PER_SPLIT = 4  # below this, a split's fixed cost (q load, partial store) dominates
@@ -115,10 +117,11 @@ def decode_config(
 ) -> DecodeConfig:
     """Defaults: ~_TILE_ELEMENTS of K per iteration; enough splits for _PROGRAMS_PER_SM programs on every SM."""
     if blocks_per_iter is None:
-        tokens = min(_MAX_TOKENS_PER_ITER, max(16, _TILE_ELEMENTS // geom.head_dim))
+        tokens = min(_MAX_TOKENS_PER_ITER, max(_MIN_TOKENS_PER_ITER, _TILE_ELEMENTS // geom.head_dim))
         blocks_per_iter = max(1, tokens // geom.block_tokens)
-    if not _is_pow2(blocks_per_iter) or blocks_per_iter * geom.block_tokens < 16:
-        raise ValueError(f"blocks_per_iter: expected a power of two with >= 16 tokens, got {blocks_per_iter}")
+    if not _is_pow2(blocks_per_iter) or blocks_per_iter * geom.block_tokens < _MIN_TOKENS_PER_ITER:
+        raise ValueError(f"blocks_per_iter: expected a power of two with >= {_MIN_TOKENS_PER_ITER} tokens per "
+                         f"iteration at block_tokens={geom.block_tokens}, got {blocks_per_iter}")
     iters = max(1, triton.cdiv(geom.max_blocks, blocks_per_iter))
     if num_splits is None:
         wanted = triton.cdiv(_PROGRAMS_PER_SM * _sm_count(device), max(1, geom.batch * geom.num_kv_heads))

@@ -95,23 +95,27 @@ def llama_from_hf(hf_model, dtype: torch.dtype = torch.float32) -> Llama:
             continue  # tied to embed_tokens
         state[local] = tensor
     model.load_state_dict(state, strict=True)
-    return model.to(dtype).eval()
+    return model.to(dtype).requires_grad_(False).eval()
 
 
 def random_llama(spec: ModelSpec, seed: int = 0, vocab_size: int = 32000, dtype: torch.dtype = torch.float32,
                  device: str = "cpu") -> Llama:
-    """A seeded random Llama with the given KV geometry, for benchmarks that need no model files."""
+    """A seeded random Llama with the given KV geometry, for benchmarks that need no model files.
+
+    Weights are drawn on `device` in `dtype` directly (an 8B geometry never exists in fp32 on the
+    host); the same seed gives the same weights on the same kind of device."""
     args = LlamaArgs.from_spec(spec, vocab_size=vocab_size)
-    generator = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
         model = Llama(args)
-    model = model.to_empty(device="cpu")
-    for name, param in model.named_parameters():
-        if name.endswith("layernorm.weight") or name == "norm.weight":
-            param.data.fill_(1.0)
-        else:
-            param.data.normal_(0.0, 0.02, generator=generator)
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(dtype).to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    return model.requires_grad_(False).eval()
 
 
 def load_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,

@@ -34,6 +34,7 @@ def test_run_succeeds_and_writes_every_artifact(run):
     for name in ("decode_latency_vs_context.png", "needle_recall_vs_budget.png", "tier_bandwidth.png",
                  "e2e_tokens_per_s.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG", name
+    assert not [p for p in out.iterdir() if p.is_dir()]  # scratch folders (ssd tier, disk ceiling) are gone
     summary = (out / "summary.md").read_text()
     assert "| context | sdpa |" in summary and "| move | GB/s |" in summary and "| path | tokens/s |" in summary
 

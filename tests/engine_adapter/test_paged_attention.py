@@ -202,7 +202,7 @@ def test_block_mass_sums_to_one_per_row_and_zero_on_padding() -> None:
     assert torch.all(mass[~padding.expand_as(mass)] > 0)
 
 
-@pytest.mark.parametrize("config", [{"blocks_per_iter": 1}, {"blocks_per_iter": 4, "num_warps": 8},
+@pytest.mark.parametrize("config", [{"blocks_per_iter": 2}, {"blocks_per_iter": 4, "num_warps": 8},
                                     {"num_splits": 1, "num_stages": 1}, {"num_splits": 9}])
 def test_configs_agree(config: dict) -> None:
     case, _ = _build("gqa4_mixed")
