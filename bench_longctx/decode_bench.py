@@ -36,15 +36,16 @@ def ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-def real_key_stats() -> tuple[torch.Tensor, torch.Tensor]:
+def real_key_stats(spec: ModelSpec = SPEC, device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
     """Per kv head and channel mean and std of post-RoPE keys of SmolLM2-135M (layer 15, 2K tokens of
     prose; bench_longctx/data), tiled from its 3 heads x 64 channels onto this geometry's 8 x 128."""
     path = os.path.join(os.path.dirname(__file__), "data", "smollm2_key_stats.json")
     with open(path) as f:
         stats = json.load(f)
-    heads = [h % 3 for h in range(SPEC.num_kv_heads)]
-    mean, std = (torch.tensor(stats[name])[heads].repeat(1, SPEC.head_dim // 64) for name in ("mean", "std"))
-    return mean.cuda(), std.cuda()  # [H, D] each
+    heads = [h % 3 for h in range(spec.num_kv_heads)]
+    reps = -(-spec.head_dim // 64)
+    mean, std = (torch.tensor(stats[name])[heads].repeat(1, reps)[:, : spec.head_dim] for name in ("mean", "std"))
+    return mean.to(device), std.to(device)  # [H, D] each
 
 
 def build_store(ctx: int, block_tokens: int, int8: bool, needle: tuple[int, torch.Tensor] | None,
@@ -58,10 +59,10 @@ def build_store(ctx: int, block_tokens: int, int8: bool, needle: tuple[int, torc
                            staging_tokens=4096, cpu_bytes=1 << 30, ssd_bytes=1 << 30, device=device, host_memory_reserve=0))
     seq = store.create_sequence()
     g = torch.Generator(device=device).manual_seed(ctx + block_tokens)
+    mean, std = real_key_stats(spec, device)
     for start in range(0, ctx, CHUNK):
         n = min(CHUNK, ctx - start)
-        k = torch.randn((n, spec.num_kv_heads, spec.head_dim), device=device, generator=g)
-        k[..., :8] *= 6  # outlier channels, as real keys have
+        k = mean + std * torch.randn((n, spec.num_kv_heads, spec.head_dim), device=device, generator=g)
         v = torch.randn((n, spec.num_kv_heads, spec.head_dim), device=device, generator=g)
         if needle and start <= needle[0] < start + n:
             k[needle[0] - start] = needle[1]
