@@ -85,12 +85,22 @@ def resolve_device(preset: presets.Preset, requested: str | None) -> torch.devic
 
 
 def progress_bars(force: bool) -> Callable:
+    """tqdm bars on a terminal (or with --progress); elsewhere one log line per case, for device logs."""
     from tqdm import tqdm
 
     def progress(items, desc: str):
-        return tqdm(items, desc=desc, leave=False, file=sys.stderr, disable=False if force else None)
+        if force or sys.stderr.isatty():
+            return tqdm(items, desc=desc, leave=False, file=sys.stderr)
+        return _logged(items, desc)
 
     return progress
+
+
+def _logged(items, desc: str):
+    start = time.perf_counter()
+    for item in items:
+        print(f"    {desc}: {item} (+{time.perf_counter() - start:.1f} s)", flush=True)
+        yield item
 
 
 def command(args: argparse.Namespace) -> str:
@@ -182,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_suites(args: argparse.Namespace, preset: presets.Preset, device: torch.device, out: Path) -> int:
+    from bench_longctx import report
+
     start = time.perf_counter()
     run_ = Run(preset, device, out, Deadline(preset.time_budget_s), Models(device), progress_bars(args.progress))
     from bench_longctx.timing import copy_ceiling
@@ -195,8 +207,13 @@ def run_suites(args: argparse.Namespace, preset: presets.Preset, device: torch.d
     for name in SUITES if args.suite == "all" else (args.suite,):
         print(f"[{time.perf_counter() - start:6.1f} s] {name} ...", flush=True)
         suite_start = time.perf_counter()
-        results["suites"][name] = _guarded(lambda: run_suite(name, run_))
+        if run_.deadline.expired():
+            results["suites"][name] = {"skipped": f"the preset's time budget ({preset.time_budget_s:.0f} s) is spent"}
+        else:
+            results["suites"][name] = _guarded(lambda: run_suite(name, run_))
         results["suites"][name]["wall_s"] = time.perf_counter() - suite_start
+        results["wall_s"] = time.perf_counter() - start
+        report.write(results, out)  # what has run so far survives a run killed later
         release(device)
     results["wall_s"] = time.perf_counter() - start
     return finish(results, out, plots=not args.no_plots)

@@ -103,7 +103,7 @@ PRESETS: dict[str, Preset] = {
     # multi-threaded small ops 10-50x slower and the timings meaningless.
     "quick": Preset(name="quick", device="auto", repeat=3, cpu_threads=1, time_budget_s=280.0),
     "h200": Preset(
-        name="h200", device="cuda", repeat=5, cpu_threads=0, time_budget_s=540.0,
+        name="h200", device="cuda", repeat=5, cpu_threads=0, time_budget_s=480.0,
         decode=DecodePreset(geometry="llama3-8b", contexts=(8 * K, 32 * K, 128 * K, 512 * K, M),
                             budgets=(2048, 4096, 16384), recent_tokens=1024),
         needle=NeedlePreset(geometry="llama3-8b", contexts=(32 * K, 256 * K, M), budgets=(1024, 4096, 16384),

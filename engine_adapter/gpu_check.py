@@ -66,7 +66,7 @@ def check_smollm2(num_prompt: int = 2000, num_new: int = 16) -> bool:
     hf_model = hf_model.cuda()
     text = " ".join(f"Line {i}: the lighthouse keeper wrote the weather in her log." for i in range(400))
     ids = tokenizer(text)["input_ids"][:num_prompt]
-    with torch.inference_mode():
+    with torch.no_grad():
         ref = hf_model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=num_new,
                                 min_new_tokens=num_new, do_sample=False)[0, num_prompt:].tolist()
     config = Config(model=ModelSpec.preset("smollm2-135m"), gpu_bytes=1 << 30, cpu_bytes=1 << 30, device="cuda")

@@ -7,7 +7,8 @@
 Each layer's update() appends the new K/V (RoPE already applied by the model) to the
 store as fp16 and returns the store's dense read-back, cast to the model's dtype.
 Batch size 1 only; beam search and cropping are refused, since one store sequence
-is one cache row.
+is one cache row. Run under torch.no_grad() (generate() does), not torch.inference_mode():
+store tables grown inside inference mode cannot be updated outside it.
 """
 
 from __future__ import annotations

@@ -190,7 +190,7 @@ class Decoder:
             raise ValueError(f"token ids must lie in [0, {vocab}), got range [{int(ids.min())}, {int(ids.max())}]")
         return ids
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: tensors the store allocates here must stay writable after
     def forward_chunk(self, seq: int, token_ids: TokenIds, all_logits: bool = False) -> torch.Tensor:
         """Append one chunk to the sequence; fp32 logits [T, vocab] for its positions ([1, vocab]: the last)."""
         ids = self._tokens(token_ids)
@@ -222,7 +222,7 @@ class Decoder:
             last = logits[-1]
         return last
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: tensors the store allocates here must stay writable after
     def decode_step(self, seq: int, token_id: int, mode: str = "dense", budget: int = 4096) -> torch.Tensor:
         """Append one token and attend through the store; returns fp32 logits [vocab]."""
         ids = self._tokens([token_id])

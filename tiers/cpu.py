@@ -15,7 +15,9 @@ from typing import Iterator, Sequence
 import psutil
 import torch
 
-from tiers.base import IntegrityError, PooledTier, SlotPool, block_checksums, check_ids, checksum
+import xxhash
+
+from tiers.base import IntegrityError, PooledTier, SlotPool, block_checksums, check_ids
 from tiers.fetch_kernel import gather_rows
 from tiers.layout import BlockLayout, Blocks, Int8Blocks
 from tiers.quant import dequantize, quantize
@@ -40,6 +42,7 @@ class CpuTier(PooledTier):
         self.slots = SlotPool(self.name, capacity_bytes // self.block_bytes)
         self.slab_blocks = max(1, min(self.slots.num_slots, _SLAB_BYTES // self.block_bytes))
         self.slabs: list[Blocks] = []
+        self._byte_views: list[list] = []  # per slab, numpy [rows, bytes] views of its tensors
         self.checksums: dict[int, int] = {}
         self.integrity_errors = 0
         self._executor: ThreadPoolExecutor | None = None
@@ -70,6 +73,8 @@ class CpuTier(PooledTier):
         while len(self.slabs) <= slot // self.slab_blocks:
             empty = self.layout.empty_fp16 if self.dtype == "float16" else self.layout.empty_int8
             self.slabs.append(empty(self.slab_blocks, "cpu", pin=self.pin))
+            fields = self.slabs[-1].tensors() if self.dtype == "int8" else (self.slabs[-1],)
+            self._byte_views.append([_flat(t) for t in fields])  # [rows, bytes] uint8 numpy views
 
     # -- protocol ------------------------------------------------------------------------
     def put(self, ids: Sequence[int], blocks: Blocks) -> None:
@@ -114,10 +119,13 @@ class CpuTier(PooledTier):
         return out
 
     def _verify(self, ids: Sequence[int], slots: list[int], lo: int, hi: int) -> None:
+        """Checksums of stored rows, hashed in place through numpy views: no torch call per block, so
+        worker threads hold the GIL only briefly (xxhash releases it while hashing)."""
         for block_id, slot in zip(ids[lo:hi], slots[lo:hi]):
-            slab, row = self.slabs[slot // self.slab_blocks], slot % self.slab_blocks
-            got = checksum(slab.index(row).tensors() if isinstance(slab, Int8Blocks) else [slab[row]])
-            if got != self.checksums[block_id]:
+            h = xxhash.xxh3_64()
+            for rows in self._byte_views[slot // self.slab_blocks]:
+                h.update(rows[slot % self.slab_blocks])
+            if h.intdigest() != self.checksums[block_id]:
                 self.integrity_errors += 1
                 raise IntegrityError(f"cpu tier: block {block_id} failed its checksum")
 
@@ -170,6 +178,7 @@ class CpuTier(PooledTier):
         if self._executor is not None:
             self._executor.shutdown()
         self.slabs.clear()
+        self._byte_views.clear()
 
     # -- helpers -------------------------------------------------------------------------
     def _convert(self, blocks: Blocks) -> Blocks:

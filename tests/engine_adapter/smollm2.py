@@ -43,7 +43,7 @@ def hf_greedy(num_prompt: int, max_new_tokens: int) -> tuple[tuple[int, ...], to
     and the fp32 logits [vocab] it chose the first token from."""
     hf_model, _, _ = smollm2()
     ids = torch.tensor([prose_ids()[:num_prompt]])
-    with torch.inference_mode():
+    with torch.no_grad():
         out = hf_model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
                                 output_logits=True, return_dict_in_generate=True)
     return tuple(out.sequences[0, num_prompt:].tolist()), out.logits[0][0].float()

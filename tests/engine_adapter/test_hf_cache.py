@@ -15,7 +15,7 @@ from engine_adapter.hf_cache import KVTierCache  # noqa: E402
 
 def generate(model, ids: torch.Tensor, n: int, cache=None) -> list[int]:
     kwargs = {} if cache is None else {"cache": cache}
-    with torch.inference_mode():
+    with torch.no_grad():
         out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kwargs)
     return out[0, ids.shape[1]:].tolist()
 

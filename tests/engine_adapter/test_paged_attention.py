@@ -155,11 +155,11 @@ CASES = {  # lengths, kv heads, group, head_dim, block_tokens, fraction int8, kw
     "all_fp16_warm_present": ([45, 80], 2, 4, 32, 16, 0.0, {}),
     "all_int8_hot_present": ([45, 80], 2, 4, 32, 16, 1.0, {}),
     "shared_table_dense_mode": ([29, 64], 2, 2, 32, 16, 0.5, {"shared_table": True}),
-    "full_blocks_only": ([64, 32], 2, 2, 16, 16, 0.5, {}),
+    "full_blocks_only": ([64, 32], 2, 2, 32, 16, 0.5, {}),
     "empty_row": ([0, 40], 2, 2, 32, 16, 0.5, {}),
     "warm_pool_empty": ([77], 2, 4, 32, 16, 0.0, {"empty_pool": "warm"}),
     "hot_pool_empty": ([77], 2, 4, 32, 16, 1.0, {"empty_pool": "hot"}),
-    "block_tokens_128": ([300], 1, 4, 16, 128, 0.5, {"num_splits": 2}),
+    "block_tokens_128": ([300], 1, 4, 32, 128, 0.5, {"num_splits": 2}),
 }
 CASE_KEYS = ("shared_table", "empty_pool")
 

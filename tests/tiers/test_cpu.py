@@ -25,8 +25,12 @@ def test_corrupted_host_memory_is_detected(dtype):
     slab.view(torch.uint8).view(-1)[row_bytes + 17] ^= 1  # a bit flip in block 2's slot (slot 1)
     with pytest.raises(IntegrityError, match="block 2"):
         tier.get([1, 2, 3])
-    assert tier.integrity_errors == 1
+    # The GPU fetch path verifies stored rows in place (no gather first): same verdict.
+    with pytest.raises(IntegrityError, match="block 2"):
+        tier._verify([1, 2, 3], tier.slots.lookup([1, 2, 3]), 0, 3)
+    assert tier.integrity_errors == 2
     tier.get([1, 3])  # intact blocks still read
+    tier._verify([1, 3], tier.slots.lookup([1, 3]), 0, 2)
 
 
 def test_large_gathers_run_in_verified_chunks():
