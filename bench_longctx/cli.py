@@ -27,9 +27,11 @@ from typing import Callable
 
 import torch
 
-from bench_longctx import presets
+from bench_longctx import presets, report
 from bench_longctx.measure import Deadline, release
 from bench_longctx.models import Models
+from bench_longctx.timing import copy_ceiling
+from bench_longctx.timing import environment as timing_environment
 
 SUITES = ("tiers", "decode", "e2e", "needle", "quality")  # the order `all` runs them in
 
@@ -125,9 +127,7 @@ def cpu_model() -> str:
 
 
 def environment(args: argparse.Namespace, device: torch.device) -> dict:
-    from bench_longctx.timing import environment as base
-
-    env = base(device)
+    env = timing_environment(device)
     env["argv"], env["command"] = env["command"], command(args)
     if device.type == "cpu":
         env["device_name"] = f"{cpu_model()} ({os.cpu_count()} cores)"
@@ -192,12 +192,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_suites(args: argparse.Namespace, preset: presets.Preset, device: torch.device, out: Path) -> int:
-    from bench_longctx import report
-
     start = time.perf_counter()
     run_ = Run(preset, device, out, Deadline(preset.time_budget_s), Models(device), progress_bars(args.progress))
-    from bench_longctx.timing import copy_ceiling
-
     run_.copy_GBps = copy_ceiling(device, preset.tiers.ceiling_bytes) / 1e9
     note = run_.models.note()
     if note and (args.suite in ("all", "needle", "quality")):
@@ -220,8 +216,6 @@ def run_suites(args: argparse.Namespace, preset: presets.Preset, device: torch.d
 
 
 def finish(results: dict, out: Path, plots: bool) -> int:
-    from bench_longctx import report
-
     files = report.write(results, out)
     if plots:
         from bench_longctx.plots import make_plots

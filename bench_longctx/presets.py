@@ -112,7 +112,7 @@ PRESETS: dict[str, Preset] = {
         quality=QualityPreset(prefill_tokens=3072, prefix_tokens=2048, scored_tokens=256, budgets=(256, 1024)),
         tiers=TiersPreset(geometry="llama3-8b", blocks=4096, fetch=2000, ssd_blocks=512, ceiling_bytes=1 << 30,
                           disk_bytes=256 << 20, service_sizes=()),
-        e2e=E2EPreset(geometry="llama3-8b", layers=0, context=M, budget=4096, steps=32, hot_tokens=4096,
+        e2e=E2EPreset(geometry="llama3-8b", layers=0, context=M, budget=4096, steps=64, hot_tokens=4096,
                       recent_tokens=1024, fill="random"),
     ),
 }  # fmt: skip

@@ -44,7 +44,7 @@ def decode_table(r: dict) -> str:
 def needle_table(r: dict) -> str:
     parts = []
     syn = r.get("synthetic", {})
-    if "rows" in syn:
+    if syn.get("rows"):
         rows = [[x["context"], x["mode"], x["budget"], x["recall"], x["mass_captured"], x["read_fraction"]]
                 for x in syn["rows"]]
         parts += [f"Planted-needle recall, one {syn['geometry']} layer ({syn['needles_per_context']} needles "
@@ -52,7 +52,7 @@ def needle_table(r: dict) -> str:
         parts += [f"- {e['context']}: {e['error']}" for e in syn.get("errors", [])]
     parts += _skip_or_error("synthetic needle", syn)
     pk = r.get("passkey", {})
-    if "accuracy" in pk:
+    if pk.get("accuracy"):
         rows = [[a["context"], a["mode"], a["budget"], a["accuracy"], a["prompts"]] for a in pk["accuracy"]]
         parts += ["SmolLM2-135M passkey accuracy", md_table(["context", "mode", "budget", "accuracy", "prompts"], rows)]
     parts += _skip_or_error("passkey", pk)
@@ -60,9 +60,10 @@ def needle_table(r: dict) -> str:
 
 
 def tiers_table(r: dict) -> str:
-    rows = [[m["move"], m["GBps"], m["ceiling"], m["ceiling_GBps"], m["of_ceiling"]] for m in r["moves"]]
+    rows = [[m["move"], m["GBps"], m["ceiling"], m["ceiling_GBps"], m["of_ceiling"], m.get("ratio")]
+            for m in r["moves"]]
     parts = [f"Tier moves, {r['geometry']} blocks (ceilings measured in this run)",
-             md_table(["move", "GB/s", "ceiling", "ceiling GB/s", "of ceiling"], rows)]
+             md_table(["move", "GB/s", "ceiling", "ceiling GB/s", "of ceiling", "compression ratio"], rows)]
     return "\n\n".join(parts + _skip_or_error("service", r.get("service", {})))
 
 

@@ -24,9 +24,11 @@ from bench_longctx.presets import TiersPreset
 from bench_longctx.tiers_bench import run_tiers
 
 
-def _move(name: str, gbps: float, ceiling: str | None, ceiling_gbps: float | None) -> dict:
+def _move(name: str, gbps: float, ceiling: str | None, ceiling_gbps: float | None, ratio: float | None = None) -> dict:
+    """One move; ratio: compression ratio (bytes in / bytes stored) where the move compresses."""
     frac = gbps / ceiling_gbps if ceiling_gbps else None
-    return {"move": name, "GBps": gbps, "ceiling": ceiling, "ceiling_GBps": ceiling_gbps, "of_ceiling": frac}
+    return {"move": name, "GBps": gbps, "ceiling": ceiling, "ceiling_GBps": ceiling_gbps, "of_ceiling": frac,
+            "ratio": ratio}
 
 
 def moves(raw: dict) -> list[dict]:
@@ -46,10 +48,10 @@ def moves(raw: dict) -> list[dict]:
         out.append(_move("cpu -> device, one copy per block", fetch["cpu_fetch_per_block_copies_GBps"], *h2d))
     for mode, r in raw["ssd"].items():
         out.append(_move(f"ssd write, {mode} (fsync per put)", r["write_GBps"], "disk write+fsync",
-                         c["disk_write_fsync_GBps"]))
+                         c["disk_write_fsync_GBps"], r["ratio"]))
         out.append(_move(f"ssd read, {mode}", r["read_GBps"], "disk read", c["disk_read_GBps"]))
     for mode, r in raw["codec"].items():
-        out.append(_move(f"codec encode, {mode} (1 thread)", r["encode_GBps"], None, None))
+        out.append(_move(f"codec encode, {mode} (1 thread)", r["encode_GBps"], None, None, r["ratio"]))
         out.append(_move(f"codec decode, {mode} (1 thread)", r["decode_GBps"], None, None))
     return out
 

@@ -71,6 +71,8 @@ def test_tier_moves_are_read_against_ceilings_from_the_same_run(run):
             assert m["ceiling_GBps"] == pytest.approx(ceilings["copy_GBps"] / 2)
         if m["ceiling_GBps"]:
             assert m["of_ceiling"] == pytest.approx(m["GBps"] / m["ceiling_GBps"])
+    ratio = {m["move"]: m["ratio"] for m in tiers["moves"] if m["move"].startswith("ssd write")}
+    assert ratio["ssd write, zstd-split (fsync per put)"] > ratio["ssd write, none (fsync per put)"] > 0
     assert "rows" in tiers["service"] or "skipped" in tiers["service"]
 
 
