@@ -25,7 +25,8 @@ NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "\n\nWhat is the pass key? The pass key is "  # the trailing space makes the next token a digit
 
 
-def passkey_prompt(tokenizer: Tokenizer, total_tokens: int, depth: float, passkey: str, filler: str = FILLER) -> list[int]:
+def passkey_prompt(tokenizer: Tokenizer, total_tokens: int, depth: float, passkey: str,
+                   filler: str = FILLER) -> list[int]:
     """Token ids of a passkey prompt of exactly total_tokens tokens, the needle at relative depth in [0, 1]."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must lie in [0, 1], got {depth}")
@@ -35,7 +36,8 @@ def passkey_prompt(tokenizer: Tokenizer, total_tokens: int, depth: float, passke
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    intro, needle, question, piece = encode(INTRO), encode(NEEDLE.format(key=passkey)), encode(QUESTION), encode(filler)
+    intro, needle, question = encode(INTRO), encode(NEEDLE.format(key=passkey)), encode(QUESTION)
+    piece = encode(filler)
     room = total_tokens - len(intro) - len(needle) - len(question)
     if room < 0 or not piece:
         raise ValueError(f"total_tokens must be at least {total_tokens - room} for this needle, got {total_tokens}")

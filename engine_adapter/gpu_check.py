@@ -40,8 +40,9 @@ def check_random(tokens: int, layers: int) -> bool:
         decoder = Decoder(model, store)
         base = store.create_sequence()
         _, prefill_s = timed(lambda: decoder.prefill(base, ids, chunk_tokens=2048))
+        blocks = {name: tier["blocks"] for name, tier in store.stats()["tiers"].items()}
         print(f"random llama3-8b x{layers} layers: prefill {tokens:,} tokens {prefill_s:.1f} s "
-              f"({tokens / prefill_s:,.0f} tok/s); tiers {({k: v['blocks'] for k, v in store.stats()['tiers'].items()})}")
+              f"({tokens / prefill_s:,.0f} tok/s); blocks per tier {blocks}")
         logits = {}
         for mode, budget in (("dense", 4096), ("topk", 4 * tokens), ("topk", 2048), ("window", 2048), ("h2o", 2048)):
             seq = decoder.fork(base)

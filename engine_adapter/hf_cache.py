@@ -33,7 +33,9 @@ class KVTierLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """key/value_states [1, Hkv, T, D] -> all of this layer's K, V [1, Hkv, S, D] in the model's dtype."""
         spec = self.store.spec
         expected = (1, spec.num_kv_heads, key_states.shape[2], spec.head_dim)
@@ -88,6 +90,8 @@ class KVTierCache(Cache):
 
     def reset(self) -> None:
         """Drop every token: free the sequence and start a fresh one."""
+        if self.seq is None:
+            raise ValueError("KVTierCache.reset: the cache was freed; create a new one")
         self.store.free(self.seq)
         self.seq = self.store.create_sequence()
         self.layers = [KVTierLayer(self.store, self.seq, i) for i in range(len(self.layers))]

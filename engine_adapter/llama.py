@@ -50,7 +50,9 @@ class LlamaArgs:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"LlamaArgs.{name} must be a positive int, got {value!r}")
         if self.num_q_heads % self.num_kv_heads:
-            raise ValueError(f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(
+                f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
 
     @property
     def spec(self) -> ModelSpec:

@@ -10,13 +10,13 @@ from engine_adapter.llama import Decoder
 from kvstore import Config, KVStore, ModelSpec
 from tests.engine_adapter import smollm2
 
-# (prompt tokens, relative depth of the needle); each case is one prefill shared by every mode
-CASES = [(2000, 0.1), (2000, 0.5), (2000, 0.9), (4000, 0.3), (4000, 0.7), (7500, 0.1), (7500, 0.5)]
+# prompt tokens -> relative depths of the needle; one prefill per depth, shared by every mode
+DEPTHS = {2000: (0.1, 0.5, 0.9), 4000: (0.3, 0.7), 7500: (0.1, 0.6)}
 MODES = ("dense", "topk", "window", "h2o")
 
 
-def passkey_for(case: int) -> str:
-    return str(10000 + (case + 1) * 48271 % 90000)  # distinct 5-digit keys, no digit pattern shared
+def passkey_for(tokens: int, depth: float) -> str:
+    return str(10000 + (tokens + int(depth * 100) + 1) * 48271 % 90000)  # distinct 5-digit keys
 
 
 def budget_for(tokens: int) -> int:
@@ -33,22 +33,21 @@ def report(request: pytest.FixtureRequest, rows: list[dict]) -> None:
     lines = [f"{'tokens':>7}{'depth':>7}{'budget':>8}{'passkey':>9}" + "".join(f"{m:>9}" for m in MODES)]
     for r in rows:
         cells = "".join(f"{(r['answers'][m] or '-') + ('' if r['answers'][m] == r['key'] else '*'):>9}" for m in MODES)
-        lines.append(f"{r['tokens']:>7}{r['depth']:>7}{r['budget']:>8}{r['key']:>9}{cells}")
-    found = {m: sum(r["answers"][m] == r["key"] for r in rows) for m in MODES}
-    lines.append("found: " + ", ".join(f"{m} {n}/{len(rows)}" for m, n in found.items()) + "   (* = missed)")
+        lines.append(f"{r['tokens']:>7}{r['depth']:>7}{r['budget']:>8}{r['key']:>9}{cells}   (* = missed)")
     terminal = request.config.pluginmanager.get_plugin("terminalreporter")
     if terminal is not None:
         terminal.write_line("\npasskey retrieval, SmolLM2-135M:\n" + "\n".join(lines))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=sorted(DEPTHS), ids=lambda tokens: f"{tokens}tok")
 def results(request: pytest.FixtureRequest) -> list[dict]:
+    """One row per depth at this prompt length: the passkey each mode read back."""
     _, tokenizer, model = smollm2.smollm2()
-    rows = []
+    tokens, rows = request.param, []
     with KVStore(config()) as store:
         decoder = Decoder(model, store)
-        for case, (tokens, depth) in enumerate(CASES):
-            key, budget = passkey_for(case), budget_for(tokens)
+        for depth in DEPTHS[tokens]:
+            key, budget = passkey_for(tokens, depth), budget_for(tokens)
             prompt = passkey_prompt(tokenizer, tokens, depth, key)
             answers = passkey_by_mode(decoder, tokenizer, prompt, {mode: budget for mode in MODES})
             rows.append(dict(tokens=tokens, depth=depth, key=key, budget=budget, answers=answers))
@@ -70,7 +69,7 @@ def test_prompts_have_the_planned_length_and_needle() -> None:
         passkey_prompt(tokenizer, 20, 0.5, "31415")
 
 
-def test_dense_finds_the_passkey_in_most_cases(results: list[dict]) -> None:
+def test_dense_finds_the_passkey_at_most_depths(results: list[dict]) -> None:
     found = [r for r in results if r["answers"]["dense"] == r["key"]]
     assert len(found) >= len(results) - 1, results  # otherwise the comparison below says little
 
