@@ -82,7 +82,8 @@ def e2e_store(spec: ModelSpec, p: E2EPreset, device: torch.device) -> KVStore:
     cold_tokens = p.context - p.hot_tokens - warm_tokens
     cpu_bytes = int(max(0, cold_tokens + 4096) * per_token * 1.1)
     return model_store(spec, device, hot_tokens=p.hot_tokens, warm_tokens=warm_tokens, sink_tokens=sink,
-                       recent_tokens=p.recent_tokens, sequences=1, cpu_bytes=max(cpu_bytes, 64 << 20))
+                       recent_tokens=p.recent_tokens, sequences=1, cpu_bytes=max(cpu_bytes, 64 << 20),
+                       block_tokens=p.block_tokens)
 
 
 def fill_random(store: KVStore, seq: int, context: int, seed: int, progress) -> None:

@@ -77,6 +77,7 @@ class E2EPreset:
     steps: int = 8  # greedy steps timed per path
     hot_tokens: int = 512
     recent_tokens: int = 128
+    block_tokens: int = 32
     fill: str = "auto"  # "prefill" (the model's own KV), "random" (K/V written directly), "auto"
     max_prefill: int = 16384  # auto: prefill up to this context, random beyond
 
@@ -102,18 +103,20 @@ PRESETS: dict[str, Preset] = {
     # One thread: on a small shared CPU, OpenMP spin-waiting against other processes makes
     # multi-threaded small ops 10-50x slower and the timings meaningless.
     "quick": Preset(name="quick", device="auto", repeat=3, cpu_threads=1, time_budget_s=280.0),
+    # 64-token blocks on the H200: half the summary bytes a sparse step scans, and the one-launch
+    # top-k applies (select 73 us vs 123 us at 32; BENCHMARKS.md).
     "h200": Preset(
         name="h200", device="cuda", repeat=5, cpu_threads=0, time_budget_s=480.0,
         decode=DecodePreset(geometry="llama3-8b", contexts=(8 * K, 32 * K, 128 * K, 512 * K, M),
-                            budgets=(2048, 4096, 16384), recent_tokens=1024),
+                            budgets=(2048, 4096, 16384), recent_tokens=1024, block_tokens=64),
         needle=NeedlePreset(geometry="llama3-8b", contexts=(32 * K, 256 * K, M), budgets=(1024, 4096, 16384),
-                            needles=8, recent_tokens=256),
+                            needles=8, recent_tokens=256, block_tokens=64),
         passkey=PasskeyPreset(contexts=(2048, 8192), depths=(0.1, 0.5, 0.9), budgets=(256, 1024)),
         quality=QualityPreset(prefill_tokens=3072, prefix_tokens=2048, scored_tokens=256, budgets=(256, 1024)),
         tiers=TiersPreset(geometry="llama3-8b", blocks=4096, fetch=2000, ssd_blocks=512, ceiling_bytes=1 << 30,
                           disk_bytes=256 << 20, service_sizes=()),
         e2e=E2EPreset(geometry="llama3-8b", layers=0, context=M, budget=4096, steps=64, hot_tokens=4096,
-                      recent_tokens=1024, fill="random"),
+                      recent_tokens=1024, block_tokens=64, fill="random"),
     ),
 }  # fmt: skip
 

@@ -30,13 +30,16 @@ def config() -> Config:
 
 
 def report(request: pytest.FixtureRequest, rows: list[dict]) -> None:
-    lines = [f"{'tokens':>7}{'depth':>7}{'budget':>8}{'passkey':>9}" + "".join(f"{m:>9}" for m in MODES)]
+    lines = [f"{'tokens':>7}{'depth':>7}{'budget':>8}{'passkey':>9}" + "".join(f"{m:>9}" for m in MODES)
+             + "   (* = missed)"]
     for r in rows:
         cells = "".join(f"{(r['answers'][m] or '-') + ('' if r['answers'][m] == r['key'] else '*'):>9}" for m in MODES)
-        lines.append(f"{r['tokens']:>7}{r['depth']:>7}{r['budget']:>8}{r['key']:>9}{cells}   (* = missed)")
+        lines.append(f"{r['tokens']:>7}{r['depth']:>7}{r['budget']:>8}{r['key']:>9}{cells}")
     terminal = request.config.pluginmanager.get_plugin("terminalreporter")
-    if terminal is not None:
-        terminal.write_line("\npasskey retrieval, SmolLM2-135M:\n" + "\n".join(lines))
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if terminal is not None and capture is not None:
+        with capture.global_and_fixture_disabled():  # shown in every run, not only on failure
+            terminal.write_line("\npasskey retrieval, SmolLM2-135M:\n" + "\n".join(lines))
 
 
 @pytest.fixture(scope="module", params=sorted(DEPTHS), ids=lambda tokens: f"{tokens}tok")
