@@ -75,7 +75,7 @@ class Config:
     cpu_dtype: str = "float16"  # "float16" (exact) or "int8" (half the bytes)
     ssd_path: str | None = None  # None: a temporary directory removed on close()
     ssd_bytes: int = 64 << 30
-    ssd_compression: str = "zstd-split"  # "zstd-split" (byte planes), "zstd", or "none"
+    ssd_compression: str = "zstd"  # "zstd", "zstd-split" (byte planes first) or "none"; BENCHMARKS.md: ratios
     ssd_level: int = 1
     remote_url: str | None = None  # a `kvtier serve` sidecar; cold blocks go there instead of local ssd
     remote_token: str | None = None

@@ -27,7 +27,7 @@ class SsdTier:
     name = "ssd"
 
     def __init__(
-        self, layout: BlockLayout, path: str, capacity_bytes: int, compression: str = "zstd-split",
+        self, layout: BlockLayout, path: str, capacity_bytes: int, compression: str = "zstd",
         level: int = 1, sync: bool = True, key_prefix: bytes = b"b/",
     ) -> None:
         self.layout = layout
