@@ -3,36 +3,49 @@ threads, the whole verified fetch, and one contiguous pinned H2D copy as the cei
 
     python -m bench_longctx.fetch_bench    (CUDA; results of the 2026-11-29 H200 run: results/fetch_h200.txt)
 """
-import time, torch, statistics
+from __future__ import annotations
+
+import statistics
+import time
 from concurrent.futures import ThreadPoolExecutor
-from tiers.cpu import CpuTier
-from tiers.layout import BlockLayout
-from tiers.fetch_kernel import gather_rows
+
+import torch
+
 from tiers.base import checksum
-L = BlockLayout(8, 32, 128)
-n = 4096
-x = torch.randn((n, *L.shape)).half()
-cpu = CpuTier(L, n * L.fp16_bytes, memory_reserve=0)
-cpu.put(list(range(n)), x)
-pick = torch.randperm(n)[:2000].tolist()
-slots = cpu.slots.lookup(pick)
-slab = cpu.slabs[0]
-print("slabs", len(cpu.slabs), "pinned", slab.is_pinned())
-def t(name, fn, nbytes=2000 * L.fp16_bytes):
-    fn(); torch.cuda.synchronize(); ts = []
-    for _ in range(5):
-        s = time.perf_counter(); fn(); torch.cuda.synchronize(); ts.append(time.perf_counter() - s)
-    print(name, round(nbytes / statistics.median(ts) / 1e9, 2), "GB/s")
-rows = torch.tensor([s % cpu.slab_blocks for s in slots], device="cuda")
-words = slab.view(slab.shape[0], -1).view(torch.int32)
-dst = torch.empty((2000, words.shape[1]), dtype=torch.int32, device="cuda")
-t("gather_rows kernel", lambda: gather_rows(words, rows, dst))
-pool = ThreadPoolExecutor(16)
-def verify_all():
-    list(pool.map(lambda s: checksum([slab[s % cpu.slab_blocks]]), slots))
-t("verify 16 threads", verify_all)
-t("verify 1 thread", lambda: [checksum([slab[s % cpu.slab_blocks]]) for s in slots])
-t("fetch", lambda: cpu.fetch(pick, "cuda"))
-big = torch.empty(2000 * L.fp16_bytes, dtype=torch.uint8, pin_memory=True)
-dbig = torch.empty_like(big, device="cuda")
-t("one big H2D", lambda: dbig.copy_(big, non_blocking=True))
+from tiers.cpu import CpuTier
+from tiers.fetch_kernel import gather_rows
+from tiers.layout import BlockLayout
+
+
+def main() -> None:
+    L = BlockLayout(8, 32, 128)
+    n = 4096
+    x = torch.randn((n, *L.shape)).half()
+    cpu = CpuTier(L, n * L.fp16_bytes, memory_reserve=0)
+    cpu.put(list(range(n)), x)
+    pick = torch.randperm(n)[:2000].tolist()
+    slots = cpu.slots.lookup(pick)
+    slab = cpu.slabs[0]
+    print("slabs", len(cpu.slabs), "pinned", slab.is_pinned())
+    def t(name, fn, nbytes=2000 * L.fp16_bytes):
+        fn(); torch.cuda.synchronize(); ts = []
+        for _ in range(5):
+            s = time.perf_counter(); fn(); torch.cuda.synchronize(); ts.append(time.perf_counter() - s)
+        print(name, round(nbytes / statistics.median(ts) / 1e9, 2), "GB/s")
+    rows = torch.tensor([s % cpu.slab_blocks for s in slots], device="cuda")
+    words = slab.view(slab.shape[0], -1).view(torch.int32)
+    dst = torch.empty((2000, words.shape[1]), dtype=torch.int32, device="cuda")
+    t("gather_rows kernel", lambda: gather_rows(words, rows, dst))
+    pool = ThreadPoolExecutor(16)
+    def verify_all():
+        list(pool.map(lambda s: checksum([slab[s % cpu.slab_blocks]]), slots))
+    t("verify 16 threads", verify_all)
+    t("verify 1 thread", lambda: [checksum([slab[s % cpu.slab_blocks]]) for s in slots])
+    t("fetch", lambda: cpu.fetch(pick, "cuda"))
+    big = torch.empty(2000 * L.fp16_bytes, dtype=torch.uint8, pin_memory=True)
+    dbig = torch.empty_like(big, device="cuda")
+    t("one big H2D", lambda: dbig.copy_(big, non_blocking=True))
+
+
+if __name__ == "__main__":
+    main()
