@@ -65,10 +65,10 @@ class KVTierLayer(CacheLayerMixin):
         return -1
 
     def offload(self) -> None:
-        pass  # the store decides where blocks live
+        """No-op: the store's placement policy decides where blocks live."""
 
     def prefetch(self) -> None:
-        pass
+        """No-op: the decode path stages cold blocks itself."""
 
 
 class KVTierCache(Cache):
