@@ -19,6 +19,7 @@ from engine_adapter.llama import Llama
 from engine_adapter.paged_attention_ref import paged_decode_ref
 from eviction.select import num_selected
 from eviction.topk import topk_select
+from kvstore.decode import recent_window
 from kvstore.placement import WARM
 from kvstore.store import KVStore
 from kvstore.table import DROPPED
@@ -38,7 +39,7 @@ class StaticStep:
         t = self.tables[0]
         self.num_blocks = t.num_blocks
         self.counts = dict(num_tokens=t.num_tokens, block_tokens=c.block_tokens, sink_tokens=c.sink_tokens,
-                           recent_tokens=c.recent_tokens)
+                           recent_tokens=recent_window(store, budget))
         k = num_selected(budget_tokens=budget, **self.counts) if mode == "topk" else t.num_blocks
         covered = (k - 1) * c.block_tokens + t.num_tokens - (t.num_blocks - 1) * c.block_tokens
         self.num_tokens = torch.tensor([covered], dtype=torch.int32, device=dev)

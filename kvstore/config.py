@@ -68,7 +68,7 @@ class Config:
     sink_tokens: int = 64  # first tokens of every sequence, always hot (attention sinks)
     hot_tokens: int = 4096  # most recent tokens, kept fp16 on the GPU
     warm_tokens: int = 32768  # the next most recent, kept int8 on the GPU
-    recent_tokens: int | None = None  # window every sparse step attends besides its picks (None: min(1024, hot_tokens))
+    recent_tokens: int | None = None  # window every sparse step keeps, at most half its budget (None: min(1024, hot_tokens))
     gpu_bytes: int = 1 << 30  # hot + warm pools + staging, shared by all sequences
     staging_tokens: int | None = None  # GPU fp16 slots cold blocks are fetched into per decode step (None: hot_tokens)
     cpu_bytes: int = 4 << 30  # cold host tier

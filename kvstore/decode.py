@@ -84,11 +84,17 @@ def _check_query(store: KVStore, q: torch.Tensor, mode: str, budget: int) -> Non
         raise ValueError(f"q must be float16 {list(shape)} on {store.device.type}, got {got}")
 
 
-def _context(store: KVStore, table: LayerTable, q: torch.Tensor) -> ScoreContext:
+def recent_window(store: KVStore, budget: int) -> int:
+    """The recent window a budgeted step always keeps: Config.recent_tokens, at most half the budget,
+    so a small budget still leaves room for what the policy picks."""
+    return min(store.config.recent_tokens, budget // 2)
+
+
+def _context(store: KVStore, table: LayerTable, q: torch.Tensor, budget: int) -> ScoreContext:
     c = store.config
     n = table.num_blocks
     return ScoreContext(summaries=table.summaries[:n], num_tokens=table.num_tokens, block_tokens=c.block_tokens,
-                        sink_tokens=c.sink_tokens, recent_tokens=c.recent_tokens, q=q,
+                        sink_tokens=c.sink_tokens, recent_tokens=recent_window(store, budget), q=q,
                         h2o_scores=table.h2o_scores[:, :n])
 
 
@@ -101,11 +107,11 @@ def _select(store: KVStore, seq: int, layer: int, table: LayerTable, q: torch.Te
             _, mass = _attend_blocks(store, table, q, _live_blocks(store, table))  # seed: H2O scores prefill too
             table.h2o_scores[:, : table.num_blocks] += mass
         dropped = [i for i, b in enumerate(table.block_ids) if b == DROPPED]
-        evict = POLICIES["h2o"]().evict(_context(store, table, q), keep_tokens=budget, dropped=dropped)
+        evict = POLICIES["h2o"]().evict(_context(store, table, q, budget), keep_tokens=budget, dropped=dropped)
         if evict:
             store.drop(seq, layer, evict)
         return _live_blocks(store, table)
-    return POLICIES[mode]().select(_context(store, table, q), budget)
+    return POLICIES[mode]().select(_context(store, table, q, budget), budget)
 
 
 def _live_blocks(store: KVStore, table: LayerTable) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 from engine_adapter.paged_attention import paged_decode
 from eviction.select import num_selected
 from eviction.topk import topk_select
+from kvstore.decode import recent_window
 from kvstore.placement import WARM
 from kvstore.store import KVStore
 from kvstore.table import DROPPED
@@ -30,7 +31,7 @@ class GraphedTopK:
         self.store, self.table, self.budget = store, table, budget
         self.num_blocks, self.length = table.num_blocks, table.num_tokens
         self.counts = dict(num_tokens=table.num_tokens, block_tokens=c.block_tokens, sink_tokens=c.sink_tokens,
-                           recent_tokens=c.recent_tokens)
+                           recent_tokens=recent_window(store, budget))
         k = num_selected(budget_tokens=budget, **self.counts)
         covered = (k - 1) * c.block_tokens + table.num_tokens - (table.num_blocks - 1) * c.block_tokens
         self.num_tokens = torch.tensor([covered], dtype=torch.int32, device=store.device)
