@@ -60,6 +60,7 @@ def attend(store: KVStore, seq: int, layer: int, q: torch.Tensor, mode: str = "d
     selected = _select(store, seq, layer, table, q, mode, budget)  # int64 [H, k], ascending, tail last
     out, mass = _attend_blocks(store, table, q, selected)
     table.h2o_scores[:, : table.num_blocks].scatter_add_(1, selected, mass)
+    _promote_if_needed(store, table)
     stats = store.attend_stats
     stats.calls += 1
     stats.context_tokens += table.num_tokens
@@ -184,19 +185,18 @@ def _stage_cold(store: KVStore, table: LayerTable, selected: torch.Tensor, slots
         remap[torch.tensor(every, device=store.device)] = torch.arange(len(every), dtype=torch.int32,
                                                                         device=store.device)
         slots, is_int8 = remap[selected], torch.zeros_like(is_int8)
-    _promote_if_needed(store, table, cold_indices)
+    for i in cold_indices:
+        table.cold_hits[i] = table.cold_hits.get(i, 0) + 1
     return pool, slots, is_int8
 
 
-def _promote_if_needed(store: KVStore, table: LayerTable, cold_indices: list[int]) -> None:
-    """Blocks that keep being fetched cold move up to the warm tier (after this step's kernel inputs are built;
-    the staged copies stay valid for this step)."""
-    ready = []
-    for i in cold_indices:
-        table.cold_hits[i] = table.cold_hits.get(i, 0) + 1
-        if table.cold_hits[i] >= PROMOTE_AFTER:
-            ready.append(table.block_ids[i])
-            del table.cold_hits[i]
-    for src, ids in store.blocks.by_tier(ready).items():
+def _promote_if_needed(store: KVStore, table: LayerTable) -> None:
+    """Blocks fetched cold PROMOTE_AFTER times move up to the warm tier. Runs after the step's kernel:
+    making room in the warm pool may move blocks this step's block table still points at."""
+    ready = [i for i, hits in table.cold_hits.items() if hits >= PROMOTE_AFTER]
+    for i in ready:
+        del table.cold_hits[i]
+    cold = [b for b in (table.block_ids[i] for i in ready) if b != DROPPED and store.blocks.tier_of[b] >= COLD]
+    for src, ids in store.blocks.by_tier(cold).items():
         store._move(ids, src, WARM)
         store.attend_stats.promotions += len(ids)
