@@ -10,19 +10,20 @@ from kvstore import Config, KVStore, ModelSpec
 from kvstore.decode import AttendStats
 
 SPEC = ModelSpec(num_layers=1, num_q_heads=6, num_kv_heads=2, head_dim=32)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: the Triton kernels and pinned fetches
 
 
 def make_store(tmp_path, **overrides) -> KVStore:
     base = dict(model=SPEC, block_tokens=16, sink_tokens=16, hot_tokens=64, warm_tokens=128, recent_tokens=32,
                 gpu_bytes=1 << 20, cpu_bytes=64 << 10, ssd_path=str(tmp_path / "ssd"), ssd_bytes=64 << 20,
-                staging_tokens=256, device="cpu", host_memory_reserve=0)
+                staging_tokens=256, device=DEVICE, host_memory_reserve=0)
     return KVStore(Config(**{**base, **overrides}))
 
 
 def filled(store: KVStore, tokens: int, seed: int = 0) -> tuple[int, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    k = torch.randn((tokens, 2, 32), generator=g).half()
-    v = torch.randn((tokens, 2, 32), generator=g).half()
+    k = torch.randn((tokens, 2, 32), generator=g).half().to(DEVICE)
+    v = torch.randn((tokens, 2, 32), generator=g).half().to(DEVICE)
     seq = store.create_sequence()
     for start in range(0, tokens, 97):  # irregular chunks: partial blocks everywhere
         store.append(seq, 0, k[start:start + 97], v[start:start + 97])
@@ -41,7 +42,7 @@ def test_dense_matches_attention_over_what_read_returns(tmp_path):
     store = make_store(tmp_path)
     seq, _, _ = filled(store, 1001)
     assert store.stats()["tiers"]["cpu"]["blocks"] > 0  # some blocks are cold: they get staged
-    q = torch.randn(6, 32).half()
+    q = torch.randn(6, 32).half().to(DEVICE)
     out = store.attend(seq, 0, q, mode="dense")
     want = dense_reference(q, *store.read(seq, 0))
     assert torch.allclose(out.float(), want, atol=2e-3, rtol=1e-2)
@@ -52,7 +53,7 @@ def test_dense_matches_attention_over_what_read_returns(tmp_path):
 def test_budget_covering_everything_equals_dense(tmp_path, mode):
     store = make_store(tmp_path)
     seq, _, _ = filled(store, 700, seed=1)
-    q = torch.randn(6, 32).half()
+    q = torch.randn(6, 32).half().to(DEVICE)
     dense = store.attend(seq, 0, q, mode="dense")
     sparse = store.attend(seq, 0, q, mode=mode, budget=1 << 20)
     assert torch.allclose(sparse.float(), dense.float(), atol=1e-3)
@@ -68,7 +69,8 @@ def test_topk_finds_a_planted_needle_with_a_small_budget(tmp_path):
     k[needle] = (q.view(2, 3, 32).mean(1) * 3).half()  # a key aligned with its group's queries
     v[needle] = 10.0
     seq = store.create_sequence()
-    store.append(seq, 0, k, v)
+    store.append(seq, 0, k.to(DEVICE), v.to(DEVICE))
+    q = q.to(DEVICE)
     out = store.attend(seq, 0, q.half(), mode="topk", budget=128, measure_mass=True)
     assert out.float().mean() > 5  # the needle's value dominates: its block was selected
     topk = store.stats()["attend"]
@@ -96,25 +98,25 @@ def test_h2o_drop_mode_frees_blocks_for_good(tmp_path):
     store = make_store(tmp_path)
     seq, _, _ = filled(store, 800, seed=4)
     before = sum(t["blocks"] for t in store.stats()["tiers"].values())
-    store.attend(seq, 0, torch.randn(6, 32).half(), mode="h2o", budget=256)
+    store.attend(seq, 0, torch.randn(6, 32).half().to(DEVICE), mode="h2o", budget=256)
     after = sum(t["blocks"] for t in store.stats()["tiers"].values())
     assert after == 256 // 16 < before
     with pytest.raises(ValueError, match="h2o"):
-        store.attend(seq, 0, torch.randn(6, 32).half(), mode="dense")
+        store.attend(seq, 0, torch.randn(6, 32).half().to(DEVICE), mode="dense")
     with pytest.raises(ValueError, match="dropped"):
         store.read(seq, 0)
-    store.append(seq, 0, torch.randn(40, 2, 32).half(), torch.randn(40, 2, 32).half())
-    store.attend(seq, 0, torch.randn(6, 32).half(), mode="h2o", budget=256)
+    store.append(seq, 0, torch.randn(40, 2, 32).half().to(DEVICE), torch.randn(40, 2, 32).half().to(DEVICE))
+    store.attend(seq, 0, torch.randn(6, 32).half().to(DEVICE), mode="h2o", budget=256)
     store.check_integrity()
     store.free(seq)
     assert all(t["blocks"] == 0 for t in store.stats()["tiers"].values())
 
 
 @pytest.mark.parametrize("q, mode, budget, match", [
-    (torch.randn(6, 32), "dense", 64, "float16"),
-    (torch.randn(2, 32).half(), "dense", 64, r"\[6, 32\]"),
-    (torch.randn(6, 32).half(), "sparse", 64, "mode"),
-    (torch.randn(6, 32).half(), "topk", 0, "budget"),
+    (torch.randn(6, 32).to(DEVICE), "dense", 64, "float16"),
+    (torch.randn(2, 32).half().to(DEVICE), "dense", 64, r"\[6, 32\]"),
+    (torch.randn(6, 32).half().to(DEVICE), "sparse", 64, "mode"),
+    (torch.randn(6, 32).half().to(DEVICE), "topk", 0, "budget"),
 ])
 def test_bad_queries_are_refused(tmp_path, q, mode, budget, match):
     store = make_store(tmp_path)
