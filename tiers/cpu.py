@@ -122,10 +122,15 @@ class CpuTier(PooledTier):
         """Checksums of stored rows, hashed in place through numpy views: no torch call per block, so
         worker threads hold the GIL only briefly (xxhash releases it while hashing)."""
         for block_id, slot in zip(ids[lo:hi], slots[lo:hi]):
-            h = xxhash.xxh3_64()
-            for rows in self._byte_views[slot // self.slab_blocks]:
-                h.update(rows[slot % self.slab_blocks])
-            if h.intdigest() != self.checksums[block_id]:
+            views, row = self._byte_views[slot // self.slab_blocks], slot % self.slab_blocks
+            if len(views) == 1:  # fp16: one buffer; the one-shot digest equals the streaming one
+                digest = xxhash.xxh3_64_intdigest(views[0][row])
+            else:
+                h = xxhash.xxh3_64()
+                for rows in views:
+                    h.update(rows[row])
+                digest = h.intdigest()
+            if digest != self.checksums[block_id]:
                 self.integrity_errors += 1
                 raise IntegrityError(f"cpu tier: block {block_id} failed its checksum")
 
@@ -161,7 +166,8 @@ class CpuTier(PooledTier):
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(min(16, os.cpu_count() or 1), thread_name_prefix="kvtier-cpu")
+            # 4 threads: host-side hashing peaked there on the H200 host (results/hash_threads_h200.txt)
+            self._executor = ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="kvtier-cpu")
         return self._executor
 
     def delete(self, ids: Sequence[int]) -> None:
