@@ -66,9 +66,10 @@ class TableTensors:
 
     def extend_tail(self, table: LayerTable, index: int, k: torch.Tensor) -> None:
         """Fold keys k [t, H, D] appended to block `index` into its summary."""
-        s = table.summaries[index]
-        s[0] = torch.minimum(s[0], k.amin(dim=0))
-        s[1] = torch.maximum(s[1], k.amax(dim=0))
+        s = table.summaries[index]  # [2, H, D]
+        low, high = (k[0], k[0]) if k.shape[0] == 1 else (k.amin(dim=0), k.amax(dim=0))  # decode: no reduction
+        torch.minimum(s[0], low, out=s[0])
+        torch.maximum(s[1], high, out=s[1])
 
     def write_new(self, table: LayerTable, first: int, k: torch.Tensor) -> None:
         """Summaries of new blocks first, first+1, ... holding keys k [t, H, D] (last may be partial)."""

@@ -34,11 +34,10 @@ class HotTier(PooledTier):
         self.pool[torch.tensor(slots, device=self.device)] = blocks.to(self.device, non_blocking=True)
 
     def write_tokens(self, block_id: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write k, v [t, H, D] at token offset `start` of a stored block (appends to a tail block)."""
+        """Write k, v [t, H, D] at token offset `start` of a stored block (appends to a tail block).
+        One copy for K and V together: a decode step's append is launch-bound on a GPU."""
         slot = self.slots.lookup([block_id])[0]
-        end = start + k.shape[0]
-        self.pool[slot, 0, :, start:end] = k.transpose(0, 1)
-        self.pool[slot, 1, :, start:end] = v.transpose(0, 1)
+        self.pool[slot, :, :, start:start + k.shape[0]] = torch.stack([k, v]).transpose(1, 2)  # [2, H, t, D]
 
     def stage(self, blocks: torch.Tensor) -> torch.Tensor:
         """Copy fp16 blocks [n, 2, H, B, D] into the staging rows; returns their slots (int32)."""
