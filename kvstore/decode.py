@@ -18,7 +18,7 @@ import torch
 
 from engine_adapter.paged_attention_ref import paged_decode_ref
 from eviction import POLICIES, ScoreContext
-from kvstore.placement import COLD, HOT, WARM
+from kvstore.placement import COLD, WARM
 from kvstore.table import DROPPED, LayerTable
 
 if TYPE_CHECKING:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from eviction.summaries import summarize_keys
+
 DROPPED = -1  # block id of a block H2O drop-mode evicted for good
 
 
@@ -73,15 +75,9 @@ class TableTensors:
 
     def write_new(self, table: LayerTable, first: int, k: torch.Tensor) -> None:
         """Summaries of new blocks first, first+1, ... holding keys k [t, H, D] (last may be partial)."""
-        b = self.block_tokens
-        n = -(-k.shape[0] // b)
-        pad = n * b - k.shape[0]
-        if pad:  # repeat the last key so the padding changes neither min nor max
-            k = torch.cat([k, k[-1:].expand(pad, -1, -1)])
-        k = k.view(n, b, self.num_kv_heads, self.head_dim)
-        self.reserve(table, first + n)
-        table.summaries[first:first + n, 0] = k.amin(dim=1)
-        table.summaries[first:first + n, 1] = k.amax(dim=1)
+        summaries = summarize_keys(k, self.block_tokens)  # [n, 2, H, D]
+        self.reserve(table, first + summaries.shape[0])
+        table.summaries[first:first + summaries.shape[0]] = summaries
 
     def set_location(self, table: LayerTable, indices: list[int], slots: list[int], level: int) -> None:
         """Blocks `indices` of `table` now live in tier `level` at `slots` (-1 for tiers without slots)."""
