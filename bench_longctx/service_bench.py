@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvstore.client import Client
+from tiers.remote.client import Client
 from kvstore.service.cli import parse_bytes
 
 GOAL_BATCHED_GET_GBPS = 2.0

@@ -66,7 +66,7 @@ def service_note(p: TiersPreset) -> str | None:
 def run_service(p: TiersPreset) -> list[dict]:
     """Batched and single put/get through a real `kvtier serve` sidecar on loopback."""
     from bench_longctx import service_bench
-    from kvstore.client import Client
+    from tiers.remote.client import Client
 
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-service-") as tmp:
         server = service_bench.Server(tmp, "--cpu-bytes", str(4 * p.service_mib * len(p.service_sizes) << 20))

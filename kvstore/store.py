@@ -72,7 +72,7 @@ class KVStore(TierMoves):
     def _open_cold_tier(self) -> Tier:
         c = self.config
         if c.remote_url:
-            from tiers.remote import RemoteTier
+            from tiers.remote.tier import RemoteTier
 
             return RemoteTier(self.layout, c.remote_url, c.ssd_bytes, token=c.remote_token)
         ssd = SsdTier(self.layout, c.ssd_path or self._tempdir, c.ssd_bytes, c.ssd_compression,

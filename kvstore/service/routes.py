@@ -15,9 +15,9 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field
 from starlette.types import Receive, Scope, Send
 
-from kvstore.service.app import TooLarge, require_token
+from kvstore.service.settings import TooLarge, require_token
 from kvstore.service.storage import ServiceStorage
-from kvstore.service.wire import (
+from tiers.remote.wire import (
     DTYPES, H_CHECKSUM, LAYOUT_VERSION, Descriptor, WireError, check_key, check_namespace, check_prefix, format_checksum,
     pack_batch, parse_checksum, unpack_batch,
 )

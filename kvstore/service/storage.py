@@ -27,7 +27,7 @@ import xxhash
 
 from kvstore.service.metrics import ServiceMetrics
 from kvstore.service.values import Value, ValueCodec
-from kvstore.service.wire import Descriptor, WireError
+from tiers.remote.wire import Descriptor, WireError
 from tiers.base import IntegrityError
 from tiers.layout import BlockLayout
 from tiers.ssd import SsdTier

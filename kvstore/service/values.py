@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import xxhash
 import zstandard
 
-from kvstore.service.wire import DTYPES, Descriptor
+from tiers.remote.wire import DTYPES, Descriptor
 from tiers.base import IntegrityError
 
 FORMAT_VERSION = 1

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from kvstore import Config, KVStore, ModelSpec
-from kvstore.client import Client
+from tiers.remote.client import Client
 from tests.service.conftest import random_tensor
 from tiers.base import IntegrityError
 from tiers.layout import BlockLayout
 from tiers.quant import quantize
-from tiers.remote import RemoteTier
+from tiers.remote.tier import RemoteTier
 
 LAYOUT = BlockLayout(num_kv_heads=3, block_tokens=16, head_dim=24)
 

@@ -6,7 +6,7 @@ import httpx
 import pytest
 import torch
 
-from kvstore.client import AuthError, Client
+from tiers.remote.client import AuthError, Client
 from kvstore.service.cli import is_loopback, main, parse_bytes
 from tests.service.conftest import random_tensor, same_bits
 

@@ -7,7 +7,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from kvstore.client import Client
+from tiers.remote.client import Client
 from tests.service.conftest import random_tensor, same_bits
 
 NUM_WORKERS, ROUNDS = 3, 10

@@ -10,7 +10,7 @@ import lmdb
 import pytest
 import torch
 
-from kvstore.client import Client, CorruptValueError, ServiceError
+from tiers.remote.client import Client, CorruptValueError, ServiceError
 from tests.service.conftest import random_tensor, same_bits
 
 

@@ -6,8 +6,8 @@ import httpx
 import pytest
 import torch
 
-from kvstore.client import Client, NotFoundError, StorageFullError
-from kvstore.service.wire import Descriptor, pack_batch
+from tiers.remote.client import Client, NotFoundError, StorageFullError
+from tiers.remote.wire import Descriptor, pack_batch
 from tests.service.conftest import random_tensor, same_bits
 from tiers.layout import BlockLayout
 from tiers.quant import quantize

@@ -1,4 +1,4 @@
-"""Remote tier: blocks in a kvtier sidecar (`kvtier serve`), through kvstore.client.
+"""Remote tier: blocks in a kvtier sidecar (`kvtier serve`), through tiers/remote/client.py.
 
 Each tier owns one namespace of the service (a fresh `kvstore-<random>` one unless it is
 given one) and keeps a local index of the blocks it stored, so `in`, capacity and usage
@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from kvstore.client import Client, CorruptValueError, UnreachableError
+from tiers.remote.client import Client, CorruptValueError, UnreachableError
 from tiers.base import IntegrityError, check_ids
 from tiers.layout import BlockLayout, Blocks, Int8Blocks, num_blocks
 

@@ -4,7 +4,7 @@ httpx reads a body through h11 in 64 KiB pieces and copies every byte three time
 way (receive buffer, extraction, bytes()); on the 2-core CI box that cost 1.3 ms of client
 CPU per MB, twice what the service spends serving it. http.client's `readinto` fills the
 destination with recv_into, one kernel copy: 0.47 ms/MB, and batched gets ran 1.8x faster
-(bench_longctx/service_bench.py). kvstore.client uses this for get/get_many only; every
+(bench_longctx/service_bench.py). tiers.remote.client uses this for get/get_many only; every
 other call goes through its httpx client. One connection per thread, reused across calls.
 """
 

@@ -1,0 +1,7 @@
+"""The sidecar's wire protocol, its Python client, and the tier that stores cold blocks there.
+
+    wire.py    names, layout descriptors and batch framing (shared with kvstore/service/)
+    reader.py  binary bodies read straight into tensors
+    client.py  Client: tensors by (namespace, key) over HTTP
+    tier.py    RemoteTier: the store's cold tier in a `kvtier serve` sidecar
+"""

@@ -1,0 +1,232 @@
+"""Python client of the kvtier sidecar (`kvtier serve`): tensors by (namespace, key) over HTTP.
+
+    with Client("http://127.0.0.1:8470", token=None) as c:
+        c.put("engine-a", "seq7/layer3/block0", blocks)        # any CPU/GPU tensor, 6 dtypes
+        t = c.get("engine-a", "seq7/layer3/block0")            # CPU tensor, bit-exact
+        ts = c.get_many("engine-a", ["k1", "k2"])              # one request
+
+Connections are kept alive and reused, and a Client is safe to share between threads:
+httpx for every call but get/get_many, whose bodies tiers.remote.reader reads straight
+into the result tensor (see there why). Every value carries an xxh3-64 checksum both ways:
+the service rejects a put whose bytes changed on the way, the client rejects a get whose
+bytes did. Errors raise a ServiceError subclass carrying the server's status, code and message.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+from typing import Iterable, Mapping, Sequence
+from urllib.parse import quote
+
+import httpx
+import torch
+import xxhash
+
+from tiers.remote.reader import BinaryReader
+from tiers.remote.wire import (
+    DTYPES, H_CHECKSUM, H_DTYPE, H_LAYOUT, H_SHAPE, Descriptor, check_key, check_namespace, format_checksum,
+    pack_batch, parse_checksum, unpack_batch,
+)
+from tiers.base import IntegrityError
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+    "int8": torch.int8, "uint8": torch.uint8, "int32": torch.int32,
+}
+_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+assert set(TORCH_DTYPES) == set(DTYPES)
+
+
+class ServiceError(RuntimeError):
+    """The sidecar refused a request (status 0: it could not be reached)."""
+
+    def __init__(self, status: int, code: str, detail: str) -> None:
+        super().__init__(status, code, detail)
+        self.status, self.code, self.detail = status, code, detail
+
+    def __str__(self) -> str:
+        return f"kvtier service {self.status} {self.code}: {self.detail}"
+
+
+class BadRequestError(ServiceError, ValueError):
+    """400 or 413: the request was malformed or too large; nothing was stored."""
+
+
+class AuthError(ServiceError, PermissionError):
+    """401: missing or wrong token."""
+
+
+class NotFoundError(ServiceError, KeyError):
+    """404: the named keys are not stored."""
+
+
+class StorageFullError(ServiceError, MemoryError):
+    """507: the service's ssd budget is full; nothing was stored."""
+
+
+class CorruptValueError(ServiceError, IntegrityError):
+    """A stored value, or the bytes that came back, failed a checksum."""
+
+
+class UnreachableError(ServiceError, ConnectionError):
+    """The service could not be reached."""
+
+
+_ERRORS = {400: BadRequestError, 401: AuthError, 404: NotFoundError, 413: BadRequestError, 507: StorageFullError}
+
+
+class Client:
+    def __init__(self, base_url: str, token: str | None = None, timeout: float = 120.0) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.base_url = base_url.rstrip("/")
+        self.http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout,
+                                 transport=httpx.HTTPTransport(retries=2))
+        self.reader = BinaryReader(self.base_url, headers, timeout)
+
+    # -- values --------------------------------------------------------------------------------
+    def put(self, namespace: str, key: str, tensor: torch.Tensor) -> None:
+        """Store `tensor` (copied to CPU, C order) under (namespace, key), replacing any earlier value."""
+        desc, view = tensor_bytes(tensor)
+        headers = {**desc.headers(), H_CHECKSUM: format_checksum(xxhash.xxh3_64_intdigest(view)),
+                   "Content-Type": "application/octet-stream", "Content-Length": str(len(view))}
+        self._call("PUT", _block_url(namespace, key), content=[view], headers=headers)
+
+    def put_many(self, namespace: str, items: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Store many tensors in one request, all or none."""
+        pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
+        encoded = [tensor_bytes(t) for _, t in pairs]
+        chunks = pack_batch([(k, d, xxhash.xxh3_64_intdigest(v)) for (k, _), (d, v) in zip(pairs, encoded)],
+                            [v for _, v in encoded])
+        headers = {"Content-Type": "application/octet-stream", "Content-Length": str(sum(map(len, chunks)))}
+        self._call("POST", f"/v1/namespaces/{_q(namespace)}/batch/put", content=chunks, headers=headers)
+
+    def get(self, namespace: str, key: str) -> torch.Tensor:
+        """The tensor stored under (namespace, key), on CPU; NotFoundError if there is none."""
+        buf, headers = self._download("GET", _block_url(namespace, key))
+        fields = [headers.get(name) for name in (H_DTYPE, H_SHAPE, H_LAYOUT, H_CHECKSUM)]
+        if None in fields:
+            raise CorruptValueError(200, "bad_response", f"{namespace}/{key}: response lacks x-kvtier-* headers")
+        desc = Descriptor.from_headers(*fields[:3])
+        return _tensor(buf, desc, parse_checksum(fields[3]), f"{namespace}/{key}")
+
+    def get_many(self, namespace: str, keys: Sequence[str]) -> list[torch.Tensor]:
+        """Tensors of `keys` in order, from one request (views into one buffer); NotFoundError names the missing."""
+        if not keys:
+            return []
+        body = json.dumps({"keys": list(keys)}).encode()
+        buf, _ = self._download("POST", f"/v1/namespaces/{_q(namespace)}/batch/get", body)
+        items = unpack_batch(memoryview(buf.numpy()))
+        if [k for k, *_ in items] != list(keys):
+            raise CorruptValueError(200, "bad_response", "batch get answered other keys than were asked")
+        return [_tensor(buf[o: o + n], d, c, f"{namespace}/{k}") for k, d, c, o, n in items]
+
+    def delete(self, namespace: str, key: str) -> None:
+        self._call("DELETE", _block_url(namespace, key))
+
+    def delete_many(self, namespace: str, keys: Sequence[str]) -> int:
+        """Delete all `keys`, or none if any is missing (NotFoundError names them)."""
+        return self._call("POST", f"/v1/namespaces/{_q(namespace)}/batch/delete", json={"keys": list(keys)}).json()["deleted"]
+
+    def keys(self, namespace: str, prefix: str = "") -> list[str]:
+        """Every key of `namespace` that starts with `prefix`, sorted (pages through the listing)."""
+        out: list[str] = []
+        while True:
+            params = {"prefix": prefix, "after": out[-1] if out else "", "limit": 10_000}
+            page = self._call("GET", f"/v1/namespaces/{_q(namespace)}/keys", params=params).json()
+            out += page["keys"]
+            if not page["truncated"]:
+                return out
+
+    def drop_namespace(self, namespace: str) -> int:
+        """Delete every key of `namespace`; returns how many there were."""
+        return self._call("DELETE", f"/v1/namespaces/{_q(namespace)}").json()["deleted"]
+
+    # -- service -------------------------------------------------------------------------------
+    def stats(self, namespace: str | None = None) -> dict:
+        """The service's tiers and totals, or one namespace's {blocks, bytes}."""
+        path = "/v1/stats" if namespace is None else f"/v1/namespaces/{_q(namespace)}/stats"
+        return self._call("GET", path).json()
+
+    def namespaces(self) -> dict[str, dict]:
+        """namespace -> {blocks, bytes} for every namespace that holds values."""
+        return self._call("GET", "/v1/namespaces").json()
+
+    def health(self) -> bool:
+        try:
+            return self.http.get("/healthz").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def metrics(self) -> str:
+        return self._call("GET", "/metrics").text
+
+    def close(self) -> None:
+        self.http.close()
+        self.reader.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- transport -----------------------------------------------------------------------------
+    def _call(self, method: str, path: str, **kwargs: object) -> httpx.Response:
+        try:
+            response = self.http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise UnreachableError(0, "unreachable", f"{method} {self.base_url}{path}: {exc!r}") from exc
+        if response.status_code >= 300:
+            raise _error(response.status_code, response.content)
+        return response
+
+    def _download(self, method: str, path: str, body: bytes | None = None) -> tuple[torch.Tensor, Mapping[str, str]]:
+        """A binary response as one CPU byte tensor [nbytes], read with a single copy."""
+        try:
+            content_type = {"Content-Type": "application/json"} if body is not None else None
+            status, headers, content = self.reader.fetch(method, path, body, content_type)
+        except (OSError, http.client.HTTPException) as exc:
+            raise UnreachableError(0, "unreachable", f"{method} {self.base_url}{path}: {exc!r}") from exc
+        if status >= 300:
+            raise _error(status, content)
+        return content, headers
+
+
+def tensor_bytes(tensor: torch.Tensor) -> tuple[Descriptor, memoryview]:
+    """The descriptor and C-order bytes of a tensor (copied to CPU if needed)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in _NAMES:
+        raise ValueError(f"unsupported dtype {tensor.dtype}; expected one of {sorted(TORCH_DTYPES)}")
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return Descriptor(_NAMES[tensor.dtype], tuple(tensor.shape)), memoryview(flat.view(torch.uint8).numpy())
+
+
+def _tensor(buf: torch.Tensor, desc: Descriptor, checksum: int | None, what: str) -> torch.Tensor:
+    if buf.numel() != desc.nbytes:
+        raise CorruptValueError(200, "bad_response", f"{what}: {buf.numel()} bytes for {desc}")
+    if checksum is not None and xxhash.xxh3_64_intdigest(memoryview(buf.numpy())) != checksum:
+        raise CorruptValueError(200, "bad_response", f"{what}: bytes changed on the way (checksum mismatch)")
+    return buf.view(TORCH_DTYPES[desc.dtype]).reshape(desc.shape)
+
+
+def _error(status: int, body: bytes) -> ServiceError:
+    try:
+        content = json.loads(body)
+        code, detail = str(content["error"]), str(content["detail"])
+    except (ValueError, KeyError, TypeError):
+        code, detail = "error", body[:500].decode(errors="replace")
+    if code == "integrity_error":
+        return CorruptValueError(status, code, detail)
+    return _ERRORS.get(status, ServiceError)(status, code, detail)
+
+
+def _q(namespace: str) -> str:
+    check_namespace(namespace)  # checked here too: a stray '/' would route the request elsewhere
+    return namespace
+
+
+def _block_url(namespace: str, key: str) -> str:
+    check_key(key)
+    return f"/v1/namespaces/{_q(namespace)}/blocks/{quote(key, safe='/:@+=~')}"
