@@ -8,7 +8,7 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 
 from tiers.remote.client import Client
-from tests.service.conftest import random_tensor, same_bits
+from tests.kvstore.service.conftest import random_tensor, same_bits
 
 NUM_WORKERS, ROUNDS = 3, 10
 SHAPES = [(torch.float16, (2, 4, 16, 32)), (torch.int8, (2, 4, 16, 32)), (torch.float32, (4, 32)), (torch.bfloat16, (7,))]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tiers.remote.client import Client, CorruptValueError, ServiceError
-from tests.service.conftest import random_tensor, same_bits
+from tests.kvstore.service.conftest import random_tensor, same_bits
 
 
 def value_for(i: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 
 from tiers.remote.client import AuthError, Client
 from kvstore.service.cli import is_loopback, main, parse_bytes
-from tests.service.conftest import random_tensor, same_bits
+from tests.kvstore.service.conftest import random_tensor, same_bits
 
 
 def test_requests_without_the_right_token_get_401(make_server):

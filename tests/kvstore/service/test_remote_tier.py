@@ -7,7 +7,7 @@ import torch
 
 from kvstore import Config, KVStore, ModelSpec
 from tiers.remote.client import Client
-from tests.service.conftest import random_tensor
+from tests.kvstore.service.conftest import random_tensor
 from tiers.base import IntegrityError
 from tiers.layout import BlockLayout
 from tiers.quant import quantize

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def free_port() -> int:

@@ -8,7 +8,7 @@ import torch
 
 from tiers.remote.client import Client, NotFoundError, StorageFullError
 from tiers.remote.wire import Descriptor, pack_batch
-from tests.service.conftest import random_tensor, same_bits
+from tests.kvstore.service.conftest import random_tensor, same_bits
 from tiers.layout import BlockLayout
 from tiers.quant import quantize
 
