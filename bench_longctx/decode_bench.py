@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import triton.testing
 
 from bench_longctx.timing import copy_ceiling, environment
-from engine_adapter.paged_attention import paged_decode
+from kvstore.attention.paged_decode import paged_decode
 from eviction.topk import topk_select
 from kvstore.config import Config, ModelSpec
 from kvstore.graph_step import GraphedTopK

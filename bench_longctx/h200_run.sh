@@ -11,7 +11,7 @@ fi
 export PYTHONUNBUFFERED=1
 step=${STEP:-all}
 if [ "$step" = all ] || [ "$step" = tests ]; then
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine_adapter/test_paged_attention.py \
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kvstore/attention/test_paged_decode.py \
     tests/eviction tests/kvstore/test_attend.py 2>&1 | tail -15 | tee "$out/gpu_tests.log"
 fi
 if [ "$step" = all ] || [ "$step" = select ]; then

@@ -33,9 +33,9 @@ import triton
 import triton.testing
 
 from bench_longctx.timing import environment
-from engine_adapter.paged_attention import paged_decode
-from engine_adapter.paged_attention_plan import DecodeGeometry, decode_config
-from engine_adapter.paged_attention_ref import paged_decode_ref
+from kvstore.attention.paged_decode import paged_decode
+from kvstore.attention.plan import DecodeGeometry, decode_config
+from kvstore.attention.reference import paged_decode_ref
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 CONTEXTS = (131072, 1048576)

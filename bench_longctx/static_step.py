@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from engine_adapter.llama import Llama
-from engine_adapter.paged_attention_ref import paged_decode_ref
+from kvstore.attention.reference import paged_decode_ref
 from eviction.select import num_selected
 from eviction.topk import topk_select
 from kvstore.decode import recent_window
@@ -69,7 +69,7 @@ class StaticStep:
 
     def _kernel(self):
         if self.store.device.type == "cuda":
-            from engine_adapter.paged_attention import paged_decode
+            from kvstore.attention.paged_decode import paged_decode
 
             return paged_decode
         return paged_decode_ref

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine_adapter.paged_attention_ref import paged_decode_ref
+from kvstore.attention.reference import paged_decode_ref
 from eviction import POLICIES, ScoreContext
 from kvstore.placement import COLD, WARM
 from kvstore.table import DROPPED, LayerTable
@@ -159,7 +159,7 @@ def _attend_blocks(store: KVStore, table: LayerTable, q: torch.Tensor,
 
 def _kernel(device: torch.device):
     if device.type == "cuda":
-        from engine_adapter.paged_attention import paged_decode
+        from kvstore.attention.paged_decode import paged_decode
 
         return paged_decode
     return paged_decode_ref

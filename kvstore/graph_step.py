@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from engine_adapter.paged_attention import paged_decode
+from kvstore.attention.paged_decode import paged_decode
 from eviction.select import num_selected
 from eviction.topk import topk_select
 from kvstore.decode import recent_window

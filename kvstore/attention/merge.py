@@ -1,4 +1,4 @@
-"""The merge step of flash-decoding for engine_adapter.paged_attention: splits -> output and block mass.
+"""The merge step of flash-decoding for kvstore.attention.paged_decode: splits -> output and block mass.
 
 The split kernel leaves, per (row, q head, split), the split's normalized output and its
 log2-sum-exp2, and per (row, q head, block) the block's log2-sum-exp2. `_combine_kernel`
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine_adapter.paged_attention_plan import DecodeGeometry
+from kvstore.attention.plan import DecodeGeometry
 
 _SPLIT_CHUNK = 32  # splits merged per step of _combine_kernel
 _MASS_CHUNK = 256  # blocks per program of _block_mass_kernel

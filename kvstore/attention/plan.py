@@ -1,6 +1,6 @@
 """Plan for the paged decode kernel: argument checks, geometry, and the split/tile config.
 
-Kept apart from the kernels (engine_adapter/paged_attention.py) so the reference and the
+Kept apart from the kernels (paged_decode.py) so the reference and the
 benchmark can share the checks and read the chosen config without launching anything.
 """
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_adapter.paged_attention import paged_decode
-from engine_adapter.paged_attention_ref import paged_decode_ref
+from kvstore.attention.paged_decode import paged_decode
+from kvstore.attention.reference import paged_decode_ref
 from tiers.quant import dequantize, quantize
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -5,9 +5,9 @@ inference", 2023). Grid (batch, kv_heads, num_splits): each program packs the q 
 one GQA group into the M dimension of tl.dot (padded to >= 16) and walks a contiguous
 range of its row of the block table, BLOCKS_PER_ITER blocks per iteration, dequantizing
 int8 blocks in registers (KIVI: K scaled per channel, V per token). The splits are merged,
-and per-block log-sums turned into block mass for H2O, in paged_attention_merge.py.
+and per-block log-sums turned into block mass for H2O, in merge.py.
 
-Memory read: tiers/layout.py. Reference: paged_attention_ref.py. Config: paged_attention_plan.py.
+Memory read: tiers/layout.py. Reference: reference.py. Config: plan.py.
 All log-sum-exps here are base 2 (scores are pre-multiplied by log2(e)).
 """
 
@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine_adapter.paged_attention_merge import merge_splits
-from engine_adapter.paged_attention_plan import check_decode_inputs, check_kernel_layout, decode_config
+from kvstore.attention.merge import merge_splits
+from kvstore.attention.plan import check_decode_inputs, check_kernel_layout, decode_config
 
 LOG2E = 1.4426950408889634
 

@@ -1,4 +1,4 @@
-"""Pure-torch reference for engine_adapter.paged_attention.paged_decode.
+"""Pure-torch reference for kvstore.attention.paged_decode.paged_decode.
 
 Gathers each row's blocks per kv head, dequantizes int8 blocks (value = data * scale),
 and runs plain fp32 softmax attention. Slow (Python loop over rows and kv heads); it is
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine_adapter.paged_attention_plan import check_decode_inputs
+from kvstore.attention.plan import check_decode_inputs
 
 
 def gather_kv(

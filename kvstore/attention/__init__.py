@@ -1,0 +1,25 @@
+"""The paged decode attention kernel the store's decode path runs.
+
+    paged_decode.py  Triton split-K kernel over fp16 (hot) and int8 (warm) blocks, GQA; its launcher
+    merge.py         merges the splits; per-block attention mass for H2O
+    plan.py          input checks and the launch configuration per geometry
+    reference.py     the pure-torch reference with the same contract (what CPU runs)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def kernel_for(device: torch.device) -> Callable:
+    """The Triton kernel on CUDA; on CPU its torch reference (same contract). The Triton
+    interpreter is for tests, far too slow to serve."""
+    if device.type == "cuda":
+        from kvstore.attention.paged_decode import paged_decode
+
+        return paged_decode
+    from kvstore.attention.reference import paged_decode_ref
+
+    return paged_decode_ref
