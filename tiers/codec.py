@@ -42,8 +42,9 @@ class Codec:
         self.compressor = zstandard.ZstdCompressor(level=level)
         self.decompressor = zstandard.ZstdDecompressor()
 
-    def encode(self, layout: BlockLayout, blocks: Blocks, row: int) -> bytes:
-        """Row `row` of a CPU batch -> one stored value."""
+    def encode(self, layout: BlockLayout, blocks: Blocks, row: int, bind: bytes = b"") -> bytes:
+        """Row `row` of a CPU batch -> one stored value. `bind`: bytes stored elsewhere (a key
+        name) that the checksum also covers, so the value verifies only beside them."""
         if isinstance(blocks, Int8Blocks):
             fmt, parts = _FORMATS["int8"], [t[row] for t in blocks.tensors()]
         else:
@@ -56,10 +57,9 @@ class Codec:
             body = self.compressor.compress(planes)
         header = _HEADER.pack(_MAGIC, LAYOUT_VERSION, fmt, self.compression, layout.num_kv_heads,
                               layout.block_tokens, layout.head_dim, len(payload), 0)
-        digest = xxhash.xxh3_64_intdigest(header[:-8] + payload)
-        return header[:-8] + struct.pack("<Q", digest) + body
+        return header[:-8] + struct.pack("<Q", _digest(bind, header[:-8], payload)) + body
 
-    def decode(self, layout: BlockLayout, value: bytes | memoryview, what: str) -> Blocks:
+    def decode(self, layout: BlockLayout, value: bytes | memoryview, what: str, bind: bytes = b"") -> Blocks:
         """One stored value -> a batch of one block. Raises IntegrityError on any damage."""
         if len(value) < _HEADER.size:
             raise IntegrityError(f"{what}: value of {len(value)} bytes is shorter than its header")
@@ -68,16 +68,26 @@ class Codec:
             layout.num_kv_heads, layout.block_tokens, layout.head_dim
         ):
             raise IntegrityError(f"{what}: header does not match layout v{LAYOUT_VERSION} {layout}")
-        body = bytes(value[_HEADER.size:])
+        body = memoryview(value)[_HEADER.size:]  # no copy: _unpack makes the one copy
         try:
             payload = self.decompressor.decompress(body, max_output_size=length) if comp else body
         except zstandard.ZstdError as exc:
             raise IntegrityError(f"{what}: compressed payload is damaged ({exc})") from None
         if comp == 2 and fmt == 0:
             payload = _join_planes(payload)
-        if len(payload) != length or xxhash.xxh3_64_intdigest(bytes(value[: _HEADER.size - 8]) + payload) != digest:
+        if len(payload) != length or _digest(bind, value[: _HEADER.size - 8], payload) != digest:
             raise IntegrityError(f"{what}: checksum mismatch")
         return _unpack(layout, fmt, payload)
+
+
+def _digest(bind: bytes, header: bytes | memoryview, payload: bytes) -> int:
+    """xxh3-64 of bind + header + payload, streamed (no concatenated copy); equal to the
+    one-shot digest of the concatenation, so values written without `bind` still verify."""
+    h = xxhash.xxh3_64()
+    h.update(bind)
+    h.update(header)
+    h.update(payload)
+    return h.intdigest()
 
 
 def _split_planes(payload: bytes) -> bytes:
