@@ -10,6 +10,7 @@ from tiers.cpu import CpuTier
 from tiers.hot import HotTier
 from tiers.layout import BlockLayout, Int8Blocks
 from tiers.quant import dequantize, error_bound, quantize
+from tiers.redis import RedisTier
 from tiers.ssd import SsdTier
 from tiers.warm import WarmTier
 
@@ -17,7 +18,7 @@ LAYOUT = BlockLayout(num_kv_heads=3, block_tokens=16, head_dim=64)
 CAPACITY_BLOCKS = 6
 
 
-def make_tier(name: str, tmp_path):
+def make_tier(name: str, tmp_path, request):
     cap = CAPACITY_BLOCKS
     if name == "hot":
         return HotTier(LAYOUT, cap * LAYOUT.fp16_bytes, "cpu")
@@ -27,11 +28,17 @@ def make_tier(name: str, tmp_path):
         return CpuTier(LAYOUT, cap * LAYOUT.fp16_bytes, memory_reserve=0)
     if name == "cpu-int8":
         return CpuTier(LAYOUT, cap * LAYOUT.int8_bytes, dtype="int8", memory_reserve=0)
+    if name in ("redis", "redis-cluster"):
+        url = request.getfixturevalue("redis_single" if name == "redis" else "redis_cluster").url
+        probe = RedisTier(LAYOUT, url, 0)  # a default namespace: every tier's keys have its length
+        value_bytes = LAYOUT.fp16_bytes + probe.value_overhead
+        probe.close()
+        return RedisTier(LAYOUT, url, cap * value_bytes)  # uncompressed: exactly CAPACITY_BLOCKS values
     # Uncompressed, so capacity in bytes is exactly CAPACITY_BLOCKS values.
     return SsdTier(LAYOUT, str(tmp_path / "lmdb"), cap * (LAYOUT.fp16_bytes + HEADER_BYTES), compression="none")
 
 
-TIERS = ["hot", "warm", "cpu", "cpu-int8", "ssd"]
+TIERS = ["hot", "warm", "cpu", "cpu-int8", "ssd", "redis", "redis-cluster"]
 LOSSY = {"warm", "cpu-int8"}
 
 
@@ -48,7 +55,7 @@ def as_fp16(blocks) -> torch.Tensor:
 
 @pytest.fixture(params=TIERS)
 def tier(request, tmp_path):
-    t = make_tier(request.param, tmp_path)
+    t = make_tier(request.param, tmp_path, request)
     t.lossy = request.param in LOSSY
     yield t
     t.close()

@@ -1,0 +1,287 @@
+"""Shared cold tier on Redis, Valkey or a Redis Cluster: one key, one value, one SET per block.
+
+    key    <namespace>:<block id as 16 hex digits>           namespace: a per-store prefix
+    value  envelope  magic b"KVRB", block id u64, key length u16, key bytes   (little endian)
+           + a tiers/codec.py value (header, raw or zstd payload, xxh3-64), whose checksum
+             covers the envelope too
+
+Header, payload and checksum are one value written by one command, so Redis evicts a block
+whole or not at all (LMCache's legacy layout keeps data and metadata in two keys and Redis
+can evict one without the other). Every get verifies the checksum: a damaged, truncated or
+foreign value, or one copied under another key or namespace, raises IntegrityError and
+counts in `integrity_errors`; it is never returned. A key Redis evicted (maxmemory) raises
+BlockMissingError (a KeyError) naming the ids, counted in `missing_blocks`.
+
+Keys carry no hash tags: a batch is a pipeline of single-key commands, which the cluster
+client splits per shard, so blocks spread over every slot. The URL decides the client: a
+node that reports `cluster_enabled:1` is opened as a cluster.
+
+Sharing: a private tier (namespace=None) owns `kvtier:<random>`, deletes what it deletes and
+everything left on close(). A shared tier (shared=True, a namespace other processes also
+name) never deletes from Redis: its ids must name the same content fleet-wide (e.g. content
+hashes); a put whose key already exists stores nothing and adopts the block there (stored once);
+`attach(ids)` adopts blocks another process wrote. Redis's own maxmemory policy removes them.
+A put returns after Redis acknowledged every SET: durable on restart only if the server runs
+`appendonly yes` with `appendfsync always` (README: "Shared cold tier on Redis").
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+import threading
+import uuid
+import warnings
+from typing import Callable, Sequence
+
+import redis
+import torch
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.retry import Retry
+
+from tiers.base import BlockMissingError, IntegrityError, check_ids
+from tiers.codec import HEADER_BYTES, Codec
+from tiers.layout import BlockLayout, Blocks, concat, num_blocks
+from tiers.quant import one_format
+
+_ENVELOPE = struct.Struct("<4sQH")
+_MAGIC = b"KVRB"
+_NAMESPACE = re.compile(r"[A-Za-z0-9_.:-]{1,200}")  # no braces: no accidental hash tags
+_BATCH_BYTES = 64 << 20  # one pipeline carries at most this much value data
+_FAILURES = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.ClusterError,
+             redis.exceptions.RedisClusterException)
+
+
+class RedisTier:
+    name = "redis"
+
+    def __init__(
+        self, layout: BlockLayout, url: str, capacity_bytes: int, namespace: str | None = None,
+        shared: bool = False, compression: str = "none", level: int = 1, timeout: float = 30.0,
+    ) -> None:
+        if namespace is not None and not _NAMESPACE.fullmatch(namespace):
+            raise ValueError(f"redis namespace must match {_NAMESPACE.pattern}, got {namespace!r}")
+        if shared and namespace is None:
+            raise ValueError("a shared redis tier needs a namespace the other processes also name")
+        self.layout = layout
+        self.block_bytes = layout.fp16_bytes
+        self.namespace = namespace or f"kvtier:{uuid.uuid4().hex[:16]}"
+        self.shared = shared
+        self._capacity = capacity_bytes
+        self.codec_args = (compression, level)
+        Codec(*self.codec_args)  # a bad compression name fails here, before connecting
+        self._local = threading.local()
+        self.sizes: dict[int, int] = {}  # block id -> bytes of its value in Redis
+        self._used = 0
+        self._orphans: set[bytes] = set()  # keys a failed put may have written (private tiers delete them on close)
+        self.integrity_errors = 0
+        self.missing_blocks = 0
+        self.value_overhead = _ENVELOPE.size + len(self.key(0)) + HEADER_BYTES
+        self.url = url
+        self.client, self.cluster = _connect(url, timeout)
+
+    def key(self, block_id: int) -> bytes:
+        return f"{self.namespace}:{block_id:016x}".encode()
+
+    def codec(self) -> Codec:
+        if not hasattr(self._local, "codec"):
+            self._local.codec = Codec(*self.codec_args)
+        return self._local.codec
+
+    # -- protocol ------------------------------------------------------------------------
+    def put(self, ids: Sequence[int], blocks: Blocks) -> None:
+        """Stores the batch (one SET NX per block, pipelined); returns once Redis acknowledged all."""
+        self.layout.check(blocks)
+        check_ids(ids, num_blocks(blocks), self.name)
+        stored = [i for i in ids if i in self.sizes]
+        if stored:
+            raise ValueError(f"redis: block ids already stored: {stored[:8]}")
+        blocks = blocks.to("cpu")
+        keys = [self.key(i) for i in ids]
+        values = [self._encode(i, k, blocks, row) for row, (i, k) in enumerate(zip(ids, keys))]
+        new_bytes = sum(map(len, values))
+        if self._used + new_bytes > self._capacity:
+            raise MemoryError(f"redis tier: {new_bytes} more bytes exceed the capacity of {self._capacity}")
+        try:
+            results = self._run(keys, lambda pipe, k, v: pipe.set(k, v, nx=True), values)
+        except ConnectionError:
+            if not self.shared:
+                self._orphans.update(keys)
+            raise
+        self._record(ids, keys, values, results)
+
+    def _record(self, ids: Sequence[int], keys: list[bytes], values: list[bytes], results: list) -> None:
+        """Index what the SETs stored; undo the batch if any failed (nothing half-written stays)."""
+        failed = [r for r in results if isinstance(r, Exception)]
+        taken = [k for k, r in zip(keys, results) if r is None]  # SET NX found the key there
+        if failed or (taken and not self.shared):
+            written = [k for k, r in zip(keys, results) if r is True]
+            if written:
+                self._run(written, lambda pipe, k, _: pipe.delete(k))
+            if failed:
+                if any("OOM" in str(r) for r in failed):
+                    raise MemoryError(f"redis at {self.url} is out of memory (maxmemory, noeviction): {failed[0]}")
+                raise RuntimeError(f"redis refused a SET: {failed[0]}")
+            raise ValueError(f"redis: {len(taken)} keys already exist in namespace {self.namespace!r} "
+                             f"(another store writes there?): {taken[:4]}")
+        adopted = dict(zip(taken, self._run(taken, lambda pipe, k, _: pipe.strlen(k)))) if taken else {}
+        for block_id, key, value in zip(ids, keys, values):
+            self.sizes[block_id] = adopted.get(key, len(value))
+            self._used += self.sizes[block_id]
+
+    def get(self, ids: Sequence[int]) -> Blocks:
+        """Verified blocks, in order; a batch mixing fp16 and int8 blocks comes back fp16."""
+        unknown = [i for i in ids if i not in self.sizes]
+        if unknown:
+            raise KeyError(f"redis: blocks not stored: {unknown[:8]}")
+        if not ids:
+            return self.layout.empty_fp16(0, "cpu")
+        keys = [self.key(i) for i in ids]
+        values = self._run(keys, lambda pipe, k, _: pipe.get(k))
+        gone = [i for i, v in zip(ids, values) if v is None]
+        if gone:
+            self.missing_blocks += len(gone)
+            error = BlockMissingError(f"redis: {len(gone)} blocks are gone from {self.namespace!r} "
+                                      f"(evicted by Redis's maxmemory policy?): {gone[:8]}")
+            error.ids = gone
+            raise error
+        codec = self.codec()
+        try:
+            parts = [self._decode(codec, i, k, v) for i, k, v in zip(ids, keys, values)]
+        except IntegrityError:
+            self.integrity_errors += 1
+            raise
+        return concat(one_format(parts))
+
+    def fetch(self, ids: Sequence[int], device: torch.device) -> Blocks:
+        return self.get(ids).to(device, non_blocking=True)
+
+    def attach(self, ids: Sequence[int]) -> None:
+        """Adopt blocks another process stored under this namespace; all or none."""
+        check_ids(ids, len(ids), self.name)
+        known = [i for i in ids if i in self.sizes]
+        if known:
+            raise ValueError(f"redis: block ids already stored: {known[:8]}")
+        lengths = self._run([self.key(i) for i in ids], lambda pipe, k, _: pipe.strlen(k))
+        absent = [i for i, n in zip(ids, lengths) if not isinstance(n, int) or not n]
+        if absent:
+            raise BlockMissingError(f"redis: no blocks {absent[:8]} in namespace {self.namespace!r}")
+        for block_id, n in zip(ids, lengths):
+            self.sizes[block_id] = n
+            self._used += n
+
+    def delete(self, ids: Sequence[int]) -> None:
+        """Private tiers delete the keys (an evicted key is no error); shared ones only forget them."""
+        unknown = [i for i in ids if i not in self.sizes]
+        if unknown:
+            raise KeyError(f"redis: blocks not stored: {unknown[:8]}")
+        if not self.shared:
+            self._run([self.key(i) for i in ids], lambda pipe, k, _: pipe.delete(k))
+        for block_id in ids:
+            self._used -= self.sizes.pop(block_id)
+
+    def __contains__(self, block_id: int) -> bool:
+        return block_id in self.sizes
+
+    def can_put(self, n: int) -> bool:
+        return n <= self.free_blocks()
+
+    def free_blocks(self) -> int:
+        # Counted at the uncompressed size: compression only shrinks, so this never over-promises.
+        return max(0, (self._capacity - self._used) // (self.block_bytes + self.value_overhead))
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    def check_integrity(self) -> None:
+        """Byte count matches the index; every indexed key still in Redis has the recorded size
+        (a key Redis evicted is allowed: `get` reports it)."""
+        if sum(self.sizes.values()) != self._used:
+            raise AssertionError("redis tier: used bytes disagree with the block index")
+        ids = list(self.sizes)
+        lengths = self._run([self.key(i) for i in ids], lambda pipe, k, _: pipe.strlen(k))
+        changed = [i for i, n in zip(ids, lengths) if n and n != self.sizes[i]]
+        if changed:
+            raise AssertionError(f"redis tier: values of blocks {changed[:8]} changed size behind this tier")
+
+    def close(self) -> None:
+        """A private tier deletes its keys (no table points at them once closed); a shared one leaves them."""
+        try:
+            if not self.shared:
+                keys = [self.key(i) for i in self.sizes] + list(self._orphans)
+                self._run(keys, lambda pipe, k, _: pipe.delete(k))
+                self.sizes.clear()
+                self._used = 0
+        except ConnectionError as exc:
+            warnings.warn(f"redis tier: could not delete {len(self.sizes)} blocks of {self.namespace!r}: {exc}")
+        finally:
+            self.client.close()
+
+    # -- values and pipelines ------------------------------------------------------------
+    def _encode(self, block_id: int, key: bytes, blocks: Blocks, row: int) -> bytes:
+        envelope = _ENVELOPE.pack(_MAGIC, block_id, len(key)) + key
+        return envelope + self.codec().encode(self.layout, blocks, row, bind=envelope)
+
+    def _decode(self, codec: Codec, block_id: int, key: bytes, value: bytes) -> Blocks:
+        what = f"redis block {block_id} ({key.decode()})"
+        if isinstance(value, Exception):  # e.g. WRONGTYPE: something else lives under the key
+            raise IntegrityError(f"{what}: {value}")
+        end = _ENVELOPE.size + len(key)
+        if len(value) < end:
+            raise IntegrityError(f"{what}: value of {len(value)} bytes is shorter than its envelope")
+        magic, stored_id, key_len = _ENVELOPE.unpack_from(value)
+        if magic != _MAGIC or stored_id != block_id or key_len != len(key) or value[_ENVELOPE.size:end] != key:
+            raise IntegrityError(f"{what}: the value names another block or key")
+        return codec.decode(self.layout, memoryview(value)[end:], what, bind=value[:end])
+
+    def _run(self, keys: list[bytes], command: Callable, values: Sequence | None = None) -> list:
+        """command(pipe, key, value) per key, in pipelines of at most _BATCH_BYTES of values;
+        per-command errors come back in the results, a dead connection raises ConnectionError."""
+        values = values if values is not None else [None] * len(keys)
+        results: list = []
+        start = 0
+        while start < len(keys):
+            end, size = start, 0
+            while end < len(keys) and (end == start or size < _BATCH_BYTES):
+                size += len(values[end]) if values[end] is not None else self.block_bytes
+                end += 1
+            pipe = self.client.pipeline(transaction=False)
+            for key, value in zip(keys[start:end], values[start:end]):
+                command(pipe, key, value)
+            try:
+                results.extend(pipe.execute(raise_on_error=False))
+            except _FAILURES as exc:
+                raise ConnectionError(f"redis tier: {self.url} failed mid-batch "
+                                      f"({type(exc).__name__}: {exc})") from None
+            start = end
+        return results
+
+
+def _connect(url: str, timeout: float) -> tuple[redis.Redis | RedisCluster, bool]:
+    """A client for `url`: a cluster client if the node says it is part of a cluster."""
+    options = dict(socket_timeout=timeout, socket_connect_timeout=min(timeout, 5.0),
+                   socket_read_size=1 << 20)  # large values: fewer recv calls than the 32 KiB default
+    try:
+        # No silent retries: a pipeline replayed after a restart would meet its own SET NX keys;
+        # a failure surfaces as ConnectionError and the caller decides.
+        client = redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **options)
+        cluster = client.info("cluster").get("cluster_enabled") == 1
+    except (redis.RedisError, ValueError) as exc:
+        raise ValueError(f"redis tier: no Redis answers at {url!r} ({type(exc).__name__}: {exc})") from None
+    if not cluster:
+        return client, False
+    client.close()
+    try:
+        return RedisCluster.from_url(url, **options), True
+    except redis.RedisError as exc:
+        raise ValueError(f"redis tier: cannot open the cluster at {url!r} ({exc})") from None
