@@ -120,7 +120,7 @@ class RedisTier:
             if written:
                 self._run(written, lambda pipe, k, _: pipe.delete(k))
             if failed:
-                if any("OOM" in str(r) for r in failed):
+                if any(isinstance(r, redis.exceptions.OutOfMemoryError) for r in failed):
                     raise MemoryError(f"redis at {self.url} is out of memory (maxmemory, noeviction): {failed[0]}")
                 raise RuntimeError(f"redis refused a SET: {failed[0]}")
             raise ValueError(f"redis: {len(taken)} keys already exist in namespace {self.namespace!r} "
