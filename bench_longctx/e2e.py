@@ -9,7 +9,7 @@ far longer than the benchmark, by writing random K/V into every layer ("random":
 decode step reads the same bytes either way, so its speed is measured fairly).
 
 Paths timed, each `steps` greedy tokens:
-  static topk / static dense   bench_longctx.static_step: the whole step as one CUDA graph over
+  static topk / static dense   engine_adapter.static_step: the whole step as one CUDA graph over
                                the fixed context (no append); dense reads every block (the int8 floor)
   eager topk / eager dense     Decoder.decode_step: append + store.attend per layer, launched eagerly
 """
@@ -23,7 +23,7 @@ import torch
 from bench_longctx.measure import Deadline, release
 from bench_longctx.models import model_store, store_bytes
 from bench_longctx.presets import E2EPreset
-from bench_longctx.static_step import StaticStep
+from engine_adapter.static_step import StaticStep
 from bench_longctx.timing import sync
 from engine_adapter.llama import Decoder, Llama, LlamaArgs
 from kvstore.config import ModelSpec

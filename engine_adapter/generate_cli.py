@@ -20,7 +20,7 @@ import torch
 from engine_adapter.llama import Decoder
 from engine_adapter.weights import PACKAGED_MODELS, load_model
 from kvstore.config import Config, ModelSpec
-from kvstore.decode import MODES
+from kvstore.store import MODES
 from kvstore.store import KVStore
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

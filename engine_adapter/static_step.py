@@ -16,11 +16,8 @@ from __future__ import annotations
 import torch
 
 from engine_adapter.llama import Llama
-from kvstore.attention.reference import paged_decode_ref
-from eviction.select import num_selected
-from eviction.topk import topk_select
-from kvstore.decode import recent_window
-from kvstore.placement import WARM
+from eviction.topk import TopK
+from kvstore.decode import block_table, tokens_covered
 from kvstore.store import KVStore
 from kvstore.table import DROPPED
 
@@ -35,14 +32,14 @@ class StaticStep:
         if any(t.num_cold or DROPPED in t.block_ids for t in self.tables):
             raise ValueError("StaticStep needs every block of the sequence on the GPU (hot or warm), none dropped")
         self.model, self.store, self.mode, self.budget = model, store, mode, budget
-        c, dev = store.config, store.device
-        t = self.tables[0]
-        self.num_blocks = t.num_blocks
-        self.counts = dict(num_tokens=t.num_tokens, block_tokens=c.block_tokens, sink_tokens=c.sink_tokens,
-                           recent_tokens=recent_window(store, budget))
-        k = num_selected(budget_tokens=budget, **self.counts) if mode == "topk" else t.num_blocks
-        covered = (k - 1) * c.block_tokens + t.num_tokens - (t.num_blocks - 1) * c.block_tokens
-        self.num_tokens = torch.tensor([covered], dtype=torch.int32, device=dev)
+        dev, t = store.device, self.tables[0]
+        self.num_blocks, self.policy = t.num_blocks, TopK()
+        num_q_heads, head_dim = store.spec.num_q_heads, store.spec.head_dim
+        self.q = torch.zeros((len(self.tables), num_q_heads, head_dim), dtype=torch.float16, device=dev)  # [L, Hq, D]
+        self.contexts = [store.decode.context(table, self.q[i], budget) for i, table in enumerate(self.tables)]
+        k = self.contexts[0].num_selected(budget) if mode == "topk" else t.num_blocks
+        self.num_tokens = torch.tensor([tokens_covered(t, k, store.config.block_tokens)], dtype=torch.int32,
+                                       device=dev)
         dtype = model.embed_tokens.weight.dtype
         self.cos, self.sin = model.rope(torch.tensor([t.num_tokens], device=dev), dtype)  # [1, D] each
         self.token = torch.zeros(1, dtype=torch.long, device=dev)  # [1]: input of the next step
@@ -53,26 +50,21 @@ class StaticStep:
 
     def _dense_table(self, t) -> tuple[torch.Tensor, torch.Tensor]:
         n, h = self.num_blocks, self.store.spec.num_kv_heads
-        return t.slot_map[:n].expand(h, n)[None], (t.level_map[:n] == WARM).expand(h, n)[None]  # [1, H, n] each
+        slots, is_int8 = block_table(t, torch.arange(n, device=self.store.device).expand(h, n))
+        return slots[None], is_int8[None]  # [1, H, n] each
 
     def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q [Hq, D] fp16 -> out [Hq, D] over the layer's dense table or its top-K blocks."""
-        t, s = self.tables[layer], self.store
+        t, tiers = self.tables[layer], self.store.tiers
         if self.mode == "topk":
-            selected = topk_select(q, t.summaries[: self.num_blocks], budget_tokens=self.budget, **self.counts)
-            slots, is_int8 = t.slot_map[selected][None], (t.level_map[selected] == WARM)[None]  # [1, H, k]
+            self.q[layer].copy_(q)  # the layer's ScoreContext reads it
+            slots, is_int8 = (x[None] for x in block_table(t, self.policy.select(self.contexts[layer], self.budget)))
         else:
             slots, is_int8 = self.dense[layer]
-        w = s.warm.pool
-        out, _ = self._kernel()(q[None], s.hot.pool, w.data, w.k_scale, w.v_scale, slots, is_int8, self.num_tokens)
+        w = tiers.warm.pool
+        out, _ = self.store.decode.kernel(q[None], tiers.hot.pool, w.data, w.k_scale, w.v_scale, slots, is_int8,
+                                          self.num_tokens)
         return out[0]
-
-    def _kernel(self):
-        if self.store.device.type == "cuda":
-            from kvstore.attention.paged_decode import paged_decode
-
-            return paged_decode
-        return paged_decode_ref
 
     @torch.inference_mode()
     def _forward(self) -> torch.Tensor:

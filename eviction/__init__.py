@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from eviction.base import Policy, ScoreContext
-from eviction.h2o import H2O, H2OAccumulator, coldest, h2o_evict
+from eviction.h2o import H2O, h2o_evict
 from eviction.select import protected_mask, protected_range, select
 from eviction.topk import TopK, topk_select
 from eviction.window import Window
@@ -18,12 +18,10 @@ POLICIES: dict[str, type[Policy]] = {"window": Window, "h2o": H2O, "topk": TopK}
 __all__ = [
     "POLICIES",
     "H2O",
-    "H2OAccumulator",
     "Policy",
     "ScoreContext",
     "TopK",
     "Window",
-    "coldest",
     "h2o_evict",
     "protected_mask",
     "protected_range",

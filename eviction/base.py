@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eviction.select import cdiv, check_counts, select
+from eviction.select import cdiv, check_counts, num_selected, select
 
 
 @dataclass(slots=True)
@@ -49,6 +49,11 @@ class ScoreContext:
     @property
     def num_blocks(self) -> int:
         return self.summaries.shape[0]
+
+    def num_selected(self, budget_tokens: int) -> int:
+        """k, the blocks a budgeted selection keeps per kv head (see eviction.select.num_selected)."""
+        return num_selected(num_tokens=self.num_tokens, block_tokens=self.block_tokens, budget_tokens=budget_tokens,
+                            sink_tokens=self.sink_tokens, recent_tokens=self.recent_tokens)
 
     @property
     def num_kv_heads(self) -> int:

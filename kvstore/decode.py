@@ -1,30 +1,28 @@
 """The decode path: one query token attends over a sequence's blocks in one layer.
 
-    1. select   per kv head, which blocks to read (dense: all; topk: Quest bound over the
-                key summaries; window: sinks + recent; h2o: what drop-mode H2O kept)
+    1. select   per kv head, which blocks to read (dense: all; a policy's `select` under the
+                budget; H2O drop mode: drop the least attended for good, attend the rest)
     2. stage    selected cold blocks are fetched in one batch into the hot pool's staging rows
     3. attend   one paged decode kernel over hot fp16, warm int8 and staged blocks
     4. account  the kernel's per-block attention mass feeds the H2O scores; blocks fetched
                 cold again and again are promoted to the warm tier
-On CUDA the Triton kernel runs; on CPU its torch reference (same contract).
+On CUDA the Triton kernel runs; on CPU its torch reference (same contract). The eager
+step, the captured step (graph_step.py) and the benchmarks build block tables with the
+one `block_table` below.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from kvstore.attention.reference import paged_decode_ref
-from eviction import POLICIES, ScoreContext
-from kvstore.placement import COLD, WARM
+from eviction import H2O, Policy, ScoreContext
+from kvstore.attention import kernel_for
+from kvstore.config import Config
 from kvstore.table import DROPPED, LayerTable
+from kvstore.tierset import CPU_TIER, WARM_TIER, TierSet
 
-if TYPE_CHECKING:
-    from kvstore.store import KVStore
-
-MODES = ("dense", "topk", "h2o", "window")
 PROMOTE_AFTER = 2  # cold fetches of one block before it moves to the warm tier
 
 
@@ -45,84 +43,129 @@ class AttendStats:
         return d
 
 
-def attend(store: KVStore, seq: int, layer: int, q: torch.Tensor, mode: str = "dense", budget: int = 4096,
-           measure_mass: bool = False) -> torch.Tensor:
-    """q [num_q_heads, head_dim] -> attention output [num_q_heads, head_dim] (fp16).
-
-    measure_mass: also run dense attention and record in stats()["attend"] how much of the
-    dense softmax mass the selected blocks hold (costs a dense pass; for evaluation)."""
-    table = store.table(seq, layer)
-    _check_query(store, q, mode, budget)
-    if table.num_tokens == 0:
-        raise ValueError(f"sequence {seq} layer {layer} holds no tokens to attend to")
-    if table.num_dropped and mode != "h2o":
-        raise ValueError(f"sequence {seq} layer {layer}: h2o mode dropped blocks; only mode='h2o' can attend it")
-    selected = _select(store, seq, layer, table, q, mode, budget)  # int64 [H, k], ascending, tail last
-    out, mass = _attend_blocks(store, table, q, selected)
-    table.h2o_scores[:, : table.num_blocks].scatter_add_(1, selected, mass)
-    _promote_if_needed(store, table)
-    stats = store.attend_stats
-    stats.calls += 1
-    stats.context_tokens += table.num_tokens
-    stats.attended_tokens += _tokens_covered(store, table, selected.shape[1])
-    if measure_mass and mode != "dense":
-        _, dense_mass = _attend_blocks(store, table, q, _live_blocks(store, table))
-        stats.mass_measured += 1
-        stats.mass_captured += float(dense_mass.gather(1, _live_positions(table, selected)).sum(1).mean())
-    return out
+def tokens_covered(table: LayerTable, k: int, block_tokens: int) -> int:
+    """Tokens in k selected blocks of `table`: full blocks, then the partial tail block (always last)."""
+    return (k - 1) * block_tokens + table.num_tokens - (table.num_blocks - 1) * block_tokens
 
 
-def _check_query(store: KVStore, q: torch.Tensor, mode: str, budget: int) -> None:
-    spec = store.spec
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-        raise ValueError(f"budget must be a positive int (tokens), got {budget!r}")
-    shape = (spec.num_q_heads, spec.head_dim)
-    if not isinstance(q, torch.Tensor) or tuple(q.shape) != shape or q.dtype != torch.float16 \
-            or q.device.type != store.device.type:
-        got = f"{q.dtype} {list(q.shape)} on {q.device}" if isinstance(q, torch.Tensor) else type(q).__name__
-        raise ValueError(f"q must be float16 {list(shape)} on {store.device.type}, got {got}")
+def block_table(table: LayerTable, selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel block table of `selected` [H, k]: (slots int32 [H, k], is_int8 bool [H, k]); no host sync."""
+    return table.slot_map[selected], table.tier_map[selected] == WARM_TIER
 
 
-def recent_window(store: KVStore, budget: int) -> int:
-    """The recent window a budgeted step always keeps: Config.recent_tokens, at most half the budget,
-    so a small budget still leaves room for what the policy picks."""
-    return min(store.config.recent_tokens, budget // 2)
+class DecodePath:
+    def __init__(self, config: Config, tiers: TierSet) -> None:
+        self.block_tokens, self.sink_tokens = config.block_tokens, config.sink_tokens
+        self.recent_tokens = config.recent_tokens
+        self.tiers = tiers
+        self.device = tiers.device
+        self.kernel = kernel_for(self.device)
+        self.stats = AttendStats()
 
+    def recent_window(self, budget: int) -> int:
+        """The recent window a budgeted step always keeps: Config.recent_tokens, at most half the budget,
+        so a small budget still leaves room for what the policy picks."""
+        return min(self.recent_tokens, budget // 2)
 
-def _context(store: KVStore, table: LayerTable, q: torch.Tensor, budget: int) -> ScoreContext:
-    c = store.config
-    n = table.num_blocks
-    return ScoreContext(summaries=table.summaries[:n], num_tokens=table.num_tokens, block_tokens=c.block_tokens,
-                        sink_tokens=c.sink_tokens, recent_tokens=recent_window(store, budget), q=q,
-                        h2o_scores=table.h2o_scores[:, :n])
+    def context(self, table: LayerTable, q: torch.Tensor, budget: int) -> ScoreContext:
+        """What a policy sees of `table` at this step (validated once, here)."""
+        n = table.num_blocks
+        return ScoreContext(summaries=table.summaries[:n], num_tokens=table.num_tokens,
+                            block_tokens=self.block_tokens, sink_tokens=self.sink_tokens,
+                            recent_tokens=self.recent_window(budget), q=q, h2o_scores=table.h2o_scores[:, :n])
 
+    def attend(self, table: LayerTable, q: torch.Tensor, policy: Policy | None, budget: int,
+               measure_mass: bool = False) -> torch.Tensor:
+        """q [num_q_heads, head_dim] -> out [num_q_heads, head_dim] (fp16). policy None: dense.
 
-def _select(store: KVStore, seq: int, layer: int, table: LayerTable, q: torch.Tensor, mode: str,
-            budget: int) -> torch.Tensor:
-    if mode == "dense":
-        return _live_blocks(store, table)
-    if mode == "h2o":
-        if not bool(table.h2o_scores[:, : table.num_blocks].any()):
-            _, mass = _attend_blocks(store, table, q, _live_blocks(store, table))  # seed: H2O scores prefill too
-            table.h2o_scores[:, : table.num_blocks] += mass
-        dropped = [i for i, b in enumerate(table.block_ids) if b == DROPPED]
-        evict = POLICIES["h2o"]().evict(_context(store, table, q, budget), keep_tokens=budget, dropped=dropped)
-        if evict:
-            store.drop(seq, layer, evict)
-        return _live_blocks(store, table)
-    return POLICIES[mode]().select(_context(store, table, q, budget), budget)
+        measure_mass: also run dense attention and record in the stats how much of the dense
+        softmax mass the selected blocks hold (costs a dense pass; for evaluation)."""
+        selected = self.select(table, q, policy, budget)  # int64 [H, k], ascending, tail last
+        out, mass = self.attend_blocks(table, q, selected)
+        table.h2o_scores[:, : table.num_blocks].scatter_add_(1, selected, mass)
+        self.promote_if_needed(table)
+        self.stats.calls += 1
+        self.stats.context_tokens += table.num_tokens
+        self.stats.attended_tokens += tokens_covered(table, selected.shape[1], self.block_tokens)
+        if measure_mass and policy is not None:
+            _, dense_mass = self.attend_blocks(table, q, self.live_blocks(table))
+            self.stats.mass_measured += 1
+            self.stats.mass_captured += float(dense_mass.gather(1, _live_positions(table, selected)).sum(1).mean())
+        return out
 
+    def select(self, table: LayerTable, q: torch.Tensor, policy: Policy | None, budget: int) -> torch.Tensor:
+        if policy is None:
+            return self.live_blocks(table)
+        if isinstance(policy, H2O):  # drop mode: evicted blocks are freed for good
+            if not bool(table.h2o_scores[:, : table.num_blocks].any()):
+                _, mass = self.attend_blocks(table, q, self.live_blocks(table))  # seed: H2O scores prefill too
+                table.h2o_scores[:, : table.num_blocks] += mass
+            dropped = [i for i, b in enumerate(table.block_ids) if b == DROPPED]
+            evict = policy.evict(self.context(table, q, budget), keep_tokens=budget, dropped=dropped)
+            if evict:
+                self.tiers.drop(table, evict)
+            return self.live_blocks(table)
+        return policy.select(self.context(table, q, budget), budget)
 
-def _live_blocks(store: KVStore, table: LayerTable) -> torch.Tensor:
-    """int64 [H, n_live]: every block not dropped, for every kv head."""
-    if table.num_dropped:
-        live = [i for i, b in enumerate(table.block_ids) if b != DROPPED]
-        idx = torch.tensor(live, dtype=torch.int64).to(store.device)
-    else:
-        idx = torch.arange(table.num_blocks, device=store.device)
-    return idx.expand(store.spec.num_kv_heads, -1)
+    def live_blocks(self, table: LayerTable) -> torch.Tensor:
+        """int64 [H, n_live]: every block not dropped, for every kv head."""
+        if table.num_dropped:
+            live = [i for i, b in enumerate(table.block_ids) if b != DROPPED]
+            idx = torch.tensor(live, dtype=torch.int64).to(self.device)
+        else:
+            idx = torch.arange(table.num_blocks, device=self.device)
+        return idx.expand(table.h2o_scores.shape[0], -1)
+
+    def attend_blocks(self, table: LayerTable, q: torch.Tensor,
+                      selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the paged kernel over `selected` [H, k]; returns (out [Hq, D], block mass [H, k])."""
+        slots, is_int8 = block_table(table, selected)
+        hot_pool = self.tiers.hot.pool
+        if table.num_cold:
+            hot_pool, slots, is_int8 = self.stage(table, selected, slots, is_int8)
+        num_tokens = torch.tensor([tokens_covered(table, selected.shape[1], self.block_tokens)], dtype=torch.int32)
+        warm = self.tiers.warm.pool
+        if not table.num_warm:  # no int8 block in the table: the kernel's pure-fp16 build
+            warm = warm.index(slice(0, 0))
+        out, mass = self.kernel(q[None], hot_pool, warm.data, warm.k_scale, warm.v_scale, slots[None],
+                                is_int8[None], num_tokens.to(self.device), return_block_mass=True)
+        return out[0], mass[0]
+
+    def stage(self, table: LayerTable, selected: torch.Tensor, slots: torch.Tensor,
+              is_int8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fetch the selected cold blocks in one batch; returns (fp16 pool, slots, is_int8) to attend with."""
+        hot = self.tiers.hot
+        cold = table.tier_map[selected] >= CPU_TIER  # [H, k]
+        cold_indices = torch.unique(selected[cold]).tolist()  # one host sync, only when the table has cold blocks
+        if not cold_indices:
+            return hot.pool, slots, is_int8
+        self.stats.cold_blocks_fetched += len(cold_indices)
+        remap = torch.full((table.num_blocks,), -1, dtype=torch.int32, device=self.device)
+        if len(cold_indices) <= hot.staging_blocks:
+            staged = hot.stage(self.tiers.gather([table.block_ids[i] for i in cold_indices], self.device))
+            remap[torch.tensor(cold_indices, device=self.device)] = staged
+            pool, slots = hot.pool, torch.where(cold, remap[selected], slots)
+            is_int8 = is_int8 & ~cold
+        else:  # more than staging holds: attend over a temporary fp16 copy of every selected block
+            every = torch.unique(selected).tolist()
+            pool = self.tiers.gather([table.block_ids[i] for i in every], self.device)
+            remap[torch.tensor(every, device=self.device)] = torch.arange(len(every), dtype=torch.int32,
+                                                                           device=self.device)
+            slots, is_int8 = remap[selected], torch.zeros_like(is_int8)
+        for i in cold_indices:
+            table.cold_hits[i] = table.cold_hits.get(i, 0) + 1
+        return pool, slots, is_int8
+
+    def promote_if_needed(self, table: LayerTable) -> None:
+        """Blocks fetched cold PROMOTE_AFTER times move up to the warm tier. Runs after the step's kernel:
+        making room in the warm pool may move blocks this step's block table still points at."""
+        ready = [i for i, hits in table.cold_hits.items() if hits >= PROMOTE_AFTER]
+        for i in ready:
+            del table.cold_hits[i]
+        ids = [b for b in (table.block_ids[i] for i in ready)
+               if b != DROPPED and self.tiers.blocks.tier_of[b] >= CPU_TIER]
+        if ids:
+            self.stats.promotions += self.tiers.promote(ids, WARM_TIER)
 
 
 def _live_positions(table: LayerTable, selected: torch.Tensor) -> torch.Tensor:
@@ -131,72 +174,3 @@ def _live_positions(table: LayerTable, selected: torch.Tensor) -> torch.Tensor:
         return selected
     live = torch.tensor([b != DROPPED for b in table.block_ids], device=selected.device)
     return (live.cumsum(0) - 1)[selected]
-
-
-def _tokens_covered(store: KVStore, table: LayerTable, k: int) -> int:
-    """Tokens in k selected blocks: full blocks, then the partial tail block (always last)."""
-    b = store.config.block_tokens
-    return (k - 1) * b + table.num_tokens - (table.num_blocks - 1) * b
-
-
-def _attend_blocks(store: KVStore, table: LayerTable, q: torch.Tensor,
-                   selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the paged kernel over `selected` [H, k]; returns (out [Hq, D], block mass [H, k])."""
-    slots = table.slot_map[selected]  # [H, k] int32
-    is_int8 = table.level_map[selected] == WARM
-    hot_pool = store.hot.pool
-    if table.num_cold:
-        hot_pool, slots, is_int8 = _stage_cold(store, table, selected, slots, is_int8)
-    num_tokens = torch.tensor([_tokens_covered(store, table, selected.shape[1])], dtype=torch.int32)
-    warm = store.warm.pool
-    if not table.num_warm:  # no int8 block in the table: the kernel's pure-fp16 build
-        warm = warm.index(slice(0, 0))
-    kernel = _kernel(store.device)
-    out, mass = kernel(q[None], hot_pool, warm.data, warm.k_scale, warm.v_scale, slots[None], is_int8[None],
-                       num_tokens.to(store.device), return_block_mass=True)
-    return out[0], mass[0]
-
-
-def _kernel(device: torch.device):
-    if device.type == "cuda":
-        from kvstore.attention.paged_decode import paged_decode
-
-        return paged_decode
-    return paged_decode_ref
-
-
-def _stage_cold(store: KVStore, table: LayerTable, selected: torch.Tensor, slots: torch.Tensor,
-                is_int8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fetch the selected cold blocks in one batch; returns (fp16 pool, slots, is_int8) to attend with."""
-    cold = table.level_map[selected] >= COLD  # [H, k]
-    cold_indices = torch.unique(selected[cold]).tolist()  # one host sync, only when the table has cold blocks
-    if not cold_indices:
-        return store.hot.pool, slots, is_int8
-    store.attend_stats.cold_blocks_fetched += len(cold_indices)
-    remap = torch.full((table.num_blocks,), -1, dtype=torch.int32, device=store.device)
-    if len(cold_indices) <= store.hot.staging_blocks:
-        staged = store.hot.stage(store.gather([table.block_ids[i] for i in cold_indices]))
-        remap[torch.tensor(cold_indices, device=store.device)] = staged
-        pool, slots = store.hot.pool, torch.where(cold, remap[selected], slots)
-        is_int8 = is_int8 & ~cold
-    else:  # more than staging holds: attend over a temporary fp16 copy of every selected block
-        every = torch.unique(selected).tolist()
-        pool = store.gather([table.block_ids[i] for i in every])
-        remap[torch.tensor(every, device=store.device)] = torch.arange(len(every), dtype=torch.int32,
-                                                                        device=store.device)
-        slots, is_int8 = remap[selected], torch.zeros_like(is_int8)
-    for i in cold_indices:
-        table.cold_hits[i] = table.cold_hits.get(i, 0) + 1
-    return pool, slots, is_int8
-
-
-def _promote_if_needed(store: KVStore, table: LayerTable) -> None:
-    """Blocks fetched cold PROMOTE_AFTER times move up to the warm tier. Runs after the step's kernel:
-    making room in the warm pool may move blocks this step's block table still points at."""
-    ready = [i for i, hits in table.cold_hits.items() if hits >= PROMOTE_AFTER]
-    for i in ready:
-        del table.cold_hits[i]
-    cold = [b for b in (table.block_ids[i] for i in ready) if b != DROPPED and store.blocks.tier_of[b] >= COLD]
-    for src, ids in store.blocks.by_tier(cold).items():
-        store._move(ids, src, WARM)
-        store.attend_stats.promotions += len(ids)

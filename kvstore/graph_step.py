@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from eviction.topk import TopK
 from kvstore.attention.paged_decode import paged_decode
-from eviction.select import num_selected
-from eviction.topk import topk_select
-from kvstore.decode import recent_window
-from kvstore.placement import WARM
+from kvstore.decode import block_table, tokens_covered
 from kvstore.store import KVStore
 from kvstore.table import DROPPED
 
@@ -27,15 +25,12 @@ class GraphedTopK:
             raise ValueError(f"GraphedTopK needs a CUDA store, got device {store.device}")
         if table.num_cold or DROPPED in table.block_ids or not table.num_tokens:
             raise ValueError("GraphedTopK needs a non-empty table whose blocks are all on the GPU (hot or warm)")
-        c = store.config
-        self.store, self.table, self.budget = store, table, budget
+        self.store, self.table, self.budget, self.policy = store, table, budget, TopK()
         self.num_blocks, self.length = table.num_blocks, table.num_tokens
-        self.counts = dict(num_tokens=table.num_tokens, block_tokens=c.block_tokens, sink_tokens=c.sink_tokens,
-                           recent_tokens=recent_window(store, budget))
-        k = num_selected(budget_tokens=budget, **self.counts)
-        covered = (k - 1) * c.block_tokens + table.num_tokens - (table.num_blocks - 1) * c.block_tokens
-        self.num_tokens = torch.tensor([covered], dtype=torch.int32, device=store.device)
         self.q = torch.zeros((store.spec.num_q_heads, store.spec.head_dim), dtype=torch.float16, device=store.device)
+        self.ctx = store.decode.context(table, self.q, budget)  # the capture reads self.q in place
+        covered = tokens_covered(table, self.ctx.num_selected(budget), store.config.block_tokens)
+        self.num_tokens = torch.tensor([covered], dtype=torch.int32, device=store.device)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # compile and warm up outside the capture
@@ -47,12 +42,11 @@ class GraphedTopK:
             self.out = self._step(account=True)
 
     def _step(self, account: bool) -> torch.Tensor:
-        t, s = self.table, self.store
-        selected = topk_select(self.q, t.summaries[: self.num_blocks], budget_tokens=self.budget, **self.counts)
-        slots = t.slot_map[selected]  # [H, k]
-        is_int8 = t.level_map[selected] == WARM
-        warm = s.warm.pool
-        out, mass = paged_decode(self.q[None], s.hot.pool, warm.data, warm.k_scale, warm.v_scale, slots[None],
+        t, tiers = self.table, self.store.tiers
+        selected = self.policy.select(self.ctx, self.budget)  # [H, k]
+        slots, is_int8 = block_table(t, selected)
+        warm = tiers.warm.pool
+        out, mass = paged_decode(self.q[None], tiers.hot.pool, warm.data, warm.k_scale, warm.v_scale, slots[None],
                                  is_int8[None], self.num_tokens, return_block_mass=True)
         if account:
             t.h2o_scores[:, : self.num_blocks].scatter_add_(1, selected, mass[0])

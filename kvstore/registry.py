@@ -6,7 +6,7 @@ from typing import Iterator, Sequence
 
 
 class BlockRegistry:
-    """Global block ids -> (tier level, owner). Plain dicts: the store touches it per block move,
+    """Global block ids -> (tier index, owner). Plain dicts: the store touches it per block move,
     never per token, and the decode path reads the per-table device maps instead."""
 
     def __init__(self, num_tiers: int) -> None:
@@ -22,20 +22,24 @@ class BlockRegistry:
             self.owner[block_id] = (seq, layer, first_index + offset)
         return ids
 
-    def record(self, ids: Sequence[int], level: int) -> None:
-        """`ids` now live in tier `level`."""
+    def record(self, ids: Sequence[int], tier: int) -> None:
+        """`ids` now live in `tier` (leaving the tier they were in, if any)."""
         for block_id in ids:
-            self.tier_of[block_id] = level
-            self.order[level][block_id] = None
+            old = self.tier_of.get(block_id)
+            if old is not None:
+                del self.order[old][block_id]
+            self.tier_of[block_id] = tier
+            self.order[tier][block_id] = None
 
-    def forget(self, ids: Sequence[int]) -> None:
-        """`ids` left their tier (about to be recorded elsewhere, or removed)."""
+    def forget_owners(self, ids: Sequence[int]) -> None:
+        """Ids handed out by new_ids that were never recorded in a tier (a refused append)."""
         for block_id in ids:
-            del self.order[self.tier_of.pop(block_id)][block_id]
+            del self.owner[block_id]
 
     def remove(self, ids: Sequence[int]) -> None:
-        self.forget(ids)
+        """`ids` are gone from every tier and every table."""
         for block_id in ids:
+            del self.order[self.tier_of.pop(block_id)][block_id]
             del self.owner[block_id]
 
     def by_tier(self, ids: Sequence[int]) -> dict[int, list[int]]:
@@ -44,12 +48,12 @@ class BlockRegistry:
             groups.setdefault(self.tier_of[block_id], []).append(block_id)
         return groups
 
-    def oldest(self, level: int) -> Iterator[int]:
-        return iter(self.order[level])
+    def oldest(self, tier: int) -> Iterator[int]:
+        return iter(self.order[tier])
 
     def check(self, tiers: Sequence) -> None:
-        for level, tier in enumerate(tiers):
-            recorded = self.order[level]
+        for index, tier in enumerate(tiers):
+            recorded = self.order[index]
             if tier.num_blocks != len(recorded) or any(i not in tier for i in recorded):
                 raise AssertionError(f"{tier.name}: {tier.num_blocks} blocks stored, {len(recorded)} recorded")
         if sum(len(o) for o in self.order) != len(self.tier_of) or len(self.tier_of) != len(self.owner):

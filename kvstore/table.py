@@ -3,7 +3,7 @@
 For every block of a table the store keeps, on its device:
   summaries  fp16 [n, 2, H, D]  elementwise min (0) and max (1) of the block's keys
   slot_map   int32 [n]          slot in the hot or warm pool (-1 when cold or dropped)
-  level_map  int8 [n]           tier level: 0 hot, 1 warm, 2 cpu, 3 ssd, -1 dropped (H2O)
+  tier_map   int8 [n]           tier index: 0 hot, 1 warm, 2 cpu, 3 cold (ssd/remote/redis), -1 dropped
 so one decode step turns a selection into a kernel block table without a host round trip.
 """
 
@@ -26,7 +26,7 @@ class LayerTable:
     num_tokens: int = 0
     summaries: torch.Tensor | None = None  # fp16 [capacity, 2, H, D]
     slot_map: torch.Tensor | None = None  # int32 [capacity]
-    level_map: torch.Tensor | None = None  # int8 [capacity]
+    tier_map: torch.Tensor | None = None  # int8 [capacity]
     num_warm: int = 0  # blocks in the warm tier (none: the kernel's pure-fp16 build runs)
     num_cold: int = 0  # blocks in the cpu or ssd tier (the decode path stages them)
     num_dropped: int = 0  # blocks H2O drop mode freed
@@ -62,9 +62,9 @@ class TableTensors:
         if capacity:
             grown[0][:capacity] = table.summaries
             grown[1][:capacity] = table.slot_map
-            grown[2][:capacity] = table.level_map
+            grown[2][:capacity] = table.tier_map
             grown[3][:, :capacity] = table.h2o_scores
-        table.summaries, table.slot_map, table.level_map, table.h2o_scores = grown
+        table.summaries, table.slot_map, table.tier_map, table.h2o_scores = grown
 
     def extend_tail(self, table: LayerTable, index: int, k: torch.Tensor) -> None:
         """Fold keys k [t, H, D] appended to block `index` into its summary."""
@@ -79,8 +79,8 @@ class TableTensors:
         self.reserve(table, first + summaries.shape[0])
         table.summaries[first:first + summaries.shape[0]] = summaries
 
-    def set_location(self, table: LayerTable, indices: list[int], slots: list[int], level: int) -> None:
-        """Blocks `indices` of `table` now live in tier `level` at `slots` (-1 for tiers without slots)."""
+    def set_location(self, table: LayerTable, indices: list[int], slots: list[int], tier: int) -> None:
+        """Blocks `indices` of `table` now live in `tier` at `slots` (-1 for tiers without slots)."""
         idx = torch.tensor(indices, dtype=torch.int64).to(self.device, non_blocking=True)
         table.slot_map[idx] = torch.tensor(slots, dtype=torch.int32).to(self.device, non_blocking=True)
-        table.level_map[idx] = level
+        table.tier_map[idx] = tier

@@ -8,11 +8,8 @@ from typing import Protocol, Sequence
 import torch
 import xxhash
 
+from tiers.errors import BlockMissingError, CapacityError, IntegrityError  # noqa: F401  (tiers import them from here)
 from tiers.layout import Blocks, Int8Blocks
-
-
-class IntegrityError(RuntimeError):
-    """A stored block failed its checksum: it is never returned as data."""
 
 
 class Tier(Protocol):
@@ -23,6 +20,8 @@ class Tier(Protocol):
 
     def put(self, ids: Sequence[int], blocks: Blocks) -> None: ...
     def get(self, ids: Sequence[int]) -> Blocks: ...
+    def fetch(self, ids: Sequence[int], device: torch.device) -> Blocks:
+        """`get`, delivered on `device` (in the tier's format: fp16, or Int8Blocks)."""
     def delete(self, ids: Sequence[int]) -> None: ...
     def __contains__(self, block_id: int) -> bool: ...
     def can_put(self, n: int) -> bool: ...
@@ -111,6 +110,9 @@ class PooledTier:
     block_bytes: int
     slots: SlotPool
     device: torch.device
+
+    def fetch(self, ids: Sequence[int], device: torch.device) -> Blocks:
+        return self.get(ids).to(device, non_blocking=True)
 
     def slot_tensor(self, ids: Sequence[int]) -> torch.Tensor:
         """Slots of `ids` as an int64 tensor on the tier's device (what kernels index with)."""

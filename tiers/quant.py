@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tiers.layout import Int8Blocks
+from tiers.layout import Blocks, Int8Blocks
 
 _TINY = 1e-8  # keeps all-zero groups finite
 
@@ -62,3 +62,11 @@ def within_bound(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tenso
     """True if stored-and-read-back (k, v) differ from the originals by no more than int8 allows."""
     bounds = sequence_error_bound(*want, block_tokens)
     return all(bool(((g.float() - w.float()).abs() <= b).all()) for g, w, b in zip(got, want, bounds))
+
+
+def one_format(parts: list[Blocks]) -> list[Blocks]:
+    """Batches of one format as they are; a mix of fp16 and int8 comes back all fp16 (int8 ones
+    dequantized), so a cold tier can hold blocks in whatever format they arrived in."""
+    if len({isinstance(p, Int8Blocks) for p in parts}) <= 1:
+        return parts
+    return [dequantize(p) if isinstance(p, Int8Blocks) else p for p in parts]

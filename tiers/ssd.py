@@ -15,10 +15,12 @@ from concurrent.futures import Future
 from typing import Callable, Sequence
 
 import lmdb
+import torch
 
 from tiers.base import IntegrityError, check_ids
 from tiers.codec import HEADER_BYTES, Codec
 from tiers.layout import BlockLayout, Blocks, concat, num_blocks
+from tiers.quant import one_format
 
 _MAX_BATCH = 256  # queued write requests folded into one transaction
 
@@ -84,14 +86,17 @@ class SsdTier:
         self.put_values([self.key(i) for i in ids], values)
 
     def get(self, ids: Sequence[int]) -> Blocks:
-        """Decodes and verifies every block; all of `ids` must share one format."""
+        """Decodes and verifies every block; a batch mixing fp16 and int8 blocks comes back fp16."""
         codec = self.codec()
         try:
             parts = [codec.decode(self.layout, v, f"ssd block {i}") for i, v in zip(ids, self._read_checked(ids))]
         except IntegrityError:
             self.integrity_errors += 1
             raise
-        return concat(parts) if parts else self.layout.empty_fp16(0, "cpu")
+        return concat(one_format(parts)) if parts else self.layout.empty_fp16(0, "cpu")
+
+    def fetch(self, ids: Sequence[int], device: torch.device) -> Blocks:
+        return self.get(ids).to(device, non_blocking=True)
 
     def _read_checked(self, ids: Sequence[int]) -> list[bytes]:
         values = self.get_values([self.key(i) for i in ids])

@@ -12,7 +12,7 @@ import torch
 from bench_longctx.e2e import model_args, random_model
 from bench_longctx.models import model_store
 from bench_longctx.needle import needle_keys, needle_queries
-from bench_longctx.static_step import StaticStep
+from engine_adapter.static_step import StaticStep
 from engine_adapter import weights
 from engine_adapter.llama import Decoder
 from kvstore.cli import main

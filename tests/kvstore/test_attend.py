@@ -74,7 +74,7 @@ def test_topk_finds_a_planted_needle_with_a_small_budget(tmp_path):
     out = store.attend(seq, 0, q.half(), mode="topk", budget=128, measure_mass=True)
     assert out.float().mean() > 5  # the needle's value dominates: its block was selected
     topk = store.stats()["attend"]
-    store.attend_stats = AttendStats()
+    store.decode.stats = AttendStats()
     window = store.attend(seq, 0, q.half(), mode="window", budget=128, measure_mass=True)
     assert window.float().mean() < 1  # the negative control misses it
     assert topk["read_fraction"] < 0.1
@@ -86,11 +86,11 @@ def test_cold_blocks_are_staged_then_promoted(tmp_path):
     seq, k, v = filled(store, 1500, seed=3)
     q = (k[300].float().repeat_interleave(3, dim=0) * 4).half()  # points at block 18, long cold
     table = store.sequences[seq][0]
-    assert store.blocks.tier_of[table.block_ids[300 // 16]] >= 2
+    assert store.tiers.blocks.tier_of[table.block_ids[300 // 16]] >= 2
     for _ in range(2):
         store.attend(seq, 0, q, mode="topk", budget=96)
     assert store.stats()["attend"]["cold_blocks_fetched"] > 0 and store.stats()["attend"]["promotions"] > 0
-    assert store.blocks.tier_of[table.block_ids[300 // 16]] == 1  # promoted to warm
+    assert store.tiers.blocks.tier_of[table.block_ids[300 // 16]] == 1  # promoted to warm
     store.check_integrity()
 
 

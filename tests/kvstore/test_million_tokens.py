@@ -37,5 +37,5 @@ def test_million_token_sequence_round_trips(tmp_path):
     assert torch.equal(got_k[:64], want_k[:64]) and torch.equal(got_k[-4096:], want_k[-4096:])
     store.free(seq)
     store.check_integrity()
-    assert store.cold._scan() == {}
+    assert store.tiers.cold._scan() == {}
     store.close()

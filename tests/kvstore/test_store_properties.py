@@ -85,7 +85,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.store.check_integrity()
         stats = self.store.stats()["tiers"]
         assert all(t["blocks"] == 0 and t["bytes"] == 0 for t in stats.values()), stats
-        assert self.store.cold._scan() == {}  # every ssd key removed
+        assert self.store.tiers.cold._scan() == {}  # every ssd key removed
         assert all(len(t.slots.free_slots) == t.slots.num_slots for t in self.store.tiers[:3])
         self.store.close()
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -19,7 +19,8 @@ import torch
 
 from tiers.remote.client import Client, CorruptValueError, UnreachableError
 from tiers.base import IntegrityError, check_ids
-from tiers.layout import BlockLayout, Blocks, Int8Blocks, num_blocks
+from tiers.layout import BlockLayout, Blocks, Int8Blocks, concat, num_blocks
+from tiers.quant import one_format
 
 _INT8_PARTS = ("data", "k_scale", "v_scale")
 
@@ -81,14 +82,12 @@ class RemoteTier:
         self._used += need
 
     def get(self, ids: Sequence[int]) -> Blocks:
-        """One batch from one request; all of `ids` must share one format."""
+        """One batch from one request; a batch mixing fp16 and int8 blocks comes back fp16."""
         missing = [i for i in ids if i not in self.is_int8]
         if missing:
             raise KeyError(f"remote: blocks not stored: {missing[:8]}")
         if not ids:
             return self.layout.empty_fp16(0, "cpu")
-        if len({self.is_int8[i] for i in ids}) > 1:
-            raise ValueError("remote.get: fp16 and int8 blocks cannot share a batch; get them separately")
         keys = [k for i in ids for k in self.keys(i)]
         try:
             tensors = self.client.get_many(self.namespace, keys)
@@ -96,9 +95,18 @@ class RemoteTier:
         except (CorruptValueError, IntegrityError):
             self.integrity_errors += 1
             raise
-        if self.is_int8[ids[0]]:
-            return Int8Blocks(*(torch.stack(tensors[j::3]) for j in range(3)))
-        return torch.stack(tensors)  # [n, 2, H, B, D]
+        parts, at = [], 0
+        for i in ids:  # one part per block, in order
+            if self.is_int8[i]:
+                parts.append(Int8Blocks(*(t[None] for t in tensors[at:at + 3])))
+                at += 3
+            else:
+                parts.append(tensors[at][None])
+                at += 1
+        return concat(one_format(parts))
+
+    def fetch(self, ids: Sequence[int], device: torch.device) -> Blocks:
+        return self.get(ids).to(device, non_blocking=True)
 
     def _check_parts(self, keys: list[str], tensors: list[torch.Tensor]) -> None:
         for key, t in zip(keys, tensors):

@@ -83,7 +83,7 @@ def test_kvstore_places_cold_blocks_in_the_sidecar(server):
         for t in range(400, 700, 60):
             store.append(seq, layer, k[t:t + 60], v[t:t + 60])  # then blocks cool out of the hot window
         store.check_integrity()
-    remote = store.cold
+    remote = store.tiers.cold
     assert remote.name == "remote" and remote.num_blocks > 100 and store.stats()["tiers"]["cpu"]["blocks"] > 0
     with Client(server.url) as c:
         assert c.stats(remote.namespace)["blocks"] == remote.num_blocks

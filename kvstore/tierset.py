@@ -1,0 +1,304 @@
+"""The tier set: the store's tiers and where every block lives (nano-vllm's BlockManager, for tiers).
+
+It is asked to place, cool, promote, gather, drop and free blocks, and edits the block
+tables it is handed (device slot and tier maps, warm/cold counts); it never imports the
+store. Tiers by index: 0 hot (GPU fp16), 1 warm (GPU int8), 2 cpu, 3 cold (ssd, the sidecar
+or redis). Placement levels (HOT, WARM, COLD) map onto the first three; a COLD block starts
+in cpu and spills colder. Every move is put-then-delete and every placement all-or-nothing:
+a failed put leaves each block where it was, so no failure loses a block.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import torch
+
+from eviction.h2o import H2O
+from kvstore.config import Config
+from kvstore.placement import COLD, HOT, WARM, Placement
+from kvstore.registry import BlockRegistry
+from kvstore.table import DROPPED, LayerTable, TableTensors
+from tiers.base import Tier
+from tiers.cpu import CpuTier
+from tiers.errors import CapacityError
+from tiers.hot import HotTier
+from tiers.layout import BlockLayout, Blocks, Int8Blocks
+from tiers.quant import dequantize
+from tiers.ssd import SsdTier
+from tiers.warm import WarmTier
+
+HOT_TIER, WARM_TIER, CPU_TIER = 0, 1, 2
+_FIRST_TIER = {HOT: HOT_TIER, WARM: WARM_TIER, COLD: CPU_TIER}
+_VICTIM_POOL = 4  # demote mode: look at this many times more old blocks than needed, keep the least attended
+
+
+class TierSet:
+    def __init__(self, config: Config, layout: BlockLayout, tables: dict[int, list[LayerTable]],
+                 tensors: TableTensors) -> None:
+        c = config
+        self.layout, self.device = layout, torch.device(c.device)
+        self.placement = Placement(c.block_tokens, c.sink_tokens, c.hot_tokens, c.warm_tokens)
+        hot_bytes, warm_bytes = split_gpu_bytes(c, layout, self.placement)
+        self._tempdir = None if c.ssd_path or c.remote_url or getattr(c, "redis_url", None) \
+            else tempfile.mkdtemp(prefix="kvtier-ssd-")
+        self.tiers: list[Tier] = [
+            HotTier(layout, hot_bytes, self.device, staging_blocks=c.staging_tokens // c.block_tokens),
+            WarmTier(layout, warm_bytes, self.device),
+            CpuTier(layout, c.cpu_bytes, c.cpu_dtype, pin=self.device.type == "cuda",
+                    memory_reserve=c.host_memory_reserve),
+            open_cold_tier(c, layout, self._tempdir),
+        ]
+        self.hot, self.warm, self.cpu, self.cold = self.tiers
+        self.blocks = BlockRegistry(len(self.tiers))
+        self.tables, self.tensors = tables, tensors
+        self.ranking = H2O()  # demote mode: the least attended of the oldest blocks cool first
+        self._in_flight: set[int] = set()  # blocks being moved: in two tiers for a moment, never victims
+
+    def __iter__(self) -> Iterator[Tier]:
+        return iter(self.tiers)
+
+    def __getitem__(self, index: int | slice) -> Tier | list[Tier]:
+        return self.tiers[index]
+
+    # -- room ----------------------------------------------------------------------------
+    def check_room(self, num_new: int) -> None:
+        """Raise CapacityError, before anything changes, if `num_new` more blocks cannot be held."""
+        if num_new > sum(t.free_blocks() for t in self.tiers):
+            raise CapacityError(f"no room for {num_new} more blocks in any tier (stats: {self.stats()})")
+        if not self.hot.free_blocks() and all(self._is_pinned(b) for b in self.blocks.oldest(HOT_TIER)):
+            raise CapacityError(
+                f"the hot pool's {self.hot.slots.num_slots} slots all hold tail blocks of live sequences; "
+                "free a sequence or give the store more gpu_bytes"
+            )
+
+    def _make_room(self, tier: int, n: int) -> int:
+        """Cool victims out of `tier` until n blocks fit (as far as colder tiers allow); returns how many fit."""
+        deficit = n - self.tiers[tier].free_blocks()
+        if deficit > 0 and tier + 1 < len(self.tiers):
+            victims = self._victims(tier, deficit)
+            if victims:
+                try:
+                    self.move(victims, tier, tier + 1)
+                except CapacityError:
+                    pass  # colder tiers are full too: fewer fit here, the caller spills or refuses
+        return min(n, self.tiers[tier].free_blocks())
+
+    def _victims(self, tier: int, n: int) -> list[int]:
+        """H2O demote mode: among the oldest candidates, the least attended cool first."""
+        candidates = self.placement.victims(self.blocks.oldest(tier), n * _VICTIM_POOL,
+                                            self._is_pinned, self._is_protected)
+        if len(candidates) <= n:
+            return candidates
+        return sorted(candidates, key=self._worth)[:n]
+
+    def _worth(self, block_id: int) -> float:
+        seq, layer, index = self.blocks.owner[block_id]
+        return float(self.ranking.block_worth(self.tables[seq][layer].h2o_scores[:, index: index + 1])[0])
+
+    def _is_pinned(self, block_id: int) -> bool:
+        """Tail blocks are written in place, so they never leave the hot tier; moving blocks stay put."""
+        seq, layer, index = self.blocks.owner[block_id]
+        return index == self.tables[seq][layer].num_blocks - 1 or block_id in self._in_flight
+
+    def _is_protected(self, block_id: int) -> bool:
+        seq, layer, index = self.blocks.owner[block_id]
+        table = self.tables[seq][layer]
+        return self.placement.is_protected(index, table.num_blocks, table.num_tokens)
+
+    # -- moves ---------------------------------------------------------------------------
+    def place(self, ids: list[int], blocks: Blocks, tier: int, coldest: int | None = None) -> None:
+        """Put blocks into `tier`; what does not fit goes one tier colder (down to `coldest`), oldest
+        first. All or nothing: on any failure no block of `ids` is stored anywhere new."""
+        plan = self._plan(len(ids), tier, len(self.tiers) - 1 if coldest is None else coldest)
+        done: list[tuple[int, int, int]] = []
+        try:
+            for t, lo, hi in plan:
+                self.tiers[t].put(ids[lo:hi], _rows(blocks, slice(lo, hi)))
+                done.append((t, lo, hi))
+        except BaseException as exc:
+            for t, lo, hi in done:
+                self.tiers[t].delete(ids[lo:hi])
+            if isinstance(exc, MemoryError):  # a tier's own budget (bytes after compression, host memory)
+                name = self.tiers[plan[len(done)][0]].name
+                raise CapacityError(f"{name} tier refused {len(ids)} blocks: {exc}") from exc
+            raise
+        for t, lo, hi in done:
+            self._record(ids[lo:hi], t)
+
+    def _plan(self, n: int, tier: int, coldest: int) -> list[tuple[int, int, int]]:
+        """[(tier, lo, hi)]: rows [lo, hi) of the batch go to `tier`; the oldest rows spill colder."""
+        room = self._make_room(tier, n)
+        spill = n - room
+        plan = []
+        if spill:
+            if tier >= coldest:
+                raise CapacityError(f"{self.tiers[tier].name} tier is full ({spill} of {n} blocks do not fit)")
+            plan = self._plan(spill, tier + 1, coldest)
+        return plan + ([(tier, spill, n)] if room else [])
+
+    def move(self, ids: list[int], src: int, dst: int) -> None:
+        """Move blocks between tiers: put in `dst` (or colder, but never back into `src`), then delete
+        from `src`."""
+        blocks = self.tiers[src].get(ids)  # verified: a damaged block raises here, before anything moved
+        with self._moving(ids):
+            self.place(ids, blocks, dst, coldest=src - 1 if dst < src else None)
+        self.tiers[src].delete(ids)
+        self._count(ids, src, -1)
+
+    @contextmanager
+    def _moving(self, ids: Sequence[int]) -> Iterator[None]:
+        self._in_flight.update(ids)
+        try:
+            yield
+        finally:
+            self._in_flight.difference_update(ids)
+
+    def promote(self, ids: list[int], dst: int = WARM_TIER) -> int:
+        """Move cold blocks up to `dst` where room can be made; none of them is picked as a victim
+        meanwhile. Opportunistic: a group that does not fit stays where it is. Returns how many moved."""
+        moved = 0
+        with self._moving(ids):
+            for src, group in self.blocks.by_tier(ids).items():
+                if src > dst:
+                    try:
+                        self.move(group, src, dst)
+                    except CapacityError:
+                        continue
+                    moved += len(group)
+        return moved
+
+    def cool(self, table: LayerTable, old_tokens: int) -> None:
+        """Demote blocks of `table` that left the hot or warm window as it grew from `old_tokens`.
+        Best effort: when colder tiers are full a block stays hotter than its window (the next
+        append's room check refuses cleanly if that leaves no room)."""
+        wanted: dict[tuple[int, int], list[int]] = {}
+        for index in self.placement.crossing(old_tokens, table.num_tokens, table.num_blocks):
+            block_id = table.block_ids[index]
+            if block_id == DROPPED:
+                continue
+            want = self.first_tier(index, table.num_tokens)
+            current = self.blocks.tier_of[block_id]
+            if current < want:
+                wanted.setdefault((current, want), []).append(block_id)
+        for (src, dst), ids in wanted.items():
+            try:
+                self.move(ids, src, dst)
+            except CapacityError:
+                return
+
+    def first_tier(self, index: int, num_tokens: int) -> int:
+        """The tier block `index` of a `num_tokens`-token sequence belongs in (cold blocks start in cpu)."""
+        return _FIRST_TIER[self.placement.level(index, num_tokens)]
+
+    # -- bookkeeping ---------------------------------------------------------------------
+    def _record(self, ids: Sequence[int], tier: int) -> None:
+        """Book `ids` into `tier` and point their tables' device maps at them."""
+        self.blocks.record(ids, tier)
+        self._count(ids, tier, +1)
+        by_table: dict[tuple[int, int], list[int]] = {}
+        for block_id in ids:
+            seq, layer, index = self.blocks.owner[block_id]
+            by_table.setdefault((seq, layer), []).append(index)
+        for (seq, layer), indices in by_table.items():
+            table = self.tables[seq][layer]
+            slots = self.tiers[tier].slots.lookup([table.block_ids[i] for i in indices]) \
+                if tier < CPU_TIER else [-1] * len(indices)
+            self.tensors.set_location(table, indices, slots, tier)
+
+    def _count(self, ids: Sequence[int], tier: int, sign: int) -> None:
+        """Keep each table's count of warm and of cold blocks (the decode path branches on them)."""
+        if tier == HOT_TIER:
+            return
+        for block_id in ids:
+            seq, layer, _ = self.blocks.owner[block_id]
+            table = self.tables[seq][layer]
+            if tier == WARM_TIER:
+                table.num_warm += sign
+            else:
+                table.num_cold += sign
+
+    # -- reads and frees -----------------------------------------------------------------
+    def gather(self, ids: Sequence[int], device: torch.device) -> torch.Tensor:
+        """fp16 blocks [n, 2, H, B, D] on `device`, from whichever tiers hold them (verified)."""
+        out = self.layout.empty_fp16(len(ids), device)
+        position = {block_id: i for i, block_id in enumerate(ids)}
+        for tier, group in self.blocks.by_tier(ids).items():
+            blocks = self.tiers[tier].fetch(group, device)
+            if isinstance(blocks, Int8Blocks):
+                blocks = dequantize(blocks)
+            out[torch.tensor([position[i] for i in group], device=device)] = blocks
+        return out
+
+    def delete(self, ids: Sequence[int]) -> None:
+        for tier, group in self.blocks.by_tier(ids).items():
+            self.tiers[tier].delete(group)
+            self._count(group, tier, -1)
+        self.blocks.remove(ids)
+
+    def drop(self, table: LayerTable, indices: list[int]) -> None:
+        """Free blocks of `table` for good (H2O drop mode); indices must be validated by the caller."""
+        self.delete([table.block_ids[i] for i in indices])
+        for i in indices:
+            table.block_ids[i] = DROPPED
+        table.num_dropped += len(indices)
+        self.tensors.set_location(table, indices, [-1] * len(indices), DROPPED)
+
+    # -- introspection -------------------------------------------------------------------
+    def stats(self) -> dict:
+        return {t.name: {"blocks": t.num_blocks, "bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes}
+                for t in self.tiers}
+
+    @property
+    def integrity_errors(self) -> int:
+        return sum(getattr(t, "integrity_errors", 0) for t in self.tiers)
+
+    def check_integrity(self) -> None:
+        for tier in self.tiers:
+            tier.check_integrity()
+        self.blocks.check(self.tiers)
+        if self._in_flight:
+            raise AssertionError(f"blocks left in flight between tiers: {sorted(self._in_flight)[:8]}")
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
+        if self._tempdir:
+            shutil.rmtree(self._tempdir, ignore_errors=True)
+
+
+def split_gpu_bytes(c: Config, layout: BlockLayout, p: Placement) -> tuple[int, int]:
+    """(hot, warm) bytes: staging comes first; the rest is split in proportion to one sequence's windows."""
+    hot_blocks = c.model.num_layers * (p.sink_blocks + -(-c.hot_tokens // c.block_tokens) + 1)
+    warm_blocks = c.model.num_layers * (c.warm_tokens // c.block_tokens)
+    hot_need, warm_need = hot_blocks * layout.fp16_bytes, warm_blocks * layout.int8_bytes
+    pools = c.gpu_bytes - (c.staging_tokens // c.block_tokens) * layout.fp16_bytes
+    if pools < hot_need:
+        raise ValueError(
+            f"gpu_bytes={c.gpu_bytes} is too small: one sequence needs {hot_need} bytes of hot blocks "
+            f"(sinks + hot window + tail for {c.model.num_layers} layers at block_tokens={c.block_tokens}) "
+            f"besides {c.gpu_bytes - pools} bytes of staging for {c.staging_tokens} staging_tokens"
+        )
+    hot_bytes = pools * hot_need // (hot_need + warm_need)
+    return hot_bytes, pools - hot_bytes
+
+
+def open_cold_tier(c: Config, layout: BlockLayout, tempdir: str | None) -> Tier:
+    """The coldest tier: the sidecar (remote_url), else local LMDB at ssd_path (or a temporary directory)."""
+    if c.remote_url:
+        from tiers.remote.tier import RemoteTier
+
+        return RemoteTier(layout, c.remote_url, c.ssd_bytes, token=c.remote_token)
+    ssd = SsdTier(layout, c.ssd_path or tempdir, c.ssd_bytes, c.ssd_compression, c.ssd_level, sync=False,
+                  key_prefix=b"kvstore/")
+    stale = list(ssd.sizes)  # blocks of an earlier store on this path: no table points at them
+    if stale:
+        ssd.delete_keys(stale)
+    return ssd
+
+
+def _rows(blocks: Blocks, rows: slice) -> Blocks:
+    return blocks.index(rows) if isinstance(blocks, Int8Blocks) else blocks[rows]
