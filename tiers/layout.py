@@ -15,12 +15,16 @@ kernel reads [block_tokens, head_dim] per (block, head) in one sweep.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:  # tiers/ stays importable without kvstore/
-    from kvstore.config import ModelSpec
+
+class KVGeometry(Protocol):
+    """What a layout needs of a model's geometry (kvstore.ModelSpec is one); tiers never import kvstore."""
+
+    num_kv_heads: int
+    head_dim: int
 
 
 @dataclass(slots=True)
@@ -56,7 +60,7 @@ class BlockLayout:
     head_dim: int
 
     @staticmethod
-    def of(spec: ModelSpec, block_tokens: int) -> BlockLayout:
+    def of(spec: KVGeometry, block_tokens: int) -> BlockLayout:
         return BlockLayout(spec.num_kv_heads, block_tokens, spec.head_dim)
 
     @property
