@@ -28,9 +28,8 @@ from typing import Callable
 import torch
 
 from bench_longctx import presets, report
-from bench_longctx.measure import Deadline, release
 from bench_longctx.models import Models
-from bench_longctx.timing import copy_ceiling
+from bench_longctx.timing import Deadline, copy_ceiling_GBps, release
 from bench_longctx.timing import environment as timing_environment
 
 SUITES = ("tiers", "decode", "e2e", "needle", "quality")  # the order `all` runs them in
@@ -194,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
 def run_suites(args: argparse.Namespace, preset: presets.Preset, device: torch.device, out: Path) -> int:
     start = time.perf_counter()
     run_ = Run(preset, device, out, Deadline(preset.time_budget_s), Models(device), progress_bars(args.progress))
-    run_.copy_GBps = copy_ceiling(device, preset.tiers.ceiling_bytes) / 1e9
+    run_.copy_GBps = copy_ceiling_GBps(device, preset.tiers.ceiling_bytes)
     note = run_.models.note()
     if note and (args.suite in ("all", "needle", "quality")):
         print(f"note: {note}")

@@ -18,9 +18,8 @@ import os
 
 import torch
 import torch.nn.functional as F
-import triton.testing
 
-from bench_longctx.timing import copy_ceiling, environment
+from bench_longctx.timing import copy_ceiling_GBps, environment, time_ms
 from kvstore.attention.paged_decode import paged_decode
 from eviction.topk import topk_select
 from kvstore.config import Config, ModelSpec
@@ -30,10 +29,6 @@ from kvstore.store import KVStore
 SPEC = ModelSpec.preset("llama3-8b", num_layers=1)
 BUDGET = 4096
 CHUNK = 1 << 16
-
-
-def ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
 def real_key_stats(spec: ModelSpec = SPEC, device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +75,8 @@ def kernel_only(store: KVStore, seq: int, q: torch.Tensor) -> float:
     is_int8 = (t.level_map[:n] == 1).expand(h, n)[None]
     num = torch.tensor([t.num_tokens], dtype=torch.int32, device=store.device)
     w = store.warm.pool
-    return ms(lambda: paged_decode(q[None], store.hot.pool, w.data, w.k_scale, w.v_scale, slots, is_int8, num))
+    return time_ms(lambda: paged_decode(q[None], store.hot.pool, w.data, w.k_scale, w.v_scale, slots, is_int8, num),
+                   store.device)
 
 
 def run_context(ctx: int, block_tokens: int, ceiling: float) -> dict:
@@ -89,7 +85,7 @@ def run_context(ctx: int, block_tokens: int, ceiling: float) -> dict:
     row = {"context": ctx, "block_tokens": block_tokens, "kv_bytes_fp16": kv_bytes}
     k = torch.randn((1, SPEC.num_kv_heads, ctx, SPEC.head_dim), device="cuda").half()
     v = torch.randn_like(k)
-    row["sdpa_ms"] = ms(lambda: F.scaled_dot_product_attention(q[None, :, None], k, v, enable_gqa=True))
+    row["sdpa_ms"] = time_ms(lambda: F.scaled_dot_product_attention(q[None, :, None], k, v, enable_gqa=True), q.device)
     del k, v
     needle_pos = ctx * 5 // 7 + 3
     # The needle: per kv head a key along its q group's mean direction, with a typical key's norm.
@@ -99,10 +95,10 @@ def run_context(ctx: int, block_tokens: int, ceiling: float) -> dict:
     needle_key = (direction / direction.norm(dim=-1, keepdim=True) * typical_norm).half()  # [H, D]
     store, seq = build_store(ctx, block_tokens, int8=False, needle=(needle_pos, needle_key))
     row["fp16_kernel_ms"] = kernel_only(store, seq, q)
-    row["fp16_attend_dense_ms"] = ms(lambda: store.attend(seq, 0, q, mode="dense"))
-    row["topk_attend_eager_ms"] = ms(lambda: store.attend(seq, 0, q, mode="topk", budget=BUDGET))
+    row["fp16_attend_dense_ms"] = time_ms(lambda: store.attend(seq, 0, q, mode="dense"), q.device)
+    row["topk_attend_eager_ms"] = time_ms(lambda: store.attend(seq, 0, q, mode="topk", budget=BUDGET), q.device)
     graphed = GraphedTopK(store, seq, 0, BUDGET)
-    row["topk_graphed_ms"] = ms(lambda: graphed(q))
+    row["topk_graphed_ms"] = time_ms(lambda: graphed(q), q.device)
     t = store.table(seq, 0)
     chosen = topk_select(q, t.summaries[: t.num_blocks], num_tokens=t.num_tokens, block_tokens=block_tokens,
                          budget_tokens=BUDGET, sink_tokens=64, recent_tokens=1024)
@@ -113,7 +109,7 @@ def run_context(ctx: int, block_tokens: int, ceiling: float) -> dict:
     del store, graphed
     store, seq = build_store(ctx, block_tokens, int8=True, needle=None)
     row["int8_kernel_ms"] = kernel_only(store, seq, q)
-    row["int8_attend_dense_ms"] = ms(lambda: store.attend(seq, 0, q, mode="dense"))
+    row["int8_attend_dense_ms"] = time_ms(lambda: store.attend(seq, 0, q, mode="dense"), q.device)
     store.close()
     for name in ("fp16_kernel", "int8_kernel", "topk_graphed", "topk_attend_eager", "fp16_attend_dense"):
         row[f"{name}_speedup_vs_sdpa"] = row["sdpa_ms"] / row[f"{name}_ms"]
@@ -131,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-tokens", default="32,64")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
-    ceiling = copy_ceiling(device) / 1e9
+    ceiling = copy_ceiling_GBps(device)
     rows = [run_context(int(c), int(b), ceiling) for b in args.block_tokens.split(",") for c in args.contexts.split(",")]
     result = {"environment": environment(device), "copy_ceiling_GBps": ceiling, "budget": BUDGET, "rows": rows}
     os.makedirs(args.out, exist_ok=True)

@@ -5,12 +5,11 @@ threads, the whole verified fetch, and one contiguous pinned H2D copy as the cei
 """
 from __future__ import annotations
 
-import statistics
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from bench_longctx.timing import host_device_ceilings, time_ms
 from tiers.base import checksum
 from tiers.cpu import CpuTier
 from tiers.fetch_kernel import gather_rows
@@ -27,24 +26,24 @@ def main() -> None:
     slots = cpu.slots.lookup(pick)
     slab = cpu.slabs[0]
     print("slabs", len(cpu.slabs), "pinned", slab.is_pinned())
-    def t(name, fn, nbytes=2000 * L.fp16_bytes):
-        fn(); torch.cuda.synchronize(); ts = []
-        for _ in range(5):
-            s = time.perf_counter(); fn(); torch.cuda.synchronize(); ts.append(time.perf_counter() - s)
-        print(name, round(nbytes / statistics.median(ts) / 1e9, 2), "GB/s")
+    nbytes = 2000 * L.fp16_bytes
+
+    def t(name, fn):
+        print(name, round(nbytes / time_ms(fn, "cuda") / 1e6, 2), "GB/s")
+
     rows = torch.tensor([s % cpu.slab_blocks for s in slots], device="cuda")
     words = slab.view(slab.shape[0], -1).view(torch.int32)
     dst = torch.empty((2000, words.shape[1]), dtype=torch.int32, device="cuda")
     t("gather_rows kernel", lambda: gather_rows(words, rows, dst))
     pool = ThreadPoolExecutor(16)
+
     def verify_all():
         list(pool.map(lambda s: checksum([slab[s % cpu.slab_blocks]]), slots))
+
     t("verify 16 threads", verify_all)
     t("verify 1 thread", lambda: [checksum([slab[s % cpu.slab_blocks]]) for s in slots])
     t("fetch", lambda: cpu.fetch(pick, "cuda"))
-    big = torch.empty(2000 * L.fp16_bytes, dtype=torch.uint8, pin_memory=True)
-    dbig = torch.empty_like(big, device="cuda")
-    t("one big H2D", lambda: dbig.copy_(big, non_blocking=True))
+    print("one big H2D", round(host_device_ceilings(torch.device("cuda"), nbytes)["pinned_h2d_GBps"], 2), "GB/s")
 
 
 if __name__ == "__main__":

@@ -29,10 +29,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.testing
 
-from bench_longctx.timing import environment
+from bench_longctx.timing import copy_ceiling_GBps, environment, time_ms
 from kvstore.attention.paged_decode import paged_decode
 from kvstore.attention.plan import DecodeGeometry, decode_config
 from kvstore.attention.reference import paged_decode_ref
@@ -42,17 +40,6 @@ CONTEXTS = (131072, 1048576)
 BLOCK_SIZES = (32, 64)
 TARGETS = {"fp16": 0.92, "int8": 1.7}  # speed relative to SDPA the kernel aims for at 1M tokens
 SWEEP_TOKENS_PER_ITER, SWEEP_WARPS, SWEEP_STAGES, SWEEP_SPLIT_FACTORS = (64, 128), (4, 8), (2, 3), (0.5, 1, 2)
-
-
-def median_ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def copy_ceiling_GBps(device: torch.device, nbytes: int = 1 << 30) -> float:
-    """Bytes read + written per second by one large device-to-device copy."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    return 2 * nbytes / median_ms(lambda: dst.copy_(src)) / 1e6
 
 
 def make_pools(num_tokens: int, block_tokens: int, device: torch.device) -> dict:
@@ -115,7 +102,7 @@ def sweep(pools: dict, q: torch.Tensor, case: str, deadline: float) -> tuple[dic
         config = dict(blocks_per_iter=max(1, tokens // pools["block_tokens"]), num_warps=warps, num_stages=stages,
                       split_factor=factor)
         kwargs = resolve(config, pools, q.device)
-        ms = median_ms(lambda: paged_decode(*args, **kwargs))
+        ms = time_ms(lambda: paged_decode(*args, **kwargs), q.device)
         rows.append({"case": case, "block_tokens": pools["block_tokens"], **kwargs, "split_factor": factor, "ms": ms})
     if not rows:  # out of time before the first config
         return {}, rows
@@ -134,7 +121,7 @@ def run_context(num_tokens: int, block_tokens: int, q: torch.Tensor, sdpa_ms: fl
         if (pool_kind(case), block_tokens) in best:
             configs["best"] = resolve(best[(pool_kind(case), block_tokens)], pools, q.device)
         for label, config in configs.items():
-            ms = median_ms(lambda: paged_decode(*args, return_block_mass=case == "fp16+mass", **config))
+            ms = time_ms(lambda: paged_decode(*args, return_block_mass=case == "fp16+mass", **config), q.device)
             gbps = bytes_read(case, num_tokens, block_tokens) / ms / 1e6
             rows.append({"tokens": num_tokens, "block_tokens": block_tokens, "case": case, "config": label,
                          **config, "ms": ms, "GBps": gbps, "of_ceiling": gbps / ceiling,
@@ -148,7 +135,7 @@ def sdpa_ms(num_tokens: int, q: torch.Tensor) -> float:
     k = torch.randn((1, NUM_KV_HEADS, num_tokens, HEAD_DIM), dtype=torch.float16, device=q.device)
     v = torch.randn_like(k)
     q4 = q[:, :, None, :]  # [1, Hq, 1, D]
-    ms = median_ms(lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True))
+    ms = time_ms(lambda: F.scaled_dot_product_attention(q4, k, v, enable_gqa=True), q.device)
     del k, v
     torch.cuda.empty_cache()
     return ms

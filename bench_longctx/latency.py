@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from bench_longctx import decode_bench
-from bench_longctx.measure import Deadline, rate, release, time_ms
 from bench_longctx.presets import DecodePreset
+from bench_longctx.timing import Deadline, rate, release, time_ms
 from eviction.select import num_selected
 from kvstore.config import ModelSpec
 from kvstore.placement import WARM

@@ -12,9 +12,9 @@ import random
 
 import torch
 
-from bench_longctx.measure import Deadline, release
 from bench_longctx.models import Models, model_store
 from bench_longctx.presets import PasskeyPreset
+from bench_longctx.timing import Deadline, release
 from engine_adapter.evaluate import passkey_prompt, read_passkey
 from engine_adapter.llama import Decoder
 

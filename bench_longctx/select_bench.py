@@ -25,10 +25,8 @@ import json
 import os
 
 import torch
-import triton
-import triton.testing
 
-from bench_longctx.timing import environment
+from bench_longctx.timing import copy_ceiling_GBps, environment, time_ms
 from eviction.quest_kernel import quest_scores, quest_scores_ref
 from eviction.select import protected_mask, select
 from eviction.summaries import summaries_to_fp8, summarize_keys
@@ -38,17 +36,6 @@ NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 CONFIGS = [  # (use_dot, block_n, num_warps)
     (True, 32, 4), (True, 64, 4), (True, 64, 8), (True, 128, 8), (False, 32, 4), (False, 32, 8), (False, 64, 8),
 ]  # fmt: skip
-
-
-def median_us(fn) -> float:
-    return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def copy_ceiling_GBps(device: torch.device, nbytes: int = 1 << 30) -> float:
-    """Bytes read + written per second by one large device-to-device copy."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    return 2 * nbytes / median_us(lambda: dst.copy_(src)) / 1e3
 
 
 def synthetic_keys(num_tokens: int, q: torch.Tensor, needles: int, strength: float, seed: int = 0):
@@ -93,7 +80,7 @@ def sweep(q: torch.Tensor, summaries: torch.Tensor) -> list[dict]:
     rows = []
     for use_dot, block_n, num_warps in CONFIGS:
         kw = dict(use_dot=use_dot, block_n=block_n, num_warps=num_warps)
-        rows.append({**kw, "us": median_us(lambda: quest_scores(q, summaries, **kw))})
+        rows.append({**kw, "us": 1e3 * time_ms(lambda: quest_scores(q, summaries, **kw), q.device)})
     return rows
 
 
@@ -108,7 +95,7 @@ def graph_us(fn) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return median_us(graph.replay)
+    return 1e3 * time_ms(graph.replay, "cuda")
 
 
 def bench_block_size(args, block_tokens: int, q, keys, needle_tokens, knobs: dict, ceiling: float) -> dict:
@@ -117,16 +104,16 @@ def bench_block_size(args, block_tokens: int, q, keys, needle_tokens, knobs: dic
     fp8 = summaries_to_fp8(fp16)
     row = {"block_tokens": block_tokens, "num_blocks": fp16.shape[0], "summary_MiB": fp16.numel() * 2 / 2**20}
     row["ceiling_us"] = fp16.numel() * 2 / ceiling / 1e3
-    row["kernel_us"] = median_us(lambda: quest_scores(q, fp16, **knobs))
+    row["kernel_us"] = 1e3 * time_ms(lambda: quest_scores(q, fp16, **knobs), q.device)
     row["kernel_GBps"] = fp16.numel() * 2 / row["kernel_us"] / 1e3
-    row["kernel_fp8_us"] = median_us(lambda: quest_scores(q, fp8, **knobs))
-    row["ref_us"] = median_us(lambda: quest_scores_ref(q, fp16))
+    row["kernel_fp8_us"] = 1e3 * time_ms(lambda: quest_scores(q, fp8, **knobs), q.device)
+    row["ref_us"] = 1e3 * time_ms(lambda: quest_scores_ref(q, fp16), q.device)
     for name, s in (("fp16", fp16), ("fp8", fp8)):
         run = lambda s=s: topk_select(q, s, budget_tokens=args.budget, **counts)  # noqa: E731
-        row[f"select_{name}_us"] = median_us(run)
+        row[f"select_{name}_us"] = 1e3 * time_ms(run, q.device)
         row[f"select_{name}_graph_us"] = graph_us(run)
     ref = lambda: topk_select(q, fp16, budget_tokens=args.budget, use_kernel=False, **counts)  # noqa: E731
-    row["select_ref_us"] = median_us(ref)
+    row["select_ref_us"] = 1e3 * time_ms(ref, q.device)
     looser = quest_scores_ref(q, fp8) - quest_scores_ref(q, fp16)  # >= 0 up to rounding: fp8 boxes are wider
     row["fp8_bound_inflation_median"] = float((looser / quest_scores_ref(q, fp16).abs().clamp_min(1e-6)).median())
     protected = protected_mask(device=q.device, **counts)

@@ -28,8 +28,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tiers.remote.client import Client
+from bench_longctx.timing import memcpy_ceiling_GBps, timed
 from kvstore.service.cli import parse_bytes
+from tiers.remote.client import Client
 
 GOAL_BATCHED_GET_GBPS = 2.0
 
@@ -55,26 +56,9 @@ class Server:
         self.proc.wait(timeout=30)
 
 
-def memcpy_gbps(nbytes: int, chunk: int, reps: int = 3) -> float:
-    """Single-threaded copy of the same bytes in the same pieces, into a preallocated, touched buffer (best of reps)."""
-    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-    dst = np.ones(nbytes, dtype=np.uint8)
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        for offset in range(0, nbytes, chunk):
-            np.copyto(dst[offset: offset + chunk], src[offset: offset + chunk])
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best / 1e9
-
-
-def timed(calls: list, nbytes: int) -> dict:
+def requests(calls: list, nbytes: int) -> dict:
     """Run each zero-argument call once; throughput over all, latency per call."""
-    latencies = []
-    for call in calls:
-        start = time.perf_counter()
-        call()
-        latencies.append(time.perf_counter() - start)
+    latencies = [timed(call)[1] for call in calls]
     total = sum(latencies)
     ms = np.array(latencies) * 1e3
     return {"requests": len(calls), "bytes": nbytes, "seconds": round(total, 4),
@@ -95,13 +79,14 @@ def bench_size(c: Client, size: int, mib: int, batch_mib: int) -> list[dict]:
     batches = [list(range(i, min(i + per, count))) for i in range(0, count, per)]
     nbytes = count * size
     rows = [
-        ("put", "single", timed([lambda i=i: c.put("bench", keys[i], values[i]) for i in range(count)], nbytes)),
-        ("put", "batched", timed([lambda b=b: c.put_many("bench", [(keys[i], values[i]) for i in b])
+        ("put", "single", requests([lambda i=i: c.put("bench", keys[i], values[i]) for i in range(count)], nbytes)),
+        ("put", "batched", requests([lambda b=b: c.put_many("bench", [(keys[i], values[i]) for i in b])
                                   for b in batches], nbytes)),
-        ("get", "single", timed([lambda i=i: c.get("bench", keys[i]) for i in range(count)], nbytes)),
-        ("get", "batched", timed([lambda b=b: c.get_many("bench", [keys[i] for i in b]) for b in batches], nbytes)),
+        ("get", "single", requests([lambda i=i: c.get("bench", keys[i]) for i in range(count)], nbytes)),
+        ("get", "batched", requests([lambda b=b: c.get_many("bench", [keys[i] for i in b]) for b in batches], nbytes)),
     ]
-    memcpy = {"single": memcpy_gbps(nbytes, size), "batched": memcpy_gbps(nbytes, min(per, count) * size)}
+    memcpy = {"single": memcpy_ceiling_GBps(nbytes, size),
+              "batched": memcpy_ceiling_GBps(nbytes, min(per, count) * size)}
     out = []
     for op, mode, stats in rows:
         values_per_request = 1 if mode == "single" else min(per, count)
@@ -120,7 +105,8 @@ def bench_extras(data_dir: str, sizes: list[int], mib: int, batch_mib: int) -> l
         for size in sizes:
             count, per = max(4, (mib << 20) // size), max(1, (batch_mib << 20) // size)
             keys = [f"s{size}/{i:06d}" for i in range(count)]
-            stats = timed([lambda s=s: c.get_many("bench", keys[s:s + per]) for s in range(0, count, per)], count * size)
+            stats = requests([lambda s=s: c.get_many("bench", keys[s:s + per]) for s in range(0, count, per)],
+                             count * size)
             out.append({"value_bytes": size, "op": "get", "mode": "batched, from LMDB", "values_per_request": per, **stats})
             print(_row(out[-1]), flush=True)
     server.stop()
@@ -129,7 +115,7 @@ def bench_extras(data_dir: str, sizes: list[int], mib: int, batch_mib: int) -> l
         for size in sizes:
             count = max(4, (mib << 20) // size // 2)
             values = values_for(size, count)
-            stats = timed([lambda i=i: c.put("nosync", f"k{i}", values[i]) for i in range(count)], count * size)
+            stats = requests([lambda i=i: c.put("nosync", f"k{i}", values[i]) for i in range(count)], count * size)
             out.append({"value_bytes": size, "op": "put", "mode": "single, no fsync", "values_per_request": 1, **stats})
             print(_row(out[-1]), flush=True)
     server.stop()

@@ -15,11 +15,10 @@ import json
 import os
 import shutil
 import tempfile
-import time
 
 import torch
 
-from bench_longctx.timing import copy_ceiling, disk_ceiling, environment, host_to_device_ceiling, median_seconds, sync
+from bench_longctx.timing import copy_ceiling_GBps, disk_ceiling, environment, host_device_ceilings, time_ms, timed
 from kvstore.config import Config, ModelSpec
 from kvstore.store import KVStore
 from tiers.codec import Codec
@@ -55,9 +54,9 @@ def bench_gpu_tiers(layout: BlockLayout, x: torch.Tensor, device: torch.device) 
 
     q = quantize(x)
     return {
-        "hot_put_GBps": nbytes / median_seconds(put_delete, device) / 1e9,
-        "int8_quantize_GBps_fp16_in": nbytes / median_seconds(lambda: quantize(x), device) / 1e9,
-        "int8_dequantize_GBps_fp16_out": nbytes / median_seconds(lambda: dequantize(q), device) / 1e9,
+        "hot_put_GBps": nbytes / time_ms(put_delete, device) / 1e6,
+        "int8_quantize_GBps_fp16_in": nbytes / time_ms(lambda: quantize(x), device) / 1e6,
+        "int8_dequantize_GBps_fp16_out": nbytes / time_ms(lambda: dequantize(q), device) / 1e6,
     }
 
 
@@ -69,15 +68,14 @@ def bench_decode_append(spec: ModelSpec, device: torch.device, steps: int = 256)
         seq = store.create_sequence()
         k = torch.randn(8192 + 64 + steps, spec.num_kv_heads, spec.head_dim, device=device).half()
         store.append(seq, 0, k[:8192], k[:8192])
-        for t in range(8192, 8192 + 64):  # warm-up: the first steps pay allocator and lazy-init costs
-            store.append(seq, 0, k[t:t + 1], k[t:t + 1])
-        sync(device)
-        start = time.perf_counter()
-        for t in range(8192 + 64, 8192 + 64 + steps):
-            store.append(seq, 0, k[t:t + 1], k[t:t + 1])
-        sync(device)
-        per_step = (time.perf_counter() - start) / steps
-    return {"decode_append_us_per_layer": per_step * 1e6}
+
+        def decode_appends(first: int, last: int) -> None:
+            for t in range(first, last):
+                store.append(seq, 0, k[t:t + 1], k[t:t + 1])
+
+        decode_appends(8192, 8192 + 64)  # warm-up: the first steps pay allocator and lazy-init costs
+        _, seconds = timed(lambda: decode_appends(8192 + 64, 8192 + 64 + steps), device)
+    return {"decode_append_us_per_layer": seconds / steps * 1e6}
 
 
 def bench_cpu_fetch(layout: BlockLayout, x: torch.Tensor, device: torch.device, num_fetch: int) -> dict:
@@ -89,8 +87,8 @@ def bench_cpu_fetch(layout: BlockLayout, x: torch.Tensor, device: torch.device, 
     nbytes = num_fetch * layout.fp16_bytes
     assert torch.equal(cpu.fetch(pick, device).cpu(), x.cpu()[pick]), "cpu -> device fetch returned wrong data"
     out = {"fetch_blocks": num_fetch, "fetch_bytes": nbytes,
-           "cpu_fetch_batched_GBps": nbytes / median_seconds(lambda: cpu.fetch(pick, device), device) / 1e9,
-           "cpu_gather_verify_only_GBps": nbytes / median_seconds(lambda: cpu.get(pick), device) / 1e9}
+           "cpu_fetch_batched_GBps": nbytes / time_ms(lambda: cpu.fetch(pick, device), device) / 1e6,
+           "cpu_gather_verify_only_GBps": nbytes / time_ms(lambda: cpu.get(pick), device) / 1e6}
     if device.type == "cuda":
         slab, rows = cpu.slabs, [(s // cpu.slab_blocks, s % cpu.slab_blocks) for s in cpu.slots.lookup(pick)]
         dst = layout.empty_fp16(num_fetch, device)
@@ -99,7 +97,7 @@ def bench_cpu_fetch(layout: BlockLayout, x: torch.Tensor, device: torch.device, 
             for i, (sl, r) in enumerate(rows):
                 dst[i].copy_(slab[sl][r], non_blocking=True)
 
-        out["cpu_fetch_per_block_copies_GBps"] = nbytes / median_seconds(per_block, device) / 1e9
+        out["cpu_fetch_per_block_copies_GBps"] = nbytes / time_ms(per_block, device) / 1e6
     cpu.close()
     return out
 
@@ -113,14 +111,9 @@ def bench_ssd(layout: BlockLayout, x: torch.Tensor, directory: str) -> dict:
         path = tempfile.mkdtemp(dir=directory)
         tier = SsdTier(layout, path, 4 * nbytes + (1 << 26), compression=mode, sync=True)
         ids = list(range(n))
-        start = time.perf_counter()
-        for lo in range(0, n, 64):
-            tier.put(ids[lo:lo + 64], x[lo:lo + 64])
-        write_s = time.perf_counter() - start
+        _, write_s = timed(lambda: [tier.put(ids[lo:lo + 64], x[lo:lo + 64]) for lo in range(0, n, 64)])
         ratio = nbytes / tier.used_bytes
-        start = time.perf_counter()
-        got = tier.get(ids)
-        read_s = time.perf_counter() - start
+        got, read_s = timed(lambda: tier.get(ids))
         assert torch.equal(got, x), f"ssd round trip failed for {mode}"
         results[mode] = {"ratio": ratio, "write_GBps": nbytes / write_s / 1e9, "read_GBps": nbytes / read_s / 1e9}
         tier.close()
@@ -134,13 +127,13 @@ def bench_codec(layout: BlockLayout, x: torch.Tensor) -> dict:
     nbytes, results = x.numel() * 2, {}
     for mode in ("zstd-split", "zstd"):
         codec = Codec(mode, level=1)
-        start = time.perf_counter()
-        values = [codec.encode(layout, x, row) for row in range(x.shape[0])]
-        encode_s = time.perf_counter() - start
-        start = time.perf_counter()
-        for i, value in enumerate(values):
-            codec.decode(layout, value, f"block {i}")
-        decode_s = time.perf_counter() - start
+        values, encode_s = timed(lambda: [codec.encode(layout, x, row) for row in range(x.shape[0])])
+
+        def decode_all() -> None:  # each block decoded and dropped, as a read does
+            for i, value in enumerate(values):
+                codec.decode(layout, value, f"block {i}")
+
+        _, decode_s = timed(decode_all)
         results[mode] = {"ratio": nbytes / sum(len(v) for v in values), "encode_GBps": nbytes / encode_s / 1e9,
                          "decode_GBps": nbytes / decode_s / 1e9}
     return results
@@ -153,11 +146,11 @@ def run_tiers(device: torch.device, directory: str, geometry: str = "llama3-8b",
     spec = ModelSpec.preset(geometry, num_layers=1)
     layout = BlockLayout.of(spec, 32)
     x = kv_blocks(layout, blocks, device)
-    ceilings = {"copy_GBps": copy_ceiling(device, ceiling_bytes) / 1e9}
+    ceilings = {"copy_GBps": copy_ceiling_GBps(device, ceiling_bytes)}
     result = {"environment": environment(device), "geometry": geometry, "block_tokens": 32,
               "block_bytes_fp16": layout.fp16_bytes, "ceilings": ceilings}
     if device.type == "cuda":
-        result["ceilings"].update(host_to_device_ceiling(device, ceiling_bytes))
+        result["ceilings"].update(host_device_ceilings(device, ceiling_bytes))
     result["ceilings"].update(disk_ceiling(directory, disk_bytes))
     result["gpu_tiers" if device.type == "cuda" else "hot_warm_on_cpu"] = bench_gpu_tiers(layout, x, device)
     result.update(bench_decode_append(spec, device))

@@ -1,69 +1,132 @@
-"""Timing and ceilings shared by the benchmarks: medians, device sync, environment."""
+"""The one timer and the one set of ceilings every suite and script of bench_longctx reads its numbers by.
+
+    time_ms    median ms of a call that can repeat: triton's do_bench on CUDA (L2 flushed before
+               every run), the wall clock around synchronized runs on CPU
+    timed      one call's result and wall seconds, the device synchronized around it, for what
+               cannot repeat (an SSD write, a run of decode steps, one request)
+    ceilings   what bounds each move, measured in the same run: same-device copy, pinned
+               host <-> device copy, disk write+fsync / read, host memcpy in given pieces
+    rate       one case's time read against the copy ceiling and a baseline
+    Deadline, release, environment   a run's time budget, memory between cases, provenance
+"""
 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import platform
 import statistics
 import sys
 import tempfile
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
+import numpy as np
 import torch
 
+T = TypeVar("T")
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
+
+def sync(device: torch.device | str | None) -> None:
+    if device is not None and torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def median_seconds(fn: Callable[[], object], device: torch.device, repeat: int = 5, warmup: int = 1) -> float:
-    """Median wall time of fn() over `repeat` runs, the device synchronized around each."""
+def timed(fn: Callable[[], T], device: torch.device | str | None = None) -> tuple[T, float]:
+    """fn()'s result and the wall seconds it took, the device synchronized before and after."""
+    sync(device)
+    start = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - start
+
+
+def time_ms(fn: Callable[[], object], device: torch.device | str, repeat: int = 5, warmup: int = 1) -> float:
+    """Median milliseconds of fn(): do_bench on CUDA; on CPU `warmup` untimed runs, then `repeat` timed ones."""
+    if torch.device(device).type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeat):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return 1e3 * statistics.median(timed(fn)[1] for _ in range(repeat))
 
 
-def copy_ceiling(device: torch.device, nbytes: int = 1 << 30) -> float:
-    """Bytes read + written per second by a large same-device copy."""
+def copy_ceiling_GBps(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Bytes read + written per second (GB/s) by one large same-device copy."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
-    return 2 * nbytes / median_seconds(lambda: dst.copy_(src), device)
+    return 2 * nbytes / time_ms(lambda: dst.copy_(src), device) / 1e6
 
 
-def host_to_device_ceiling(device: torch.device, nbytes: int = 1 << 30) -> dict[str, float]:
-    """Pinned host <-> device copy bandwidth (one large copy each way)."""
+def host_device_ceilings(device: torch.device, nbytes: int = 1 << 30) -> dict[str, float]:
+    """Pinned host <-> device copy bandwidth, GB/s (one large copy each way)."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).random_()
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    h2d = nbytes / median_seconds(lambda: dev.copy_(host, non_blocking=True), device)
-    d2h = nbytes / median_seconds(lambda: host.copy_(dev, non_blocking=True), device)
-    return {"pinned_h2d_GBps": h2d / 1e9, "pinned_d2h_GBps": d2h / 1e9}
+    h2d = time_ms(lambda: dev.copy_(host, non_blocking=True), device)
+    d2h = time_ms(lambda: host.copy_(dev, non_blocking=True), device)
+    return {"pinned_h2d_GBps": nbytes / h2d / 1e6, "pinned_d2h_GBps": nbytes / d2h / 1e6}
 
 
 def disk_ceiling(directory: str, nbytes: int = 256 << 20) -> dict[str, float]:
     """Sequential write+fsync and read-back of one file (the read may come from the page cache)."""
     data = os.urandom(1 << 20) * (nbytes >> 20)
-    with tempfile.NamedTemporaryFile(dir=directory) as f:
-        start = time.perf_counter()
+
+    def write(f) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-        write_s = time.perf_counter() - start
+
+    def read(f) -> None:
         f.seek(0)
-        start = time.perf_counter()
         while f.read(16 << 20):
             pass
-        read_s = time.perf_counter() - start
+
+    with tempfile.NamedTemporaryFile(dir=directory) as f:
+        _, write_s = timed(lambda: write(f))
+        _, read_s = timed(lambda: read(f))
     return {"disk_write_fsync_GBps": nbytes / write_s / 1e9, "disk_read_GBps": nbytes / read_s / 1e9}
+
+
+def memcpy_ceiling_GBps(nbytes: int, chunk: int, repeat: int = 3) -> float:
+    """Single-threaded host copy of nbytes in `chunk`-byte pieces into a preallocated, touched buffer:
+    what a loopback request moving the same pieces is read against."""
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.ones(nbytes, dtype=np.uint8)
+
+    def copy() -> None:
+        for offset in range(0, nbytes, chunk):
+            np.copyto(dst[offset: offset + chunk], src[offset: offset + chunk])
+
+    return nbytes / time_ms(copy, torch.device("cpu"), repeat) / 1e6
+
+
+def rate(ms: float, nbytes: int, ceiling_GBps: float, baseline_ms: float) -> dict:
+    """One measured case: time, bytes it must read, achieved GB/s, its share of the copy ceiling, speedup."""
+    gbps = nbytes / ms / 1e6
+    return {"ms": ms, "bytes": nbytes, "GBps": gbps, "of_copy_ceiling": gbps / ceiling_GBps,
+            "speedup_vs_sdpa": baseline_ms / ms}
+
+
+def release(device: torch.device) -> None:
+    """Give freed tensors back before the next case allocates (1M-token stores are GBs)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class Deadline:
+    """Cases not started before the preset's time budget are skipped, so one run fits one device call."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+
+    def remaining(self) -> float:
+        return self.end - time.monotonic()
+
+    def expired(self) -> bool:
+        return self.remaining() <= 0
 
 
 def environment(device: torch.device) -> dict:
