@@ -5,7 +5,22 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import psutil
 import torch
+
+_TOKENS_MAX = 1 << 40  # windows, in tokens: far past any context, far below overflow
+_BYTES_MAX = 1 << 50  # byte budgets: 1 PiB (LMDB's map size and host allocators overflow beyond)
+_INT_FIELDS = (  # (field, lowest, highest) of every integer knob of Config
+    ("block_tokens", 1, 1 << 16), ("sink_tokens", 0, _TOKENS_MAX), ("hot_tokens", 1, _TOKENS_MAX),
+    ("warm_tokens", 0, _TOKENS_MAX), ("recent_tokens", 0, _TOKENS_MAX), ("staging_tokens", 0, _TOKENS_MAX),
+    ("gpu_bytes", 0, _BYTES_MAX), ("cpu_bytes", 0, _BYTES_MAX), ("ssd_bytes", 0, _BYTES_MAX),
+    ("ssd_level", -7, 22), ("host_memory_reserve", 0, _BYTES_MAX),
+)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
 
 _PRESETS: dict[str, dict[str, int]] = {
     # Geometries from the models' published configs.
@@ -29,8 +44,8 @@ class ModelSpec:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_q_heads", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"ModelSpec.{name} must be a positive int, got {value!r}")
+            if not _is_int(value) or not 0 < value <= 1 << 20:
+                raise ValueError(f"ModelSpec.{name} must be an int in [1, {1 << 20}], got {value!r}")
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -76,7 +91,7 @@ class Config:
     ssd_path: str | None = None  # None: a temporary directory removed on close()
     ssd_bytes: int = 64 << 30
     ssd_compression: str = "zstd"  # "zstd", "zstd-split" (byte planes first) or "none"; BENCHMARKS.md: ratios
-    ssd_level: int = 1
+    ssd_level: int = 1  # zstd level, -7 (fastest) to 22
     remote_url: str | None = None  # a `kvtier serve` sidecar; cold blocks go there instead of local ssd
     remote_token: str | None = None
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
@@ -85,33 +100,42 @@ class Config:
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelSpec):
             raise ValueError(f"Config.model must be a ModelSpec, got {type(self.model).__name__}")
-        if self.block_tokens <= 0 or self.block_tokens & (self.block_tokens - 1):
-            raise ValueError(f"block_tokens must be a positive power of two, got {self.block_tokens}")
-        for name in ("sink_tokens", "hot_tokens", "warm_tokens", "gpu_bytes", "cpu_bytes", "ssd_bytes"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"Config.{name} must be >= 0, got {getattr(self, name)}")
+        if self.recent_tokens is None:
+            self.recent_tokens = min(1024, self.hot_tokens) if _is_int(self.hot_tokens) else self.hot_tokens
+        if self.staging_tokens is None:
+            self.staging_tokens = self.hot_tokens
+        for name, low, high in _INT_FIELDS:
+            value = getattr(self, name)
+            if not _is_int(value) or not low <= value <= high:
+                raise ValueError(f"Config.{name} must be an int in [{low}, {high}], got {value!r}")
+        if self.block_tokens & (self.block_tokens - 1):
+            raise ValueError(f"Config.block_tokens must be a power of two, got {self.block_tokens}")
         if self.hot_tokens < self.block_tokens:
             raise ValueError(
                 f"hot_tokens ({self.hot_tokens}) must cover at least one block ({self.block_tokens} tokens)"
             )
-        if self.recent_tokens is None:
-            self.recent_tokens = min(1024, self.hot_tokens)
-        if self.recent_tokens < 0:
-            raise ValueError(f"Config.recent_tokens must be >= 0, got {self.recent_tokens}")
-        if self.staging_tokens is None:
-            self.staging_tokens = self.hot_tokens
-        if self.staging_tokens < 0:
-            raise ValueError(f"Config.staging_tokens must be >= 0, got {self.staging_tokens}")
         if self.cpu_dtype not in ("float16", "int8"):
             raise ValueError(f"cpu_dtype must be 'float16' or 'int8', got {self.cpu_dtype!r}")
         if self.ssd_compression not in ("zstd-split", "zstd", "none"):
             raise ValueError(f"ssd_compression must be 'zstd-split', 'zstd' or 'none', got {self.ssd_compression!r}")
+        for name in ("ssd_path", "remote_url", "remote_token"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"Config.{name} must be a str or None, got {getattr(self, name)!r}")
+        self._check_device()
+
+    def _check_device(self) -> None:
+        if not isinstance(self.device, str):
+            raise ValueError(f"Config.device must be a torch device string, got {self.device!r}")
         try:
-            torch.device(self.device)
+            device = torch.device(self.device)
         except RuntimeError as exc:
             raise ValueError(f"Config.device must be a torch device string, got {self.device!r}") from exc
-        if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
+        if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"Config.device is {self.device!r} but CUDA is not available; use device='cpu'")
+        total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" \
+            else psutil.virtual_memory().total
+        if self.gpu_bytes > total:  # on CPU the "GPU" pools are host memory
+            raise ValueError(f"Config.gpu_bytes={self.gpu_bytes} exceeds the {total} bytes {self.device} has")
 
     def replace(self, **changes) -> Config:
         return dataclasses.replace(self, **changes)

@@ -203,6 +203,7 @@ class KVStore:
             "tiers": self.tiers.stats(),
             "sequences": {"count": len(self.sequences), "tokens": tokens},
             "integrity_errors": self.tiers.integrity_errors,
+            "cooling_failures": self.tiers.cooling_failures,
             "attend": self.decode.stats.as_dict(),
         }
 

@@ -57,6 +57,7 @@ class TierSet:
         self.tables, self.tensors = tables, tensors
         self.ranking = H2O()  # demote mode: the least attended of the oldest blocks cool first
         self._in_flight: set[int] = set()  # blocks being moved: in two tiers for a moment, never victims
+        self.cooling_failures = 0  # cooling moves a full or failing colder tier refused
 
     def __iter__(self) -> Iterator[Tier]:
         return iter(self.tiers)
@@ -122,12 +123,24 @@ class TierSet:
         except BaseException as exc:
             for t, lo, hi in done:
                 self.tiers[t].delete(ids[lo:hi])
+            self._discard_partial(ids, plan[len(done)])
             if isinstance(exc, MemoryError):  # a tier's own budget (bytes after compression, host memory)
                 name = self.tiers[plan[len(done)][0]].name
                 raise CapacityError(f"{name} tier refused {len(ids)} blocks: {exc}") from exc
             raise
         for t, lo, hi in done:
             self._record(ids[lo:hi], t)
+
+    def _discard_partial(self, ids: list[int], step: tuple[int, int, int]) -> None:
+        """A tier's put is all-or-nothing by contract; if one broke it (a connection lost mid-batch),
+        take back what landed, as far as the tier still answers."""
+        tier, lo, hi = step
+        try:
+            landed = [i for i in ids[lo:hi] if i in self.tiers[tier]]
+            if landed:
+                self.tiers[tier].delete(landed)
+        except Exception:  # noqa: BLE001 -- the put's own error is the one to report
+            pass
 
     def _plan(self, n: int, tier: int, coldest: int) -> list[tuple[int, int, int]]:
         """[(tier, lo, hi)]: rows [lo, hi) of the batch go to `tier`; the oldest rows spill colder."""
@@ -173,8 +186,9 @@ class TierSet:
 
     def cool(self, table: LayerTable, old_tokens: int) -> None:
         """Demote blocks of `table` that left the hot or warm window as it grew from `old_tokens`.
-        Best effort: when colder tiers are full a block stays hotter than its window (the next
-        append's room check refuses cleanly if that leaves no room)."""
+        Best effort, after an append that has already succeeded: when a colder tier is full or
+        fails, the blocks stay hotter than their window (counted in `cooling_failures`); the next
+        append's room check refuses cleanly if that leaves no room, and a broken tier shows on use."""
         wanted: dict[tuple[int, int], list[int]] = {}
         for index in self.placement.crossing(old_tokens, table.num_tokens, table.num_blocks):
             block_id = table.block_ids[index]
@@ -187,7 +201,8 @@ class TierSet:
         for (src, dst), ids in wanted.items():
             try:
                 self.move(ids, src, dst)
-            except CapacityError:
+            except Exception:  # noqa: BLE001 -- move() left every block where it was; see the docstring
+                self.cooling_failures += 1
                 return
 
     def first_tier(self, index: int, num_tokens: int) -> int:
@@ -282,7 +297,7 @@ def split_gpu_bytes(c: Config, layout: BlockLayout, p: Placement) -> tuple[int, 
             f"(sinks + hot window + tail for {c.model.num_layers} layers at block_tokens={c.block_tokens}) "
             f"besides {c.gpu_bytes - pools} bytes of staging for {c.staging_tokens} staging_tokens"
         )
-    hot_bytes = pools * hot_need // (hot_need + warm_need)
+    hot_bytes = max(hot_need, pools * hot_need // (hot_need + warm_need))  # huge warm windows never starve hot
     return hot_bytes, pools - hot_bytes
 
 

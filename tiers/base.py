@@ -59,24 +59,42 @@ def check_ids(ids: Sequence[int], n: int, tier: str) -> None:
 
 
 class SlotPool:
-    """Block id -> slot bookkeeping over a fixed number of slots (a free list, lowest slot first)."""
+    """Block id -> slot bookkeeping over a fixed number of slots, lowest free slot first.
+
+    Lazy: slots never used are the range [fresh, num_slots) and cost nothing, so a pool of
+    billions of slots (a large cpu_bytes) is free until blocks arrive. Released slots go to
+    a min-heap; they are all below `fresh`, so the heap is always drawn first."""
 
     def __init__(self, name: str, num_slots: int) -> None:
         self.name = name
         self.num_slots = num_slots
-        self.free_slots: list[int] = list(range(num_slots))  # a min-heap: lowest slots are reused first
+        self._released: list[int] = []  # a min-heap of slots below `_fresh` that are free again
+        self._fresh = 0  # slots >= this were never handed out
         self.slot_of: dict[int, int] = {}
 
+    @property
+    def num_free(self) -> int:
+        return len(self._released) + self.num_slots - self._fresh
+
+    def lowest_free(self, n: int) -> list[int]:
+        """The n slots the next allocate(n) would hand out, ascending (n <= num_free)."""
+        reused = heapq.nsmallest(n, self._released)
+        return reused + list(range(self._fresh, self._fresh + n - len(reused)))
+
     def can_allocate(self, n: int) -> bool:
-        return len(self.free_slots) >= n
+        return self.num_free >= n
 
     def allocate(self, ids: Sequence[int]) -> list[int]:
         if not self.can_allocate(len(ids)):
-            raise MemoryError(f"{self.name}: {len(ids)} slots wanted, {len(self.free_slots)} free")
+            raise MemoryError(f"{self.name}: {len(ids)} slots wanted, {self.num_free} free")
         clash = [i for i in ids if i in self.slot_of]
         if clash:
             raise ValueError(f"{self.name}: block ids already stored: {clash[:8]}")
-        slots = [heapq.heappop(self.free_slots) for _ in ids]
+        slots = self.lowest_free(len(ids))
+        reused = min(len(ids), len(self._released))
+        for _ in range(reused):  # the same slots lowest_free named: a heap pops in ascending order
+            heapq.heappop(self._released)
+        self._fresh += len(ids) - reused
         self.slot_of.update(zip(ids, slots))
         return slots
 
@@ -90,16 +108,18 @@ class SlotPool:
         slots = self.lookup(ids)
         for block_id, slot in zip(ids, slots):
             del self.slot_of[block_id]
-            heapq.heappush(self.free_slots, slot)
+            heapq.heappush(self._released, slot)
         return slots
 
     def check(self) -> None:
         used = set(self.slot_of.values())
         if len(used) != len(self.slot_of):
             raise AssertionError(f"{self.name}: two blocks share a slot")
-        if used & set(self.free_slots) or len(used) + len(self.free_slots) != self.num_slots:
+        released = set(self._released)
+        if used & released or any(s >= self._fresh for s in used | released) \
+                or len(used) + self.num_free != self.num_slots:
             raise AssertionError(
-                f"{self.name}: free ({len(self.free_slots)}) + used ({len(used)}) != capacity ({self.num_slots})"
+                f"{self.name}: free ({self.num_free}) + used ({len(used)}) != capacity ({self.num_slots})"
             )
 
 
@@ -128,7 +148,7 @@ class PooledTier:
         return self.slots.can_allocate(n)
 
     def free_blocks(self) -> int:
-        return len(self.slots.free_slots)
+        return self.slots.num_free
 
     @property
     def num_blocks(self) -> int:

@@ -7,7 +7,6 @@ below the reserve (the store then spills to ssd instead of being OOM-killed).
 
 from __future__ import annotations
 
-import heapq
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator, Sequence
@@ -52,7 +51,7 @@ class CpuTier(PooledTier):
         """Slabs to allocate so that the n lowest free slots exist."""
         if n == 0:
             return 0
-        highest = heapq.nsmallest(n, self.slots.free_slots)[-1]
+        highest = self.slots.lowest_free(n)[-1]
         return max(0, highest // self.slab_blocks + 1 - len(self.slabs))
 
     def can_put(self, n: int) -> bool:
@@ -67,7 +66,7 @@ class CpuTier(PooledTier):
         in_slabs = allocated - self.num_blocks  # used slots all lie in allocated slabs
         slab_bytes = self.slab_blocks * self.block_bytes
         spare = max(0, psutil.virtual_memory().available - self.memory_reserve) // slab_bytes
-        return min(len(self.slots.free_slots), in_slabs + spare * self.slab_blocks)
+        return min(self.slots.num_free, in_slabs + spare * self.slab_blocks)
 
     def _grow_to(self, slot: int) -> None:
         while len(self.slabs) <= slot // self.slab_blocks:
