@@ -15,6 +15,7 @@ plain zstd level 1 is the default; the split stays selectable.
 from __future__ import annotations
 
 import struct
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -22,7 +23,8 @@ import xxhash
 import zstandard
 
 from tiers.base import IntegrityError
-from tiers.layout import BlockLayout, Blocks, Int8Blocks
+from tiers.layout import BlockLayout, Blocks, Int8Blocks, concat
+from tiers.quant import one_format
 
 LAYOUT_VERSION = 1
 _HEADER = struct.Struct("<4sHBBIIIQQ")
@@ -42,49 +44,73 @@ class Codec:
         self.compressor = zstandard.ZstdCompressor(level=level)
         self.decompressor = zstandard.ZstdDecompressor()
 
-    def encode(self, layout: BlockLayout, blocks: Blocks, row: int, bind: bytes = b"") -> bytes:
-        """Row `row` of a CPU batch -> one stored value. `bind`: bytes stored elsewhere (a key
-        name) that the checksum also covers, so the value verifies only beside them."""
-        if isinstance(blocks, Int8Blocks):
-            fmt, parts = _FORMATS["int8"], [t[row] for t in blocks.tensors()]
-        else:
-            fmt, parts = _FORMATS["float16"], [blocks[row]]
-        payload = b"".join(p.contiguous().view(torch.uint8).numpy().tobytes() for p in parts)
-        split = self.compression == 2 and fmt == 0
-        body = payload
-        if self.compression:
-            planes = _split_planes(payload) if split else payload
-            body = self.compressor.compress(planes)
-        header = _HEADER.pack(_MAGIC, LAYOUT_VERSION, fmt, self.compression, layout.num_kv_heads,
-                              layout.block_tokens, layout.head_dim, len(payload), 0)
-        return header[:-8] + struct.pack("<Q", _digest(bind, header[:-8], payload)) + body
+    def encode(self, layout: BlockLayout, blocks: Blocks, row: int, prefix: bytes = b"") -> bytes:
+        """Row `row` of a CPU batch -> one stored value: `prefix` (a caller's envelope, e.g. the
+        redis tier's key name; the checksum covers it), then header and payload, copied once."""
+        return b"".join(self.encode_parts(layout, blocks, row, prefix))
 
-    def decode(self, layout: BlockLayout, value: bytes | memoryview, what: str, bind: bytes = b"") -> Blocks:
-        """One stored value -> a batch of one block. Raises IntegrityError on any damage."""
-        if len(value) < _HEADER.size:
-            raise IntegrityError(f"{what}: value of {len(value)} bytes is shorter than its header")
-        magic, version, fmt, comp, h, b, d, length, digest = _HEADER.unpack_from(value)
+    def encode_parts(self, layout: BlockLayout, blocks: Blocks, row: int, prefix: bytes = b"") -> list[bytes | memoryview]:
+        """encode()'s value as consecutive pieces, the payload a view of the batch where stored raw."""
+        if isinstance(blocks, Int8Blocks):
+            fmt = _FORMATS["int8"]
+            payload = b"".join(t[row].contiguous().view(torch.uint8).numpy() for t in blocks.tensors())
+        else:
+            fmt, payload = _FORMATS["float16"], memoryview(blocks[row].contiguous().view(torch.uint8).numpy().reshape(-1))
+        body, compression = payload, self.compression
+        if compression:
+            body = self.compressor.compress(_split_planes(payload) if compression == 2 and fmt == 0 else payload)
+            if len(body) >= len(payload):  # incompressible: stored raw, so a value never outgrows its block
+                body, compression = payload, 0
+        header = _HEADER.pack(_MAGIC, LAYOUT_VERSION, fmt, compression, layout.num_kv_heads,
+                              layout.block_tokens, layout.head_dim, len(payload), 0)[:-8]
+        return [prefix, header, struct.pack("<Q", _digest(prefix, header, payload)), body]
+
+    def decode(self, layout: BlockLayout, value: bytes | memoryview, what: str, prefix: int = 0) -> Blocks:
+        """One stored value (after a `prefix`-byte envelope) -> a batch of one block.
+        Raises IntegrityError on any damage."""
+        return _unpack(layout, *self.verify(layout, value, what, prefix))
+
+    def decode_batch(self, layout: BlockLayout, values: Sequence[bytes], whats: Sequence[str], prefix: int = 0) -> Blocks:
+        """Stored values -> one batch, each payload copied once into it; a batch mixing fp16
+        and int8 blocks comes back fp16."""
+        checked = [self.verify(layout, v, what, prefix) for v, what in zip(values, whats)]
+        if any(fmt != _FORMATS["float16"] for fmt, _ in checked):
+            return concat(one_format([_unpack(layout, fmt, payload) for fmt, payload in checked]))
+        out = layout.empty_fp16(len(checked), "cpu")  # [n, 2, H, B, D]
+        rows = out.view(len(checked), -1).view(torch.uint8).numpy()
+        for row, (_, payload) in enumerate(checked):
+            rows[row] = np.frombuffer(payload, np.uint8)
+        return out
+
+    def verify(self, layout: BlockLayout, value: bytes | memoryview, what: str, prefix: int = 0) -> tuple[int, bytes | memoryview]:
+        """Checks one stored value; returns its format and its payload (a view where stored raw)."""
+        view = memoryview(value)
+        if len(view) < prefix + _HEADER.size:
+            raise IntegrityError(f"{what}: value of {len(view)} bytes is shorter than its header")
+        magic, version, fmt, comp, h, b, d, length, digest = _HEADER.unpack_from(view, prefix)
         if magic != _MAGIC or version != LAYOUT_VERSION or (h, b, d) != (
             layout.num_kv_heads, layout.block_tokens, layout.head_dim
         ):
             raise IntegrityError(f"{what}: header does not match layout v{LAYOUT_VERSION} {layout}")
-        body = memoryview(value)[_HEADER.size:]  # no copy: _unpack makes the one copy
+        body = view[prefix + _HEADER.size:]
         try:
             payload = self.decompressor.decompress(body, max_output_size=length) if comp else body
         except zstandard.ZstdError as exc:
             raise IntegrityError(f"{what}: compressed payload is damaged ({exc})") from None
         if comp == 2 and fmt == 0:
             payload = _join_planes(payload)
-        if len(payload) != length or _digest(bind, value[: _HEADER.size - 8], payload) != digest:
+        if len(payload) != length or _digest(view[:prefix], view[prefix: prefix + _HEADER.size - 8], payload) != digest:
             raise IntegrityError(f"{what}: checksum mismatch")
-        return _unpack(layout, fmt, payload)
+        if (fmt, length) not in ((0, layout.fp16_bytes), (1, layout.int8_bytes)):
+            raise IntegrityError(f"{what}: format {fmt} with {length} payload bytes does not fit {layout}")
+        return fmt, payload
 
 
-def _digest(bind: bytes, header: bytes | memoryview, payload: bytes) -> int:
-    """xxh3-64 of bind + header + payload, streamed (no concatenated copy); equal to the
-    one-shot digest of the concatenation, so values written without `bind` still verify."""
+def _digest(prefix: bytes | memoryview, header: bytes | memoryview, payload: bytes | memoryview) -> int:
+    """xxh3-64 of prefix + header + payload, streamed (no concatenated copy); equal to the
+    one-shot digest of the concatenation, so values written without a prefix still verify."""
     h = xxhash.xxh3_64()
-    h.update(bind)
+    h.update(prefix)
     h.update(header)
     h.update(payload)
     return h.intdigest()

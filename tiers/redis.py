@@ -38,17 +38,17 @@ import redis
 import torch
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
+from redis.connection import Connection, Encoder, PythonRespSerializer
 from redis.retry import Retry
 
 from tiers.base import BlockMissingError, IntegrityError, check_ids
 from tiers.codec import HEADER_BYTES, Codec
-from tiers.layout import BlockLayout, Blocks, concat, num_blocks
-from tiers.quant import one_format
+from tiers.layout import BlockLayout, Blocks, num_blocks
 
 _ENVELOPE = struct.Struct("<4sQH")
 _MAGIC = b"KVRB"
 _NAMESPACE = re.compile(r"[A-Za-z0-9_.:-]{1,200}")  # no braces: no accidental hash tags
-_BATCH_BYTES = 64 << 20  # one pipeline carries at most this much value data
+_BATCH_BYTES = 32 << 20  # one pipeline carries at most this much value data (and each thread a buffer this big)
 _FAILURES = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.ClusterError,
              redis.exceptions.RedisClusterException)
 
@@ -78,6 +78,8 @@ class RedisTier:
         self.integrity_errors = 0
         self.missing_blocks = 0
         self.value_overhead = _ENVELOPE.size + len(self.key(0)) + HEADER_BYTES
+        self.max_value_bytes = self.block_bytes + self.value_overhead  # an fp16 block stored raw
+        self.chunk_blocks = max(1, _BATCH_BYTES // self.max_value_bytes)  # values per pipeline
         self.url = url
         self.client, self.cluster = _connect(url, timeout)
 
@@ -97,21 +99,41 @@ class RedisTier:
         stored = [i for i in ids if i in self.sizes]
         if stored:
             raise ValueError(f"redis: block ids already stored: {stored[:8]}")
+        need = len(ids) * self.max_value_bytes  # compression only shrinks a value
+        if self._used + need > self._capacity:
+            raise MemoryError(f"redis tier: {need} more bytes exceed the capacity of {self._capacity}")
         blocks = blocks.to("cpu")
         keys = [self.key(i) for i in ids]
-        values = [self._encode(i, k, blocks, row) for row, (i, k) in enumerate(zip(ids, keys))]
-        new_bytes = sum(map(len, values))
-        if self._used + new_bytes > self._capacity:
-            raise MemoryError(f"redis tier: {new_bytes} more bytes exceed the capacity of {self._capacity}")
+        sizes: list[int] = []
+        results: list = []
         try:
-            results = self._run(keys, lambda pipe, k, v: pipe.set(k, v, nx=True), values)
+            for start in range(0, len(ids), self.chunk_blocks):
+                chunk = slice(start, start + self.chunk_blocks)
+                values = self._encode_chunk(ids[chunk], keys[chunk], blocks, start)
+                sizes += map(len, values)
+                results += self._run(keys[chunk], lambda pipe, k, v: pipe.set(k, v, nx=True), values)
         except ConnectionError:
             if not self.shared:
                 self._orphans.update(keys)
             raise
-        self._record(ids, keys, values, results)
+        self._record(ids, keys, sizes, results)
 
-    def _record(self, ids: Sequence[int], keys: list[bytes], values: list[bytes], results: list) -> None:
+    def _encode_chunk(self, ids: Sequence[int], keys: list[bytes], blocks: Blocks, first_row: int) -> list[memoryview]:
+        """The values of one pipeline, each a view into this thread's reused buffer (valid until
+        the next chunk): one copy into warm memory instead of a fresh allocation per value."""
+        codec, views, at = self.codec(), [], 0
+        arena = getattr(self._local, "arena", None)
+        if arena is None:
+            arena = self._local.arena = memoryview(bytearray(self.chunk_blocks * self.max_value_bytes))
+        for row, (block_id, key) in enumerate(zip(ids, keys), first_row):
+            start = at
+            for part in codec.encode_parts(self.layout, blocks, row, _ENVELOPE.pack(_MAGIC, block_id, len(key)) + key):
+                arena[at: at + len(part)] = part
+                at += len(part)
+            views.append(arena[start:at])
+        return views
+
+    def _record(self, ids: Sequence[int], keys: list[bytes], sizes: list[int], results: list) -> None:
         """Index what the SETs stored; undo the batch if any failed (nothing half-written stays)."""
         failed = [r for r in results if isinstance(r, Exception)]
         taken = [k for k, r in zip(keys, results) if r is None]  # SET NX found the key there
@@ -126,8 +148,8 @@ class RedisTier:
             raise ValueError(f"redis: {len(taken)} keys already exist in namespace {self.namespace!r} "
                              f"(another store writes there?): {taken[:4]}")
         adopted = dict(zip(taken, self._run(taken, lambda pipe, k, _: pipe.strlen(k)))) if taken else {}
-        for block_id, key, value in zip(ids, keys, values):
-            self.sizes[block_id] = adopted.get(key, len(value))
+        for block_id, key, size in zip(ids, keys, sizes):
+            self.sizes[block_id] = adopted.get(key, size)
             self._used += self.sizes[block_id]
 
     def get(self, ids: Sequence[int]) -> Blocks:
@@ -146,13 +168,14 @@ class RedisTier:
                                       f"(evicted by Redis's maxmemory policy?): {gone[:8]}")
             error.ids = gone
             raise error
-        codec = self.codec()
+        whats = [f"redis block {i} ({k.decode()})" for i, k in zip(ids, keys)]
         try:
-            parts = [self._decode(codec, i, k, v) for i, k, v in zip(ids, keys, values)]
+            for block_id, key, value, what in zip(ids, keys, values, whats):
+                self._check_envelope(block_id, key, value, what)
+            return self.codec().decode_batch(self.layout, values, whats, prefix=_ENVELOPE.size + len(keys[0]))
         except IntegrityError:
             self.integrity_errors += 1
             raise
-        return concat(one_format(parts))
 
     def fetch(self, ids: Sequence[int], device: torch.device) -> Blocks:
         return self.get(ids).to(device, non_blocking=True)
@@ -189,7 +212,7 @@ class RedisTier:
 
     def free_blocks(self) -> int:
         # Counted at the uncompressed size: compression only shrinks, so this never over-promises.
-        return max(0, (self._capacity - self._used) // (self.block_bytes + self.value_overhead))
+        return max(0, (self._capacity - self._used) // self.max_value_bytes)
 
     @property
     def num_blocks(self) -> int:
@@ -228,12 +251,9 @@ class RedisTier:
             self.client.close()
 
     # -- values and pipelines ------------------------------------------------------------
-    def _encode(self, block_id: int, key: bytes, blocks: Blocks, row: int) -> bytes:
-        envelope = _ENVELOPE.pack(_MAGIC, block_id, len(key)) + key
-        return envelope + self.codec().encode(self.layout, blocks, row, bind=envelope)
-
-    def _decode(self, codec: Codec, block_id: int, key: bytes, value: bytes) -> Blocks:
-        what = f"redis block {block_id} ({key.decode()})"
+    @staticmethod
+    def _check_envelope(block_id: int, key: bytes, value: bytes | Exception, what: str) -> None:
+        """The value names this block and key (the codec's checksum then covers the envelope)."""
         if isinstance(value, Exception):  # e.g. WRONGTYPE: something else lives under the key
             raise IntegrityError(f"{what}: {value}")
         end = _ENVELOPE.size + len(key)
@@ -242,35 +262,39 @@ class RedisTier:
         magic, stored_id, key_len = _ENVELOPE.unpack_from(value)
         if magic != _MAGIC or stored_id != block_id or key_len != len(key) or value[_ENVELOPE.size:end] != key:
             raise IntegrityError(f"{what}: the value names another block or key")
-        return codec.decode(self.layout, memoryview(value)[end:], what, bind=value[:end])
 
     def _run(self, keys: list[bytes], command: Callable, values: Sequence | None = None) -> list:
-        """command(pipe, key, value) per key, in pipelines of at most _BATCH_BYTES of values;
-        per-command errors come back in the results, a dead connection raises ConnectionError."""
+        """command(pipe, key, value) per key, `chunk_blocks` keys per pipeline; per-command errors
+        come back in the results, a dead connection raises ConnectionError."""
         values = values if values is not None else [None] * len(keys)
         results: list = []
-        start = 0
-        while start < len(keys):
-            end, size = start, 0
-            while end < len(keys) and (end == start or size < _BATCH_BYTES):
-                size += len(values[end]) if values[end] is not None else self.block_bytes
-                end += 1
+        for start in range(0, len(keys), self.chunk_blocks):
             pipe = self.client.pipeline(transaction=False)
-            for key, value in zip(keys[start:end], values[start:end]):
+            for key, value in zip(keys[start: start + self.chunk_blocks], values[start: start + self.chunk_blocks]):
                 command(pipe, key, value)
             try:
                 results.extend(pipe.execute(raise_on_error=False))
             except _FAILURES as exc:
                 raise ConnectionError(f"redis tier: {self.url} failed mid-batch "
                                       f"({type(exc).__name__}: {exc})") from None
-            start = end
         return results
+
+
+class _SendValuesAsIs(Connection):
+    """A TCP connection whose commands are packed by redis-py's Python serializer, which sends a
+    large value (a memoryview into the put buffer) as it is; hiredis's packer, the default when
+    hiredis is installed, copies every value twice. Replies are still parsed by hiredis."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(command_packer=PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode), **kwargs)
 
 
 def _connect(url: str, timeout: float) -> tuple[redis.Redis | RedisCluster, bool]:
     """A client for `url`: a cluster client if the node says it is part of a cluster."""
     options = dict(socket_timeout=timeout, socket_connect_timeout=min(timeout, 5.0),
                    socket_read_size=1 << 20)  # large values: fewer recv calls than the 32 KiB default
+    if url.startswith("redis://"):  # TLS and unix sockets keep their own connection classes
+        options["connection_class"] = _SendValuesAsIs
     try:
         # No silent retries: a pipeline replayed after a restart would meet its own SET NX keys;
         # a failure surfaces as ConnectionError and the caller decides.
