@@ -11,8 +11,12 @@ fi
 export PYTHONUNBUFFERED=1
 step=${STEP:-all}
 if [ "$step" = all ] || [ "$step" = tests ]; then
+  # the kernel tests (CPU-interpreted in CI, compiled here), then the tests marked `cuda`, which skip
+  # without a GPU (tests/engine_adapter: their modules import with only the wheels above)
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kvstore/attention/test_paged_decode.py \
     tests/eviction tests/kvstore/test_attend.py 2>&1 | tail -15 | tee "$out/gpu_tests.log"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m cuda tests/engine_adapter 2>&1 | tail -15 \
+    | tee -a "$out/gpu_tests.log"
 fi
 if [ "$step" = all ] || [ "$step" = select ]; then
   timeout 150 python3 -m bench_longctx.select_bench --out "$out" 2>&1 | tail -6

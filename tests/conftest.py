@@ -1,10 +1,22 @@
-"""Without a GPU, Triton kernels run under the interpreter; this must be set before triton is imported."""
+"""Without a GPU, Triton kernels run under the interpreter (set before triton is imported), and tests
+marked `cuda` are skipped."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `cuda` need a GPU: without one they are skipped, not failed."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (marked cuda)")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)
