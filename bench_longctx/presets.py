@@ -66,6 +66,8 @@ class TiersPreset:
     disk_bytes: int = 64 << 20
     service_sizes: tuple[int, ...] = (256 << 10,)  # sidecar value sizes; () skips the service part
     service_mib: int = 8
+    redis_mib: int = 64  # MiB moved per redis measurement (own servers on loopback); 0 skips the redis part
+    redis_sizes: tuple[int, ...] = (1, 4)  # redis value sizes in MiB
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ this module reads them as one list of moves, each next to the ceiling that bound
   pinned    pinned host -> device copy (CUDA only), for cpu -> device fetches
   disk      sequential write + fsync / read-back of one file, for the ssd tier
   memcpy (same pieces)  service_bench's single-threaded copy of the same values
+  loopback socket / fresh-memory copy   bench_longctx.redis_bench's ceilings for redis put / get
 """
 
 from __future__ import annotations
@@ -78,6 +79,28 @@ def run_service(p: TiersPreset) -> list[dict]:
             server.stop()
 
 
+def run_redis_part(p: TiersPreset) -> dict:
+    """Put/get through the redis tier on its own loopback servers (one instance, a 3-master cluster)."""
+    if not p.redis_mib:
+        return {"skipped": "redis part skipped: the preset has redis_mib=0"}
+    from bench_longctx.redis_bench import run_redis
+
+    try:
+        return run_redis(p.redis_mib, p.redis_sizes)
+    except Exception as exc:  # like the sidecar: a failure is reported, the tier numbers kept
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def redis_moves(redis: dict) -> list[dict]:
+    c = redis.get("ceilings", {})
+    out = []
+    for r in redis.get("rows", []):
+        name = f"redis {r['target']} {r['op']}, {r['value_bytes'] >> 20} MiB values, {r['compression']}"
+        ceiling = ("loopback socket", c["socket_GBps"]) if r["op"] == "put" else ("fresh-memory copy", c["fresh_copy_GBps"])
+        out.append(_move(name, r["GBps"], *ceiling, r["ratio"]))
+    return out
+
+
 def run_tiers_suite(p: TiersPreset, device: torch.device, directory: str) -> dict:
     """directory: where the ssd tier and the disk ceiling write (a scratch folder in it, removed after)."""
     with tempfile.TemporaryDirectory(prefix=".kvtier-tiers-", dir=directory) as scratch:
@@ -85,6 +108,8 @@ def run_tiers_suite(p: TiersPreset, device: torch.device, directory: str) -> dic
                         ceiling_bytes=p.ceiling_bytes, disk_bytes=p.disk_bytes)
     raw.pop("environment", None)  # the run's environment is recorded once, at the top of results.json
     result = {"geometry": p.geometry, "ceilings": raw["ceilings"], "moves": moves(raw), "raw": raw}
+    result["redis"] = run_redis_part(p)
+    result["moves"] += redis_moves(result["redis"])
     note = service_note(p)
     if note:
         result["service"] = {"skipped": note}
