@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 import psutil
@@ -94,6 +95,10 @@ class Config:
     ssd_level: int = 1  # zstd level, -7 (fastest) to 22
     remote_url: str | None = None  # a `kvtier serve` sidecar; cold blocks go there instead of local ssd
     remote_token: str | None = None
+    redis_url: str | None = None  # redis://, rediss:// or unix:// of a Redis/Valkey node or any cluster node:
+    # cold blocks go there instead of local ssd, up to ssd_bytes (README: "Shared cold tier on Redis")
+    redis_namespace: str | None = None  # this store's key prefix (None: kvtier:<random>); one per store
+    redis_compression: str = "none"  # "none" or "zstd": 1.08x smaller values, slower gets (BENCHMARKS.md)
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     host_memory_reserve: int = 2 << 30  # never let host tiers push free RAM below this
 
@@ -118,10 +123,24 @@ class Config:
             raise ValueError(f"cpu_dtype must be 'float16' or 'int8', got {self.cpu_dtype!r}")
         if self.ssd_compression not in ("zstd-split", "zstd", "none"):
             raise ValueError(f"ssd_compression must be 'zstd-split', 'zstd' or 'none', got {self.ssd_compression!r}")
-        for name in ("ssd_path", "remote_url", "remote_token"):
+        for name in ("ssd_path", "remote_url", "remote_token", "redis_url", "redis_namespace"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ValueError(f"Config.{name} must be a str or None, got {getattr(self, name)!r}")
+        self._check_redis()
         self._check_device()
+
+    def _check_redis(self) -> None:
+        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"Config.redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        if self.redis_url and self.remote_url:
+            raise ValueError("Config.redis_url and Config.remote_url both name a cold tier; set one")
+        if self.redis_namespace is not None:
+            if not self.redis_url:
+                raise ValueError("Config.redis_namespace needs Config.redis_url")
+            if not re.fullmatch(r"[A-Za-z0-9_.:-]{1,200}", self.redis_namespace):  # tiers/redis.py's rule
+                raise ValueError(f"Config.redis_namespace must match [A-Za-z0-9_.:-]{{1,200}}, got {self.redis_namespace!r}")
+        if self.redis_compression not in ("none", "zstd"):
+            raise ValueError(f"Config.redis_compression must be 'none' or 'zstd', got {self.redis_compression!r}")
 
     def _check_device(self) -> None:
         if not isinstance(self.device, str):
