@@ -180,6 +180,14 @@ class KVStore:
             raise ValueError(f"sequence {seq} layer {layer}: h2o mode dropped blocks; only mode='h2o' can attend it")
         return self.decode.attend(table, q, policy, budget, measure_mass)
 
+    def decode_step(self, seq: int, mode: str = "topk", budget: int = 4096, capacity_tokens: int | None = None):
+        """A DecodeStep for `seq`: append + select + attend for every layer of a token from device state,
+        capturable in one CUDA graph (kvstore/step.py). Capacity defaults to twice the length or +64K tokens."""
+        from kvstore.step import DecodeStep
+
+        self.table(seq, 0)
+        return DecodeStep(self, seq, mode, budget, capacity_tokens)
+
     def _policy(self, mode: str | Policy) -> Policy | None:
         if isinstance(mode, Policy):
             return mode

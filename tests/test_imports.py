@@ -23,10 +23,19 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for package in LAYERS for p in (REPO / package).rglob("*.py")}
 
 
-def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
-    """Project modules `path` imports (the longest known module name each import names)."""
+def _imports(path: Path, modules: dict[str, Path], typing_only: bool = True) -> set[str]:
+    """Project modules `path` imports (the longest known module name each import names).
+    typing_only=False leaves out `if TYPE_CHECKING:` blocks (annotations, not a load-time dependency)."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skipped = set()
+    if not typing_only:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                skipped.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
@@ -40,9 +49,9 @@ def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
     return found
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(typing_only: bool = True) -> dict[str, set[str]]:
     modules = _modules()
-    return {name: _imports(path, modules) - {name} for name, path in modules.items()}
+    return {name: _imports(path, modules, typing_only) - {name} for name, path in modules.items()}
 
 
 def test_every_import_points_down() -> None:
@@ -56,7 +65,7 @@ def test_every_import_points_down() -> None:
 
 
 def test_no_import_cycles() -> None:
-    graph = _graph()
+    graph = _graph(typing_only=False)
     # A package's __init__ may re-export its submodules: edges from a package to its own children
     # are how Python loads it, not a dependency back.
     for module in graph:

@@ -1,0 +1,188 @@
+"""DecodeStep: one sequence's decode step for every layer, built once, replayable as a CUDA graph.
+
+The eager path (store.append + store.attend) costs ~0.4 ms of host work per layer; a graph
+cannot follow it because block tables grow and move. Here, as in vLLM and SGLang, every
+tensor the step touches is preallocated to a capacity and addressed through device-side
+state, so one capture stays valid while the sequence grows:
+
+    num_tokens   int64 [1]   tokens held before this token (advanced inside the step)
+    tail_slot    int64 [L]   hot-pool slot of each layer's tail block
+per layer, inside the step (no host sync):
+    1. append    k, v of the new token -> the tail block at offset num_tokens % B; widen its summary
+    2. select    dense: every block up to capacity (the kernel reads only ceil(n / B) of them);
+                 topk: the policy's block scores over capacity, invalid blocks -inf, sinks and
+                 the recent window +inf, top k (k fixed: budget // B), ascending
+    3. attend    the paged kernel over that block table, token count computed on the device
+    4. account   the kernel's block mass into the table's H2O scores
+Host work happens between tokens and only at block boundaries (`begin_token`): a new tail
+block per layer, and cooling of blocks that left their windows. A sequence with blocks in
+cpu/ssd tiers cannot be served from device state: `ready()` says so and callers use the
+eager path for that token.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from eviction.quest_kernel import quest_scores, quest_scores_ref
+from eviction.select import top_blocks
+from kvstore.decode import block_table
+from kvstore.table import DROPPED
+from kvstore.tierset import HOT_TIER
+
+if TYPE_CHECKING:  # the store builds steps (KVStore.decode_step); annotations only
+    from kvstore.store import KVStore
+
+STEP_MODES = ("dense", "topk")
+
+
+class DecodeStep:
+    def __init__(self, store: KVStore, seq: int, mode: str = "topk", budget: int = 4096,
+                 capacity_tokens: int | None = None) -> None:
+        if mode not in STEP_MODES:
+            raise ValueError(f"DecodeStep mode must be one of {STEP_MODES}, got {mode!r}")
+        c, spec, dev = store.config, store.spec, store.device
+        self.store, self.seq, self.mode, self.budget = store, seq, mode, budget
+        self.tables = [store.table(seq, layer) for layer in range(spec.num_layers)]
+        if any(DROPPED in t.block_ids for t in self.tables):
+            raise ValueError("DecodeStep serves dense and topk sequences; this one has blocks H2O dropped")
+        self.block_tokens = b = c.block_tokens
+        length = self.tables[0].num_tokens
+        capacity_tokens = capacity_tokens or max(2 * length, length + 65536)
+        self.capacity = -(-capacity_tokens // b)  # blocks every table is preallocated for
+        for t in self.tables:
+            store.tensors.reserve(t, self.capacity)  # fixed addresses from here on: what a graph needs
+        self.sink_blocks = -(-c.sink_tokens // b)
+        self.recent_tokens = store.decode.recent_window(budget)
+        self.k = max(budget // b, self.sink_blocks + -(-self.recent_tokens // b) + 1)  # blocks per head (topk)
+        h = spec.num_kv_heads
+        self.num_tokens = torch.tensor([length], dtype=torch.int64, device=dev)  # [1]
+        self.tail_slot = torch.zeros(spec.num_layers, dtype=torch.int64, device=dev)  # [L]
+        self.kernel_tokens = torch.zeros(1, dtype=torch.int32, device=dev)  # [1]
+        self.positions = torch.arange(self.capacity, device=dev)  # [N]
+        self.all_blocks = self.positions.expand(h, self.capacity)  # [H, N] the dense table
+        self._kv_index = torch.tensor([[0], [1]], device=dev)  # [2, 1]
+        self._head_index = torch.arange(h, device=dev)[None]  # [1, H]
+        self._scores = quest_scores if dev.type == "cuda" else _quest_scores_cpu
+        self.phase = self._phase(length + 1)
+        self._sync_tail_slots()
+
+    # -- host side, between tokens -----------------------------------------------------------
+    @property
+    def length(self) -> int:
+        return self.tables[0].num_tokens
+
+    def ready(self) -> bool:
+        """Whether the next token can run from device state (every block on the GPU, room in capacity)."""
+        return self.length + 1 <= self.capacity * self.block_tokens and not any(t.num_cold for t in self.tables)
+
+    def begin_token(self) -> str:
+        """Host work before a token: at a block boundary, open the next tail block in every layer.
+        Returns the token's phase, "dense" or "topk": a captured graph is valid for one phase (a
+        sequence of at most k blocks attends all of them, then topk takes over for good)."""
+        if not self.ready():
+            raise ValueError("DecodeStep: the sequence has cold blocks or reached its capacity; use store.append "
+                             "and store.attend for this token")
+        if self._synced_length != self.length:  # tokens were appended eagerly since the last step
+            self._sync_tail_slots()
+        self.phase = self._phase(self.length + 1)
+        if self.length % self.block_tokens == 0:
+            tiers, b, spec = self.store.tiers, self.block_tokens, self.store.spec
+            tiers.check_room(len(self.tables))
+            empty = torch.zeros((1, 2, spec.num_kv_heads, b, spec.head_dim), dtype=torch.float16,
+                                device=self.store.device)
+            for layer, table in enumerate(self.tables):
+                index = table.num_blocks
+                (block_id,) = tiers.blocks.new_ids(1, self.seq, layer, index)
+                table.block_ids.append(block_id)
+                tiers.place([block_id], empty, HOT_TIER)
+                table.summaries[index, 0] = float("inf")  # min/max of no keys: the step widens them
+                table.summaries[index, 1] = float("-inf")
+                table.h2o_scores[:, index] = 0.0
+            self._sync_tail_slots()
+        return self.phase
+
+    def end_token(self) -> None:
+        """Host bookkeeping after a token ran: lengths, stats, and cooling at window boundaries."""
+        old = self.length
+        for table in self.tables:
+            table.num_tokens = old + 1
+        stats = self.store.decode.stats
+        stats.calls += len(self.tables)
+        stats.context_tokens += len(self.tables) * (old + 1)
+        k = self._num_selected(old + 1)
+        stats.attended_tokens += len(self.tables) * ((k - 1) * self.block_tokens + (old % self.block_tokens) + 1)
+        self._synced_length = old + 1  # the step advanced the device count itself
+        if self._crosses_window(old):
+            for table in self.tables:
+                self.store.tiers.cool(table, old)
+
+    def _phase(self, num_tokens: int) -> str:
+        return "dense" if self.mode == "dense" or -(-num_tokens // self.block_tokens) <= self.k else "topk"
+
+    def _crosses_window(self, old: int) -> bool:
+        """Whether growing from old to old + 1 tokens moves some block out of the hot or warm window."""
+        c, b = self.store.config, self.block_tokens
+        return any((old + 1 - w) // b != (old - w) // b for w in (c.hot_tokens, c.hot_tokens + c.warm_tokens))
+
+    def _num_selected(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_tokens) if self._phase(num_tokens) == "dense" else self.k
+
+    def _sync_tail_slots(self) -> None:
+        hot = self.store.tiers.hot
+        slots = [hot.slots.slot_of[t.block_ids[-1]] if t.block_ids else 0 for t in self.tables]
+        self.tail_slot.copy_(torch.tensor(slots, dtype=torch.int64))
+        self.num_tokens.fill_(self.length)
+        self._synced_length = self.length
+
+    # -- device side, capturable -------------------------------------------------------------
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Append k, v [kv_heads, head_dim] of the new token to `layer`, then attend q [num_q_heads, head_dim]
+        over the layer's blocks (the new token included); returns [num_q_heads, head_dim] fp16."""
+        table = self.tables[layer]
+        self._append(layer, table, k, v)
+        n = self.num_tokens + 1  # [1] tokens after this one
+        selected = self._select(table, q, n)  # [H, k] ascending, the tail block last
+        slots, is_int8 = block_table(table, selected)
+        tiers = self.store.tiers
+        warm = tiers.warm.pool  # always both pools: blocks cool into int8 while a capture stays valid
+        out, mass = self.store.decode.kernel(q[None], tiers.hot.pool, warm.data, warm.k_scale, warm.v_scale,
+                                             slots[None], is_int8[None], self.kernel_tokens,
+                                             return_block_mass=True)
+        table.h2o_scores[:, : self.capacity].scatter_add_(1, selected, mass[0])
+        if layer == len(self.tables) - 1:
+            self.num_tokens += 1
+        return out[0]
+
+    def _append(self, layer: int, table, k: torch.Tensor, v: torch.Tensor) -> None:
+        pool, b = self.store.tiers.hot.pool, self.block_tokens
+        n0 = self.num_tokens  # [1]
+        slot, offset, tail = self.tail_slot[layer: layer + 1], n0 % b, n0 // b  # [1] each
+        h = self._head_index.shape[1]
+        pool.index_put_((slot.expand(2, h), self._kv_index.expand(2, h), self._head_index.expand(2, h),
+                         offset.expand(2, h)), torch.stack([k, v]))  # [2, H, D] into [S, 2, H, B, D]
+        summary = table.summaries.index_select(0, tail)  # [1, 2, H, D]
+        widened = torch.stack([torch.minimum(summary[0, 0], k), torch.maximum(summary[0, 1], k)])
+        table.summaries.index_copy_(0, tail, widened[None])
+
+    def _select(self, table, q: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        b = self.block_tokens
+        num_blocks = (n + b - 1) // b  # [1]
+        if self.phase == "dense":
+            self.kernel_tokens.copy_(n)
+            return self.all_blocks
+        # k blocks of k * B tokens; the tail (always selected, always last) holds (n - 1) % B + 1
+        self.kernel_tokens.copy_((self.k - 1) * b + (n - 1) % b + 1)
+        scores = self._scores(q, table.summaries[: self.capacity])  # [H, N]
+        valid = self.positions < num_blocks  # [N]
+        recent_start = torch.minimum(torch.clamp((n - self.recent_tokens) // b, min=0), num_blocks - 1)
+        protected = (self.positions < self.sink_blocks) | (self.positions >= recent_start)  # the tail included
+        scores = scores.masked_fill(~valid, float("-inf")).masked_fill(protected & valid, float("inf"))
+        return top_blocks(scores, self.k)
+
+
+def _quest_scores_cpu(q: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
+    """The reference on CPU, with the kernel's treatment of unwritten capacity (garbage -> finite)."""
+    return quest_scores_ref(q, summaries.nan_to_num(0.0, 0.0, 0.0)).nan_to_num(0.0, 0.0, 0.0)

@@ -1,0 +1,87 @@
+"""DecodeStep (the capturable all-layer step) against the eager path on the same tokens: same outputs,
+same stored K/V, same summaries and H2O scores, across block boundaries, window crossings
+(hot -> warm cooling) and the dense -> topk phase change. Runs eagerly on CPU; on CUDA the
+same step is what engines capture (tests/engine_adapter/test_gpu_decode.py replays it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstore import Config, KVStore, ModelSpec
+
+SPEC = ModelSpec(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=32)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_store(tmp_path, name: str, **overrides) -> KVStore:
+    base = dict(model=SPEC, block_tokens=16, sink_tokens=16, hot_tokens=128, warm_tokens=256, recent_tokens=32,
+                gpu_bytes=8 << 20, staging_tokens=64, cpu_bytes=1 << 20, ssd_path=str(tmp_path / name),
+                device=DEVICE, host_memory_reserve=0)
+    return KVStore(Config(**{**base, **overrides}))
+
+
+def tokens(n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per token and layer (q [Hq, D], k [H, D], v [H, D]); keys share a direction so top-K has work."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n * SPEC.num_layers):
+        q = torch.randn(4, 32, generator=g)
+        k = torch.randn(2, 32, generator=g) + 0.5
+        v = torch.randn(2, 32, generator=g)
+        out.append(tuple(x.half().to(DEVICE) for x in (q, k, v)))
+    return out
+
+
+@pytest.mark.parametrize("mode, budget", [("dense", 4096), ("topk", 128)])
+def test_step_equals_append_plus_attend(tmp_path, mode, budget):
+    eager, stepped = make_store(tmp_path, "a"), make_store(tmp_path, "b")
+    g = torch.Generator().manual_seed(0)
+    prefill_k, prefill_v = (torch.randn(100, 2, 32, generator=g).half().to(DEVICE) for _ in range(2))
+    sa, sb = eager.create_sequence(), stepped.create_sequence()
+    for layer in range(SPEC.num_layers):
+        eager.append(sa, layer, prefill_k, prefill_v)
+        stepped.append(sb, layer, prefill_k, prefill_v)
+    step = stepped.decode_step(sb, mode=mode, budget=budget, capacity_tokens=1024)
+    phases = set()
+    work = tokens(140, seed=1)  # 100 -> 240 tokens: 9 block boundaries, cooling, the topk phase from 128
+    for t in range(140):
+        phases.add(step.begin_token())
+        for layer in range(SPEC.num_layers):
+            q, k, v = work[t * SPEC.num_layers + layer]
+            eager.append(sa, layer, k[None], v[None])
+            want = eager.attend(sa, layer, q, mode=mode, budget=budget)
+            got = step.attend(layer, q, k, v)
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-3)
+        step.end_token()
+    assert phases == ({"dense"} if mode == "dense" else {"dense", "topk"})
+    stepped.check_integrity()
+    assert stepped.stats()["tiers"]["warm"]["blocks"] > 0  # blocks cooled to int8 under the step
+    for layer in range(SPEC.num_layers):
+        ta, tb = eager.table(sa, layer), stepped.table(sb, layer)
+        assert ta.num_tokens == tb.num_tokens == 240
+        ka, va = eager.read(sa, layer)
+        kb, vb = stepped.read(sb, layer)
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+        n = ta.num_blocks
+        assert torch.equal(ta.summaries[:n], tb.summaries[:n])
+        torch.testing.assert_close(ta.h2o_scores[:, :n], tb.h2o_scores[:, :n], atol=1e-4, rtol=1e-3)
+    a, b = eager.stats()["attend"], stepped.stats()["attend"]
+    assert (a["calls"], a["context_tokens"], a["attended_tokens"]) == (b["calls"], b["context_tokens"],
+                                                                       b["attended_tokens"])
+    eager.close(), stepped.close()
+
+
+def test_step_hands_over_to_the_eager_path_when_blocks_go_cold(tmp_path):
+    store = make_store(tmp_path, "c", gpu_bytes=200 << 10, warm_tokens=64, hot_tokens=64)
+    seq = store.create_sequence()
+    g = torch.Generator().manual_seed(2)
+    k, v = (torch.randn(600, 2, 32, generator=g).half().to(DEVICE) for _ in range(2))
+    for layer in range(SPEC.num_layers):
+        store.append(seq, layer, k, v)
+    step = store.decode_step(seq, mode="topk", budget=128)
+    assert not step.ready()  # blocks beyond the GPU pools live in cpu/ssd
+    with pytest.raises(ValueError, match="cold blocks"):
+        step.begin_token()
+    with pytest.raises(ValueError, match="mode"):
+        store.decode_step(seq, mode="h2o")
