@@ -302,11 +302,17 @@ def split_gpu_bytes(c: Config, layout: BlockLayout, p: Placement) -> tuple[int, 
 
 
 def open_cold_tier(c: Config, layout: BlockLayout, tempdir: str | None) -> Tier:
-    """The coldest tier: the sidecar (remote_url), else local LMDB at ssd_path (or a temporary directory)."""
+    """The coldest tier: the sidecar (remote_url), Redis (redis_url), else local LMDB at ssd_path
+    (or a temporary directory)."""
     if c.remote_url:
         from tiers.remote.tier import RemoteTier
 
         return RemoteTier(layout, c.remote_url, c.ssd_bytes, token=c.remote_token)
+    if c.redis_url:
+        from tiers.redis import RedisTier
+
+        return RedisTier(layout, c.redis_url, c.ssd_bytes, namespace=c.redis_namespace,
+                         compression=c.redis_compression)
     ssd = SsdTier(layout, c.ssd_path or tempdir, c.ssd_bytes, c.ssd_compression, c.ssd_level, sync=False,
                   key_prefix=b"kvstore/")
     stale = list(ssd.sizes)  # blocks of an earlier store on this path: no table points at them
