@@ -13,6 +13,8 @@ Ceilings, measured in the same run:
                         new memory pays in first-touch page faults
   loopback socket       one connected TCP pair on 127.0.0.1, a sender thread to a receiver,
                         512 MiB in 4 MiB sends
+  C client              redis-benchmark SET/GET of the same value size (what the server gives here)
+  redis-py              the client library alone: pipelined SET/GET of ready-made bytes
 `kvtier bench tiers` calls run_redis; its rows land beside the other tiers' moves.
 """
 
@@ -20,55 +22,50 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
+import os
 import statistics
+import subprocess
 import tempfile
-import threading
 
-import numpy as np
+import redis
 import torch
 
 from bench_longctx.redis_servers import RedisCluster, RedisServer, missing_binaries
 from bench_longctx.tiers_bench import kv_blocks
-from bench_longctx.timing import memcpy_ceiling_GBps, time_ms, timed
+from bench_longctx.timing import fresh_copy_ceiling_GBps, memcpy_ceiling_GBps, socket_ceiling_GBps, time_ms, timed
 from tiers.layout import BlockLayout
 from tiers.redis import RedisTier
 
 _CPU = torch.device("cpu")
 
 
-def socket_ceiling_GBps(nbytes: int = 512 << 20, chunk: int = 4 << 20, repeat: int = 3) -> float:
-    """One connected loopback TCP pair: a thread sends nbytes in `chunk` pieces, this one receives."""
-    nbytes = nbytes // chunk * chunk
-    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()) as out:
-        conn, _ = server.accept()
-        data, buf = bytes(chunk), memoryview(bytearray(chunk))
-
-        def send() -> None:
-            for _ in range(nbytes // chunk):
-                out.sendall(data)
-
-        def transfer() -> None:
-            sender = threading.Thread(target=send)
-            sender.start()
-            got = 0
-            while got < nbytes:
-                got += conn.recv_into(buf)
-            sender.join()
-
-        with conn:
-            return nbytes / time_ms(transfer, _CPU, repeat) / 1e6
+def c_client_GBps(port: int, value_bytes: int, total_bytes: int) -> dict[str, float]:
+    """redis-benchmark (the C client, 16 commands per pipeline, one connection) SET and GET of
+    one key with values of this size: what the server gives on this machine."""
+    n = max(32, total_bytes // value_bytes)
+    out = subprocess.run(["redis-benchmark", "-p", str(port), "-t", "set,get", "-d", str(value_bytes), "-n", str(n),
+                          "-P", "16", "-c", "1", "--csv"], capture_output=True, text=True, timeout=600, check=True)
+    rps = {row[0].strip('"'): float(row[1].strip('"')) for row in (line.split(",") for line in out.stdout.splitlines()[1:])}
+    return {"set_GBps": rps["SET"] * value_bytes / 1e9, "get_GBps": rps["GET"] * value_bytes / 1e9}
 
 
-def fresh_copy_ceiling_GBps(nbytes: int, repeat: int = 3) -> float:
-    """Copy into a newly allocated buffer each time (the allocation and its page faults timed)."""
-    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+def redis_py_GBps(url: str, value_bytes: int, total_bytes: int, repeat: int) -> dict[str, float]:
+    """redis-py as installed (hiredis packer and parser), pipelined SET and GET of ready-made bytes:
+    what the client library gives before the tier encodes, verifies or copies anything."""
+    n = max(1, total_bytes // value_bytes)
+    keys, value = [f"bench:{i}".encode() for i in range(n)], os.urandom(value_bytes)
 
-    def copy() -> None:
-        dst = torch.empty(nbytes, dtype=torch.uint8).numpy()
-        np.copyto(dst, src)
+    def pipeline(command) -> list:
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            command(pipe, key)
+        return pipe.execute()
 
-    return nbytes / time_ms(copy, _CPU, repeat) / 1e6
+    with redis.Redis.from_url(url, socket_timeout=120) as client:
+        set_ms = time_ms(lambda: pipeline(lambda p, k: p.set(k, value)), _CPU, repeat)
+        get_ms = time_ms(lambda: pipeline(lambda p, k: p.get(k)), _CPU, repeat)
+        client.delete(*keys)
+    return {"set_GBps": n * value_bytes / set_ms / 1e6, "get_GBps": n * value_bytes / get_ms / 1e6}
 
 
 def bench_tier(url: str, value_mib: int, total_mib: int, compression: str, repeat: int) -> list[dict]:
@@ -108,6 +105,10 @@ def run_redis(total_mib: int = 256, sizes_mib: tuple[int, ...] = (1, 4), repeat:
         for target in ("single", "cluster"):
             server = RedisServer(f"{tmp}/single") if target == "single" else RedisCluster(f"{tmp}/cluster")
             try:
+                if target == "single":
+                    ceilings["c_client"] = {size: c_client_GBps(server.port, size << 20, nbytes) for size in sizes_mib}
+                    ceilings["redis_py"] = {size: redis_py_GBps(server.url, size << 20, nbytes, repeat)
+                                            for size in sizes_mib}
                 for size in sizes_mib:
                     for compression in ("none", "zstd") if target == "single" else ("none",):
                         rows += [{"target": target, **r} for r in bench_tier(server.url, size, total_mib,

@@ -9,7 +9,8 @@ this module reads them as one list of moves, each next to the ceiling that bound
   pinned    pinned host -> device copy (CUDA only), for cpu -> device fetches
   disk      sequential write + fsync / read-back of one file, for the ssd tier
   memcpy (same pieces)  service_bench's single-threaded copy of the same values
-  loopback socket / fresh-memory copy   bench_longctx.redis_bench's ceilings for redis put / get
+  C client  redis-benchmark SET/GET of the same value size, for redis put/get
+            (bench_longctx.redis_bench also measures loopback socket, fresh-memory copy, redis-py)
 """
 
 from __future__ import annotations
@@ -96,8 +97,9 @@ def redis_moves(redis: dict) -> list[dict]:
     out = []
     for r in redis.get("rows", []):
         name = f"redis {r['target']} {r['op']}, {r['value_bytes'] >> 20} MiB values, {r['compression']}"
-        ceiling = ("loopback socket", c["socket_GBps"]) if r["op"] == "put" else ("fresh-memory copy", c["fresh_copy_GBps"])
-        out.append(_move(name, r["GBps"], *ceiling, r["ratio"]))
+        size = r["value_bytes"] >> 20
+        client = c["c_client"][size]["set_GBps" if r["op"] == "put" else "get_GBps"]
+        out.append(_move(name, r["GBps"], "C client (redis-benchmark)", client, r["ratio"]))
     return out
 
 
