@@ -8,10 +8,12 @@ the model's own chunked prefill ("prefill") or, at lengths where that prefill wo
 far longer than the benchmark, by writing random K/V into every layer ("random": the
 decode step reads the same bytes either way, so its speed is measured fairly).
 
-Paths timed, each `steps` greedy tokens:
-  static topk / static dense   engine_adapter.static_step: the whole step as one CUDA graph over
-                               the fixed context (no append); dense reads every block (the int8 floor)
-  eager topk / eager dense     Decoder.decode_step: append + store.attend per layer, launched eagerly
+Paths timed, each `steps` greedy tokens, every one appended to the store (`appends: true`) and
+checked afterwards by reading layer 0's K/V of the generated tokens back from the store:
+  graph topk / graph dense     Decoder.decode_step on CUDA: engine_adapter/graph_decode.py, each
+                               token one CUDA graph replay (append, select, attend in every layer);
+                               dense reads every block (the int8 floor)
+  eager topk / eager dense     the same Decoder with graphs off: store.append + store.attend per layer
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import torch
 from bench_longctx.measure import Deadline, release
 from bench_longctx.models import model_store, store_bytes
 from bench_longctx.presets import E2EPreset
-from engine_adapter.static_step import StaticStep
 from bench_longctx.timing import sync
 from engine_adapter.llama import Decoder, Llama, LlamaArgs
 from kvstore.config import ModelSpec
@@ -107,25 +108,35 @@ def timed_tokens(run, steps: int, device: torch.device) -> dict:
     return {"steps": steps, "ms_per_token": 1e3 * seconds / steps, "tokens_per_s": steps / seconds}
 
 
-def static_path(model: Llama, store: KVStore, seq: int, mode: str, p: E2EPreset) -> dict:
-    start = time.perf_counter()
-    step = StaticStep(model, store, seq, mode, p.budget)
-    setup = time.perf_counter() - start
-    step.run(1, 1)  # first replay outside the timing
-    out = timed_tokens(lambda: step.run(p.steps, 1), p.steps, store.device)
-    del step
-    return {**out, "captured": store.device.type == "cuda", "setup_s": setup}
-
-
-def eager_path(decoder: Decoder, seq: int, mode: str, p: E2EPreset, steps: int) -> dict:
-    token = [1]
+def decode_path(decoder: Decoder, seq: int, mode: str, p: E2EPreset, steps: int) -> dict:
+    """Greedy tokens through Decoder.decode_step (graphs or eager, as the decoder is set), timed after one
+    warm-up token (which compiles kernels and captures graphs), then every generated token's K/V checked."""
+    start = decoder.length(seq)
+    tokens = [1]
+    setup = time.perf_counter()
+    tokens.append(int(decoder.decode_step(seq, tokens[-1], mode, p.budget).argmax()))
+    setup = time.perf_counter() - setup
 
     def run() -> None:
         for _ in range(steps):
-            token[0] = int(decoder.decode_step(seq, token[0], mode, p.budget).argmax())
+            tokens.append(int(decoder.decode_step(seq, tokens[-1], mode, p.budget).argmax()))
 
-    decoder.decode_step(seq, token[0], mode, p.budget)  # warm-up (compiles kernels on CUDA)
-    return timed_tokens(run, steps, decoder.store.device)
+    out = timed_tokens(run, steps, decoder.store.device)
+    return {**out, "appends": True, "appended_verified": appended_kv_matches(decoder, seq, start, tokens[:-1]),
+            "first_token_s": setup, "graphs": bool(decoder.graphs and decoder.store.device.type == "cuda")}
+
+
+def appended_kv_matches(decoder: Decoder, seq: int, start: int, token_ids: list[int]) -> bool:
+    """Layer 0's K/V of each token depend only on the token and its position: recompute them and compare
+    with what the store holds at positions start, start + 1, ... (fp16 storage, hot tier: exact)."""
+    model, dev = decoder.model, decoder.device
+    positions = torch.arange(start, start + len(token_ids), device=dev)
+    cos, sin = model.rope(positions, decoder.dtype)
+    with torch.no_grad():
+        _, k, v = model.layers[0].qkv(model.embed_tokens(torch.tensor(token_ids, device=dev)), cos, sin)
+    got_k, got_v = decoder.store.read(seq, 0, start, start + len(token_ids))
+    return bool(torch.allclose(got_k.float(), k.half().float(), atol=1e-2, rtol=1e-2)
+                and torch.allclose(got_v.float(), v.half().float(), atol=1e-2, rtol=1e-2))
 
 
 def memory(store: KVStore, model: Llama, seq: int) -> dict:
@@ -154,21 +165,19 @@ def fill_context(decoder: Decoder, seq: int, p: E2EPreset, progress) -> tuple[st
 
 
 def timed_paths(decoder: Decoder, seq: int, p: E2EPreset, deadline: Deadline) -> tuple[dict, list[str]]:
-    """Static paths first (they need the context unchanged), then the eager ones, which append."""
+    """The captured paths (on CUDA), then the eager ones; every path appends what it generates."""
     store, paths, notes = decoder.store, {}, []
-    resident = all(store.table(seq, i).num_cold == 0 for i in range(store.spec.num_layers))
-    for mode in ("topk", "dense"):
-        if not resident:
-            notes.append(f"static_{mode} skipped: part of the context is in host memory (graphs need it on the GPU)")
-        elif deadline.expired():
-            notes.append(f"static_{mode} skipped: time budget")
-        else:
-            paths[f"static_{mode}"] = static_path(decoder.model, store, seq, mode, p)
-    for mode in ("topk", "dense"):
-        if deadline.expired():
-            notes.append(f"eager_{mode} skipped: time budget")
-            continue
-        paths[f"eager_{mode}"] = eager_path(decoder, seq, mode, p, max(2, p.steps // 4))
+    eager = Decoder(decoder.model, store, graphs=False)
+    kinds = (("graph", decoder), ("eager", eager)) if store.device.type == "cuda" else (("eager", eager),)
+    for kind, dec in kinds:
+        for mode in ("topk", "dense"):
+            if deadline.expired():
+                notes.append(f"{kind}_{mode} skipped: time budget")
+                continue
+            steps = p.steps if kind == "graph" else max(2, p.steps // 4)
+            paths[f"{kind}_{mode}"] = decode_path(dec, seq, mode, p, steps)
+    if store.device.type != "cuda":
+        notes.append("graph paths need CUDA: on CPU Decoder.decode_step is the eager path")
     return paths, notes
 
 
@@ -193,7 +202,7 @@ def run_e2e(p: E2EPreset, device: torch.device, deadline: Deadline, progress) ->
     if fill == "random":
         result["notes"].append("context filled with random K/V written into every layer, not by a prefill: "
                                "decode reads the same bytes either way")
-    for kind in ("static", "eager"):
+    for kind in ("graph", "eager"):
         top, dense = paths.get(f"{kind}_topk"), paths.get(f"{kind}_dense")
         if top and dense:
             result[f"{kind}_topk_speedup_vs_dense"] = top["tokens_per_s"] / dense["tokens_per_s"]

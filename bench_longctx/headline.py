@@ -24,8 +24,8 @@ def e2e_rows(s: dict) -> list[list]:
     e, p = s.get("e2e", {}), s.get("e2e", {}).get("paths", {})
     rows = []
     what = f"{e.get('geometry')} greedy decode, {fmt(e.get('context'))} context, top-K {e.get('budget')}"
-    for kind, how in (("static", "one CUDA graph per step" if p.get("static_topk", {}).get("captured")
-                       else "static step"), ("eager", "eager, with appends")):
+    for kind, how in (("graph", "one CUDA graph per token, every token appended"),
+                      ("eager", "eager launches, every token appended")):
         top, dense = p.get(f"{kind}_topk"), p.get(f"{kind}_dense")
         if top and dense:
             rows.append([f"{what} ({how})", f"{fmt(top['tokens_per_s'])} tok/s",

@@ -80,7 +80,8 @@ def quality_table(r: dict) -> str:
 
 
 def e2e_table(r: dict) -> str:
-    rows = [[name, x["tokens_per_s"], x["ms_per_token"], x["steps"]] for name, x in r["paths"].items()]
+    rows = [[name, x["tokens_per_s"], x["ms_per_token"], x["steps"], x.get("appends"), x.get("appended_verified")]
+            for name, x in r["paths"].items()]
     tiers = [[name, t["blocks"], t["bytes"] / 2**30, t["capacity_bytes"] / 2**30]
              for name, t in r["memory"]["tiers"].items()]
     mem = r["memory"]
@@ -91,7 +92,7 @@ def e2e_table(r: dict) -> str:
     return "\n\n".join([
         f"Greedy decode, {r['geometry']} geometry ({r['layers']} layers, random {r['dtype']} weights), "
         f"context {fmt(r['context'])}, top-K budget {r['budget']}, fill: {r['fill']}",
-        md_table(["path", "tokens/s", "ms/token", "steps"], rows),
+        md_table(["path", "tokens/s", "ms/token", "steps", "appends", "appends verified"], rows),
         md_table(["memory", "blocks", "GiB", "capacity GiB"], tiers + extra), *[f"- {n}" for n in r["notes"]]])
 
 

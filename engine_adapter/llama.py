@@ -142,7 +142,9 @@ class Llama(nn.Module):
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, D], computed in fp32 like HF, then cast."""
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # [T, D/2]
+        if self.inv_freq.device != positions.device:  # once: a captured decode step cannot copy from the host
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
 
@@ -171,7 +173,7 @@ class Decoder:
     A step that fails part way (a full store, a bad mode) leaves the sequence with some layers
     ahead of others: free it. The store's length of a sequence is its next position."""
 
-    def __init__(self, model: Llama, store: KVStore) -> None:
+    def __init__(self, model: Llama, store: KVStore, graphs: bool = True) -> None:
         if model.args.spec != store.config.model:
             raise ValueError(f"store geometry {store.config.model} does not match the model's {model.args.spec}")
         self.model = model
@@ -180,6 +182,8 @@ class Decoder:
         self.dtype = model.embed_tokens.weight.dtype
         if self.device.type != store.device.type:
             raise ValueError(f"model on {self.device} but store on {store.device}; put both on one device type")
+        self.graphs = graphs  # on CUDA, decode dense/topk through captured steps (False: always eager)
+        self._graphs: dict[tuple[int, str, int], object] = {}  # (seq, mode, budget) -> GraphDecoder (CUDA)
 
     def length(self, seq: int) -> int:
         """Tokens the sequence holds (its next position)."""
@@ -226,7 +230,16 @@ class Decoder:
 
     @torch.no_grad()  # not inference_mode: tensors the store allocates here must stay writable after
     def decode_step(self, seq: int, token_id: int, mode: str = "dense", budget: int = 4096) -> torch.Tensor:
-        """Append one token and attend through the store; returns fp32 logits [vocab]."""
+        """Append one token and attend through the store; returns fp32 logits [vocab].
+
+        On CUDA, dense and topk run the captured step (engine_adapter/graph_decode.py: every layer's
+        append, select and attend in one graph replay) whenever every block is on the GPU; otherwise,
+        and on CPU, the eager path below (store.append + store.attend per layer, same contract)."""
+        graph = self._graph_decoder(seq, mode, budget)
+        if graph is not None and graph.ready():
+            if not (isinstance(token_id, int) and 0 <= token_id < self.model.args.vocab_size):
+                raise ValueError(f"token id must be an int in [0, {self.model.args.vocab_size}), got {token_id!r}")
+            return graph(token_id).clone()
         ids = self._tokens([token_id])
         pos = self.length(seq)
         cos, sin = self.model.rope(torch.tensor([pos], device=self.device), self.dtype)
@@ -237,6 +250,22 @@ class Decoder:
             attn = self.store.attend(seq, i, q[0].half(), mode=mode, budget=budget)  # [Hq, D] fp16
             x = layer.finish(x, attn[None])
         return self.model.logits(x)[0]
+
+    def _graph_decoder(self, seq: int, mode: str, budget: int):
+        """The cached GraphDecoder of (seq, mode, budget) on CUDA, rebuilt when its capacity runs out."""
+        if not self.graphs or self.device.type != "cuda" or mode not in ("dense", "topk"):
+            return None
+        from engine_adapter.graph_decode import GraphDecoder
+
+        key = (seq, mode, budget)
+        graph = self._graphs.get(key)
+        if graph is not None and graph.ready():
+            return graph
+        tables = [self.store.table(seq, i) for i in range(self.model.args.num_layers)]
+        if any(t.num_cold or t.num_dropped for t in tables):
+            return None  # this token goes the eager way
+        self._graphs[key] = graph = GraphDecoder(self.model, self.store, seq, mode, budget)  # new, or more capacity
+        return graph
 
     def generate(self, seq: int, prompt_ids: TokenIds, max_new_tokens: int, mode: str = "dense", budget: int = 4096,
                  chunk_tokens: int = 512, eos_id: int | None = None) -> list[int]:
@@ -267,3 +296,5 @@ class Decoder:
 
     def free(self, seq: int) -> None:
         self.store.free(seq)
+        for key in [k for k in self._graphs if k[0] == seq]:
+            del self._graphs[key]

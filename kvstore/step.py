@@ -50,7 +50,7 @@ class DecodeStep:
             raise ValueError("DecodeStep serves dense and topk sequences; this one has blocks H2O dropped")
         self.block_tokens = b = c.block_tokens
         length = self.tables[0].num_tokens
-        capacity_tokens = capacity_tokens or max(2 * length, length + 65536)
+        capacity_tokens = capacity_tokens or length + max(65536, length // 4)
         self.capacity = -(-capacity_tokens // b)  # blocks every table is preallocated for
         for t in self.tables:
             store.tensors.reserve(t, self.capacity)  # fixed addresses from here on: what a graph needs
@@ -76,7 +76,8 @@ class DecodeStep:
 
     def ready(self) -> bool:
         """Whether the next token can run from device state (every block on the GPU, room in capacity)."""
-        return self.length + 1 <= self.capacity * self.block_tokens and not any(t.num_cold for t in self.tables)
+        return self.length + 1 <= self.capacity * self.block_tokens and \
+            not any(t.num_cold or t.num_dropped for t in self.tables)
 
     def begin_token(self) -> str:
         """Host work before a token: at a block boundary, open the next tail block in every layer.

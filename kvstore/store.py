@@ -182,7 +182,7 @@ class KVStore:
 
     def decode_step(self, seq: int, mode: str = "topk", budget: int = 4096, capacity_tokens: int | None = None):
         """A DecodeStep for `seq`: append + select + attend for every layer of a token from device state,
-        capturable in one CUDA graph (kvstore/step.py). Capacity defaults to twice the length or +64K tokens."""
+        capturable in one CUDA graph (kvstore/step.py). Capacity: the length + max(64K, 1/4 of it)."""
         from kvstore.step import DecodeStep
 
         self.table(seq, 0)

@@ -1,5 +1,5 @@
-"""Pieces of the suites that the end-to-end run cannot pin down: the whole-model static step against
-store.attend, the needle construction, the skip paths, and bad input."""
+"""Pieces of the suites that the end-to-end run cannot pin down: the captured decode path against the
+eager one, the needle construction, the skip paths, and bad input."""
 
 from __future__ import annotations
 
@@ -9,54 +9,41 @@ import math
 import pytest
 import torch
 
-from bench_longctx.e2e import model_args, random_model
+from bench_longctx.e2e import appended_kv_matches, model_args, random_model
 from bench_longctx.models import model_store
 from bench_longctx.needle import needle_keys, needle_queries
-from engine_adapter.static_step import StaticStep
+from engine_adapter.graph_decode import GraphDecoder
 from engine_adapter import weights
 from engine_adapter.llama import Decoder
 from kvstore.cli import main
 from kvstore.config import ModelSpec
 
 
-def reference_step(model, store, seq: int, token: int, mode: str, budget: int) -> torch.Tensor:
-    """One step of the model at the sequence's next position, attending through store.attend without appending."""
-    pos = store.table(seq, 0).num_tokens
-    cos, sin = model.rope(torch.tensor([pos]), torch.float32)
-    x = model.embed_tokens(torch.tensor([token]))
-    for i, layer in enumerate(model.layers):
-        q, _, _ = layer.qkv(x, cos, sin)
-        x = layer.finish(x, store.attend(seq, i, q[0].half(), mode=mode, budget=budget)[None])
-    return model.logits(x)[0]
-
-
 @pytest.mark.parametrize("mode", ["dense", "topk"])
-def test_static_step_matches_store_attend(mode):
+def test_graph_decoder_generates_what_the_eager_decoder_does(mode):
+    """The captured path's forward (run eagerly on CPU) against Decoder.decode_step on an identical prefill:
+    same logits, same greedy tokens, and every token's K/V appended."""
     args = model_args("smollm2-135m", layers=2)
     model = random_model(args, torch.device("cpu"), torch.float32, seed=3)
-    store = model_store(args.spec, torch.device("cpu"), hot_tokens=96, warm_tokens=2048, sink_tokens=32,
-                        recent_tokens=64, sequences=1)
-    seq = store.create_sequence()
-    with torch.inference_mode():
-        Decoder(model, store).prefill(seq, torch.randint(0, args.vocab_size, (777,)), chunk_tokens=256)
-        assert store.stats()["tiers"]["warm"]["blocks"] > 0  # the step reads fp16 and int8 blocks
-        step = StaticStep(model, store, seq, mode, budget=256)
-        got = step.logits_for(17)
-        want = reference_step(model, store, seq, 17, mode, 256)
+    stores = [model_store(args.spec, torch.device("cpu"), hot_tokens=96, warm_tokens=2048, sink_tokens=32,
+                          recent_tokens=64, sequences=1) for _ in range(2)]
+    prompt = torch.randint(0, args.vocab_size, (790,), generator=torch.Generator().manual_seed(0))
+    seqs = [s.create_sequence() for s in stores]
+    with torch.no_grad():
+        first = [Decoder(model, s).prefill(q, prompt, chunk_tokens=256) for s, q in zip(stores, seqs)]
+    assert stores[0].stats()["tiers"]["warm"]["blocks"] > 0  # the step reads fp16 and int8 blocks
+    eager, graph = Decoder(model, stores[0]), GraphDecoder(model, stores[1], seqs[1], mode, budget=256)
+    token = int(first[0].argmax())
+    for _ in range(14):  # crosses a block boundary at 800 (block_tokens 32)
+        want = eager.decode_step(seqs[0], token, mode, 256)
+        got = graph(token)
         assert torch.allclose(got, want, atol=1e-3, rtol=1e-3)
-        tokens = step.run(3, 17)
-        assert tokens[0] == int(want.argmax()) and len(tokens) == 3
-        assert tokens[1] == int(reference_step(model, store, seq, tokens[0], mode, 256).argmax())
-    store.close()
-
-
-def test_static_step_refuses_a_bad_mode():
-    args = model_args("smollm2-135m", layers=1)
-    store = model_store(args.spec, torch.device("cpu"), hot_tokens=64, warm_tokens=0, sink_tokens=32,
-                        recent_tokens=32, sequences=1)
-    with pytest.raises(ValueError, match="mode must be one of"):
-        StaticStep(random_model(args, torch.device("cpu"), torch.float32), store, store.create_sequence(), "h2o")
-    store.close()
+        token = int(want.argmax())
+        assert int(got.argmax()) == token
+    assert stores[1].table(seqs[1], 0).num_tokens == 790 + 14
+    assert appended_kv_matches(Decoder(model, stores[1]), seqs[1], 790, [int(first[0].argmax())])
+    for s in stores:
+        s.close()
 
 
 @pytest.mark.parametrize("geometry, ctx", [("smollm2-135m", 5000), ("llama3-8b", 1 << 20)])

@@ -1,0 +1,76 @@
+"""Greedy decode of one sequence with each whole token captured as one CUDA graph.
+
+embedding -> every layer (q/k/v projections, the store's DecodeStep: append the token's K/V,
+select, paged attention, H2O accounting; output projection and MLP) -> logits. Every token is
+appended to the store. A graph is captured once per DecodeStep phase ("dense" while the
+sequence has at most k blocks, then "topk") and replayed for every later token; between
+tokens the host only does the block-boundary work DecodeStep.begin_token names. The RoPE
+position is the step's device token count, so nothing is re-captured as the sequence grows.
+On CPU the same forward runs eagerly (no graph).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvstore.store import KVStore
+
+if TYPE_CHECKING:  # the Decoder builds these (Decoder.decode_step); annotations only
+    from engine_adapter.llama import Llama
+
+
+class GraphDecoder:
+    def __init__(self, model: Llama, store: KVStore, seq: int, mode: str = "topk", budget: int = 4096,
+                 capacity_tokens: int | None = None) -> None:
+        self.model, self.store, self.seq = model, store, seq
+        self.step = store.decode_step(seq, mode=mode, budget=budget, capacity_tokens=capacity_tokens)
+        self.device = model.embed_tokens.weight.device
+        self.dtype = model.embed_tokens.weight.dtype
+        self.token = torch.zeros(1, dtype=torch.long, device=self.device)  # [1] the input token
+        self.graphs: dict[str, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # phase -> (graph, logits)
+
+    def ready(self) -> bool:
+        """False when the next token must go the eager way (blocks in cpu/ssd, or capacity reached)."""
+        return self.step.ready()
+
+    @torch.no_grad()
+    def _forward(self) -> torch.Tensor:
+        """fp32 logits [vocab] of one token at position step.num_tokens, appending its K/V in every layer."""
+        cos, sin = self.model.rope(self.step.num_tokens, self.dtype)  # [1, D] each, from device state
+        x = self.model.embed_tokens(self.token)  # [1, dim]
+        for i, layer in enumerate(self.model.layers):
+            q, k, v = layer.qkv(x, cos, sin)  # [1, Hq, D], [1, H, D], [1, H, D]
+            attn = self.step.attend(i, q[0].half(), k[0].half(), v[0].half())  # [Hq, D]
+            x = layer.finish(x, attn[None])
+        return self.model.logits(x)[0]
+
+    def __call__(self, token_id: int) -> torch.Tensor:
+        """Append `token_id` at the sequence's next position; returns fp32 logits [vocab] (a buffer the next
+        call overwrites on CUDA: clone to keep)."""
+        phase = self.step.begin_token()
+        self.token.fill_(token_id)
+        if self.device.type != "cuda":
+            logits = self._forward()
+        elif phase in self.graphs:
+            graph, logits = self.graphs[phase]
+            graph.replay()
+        else:
+            logits = self._capture(phase)
+        self.step.end_token()
+        return logits
+
+    def _capture(self, phase: str) -> torch.Tensor:
+        """Run this token eagerly on a side stream (compiling every kernel), then record the same
+        forward as a graph for the tokens after it. Recording runs nothing, so the token runs once."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            logits = self._forward().clone()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._forward()
+        self.graphs[phase] = (graph, out)
+        return logits
