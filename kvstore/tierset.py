@@ -43,7 +43,7 @@ class TierSet:
         self.layout, self.device = layout, torch.device(c.device)
         self.placement = Placement(c.block_tokens, c.sink_tokens, c.hot_tokens, c.warm_tokens)
         hot_bytes, warm_bytes = split_gpu_bytes(c, layout, self.placement)
-        self._tempdir = None if c.ssd_path or c.remote_url or getattr(c, "redis_url", None) \
+        self._tempdir = None if c.ssd_path or c.remote_url or c.redis_url \
             else tempfile.mkdtemp(prefix="kvtier-ssd-")
         self.tiers: list[Tier] = [
             HotTier(layout, hot_bytes, self.device, staging_blocks=c.staging_tokens // c.block_tokens),
