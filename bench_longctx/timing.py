@@ -5,7 +5,8 @@
     timed      one call's result and wall seconds, the device synchronized around it, for what
                cannot repeat (an SSD write, a run of decode steps, one request)
     ceilings   what bounds each move, measured in the same run: same-device copy, pinned
-               host <-> device copy, disk write+fsync / read, host memcpy in given pieces
+               host <-> device copy, disk write+fsync / read, host memcpy in given pieces,
+               host copy into fresh memory, loopback TCP socket
     rate       one case's time read against the copy ceiling and a baseline
     Deadline, release, environment   a run's time budget, memory between cases, provenance
 """
@@ -16,9 +17,11 @@ import datetime
 import gc
 import os
 import platform
+import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from typing import Callable, TypeVar
 
@@ -26,6 +29,7 @@ import numpy as np
 import torch
 
 T = TypeVar("T")
+_CPU = torch.device("cpu")
 
 
 def sync(device: torch.device | str | None) -> None:
@@ -89,17 +93,54 @@ def disk_ceiling(directory: str, nbytes: int = 256 << 20) -> dict[str, float]:
     return {"disk_write_fsync_GBps": nbytes / write_s / 1e9, "disk_read_GBps": nbytes / read_s / 1e9}
 
 
+def _host_bytes(nbytes: int) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+
+
 def memcpy_ceiling_GBps(nbytes: int, chunk: int, repeat: int = 3) -> float:
     """Single-threaded host copy of nbytes in `chunk`-byte pieces into a preallocated, touched buffer:
     what a loopback request moving the same pieces is read against."""
-    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-    dst = np.ones(nbytes, dtype=np.uint8)
+    src, dst = _host_bytes(nbytes), np.ones(nbytes, dtype=np.uint8)
 
     def copy() -> None:
         for offset in range(0, nbytes, chunk):
             np.copyto(dst[offset: offset + chunk], src[offset: offset + chunk])
 
-    return nbytes / time_ms(copy, torch.device("cpu"), repeat) / 1e6
+    return nbytes / time_ms(copy, _CPU, repeat) / 1e6
+
+
+def fresh_copy_ceiling_GBps(nbytes: int, repeat: int = 3) -> float:
+    """Host copy into a newly allocated buffer each run (the allocation and its first-touch page faults
+    timed): what any read that returns new memory pays."""
+    src = _host_bytes(nbytes)
+
+    def copy() -> None:
+        np.copyto(torch.empty(nbytes, dtype=torch.uint8).numpy(), src)
+
+    return nbytes / time_ms(copy, _CPU, repeat) / 1e6
+
+
+def socket_ceiling_GBps(nbytes: int = 512 << 20, chunk: int = 4 << 20, repeat: int = 3) -> float:
+    """One connected loopback TCP pair: a thread sends nbytes in `chunk` pieces, this one receives."""
+    nbytes = nbytes // chunk * chunk
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()) as out:
+        conn, _ = server.accept()
+        data, buf = bytes(chunk), memoryview(bytearray(chunk))
+
+        def send() -> None:
+            for _ in range(nbytes // chunk):
+                out.sendall(data)
+
+        def transfer() -> None:
+            sender = threading.Thread(target=send)
+            sender.start()
+            got = 0
+            while got < nbytes:
+                got += conn.recv_into(buf)
+            sender.join()
+
+        with conn:
+            return nbytes / time_ms(transfer, _CPU, repeat) / 1e6
 
 
 def rate(ms: float, nbytes: int, ceiling_GBps: float, baseline_ms: float) -> dict:
