@@ -26,6 +26,7 @@ class ScoreContext:
     recent_tokens: int = 0
     q: torch.Tensor | None = None  # float16 [num_q_heads, head_dim], RoPE applied
     h2o_scores: torch.Tensor | None = None  # float32 [kv_heads, num_blocks], accumulated attention mass
+    sketch: torch.Tensor | None = None  # uint8 [>= num_blocks, kv_heads, 2, block_tokens, head_dim // 4] (eviction/sketch.py)
 
     def __post_init__(self) -> None:
         check_counts(
@@ -45,6 +46,10 @@ class ScoreContext:
             raise ValueError(f"q: expected [num_q_heads, {s.shape[3]}], got {list(self.q.shape)}")
         if self.h2o_scores is not None and tuple(self.h2o_scores.shape) != (s.shape[2], n):
             raise ValueError(f"h2o_scores: expected [{s.shape[2]}, {n}], got {list(self.h2o_scores.shape)}")
+        expected = (s.shape[2], 2, self.block_tokens, s.shape[3] // 4)
+        if self.sketch is not None and (self.sketch.dim() != 5 or self.sketch.shape[0] < n
+                                        or tuple(self.sketch.shape[1:]) != expected):
+            raise ValueError(f"sketch: expected [>= {n}, {', '.join(map(str, expected))}], got {list(self.sketch.shape)}")
 
     @property
     def num_blocks(self) -> int:

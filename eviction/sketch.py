@@ -1,0 +1,147 @@
+"""Token-level key sketch: every key quantized to 4 bits per channel, on the block's own min/max grid.
+
+Quest's min/max bound sees a key only through extreme coordinates, so a key that points
+along the query without being extreme anywhere ranks low (Twilight, Lin et al. 2025, and
+Double Sparsity, Yang et al. 2024, score tokens from low-bit keys instead). The sketch
+reuses the block summary (eviction/summaries.py) as its quantization grid, so it adds
+only the codes: for block b, kv head h and channel d,
+    step = (max_bd - min_bd) / 15,   code = round((k - min_bd) / step)  in [0, 15],
+    k_hat = min_bd + step * code,    |k - k_hat| <= step / 2.
+Codes are stored as two 2-bit planes, high (code >> 2) then low (code & 3), so a coarse
+pass can read the high plane alone (a 2-bit estimate, k in min + step * [4 hi - 0.5,
+4 hi + 3.5]) and refine only the candidates with the low plane (bench_longctx/
+selection_quality.py measures both; BENCHMARKS.md "Selection quality").
+
+Layout: codes uint8 [num_blocks, kv_heads, 2 (plane), block_tokens, head_dim // 4]; byte j
+of a plane row holds channels j, j + D/4, j + D/2, j + 3D/4 at bits 0-1, 2-3, 4-5, 6-7.
+Bytes per token and kv head: head_dim / 2 (32 B at d64, 64 B at d128: 1/4 of the fp16 key,
+1/8 of the fp16 K+V it describes), plus the summaries every block already has.
+
+A partial tail block is re-encoded on every append against its running min/max (its
+grid moves as tokens arrive); a full block's codes never change.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eviction.select import cdiv
+from eviction.summaries import summarize_keys
+
+LEVELS = 15  # 4-bit codes 0..15
+PLANES = 2
+COARSE_MID, COARSE_HALF = 1.5, 2.0  # high plane alone: k_hat = min + step * (4 hi + 1.5), |err| <= 2 step
+FINE_HALF = 0.5  # both planes: |err| <= step / 2
+ROUNDING_SLACK = 1e-4  # relative slack on sum_d |q_d| max(|min_d|, |max_d|): fp32 arithmetic in the estimate
+
+
+def grid_steps(summaries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """summaries fp16 [..., 2, H, D] -> (min, step), float32 [..., H, D] each."""
+    s = summaries.float()
+    low = s.select(-3, 0)
+    return low, (s.select(-3, 1) - low) / LEVELS
+
+
+def encode(keys: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:
+    """4-bit codes of the keys of one block: keys [t, H, D], summary [2, H, D] -> int64 [t, H, D] in [0, 15]."""
+    low, step = grid_steps(summary)  # [H, D]
+    scaled = (keys.float() - low) / torch.where(step > 0, step, torch.ones_like(step))
+    return scaled.round().clamp_(0, LEVELS).to(torch.int64)
+
+
+def pack(codes: torch.Tensor) -> torch.Tensor:
+    """int codes [..., t, D] in [0, 15] -> uint8 [..., 2, t, D // 4]: high plane then low plane."""
+    d = codes.shape[-1]
+    quarters = codes.unflatten(-1, (4, d // 4))  # [..., t, 4, D/4]: quarter i = channels i*D/4 ..
+    shifts = torch.arange(0, 8, 2, device=codes.device)[:, None]  # [4, 1]
+    planes = [((quarters >> 2) << shifts).sum(-2), ((quarters & 3) << shifts).sum(-2)]
+    return torch.stack(planes, dim=-3).to(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, planes: int = PLANES) -> torch.Tensor:
+    """uint8 [..., 2, t, D // 4] -> float32 [..., t, D]: the 4-bit code (planes=2) or the high 2 bits (planes=1)."""
+    shifts = torch.arange(0, 8, 2, device=packed.device)[:, None]  # [4, 1]
+    quarters = (packed.to(torch.int64).unsqueeze(-2) >> shifts) & 3  # [..., 2, t, 4, D/4]
+    code = quarters.select(-4, 0) * 4 + (quarters.select(-4, 1) if planes == 2 else 0)
+    return code.flatten(-2).float()
+
+
+def sketch_keys(keys: torch.Tensor, block_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys [T, H, D] -> (summaries fp16 [N, 2, H, D], codes uint8 [N, H, 2, block_tokens, D // 4]).
+
+    The tail block may be partial; its missing tokens get code 0 (never scored).
+    """
+    summaries = summarize_keys(keys, block_tokens)  # checks keys and block_tokens
+    num_tokens, num_kv_heads, head_dim = keys.shape
+    if head_dim % 4:
+        raise ValueError(f"keys: head_dim must be a multiple of 4 for 2-bit planes, got {head_dim}")
+    num_blocks = summaries.shape[0]
+    padded = keys.new_zeros(num_blocks * block_tokens, num_kv_heads, head_dim)  # [N*B, H, D]
+    padded[:num_tokens] = keys
+    blocks = padded.view(num_blocks, block_tokens, num_kv_heads, head_dim).float()  # [N, B, H, D]
+    low, step = grid_steps(summaries)  # [N, H, D]
+    scaled = (blocks - low[:, None]) / torch.where(step > 0, step, torch.ones_like(step))[:, None]
+    codes = scaled.round().clamp_(0, LEVELS).to(torch.int64)
+    codes.view(-1, num_kv_heads, head_dim)[num_tokens:] = 0
+    return summaries, pack(codes.transpose(1, 2))  # [N, H, 2, B, D/4]
+
+
+class KeySketch:
+    """Summaries and codes of one sequence's keys in one layer, grown block by block or token by token.
+
+    The tail block's raw keys are kept (block_tokens x H x D) so its codes can be redone against
+    its growing min/max; everything else is the fixed-size sketch.
+    """
+
+    def __init__(self, num_kv_heads: int, head_dim: int, block_tokens: int, device: torch.device | str = "cpu"):
+        if block_tokens < 1 or head_dim % 4:
+            raise ValueError(f"need block_tokens >= 1 and head_dim % 4 == 0, got {block_tokens}, {head_dim}")
+        self.block_tokens = block_tokens
+        self.num_tokens = 0
+        self.summaries = torch.empty(0, 2, num_kv_heads, head_dim, dtype=torch.float16, device=device)
+        self.codes = torch.empty(0, num_kv_heads, 2, block_tokens, head_dim // 4, dtype=torch.uint8, device=device)
+        self.tail = torch.empty(0, num_kv_heads, head_dim, dtype=torch.float16, device=device)  # [t < B, H, D]
+
+    @property
+    def num_blocks(self) -> int:
+        return cdiv(self.num_tokens, self.block_tokens)
+
+    def append(self, keys: torch.Tensor) -> None:
+        """Add keys [t, H, D] (fp16, RoPE applied) after the ones already sketched."""
+        expected = tuple(self.summaries.shape[2:])
+        if keys.dim() != 3 or tuple(keys.shape[1:]) != expected or keys.shape[0] < 1:
+            raise ValueError(f"keys: expected [t >= 1, {expected[0]}, {expected[1]}], got {list(keys.shape)}")
+        first_block = self.num_tokens // self.block_tokens  # the open tail block, or a new one
+        pending = torch.cat((self.tail, keys.to(self.tail.dtype)))  # [tail + t, H, D]
+        summaries, codes = sketch_keys(pending, self.block_tokens)
+        self.summaries = torch.cat((self.summaries[:first_block], summaries))
+        self.codes = torch.cat((self.codes[:first_block], codes))
+        self.num_tokens += keys.shape[0]
+        self.tail = pending[(pending.shape[0] // self.block_tokens) * self.block_tokens:]
+
+
+def token_estimates_ref(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor,
+                        planes: int = PLANES) -> tuple[torch.Tensor, torch.Tensor]:
+    """(estimates float32 [Hq, N, B], error float32 [Hq, N]): per q head, token logit estimates q . k_hat
+    and a bound on |q . k - q . k_hat| that holds for every token of the block.
+
+    q: [Hq, D] (Hq a multiple of H: q head i reads kv head i // group); summaries [N, 2, H, D];
+    codes [N, H, 2, B, D // 4]. planes=1 reads only the high plane.
+    """
+    num_kv_heads = summaries.shape[2]
+    group = q.shape[0] // num_kv_heads
+    low, step = grid_steps(summaries)  # [N, H, D]
+    code = unpack(codes, planes) + (0.0 if planes == 2 else COARSE_MID)  # [N, H, B, D]
+    qg = q.float().view(num_kv_heads, group, -1)  # [H, G, D]
+    base = torch.einsum("hgd,nhd->hgn", qg, low)  # [H, G, N]
+    qs = qg[:, :, None] * step.transpose(0, 1)[:, None]  # [H, G, N, D]
+    est = base[..., None] + torch.einsum("hgnd,nhbd->hgnb", qs, code)  # [H, G, N, B]
+    half = FINE_HALF if planes == 2 else COARSE_HALF
+    magnitude = torch.maximum(low.abs(), (low + LEVELS * step).abs())  # [N, H, D]
+    err = half * qs.abs().sum(-1) + ROUNDING_SLACK * torch.einsum("hgd,nhd->hgn", qg.abs(), magnitude)
+    return est.flatten(0, 1), err.flatten(0, 1)
+
+
+def token_mask(num_tokens: int, num_blocks: int, block_tokens: int, device: torch.device | str) -> torch.Tensor:
+    """bool [N, B]: True for real tokens (the tail block may be partial)."""
+    return torch.arange(num_blocks * block_tokens, device=device).view(num_blocks, block_tokens) < num_tokens

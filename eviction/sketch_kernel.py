@@ -1,0 +1,204 @@
+"""Per-block statistics from the 4-bit key sketch (eviction/sketch.py), fused: one pass over the codes.
+
+For q head i, block b (kv head h = i // group) the kernel estimates every token's logit
+from the sketch, l_t = scale * q_i . k_hat_t, and writes per (q head, block):
+  lse    log sum_t exp(l_t) over the block's real tokens: the estimated softmax mass of
+         the block up to the head's normalizer. Ranking blocks by it (normalized per head,
+         mean over the GQA group) keeps what dense attention keeps: on real SmolLM2 Q/K it
+         matched the oracle's mass where the max over tokens lost 2-7% (BENCHMARKS.md).
+  upper  an upper bound on log sum_t exp(scale * q_i . k_t) over the TRUE keys:
+         min(lse + err, log n_b + quest), err = scale * (half * sum_d |q_d| step_d + slack)
+         the sketch's rounding bound, quest = scale * (q+ . max + q- . min) the min/max bound
+         (both with a relative slack for fp32 rounding).
+         eviction/certify.py turns it into a certified omitted mass.
+planes=1 reads only the high plane of the codes (half the bytes, a 2-bit estimate with a
+4x wider error bound): the coarse pass of a hierarchical selection. block_ids [H, C] restricts
+the pass to C candidate blocks per kv head (the fine pass); without it every block is read.
+
+Grid: one program per (block or candidate, kv head); it reads the block's two summary rows and
+planes * block_tokens * head_dim / 4 code bytes, and the group's q rows from L2.
+
+Layout: kernel -> launcher -> pure-torch reference. Imports only torch and triton.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LEVELS = 15.0
+COARSE_MID, COARSE_HALF, FINE_HALF = 1.5, 2.0, 0.5  # as in eviction/sketch.py
+ROUNDING_SLACK = 1e-4
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_cols"])
+def _sketch_kernel(
+    q_ptr,  # float16 [Hq, HEAD_DIM]
+    s_ptr,  # float16 [num_blocks, 2, H, HEAD_DIM]
+    c_ptr,  # uint8 [num_blocks, H, 2, BLOCK_TOKENS, HEAD_DIM // 4]
+    ids_ptr,  # int64 [H, num_cols] (HAS_IDS) or unused
+    lse_ptr,  # float32 [Hq, num_cols]
+    upper_ptr,  # float32 [Hq, num_cols]
+    num_tokens,
+    num_cols,
+    scale,
+    stride_qh,
+    stride_sn,
+    stride_sm,
+    stride_sh,
+    stride_cn,
+    stride_ch,
+    stride_cp,
+    stride_ct,
+    stride_ih,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    QUARTER: tl.constexpr,  # HEAD_DIM // 4, a power of two
+    BLOCK_TOKENS: tl.constexpr,
+    BLOCK_T: tl.constexpr,  # next power of two >= BLOCK_TOKENS
+    PLANES: tl.constexpr,
+    HAS_IDS: tl.constexpr,
+):
+    col = tl.program_id(0)
+    head = tl.program_id(1)
+    if HAS_IDS:
+        block = tl.load(ids_ptr + head * stride_ih + col)
+    else:
+        block = col.to(tl.int64)
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_j = tl.arange(0, QUARTER)
+    valid_t = (offs_t < BLOCK_TOKENS) & (block * BLOCK_TOKENS + offs_t < num_tokens)
+    n_real = tl.sum(valid_t.to(tl.float32), axis=0)
+    s_row = s_ptr + block * stride_sn + head * stride_sh
+    c_tile = c_ptr + block * stride_cn + head * stride_ch + offs_t[:, None] * stride_ct + offs_j[None, :]
+    hi = tl.load(c_tile, mask=valid_t[:, None], other=0).to(tl.int32)  # [BLOCK_T, QUARTER]
+    if PLANES == 2:
+        lo = tl.load(c_tile + stride_cp, mask=valid_t[:, None], other=0).to(tl.int32)
+    for g in tl.static_range(GROUP):
+        q_row = q_ptr + (head * GROUP + g) * stride_qh
+        est = tl.zeros((BLOCK_T,), tl.float32)
+        base = 0.0
+        spread = 0.0  # sum_d |q_d| step_d
+        size = 0.0  # sum_d |q_d| max(|min_d|, |max_d|)
+        quest = 0.0
+        for i in tl.static_range(4):
+            offs_d = i * QUARTER + offs_j
+            q = tl.load(q_row + offs_d).to(tl.float32)
+            k_min = tl.load(s_row + offs_d).to(tl.float32)
+            k_max = tl.load(s_row + stride_sm + offs_d).to(tl.float32)
+            step = (k_max - k_min) / LEVELS
+            qs = q * step
+            code = ((hi >> (2 * i)) & 3).to(tl.float32) * 4.0
+            if PLANES == 2:
+                code += ((lo >> (2 * i)) & 3).to(tl.float32)
+            else:
+                code += COARSE_MID
+            est += tl.sum(code * qs[None, :], axis=1)
+            base += tl.sum(q * k_min, axis=0)
+            spread += tl.sum(tl.abs(qs), axis=0)
+            size += tl.sum(tl.abs(q) * tl.maximum(tl.abs(k_min), tl.abs(k_max)), axis=0)
+            quest += tl.sum(tl.maximum(q * k_max, q * k_min), axis=0)
+        logit = tl.where(valid_t, (est + base) * scale, float("-inf"))
+        top = tl.max(logit, axis=0)
+        lse = top + tl.log(tl.sum(tl.exp(logit - top), axis=0))
+        half = FINE_HALF if PLANES == 2 else COARSE_HALF
+        err = (half * spread + ROUNDING_SLACK * size) * scale
+        upper = tl.minimum(lse + err, tl.log(n_real) + (quest + ROUNDING_SLACK * size) * scale)
+        out = (head * GROUP + g) * stride_oh + col
+        tl.store(lse_ptr + out, lse)
+        tl.store(upper_ptr + out, upper)
+
+
+def check_inputs(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, num_tokens: int,
+                 planes: int) -> tuple[int, int, int]:
+    """(num_blocks, kv_heads, block_tokens) or ValueError."""
+    if summaries.dim() != 4 or summaries.shape[1] != 2 or summaries.dtype != torch.float16:
+        raise ValueError(f"summaries: expected float16 [N, 2, H, D], got {summaries.dtype} {list(summaries.shape)}")
+    num_blocks, _, num_kv_heads, head_dim = summaries.shape
+    if codes.dtype != torch.uint8 or codes.dim() != 5 or codes.shape[0] < num_blocks \
+            or tuple(codes.shape[1:3]) != (num_kv_heads, 2) or codes.shape[4] * 4 != head_dim:
+        raise ValueError(f"codes: expected uint8 [{num_blocks}, {num_kv_heads}, 2, block_tokens, {head_dim // 4}], "
+                         f"got {codes.dtype} {list(codes.shape)}")
+    block_tokens = codes.shape[3]
+    if q.dim() != 2 or q.shape[1] != head_dim or q.dtype != torch.float16 or q.shape[0] % num_kv_heads:
+        raise ValueError(f"q: expected float16 [a multiple of {num_kv_heads}, {head_dim}], got {q.dtype} {list(q.shape)}")
+    if not (num_blocks - 1) * block_tokens < num_tokens <= num_blocks * block_tokens:
+        raise ValueError(f"num_tokens {num_tokens} does not fill {num_blocks} blocks of {block_tokens}")
+    if planes not in (1, 2):
+        raise ValueError(f"planes must be 1 (high plane) or 2 (both), got {planes}")
+    if len({q.device, summaries.device, codes.device}) != 1:
+        raise ValueError(f"q, summaries and codes must share a device, got {q.device}, {summaries.device}, {codes.device}")
+    return num_blocks, num_kv_heads, block_tokens
+
+
+def sketch_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, num_tokens: int, *,
+                       planes: int = 2, block_ids: torch.Tensor | None = None,
+                       scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lse, upper) float32 [Hq, C]: per q head and block (C = num_blocks, or the columns of block_ids
+    [H, C]) the log-sum-exp of the sketch's logit estimates and an upper bound on the true one.
+
+    q: float16 [Hq, D]; summaries: float16 [N, 2, H, D]; codes: uint8 [>= N, H, 2, B, D // 4], each with a
+    contiguous last dim; scale defaults to 1 / sqrt(D). Sync-free: capturable in a CUDA graph.
+    """
+    num_blocks, num_kv_heads, block_tokens = check_inputs(q, summaries, codes, num_tokens, planes)
+    head_dim = summaries.shape[3]
+    if q.stride(1) != 1 or summaries.stride(3) != 1 or codes.stride(4) != 1:
+        raise ValueError("q, summaries and codes need a contiguous last dim")
+    if head_dim // 4 & (head_dim // 4 - 1):
+        raise ValueError(f"head_dim / 4 must be a power of two, got head_dim {head_dim}")
+    if block_ids is not None and (block_ids.dim() != 2 or block_ids.shape[0] != num_kv_heads
+                                  or block_ids.dtype != torch.int64 or block_ids.device != q.device):
+        raise ValueError(f"block_ids: expected int64 [{num_kv_heads}, C] on {q.device}, got "
+                         f"{block_ids.dtype} {list(block_ids.shape)} on {block_ids.device}")
+    num_cols = num_blocks if block_ids is None else block_ids.shape[1]
+    lse = torch.empty(q.shape[0], num_cols, dtype=torch.float32, device=q.device)  # [Hq, C]
+    upper = torch.empty_like(lse)
+    if num_cols == 0:
+        return lse, upper
+    ids = block_ids if block_ids is not None else lse  # unused pointer when HAS_IDS is off
+    _sketch_kernel[(num_cols, num_kv_heads)](
+        q, summaries, codes, ids, lse, upper, num_tokens, num_cols,
+        1.0 / math.sqrt(head_dim) if scale is None else scale,
+        q.stride(0), summaries.stride(0), summaries.stride(1), summaries.stride(2),
+        codes.stride(0), codes.stride(1), codes.stride(2), codes.stride(3),
+        ids.stride(0), lse.stride(0),
+        GROUP=q.shape[0] // num_kv_heads, HEAD_DIM=head_dim, QUARTER=head_dim // 4, BLOCK_TOKENS=block_tokens,
+        BLOCK_T=max(16, triton.next_power_of_2(block_tokens)), PLANES=planes, HAS_IDS=block_ids is not None,
+    )  # fmt: skip
+    return lse, upper
+
+
+def sketch_block_stats_ref(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, num_tokens: int, *,
+                           planes: int = 2, block_ids: torch.Tensor | None = None,
+                           scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch reference of `sketch_block_stats` (same contract); also the CPU path."""
+    num_blocks, num_kv_heads, block_tokens = check_inputs(q, summaries, codes, num_tokens, planes)
+    head_dim = summaries.shape[3]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    group = q.shape[0] // num_kv_heads
+    if block_ids is None:
+        block_ids = torch.arange(num_blocks, device=q.device).expand(num_kv_heads, num_blocks)
+    s = summaries.float()[block_ids, :, torch.arange(num_kv_heads, device=q.device)[:, None]]  # [H, C, 2, D]
+    low, high = s[:, :, 0], s[:, :, 1]
+    step = (high - low) / LEVELS
+    c = codes[block_ids, torch.arange(num_kv_heads, device=q.device)[:, None]].to(torch.int64)  # [H, C, 2, B, D/4]
+    shifts = torch.arange(0, 8, 2, device=q.device)[:, None]
+    quarters = (c.unsqueeze(-2) >> shifts) & 3  # [H, C, 2, B, 4, D/4]
+    code = quarters[:, :, 0] * 4.0 + (quarters[:, :, 1] if planes == 2 else COARSE_MID)
+    k_hat = low[:, :, None] + step[:, :, None] * code.flatten(-2)  # [H, C, B, D]
+    qg = q.float().view(num_kv_heads, group, head_dim)  # [H, G, D]
+    logit = torch.einsum("hgd,hcbd->hgcb", qg, k_hat) * scale
+    real = block_ids[:, :, None] * block_tokens + torch.arange(block_tokens, device=q.device) < num_tokens  # [H,C,B]
+    lse = torch.logsumexp(logit.masked_fill(~real[:, None], float("-inf")), dim=-1)  # [H, G, C]
+    half = FINE_HALF if planes == 2 else COARSE_HALF
+    size = torch.maximum(low.abs(), high.abs())
+    err = (half * torch.einsum("hgd,hcd->hgc", qg.abs(), step) + ROUNDING_SLACK
+           * torch.einsum("hgd,hcd->hgc", qg.abs(), size)) * scale
+    quest = (torch.einsum("hgd,hcd->hgc", qg.clamp(min=0), high) + torch.einsum("hgd,hcd->hgc", qg.clamp(max=0), low))
+    quest = quest + ROUNDING_SLACK * torch.einsum("hgd,hcd->hgc", qg.abs(), size)
+    upper = torch.minimum(lse + err, real.sum(-1).float().log()[:, None] + quest * scale)
+    return lse.flatten(0, 1), upper.flatten(0, 1)

@@ -1,0 +1,104 @@
+"""The fused sketch kernel against its torch reference (under TRITON_INTERPRET=1 without a GPU),
+and its upper bound against the true keys."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from eviction.sketch import sketch_keys
+from eviction.sketch_kernel import sketch_block_stats, sketch_block_stats_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(num_tokens, block_tokens, num_kv_heads, group, head_dim, seed):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g) * 1.5
+    keys[..., 1] *= 10.0  # one outlier channel
+    keys = (keys + 2.0 * torch.randn(head_dim, generator=g)).half()  # a shared mean direction
+    q = (torch.randn(num_kv_heads * group, head_dim, generator=g) * 2).half()
+    summaries, codes = sketch_keys(keys, block_tokens)
+    return q.to(DEVICE), summaries.to(DEVICE), codes.to(DEVICE), keys.to(DEVICE)
+
+
+def _true_block_lse(q, keys, block_tokens):
+    """[Hq, N]: log-sum-exp of the exact scaled logits per block."""
+    num_tokens, num_kv_heads, head_dim = keys.shape
+    logits = torch.einsum("hgd,thd->hgt", q.float().view(num_kv_heads, -1, head_dim), keys.float()).flatten(0, 1)
+    n = -(-num_tokens // block_tokens)
+    padded = torch.nn.functional.pad(logits / math.sqrt(head_dim), (0, n * block_tokens - num_tokens),
+                                     value=float("-inf"))
+    return padded.view(q.shape[0], n, block_tokens).logsumexp(-1)
+
+
+@pytest.mark.parametrize("num_tokens,block_tokens,num_kv_heads,group,head_dim", [
+    (37, 16, 2, 3, 64),  # partial tail, odd group
+    (96, 32, 1, 4, 128),  # full blocks, llama3 head size
+    (50, 24, 2, 1, 32),  # block size not a power of two, no GQA
+    (9, 64, 3, 2, 64),  # one partial block
+])
+@pytest.mark.parametrize("planes", [1, 2])
+def test_kernel_matches_reference(num_tokens, block_tokens, num_kv_heads, group, head_dim, planes) -> None:
+    q, summaries, codes, keys = _case(num_tokens, block_tokens, num_kv_heads, group, head_dim, seed=num_tokens)
+    want = sketch_block_stats_ref(q, summaries, codes, num_tokens, planes=planes)
+    got = sketch_block_stats(q, summaries, codes, num_tokens, planes=planes)
+    num_blocks = summaries.shape[0]
+    for w, g in zip(want, got):
+        assert g.shape == (num_kv_heads * group, num_blocks) and g.dtype == torch.float32
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
+    true = _true_block_lse(q, keys, block_tokens)
+    assert (got[1] >= true).all() and (want[1] >= true).all()
+
+
+def test_candidate_columns_and_strided_capacity() -> None:
+    q, summaries, codes, keys = _case(150, 16, 2, 2, 64, seed=5)
+    num_blocks = summaries.shape[0]
+    capacity = torch.randint(0, 255, (num_blocks + 7, *codes.shape[1:]), dtype=torch.uint8, device=DEVICE)
+    capacity[:num_blocks] = codes  # the store's buffer: only a prefix is live
+    ids = torch.tensor([[9, 0, 3], [2, 9, 7]], device=DEVICE)  # [H, C], unsorted, the tail block included
+    full = sketch_block_stats_ref(q, summaries, codes, 150)
+    for planes in (1, 2):
+        got = sketch_block_stats(q, summaries, capacity, 150, planes=planes, block_ids=ids)
+        want = sketch_block_stats_ref(q, summaries, capacity, 150, planes=planes, block_ids=ids)
+        for w, g in zip(want, got):
+            assert g.shape == (4, 3)
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
+    rows = ids.repeat_interleave(2, dim=0)
+    torch.testing.assert_close(want[0], full[0].gather(1, rows))
+
+
+def test_upper_bound_holds_for_keys_on_rounding_edges() -> None:
+    """Adversarial: every key sits half a step off its grid point, on the side q favours, in every channel."""
+    g = torch.Generator().manual_seed(7)
+    block_tokens, head_dim = 16, 64
+    q = torch.randn(2, head_dim, generator=g).half()
+    low, high = -torch.rand(head_dim, generator=g) - 0.5, torch.rand(head_dim, generator=g) + 0.5
+    step = (high - low) / 15
+    grid = torch.randint(1, 15, (3 * block_tokens, head_dim), generator=g).float()
+    keys = low + step * (grid + 0.49 * torch.sign(q[0].float()))
+    keys[0], keys[1] = low, high  # pin each block's min and max
+    keys[16], keys[17], keys[32], keys[33] = low, high, low, high
+    keys = keys.half()[:, None]  # [T, 1, D]
+    summaries, codes = sketch_keys(keys, block_tokens)
+    true = _true_block_lse(q.to(DEVICE), keys.to(DEVICE), block_tokens)
+    for planes in (1, 2):
+        lse, upper = sketch_block_stats(q.to(DEVICE), summaries.to(DEVICE), codes.to(DEVICE), 48, planes=planes)
+        assert (upper >= true).all()
+    assert (lse[0] < true[0] - 0.2).all()  # both planes: q head 0's estimate is fooled, its bound is not
+
+
+def test_bad_input_raises() -> None:
+    q, summaries, codes, _ = _case(40, 16, 2, 2, 64, seed=1)
+    with pytest.raises(ValueError, match="num_tokens"):
+        sketch_block_stats(q, summaries, codes, 49)
+    with pytest.raises(ValueError, match="q: expected float16"):
+        sketch_block_stats(q.float(), summaries, codes, 40)
+    with pytest.raises(ValueError, match="codes"):
+        sketch_block_stats(q, summaries, codes[:, :1], 40)
+    with pytest.raises(ValueError, match="planes"):
+        sketch_block_stats_ref(q, summaries, codes, 40, planes=3)
+    with pytest.raises(ValueError, match="block_ids"):
+        sketch_block_stats(q, summaries, codes, 40, block_ids=torch.zeros(3, 2, dtype=torch.int64, device=DEVICE))
