@@ -18,14 +18,12 @@ checked afterwards by reading layer 0's K/V of the generated tokens back from th
 
 from __future__ import annotations
 
-import time
 
 import torch
 
-from bench_longctx.measure import Deadline, release
 from bench_longctx.models import model_store, store_bytes
 from bench_longctx.presets import E2EPreset
-from bench_longctx.timing import sync
+from bench_longctx.timing import Deadline, release, timed
 from engine_adapter.llama import Decoder, Llama, LlamaArgs
 from kvstore.config import ModelSpec
 from kvstore.store import KVStore
@@ -99,12 +97,8 @@ def fill_random(store: KVStore, seq: int, context: int, seed: int, progress) -> 
             store.append(seq, layer, k.half(), v.half())
 
 
-def timed_tokens(run, steps: int, device: torch.device) -> dict:
-    sync(device)
-    start = time.perf_counter()
-    run()
-    sync(device)
-    seconds = time.perf_counter() - start
+def tokens_per_s(run, steps: int, device: torch.device) -> dict:
+    _, seconds = timed(run, device)
     return {"steps": steps, "ms_per_token": 1e3 * seconds / steps, "tokens_per_s": steps / seconds}
 
 
@@ -113,15 +107,15 @@ def decode_path(decoder: Decoder, seq: int, mode: str, p: E2EPreset, steps: int)
     warm-up token (which compiles kernels and captures graphs), then every generated token's K/V checked."""
     start = decoder.length(seq)
     tokens = [1]
-    setup = time.perf_counter()
-    tokens.append(int(decoder.decode_step(seq, tokens[-1], mode, p.budget).argmax()))
-    setup = time.perf_counter() - setup
+    first, setup = timed(lambda: int(decoder.decode_step(seq, tokens[-1], mode, p.budget).argmax()),
+                         decoder.store.device)
+    tokens.append(first)
 
     def run() -> None:
         for _ in range(steps):
             tokens.append(int(decoder.decode_step(seq, tokens[-1], mode, p.budget).argmax()))
 
-    out = timed_tokens(run, steps, decoder.store.device)
+    out = tokens_per_s(run, steps, decoder.store.device)
     return {**out, "appends": True, "appended_verified": appended_kv_matches(decoder, seq, start, tokens[:-1]),
             "first_token_s": setup, "graphs": bool(decoder.graphs and decoder.store.device.type == "cuda")}
 
@@ -153,15 +147,14 @@ def fill_context(decoder: Decoder, seq: int, p: E2EPreset, progress) -> tuple[st
     fill = p.fill if p.fill != "auto" else ("prefill" if p.context <= p.max_prefill else "random")
     if fill not in ("prefill", "random"):
         raise ValueError(f"e2e.fill must be 'prefill', 'random' or 'auto', got {p.fill!r}")
-    start = time.perf_counter()
     if fill == "prefill":
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, decoder.model.args.vocab_size, (p.context,), generator=g)
-        decoder.prefill(seq, ids, chunk_tokens=512)
+        _, seconds = timed(lambda: decoder.prefill(seq, ids, chunk_tokens=512), decoder.store.device)
     else:
-        fill_random(decoder.store, seq, p.context, seed=0, progress=progress)
-    sync(decoder.store.device)
-    return fill, time.perf_counter() - start
+        _, seconds = timed(lambda: fill_random(decoder.store, seq, p.context, seed=0, progress=progress),
+                           decoder.store.device)
+    return fill, seconds
 
 
 def timed_paths(decoder: Decoder, seq: int, p: E2EPreset, deadline: Deadline) -> tuple[dict, list[str]]:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvstore.step import GraphedSteps
 from kvstore.store import KVStore
 
 if TYPE_CHECKING:  # the Decoder builds these (Decoder.decode_step); annotations only
@@ -29,7 +30,7 @@ class GraphDecoder:
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
         self.token = torch.zeros(1, dtype=torch.long, device=self.device)  # [1] the input token
-        self.graphs: dict[str, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # phase -> (graph, logits)
+        self.steps = GraphedSteps(self.step, self._forward)
 
     def ready(self) -> bool:
         """False when the next token must go the eager way (blocks in cpu/ssd, or capacity reached)."""
@@ -49,28 +50,5 @@ class GraphDecoder:
     def __call__(self, token_id: int) -> torch.Tensor:
         """Append `token_id` at the sequence's next position; returns fp32 logits [vocab] (a buffer the next
         call overwrites on CUDA: clone to keep)."""
-        phase = self.step.begin_token()
         self.token.fill_(token_id)
-        if self.device.type != "cuda":
-            logits = self._forward()
-        elif phase in self.graphs:
-            graph, logits = self.graphs[phase]
-            graph.replay()
-        else:
-            logits = self._capture(phase)
-        self.step.end_token()
-        return logits
-
-    def _capture(self, phase: str) -> torch.Tensor:
-        """Run this token eagerly on a side stream (compiling every kernel), then record the same
-        forward as a graph for the tokens after it. Recording runs nothing, so the token runs once."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            logits = self._forward().clone()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self._forward()
-        self.graphs[phase] = (graph, out)
-        return logits
+        return self.steps()

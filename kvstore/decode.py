@@ -7,7 +7,7 @@
     4. account  the kernel's per-block attention mass feeds the H2O scores; blocks fetched
                 cold again and again are promoted to the warm tier
 On CUDA the Triton kernel runs; on CPU its torch reference (same contract). The eager
-step, the captured step (graph_step.py) and the benchmarks build block tables with the
+step, the captured step (step.py) and the benchmarks build block tables with the
 one `block_table` below.
 """
 

@@ -14,15 +14,15 @@ per layer, inside the step (no host sync):
                  the recent window +inf, top k (k fixed: budget // B), ascending
     3. attend    the paged kernel over that block table, token count computed on the device
     4. account   the kernel's block mass into the table's H2O scores
-Host work happens between tokens and only at block boundaries (`begin_token`): a new tail
-block per layer, and cooling of blocks that left their windows. A sequence with blocks in
+Host work happens before a token and only at block boundaries (`begin_token`): a new tail
+block per layer, and cooling of blocks the token pushes out of their windows. A sequence with blocks in
 cpu/ssd tiers cannot be served from device state: `ready()` says so and callers use the
 eager path for that token.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -103,10 +103,13 @@ class DecodeStep:
                 table.summaries[index, 1] = float("-inf")
                 table.h2o_scores[:, index] = 0.0
             self._sync_tail_slots()
+        if self._crosses_window(self.length):  # as store.append does: cool, then the token attends
+            for table in self.tables:
+                self.store.tiers.cool(table, self.length, self.length + 1)
         return self.phase
 
     def end_token(self) -> None:
-        """Host bookkeeping after a token ran: lengths, stats, and cooling at window boundaries."""
+        """Host bookkeeping after a token ran: lengths and stats."""
         old = self.length
         for table in self.tables:
             table.num_tokens = old + 1
@@ -116,9 +119,6 @@ class DecodeStep:
         k = self._num_selected(old + 1)
         stats.attended_tokens += len(self.tables) * ((k - 1) * self.block_tokens + (old % self.block_tokens) + 1)
         self._synced_length = old + 1  # the step advanced the device count itself
-        if self._crosses_window(old):
-            for table in self.tables:
-                self.store.tiers.cool(table, old)
 
     def _phase(self, num_tokens: int) -> str:
         return "dense" if self.mode == "dense" or -(-num_tokens // self.block_tokens) <= self.k else "topk"
@@ -182,6 +182,43 @@ class DecodeStep:
         protected = (self.positions < self.sink_blocks) | (self.positions >= recent_start)  # the tail included
         scores = scores.masked_fill(~valid, float("-inf")).masked_fill(protected & valid, float("inf"))
         return top_blocks(scores, self.k)
+
+
+class GraphedSteps:
+    """Runs `forward` (one token's device work over `step`, e.g. a model's layers around step.attend) with
+    the host work around it, as one CUDA graph replay per phase; eagerly off CUDA.
+
+    The first token of a phase runs for real on a side stream (compiling every kernel), then the same
+    forward is recorded; recording runs nothing, so that token runs once."""
+
+    def __init__(self, step: DecodeStep, forward: Callable[[], torch.Tensor]) -> None:
+        self.step, self.forward = step, forward
+        self.graphs: dict[str, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # phase -> (graph, output)
+
+    def __call__(self) -> torch.Tensor:
+        """The forward's output (on CUDA a buffer the next call overwrites: clone to keep)."""
+        phase = self.step.begin_token()
+        if self.step.store.device.type != "cuda":
+            out = self.forward()
+        elif phase in self.graphs:
+            graph, out = self.graphs[phase]
+            graph.replay()
+        else:
+            out = self._capture(phase)
+        self.step.end_token()
+        return out
+
+    def _capture(self, phase: str) -> torch.Tensor:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            out = self.forward().clone()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            recorded = self.forward()
+        self.graphs[phase] = (graph, recorded)
+        return out
 
 
 def _quest_scores_cpu(q: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:

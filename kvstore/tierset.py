@@ -184,17 +184,19 @@ class TierSet:
                     moved += len(group)
         return moved
 
-    def cool(self, table: LayerTable, old_tokens: int) -> None:
-        """Demote blocks of `table` that left the hot or warm window as it grew from `old_tokens`.
+    def cool(self, table: LayerTable, old_tokens: int, new_tokens: int | None = None) -> None:
+        """Demote blocks of `table` that left the hot or warm window as it grew from `old_tokens` to
+        `new_tokens` (default: its length now; a captured step cools just before its token lands).
         Best effort, after an append that has already succeeded: when a colder tier is full or
         fails, the blocks stay hotter than their window (counted in `cooling_failures`); the next
         append's room check refuses cleanly if that leaves no room, and a broken tier shows on use."""
+        new_tokens = table.num_tokens if new_tokens is None else new_tokens
         wanted: dict[tuple[int, int], list[int]] = {}
-        for index in self.placement.crossing(old_tokens, table.num_tokens, table.num_blocks):
+        for index in self.placement.crossing(old_tokens, new_tokens, table.num_blocks):
             block_id = table.block_ids[index]
             if block_id == DROPPED:
                 continue
-            want = self.first_tier(index, table.num_tokens)
+            want = self.first_tier(index, new_tokens)
             current = self.blocks.tier_of[block_id]
             if current < want:
                 wanted.setdefault((current, want), []).append(block_id)
