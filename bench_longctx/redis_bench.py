@@ -7,6 +7,7 @@ ports and moves `mib` MiB of K-like fp16 blocks through RedisTier as 1 and 4 MiB
 (8 kv heads x d128 at 256 and 1,024 tokens per block), stored raw and zstd level 1:
   put   RedisTier.put of the whole batch: encode + checksum + pipelined SET NX, acknowledged
   get   RedisTier.get of the whole batch: pipelined GET + verify + copy into one new batch
+on one instance, one with `appendonly yes` + `appendfsync always` (durable puts) and the cluster.
 Ceilings, measured in the same run:
   memcpy (same pieces)  host copy of the same values into touched memory
   fresh-memory copy     the same copy into a newly allocated buffer: what any get that returns
@@ -92,8 +93,10 @@ def bench_tier(url: str, value_mib: int, total_mib: int, compression: str, repea
             {**row, "op": "get", "GBps": nbytes / get_ms / 1e6}]
 
 
-def run_redis(total_mib: int = 256, sizes_mib: tuple[int, ...] = (1, 4), repeat: int = 3) -> dict:
-    """Ceilings, then rows for one instance (raw and zstd) and the 3-master cluster (raw)."""
+def run_redis(total_mib: int = 256, sizes_mib: tuple[int, ...] = (1, 4), repeat: int = 3,
+              directory: str | None = None) -> dict:
+    """Ceilings, then rows for one instance (raw and zstd), one with appendfsync always (raw) and
+    the 3-master cluster (raw). directory: where the servers keep their files (the AOF's disk)."""
     reason = missing_binaries()
     if reason:
         return {"skipped": f"redis part skipped: {reason}"}
@@ -101,9 +104,13 @@ def run_redis(total_mib: int = 256, sizes_mib: tuple[int, ...] = (1, 4), repeat:
     ceilings = {"socket_GBps": socket_ceiling_GBps(), "fresh_copy_GBps": fresh_copy_ceiling_GBps(nbytes),
                 "memcpy_GBps": {size: memcpy_ceiling_GBps(nbytes, size << 20) for size in sizes_mib}}
     rows = []
-    with tempfile.TemporaryDirectory(prefix="kvtier-bench-redis-") as tmp:
-        for target in ("single", "cluster"):
-            server = RedisServer(f"{tmp}/single") if target == "single" else RedisCluster(f"{tmp}/cluster")
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-redis-", dir=directory) as tmp:
+        for target in ("single", "single-durable", "cluster"):
+            if target == "cluster":
+                server = RedisCluster(f"{tmp}/cluster")
+            else:  # durable: every acknowledged SET is in the AOF and fsynced (README)
+                durable = ("--appendonly", "yes", "--appendfsync", "always") if target == "single-durable" else ()
+                server = RedisServer(f"{tmp}/{target}", *durable)
             try:
                 if target == "single":
                     ceilings["c_client"] = {size: c_client_GBps(server.port, size << 20, nbytes) for size in sizes_mib}

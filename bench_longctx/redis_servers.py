@@ -48,7 +48,7 @@ def _can_bind(port: int) -> bool:
 
 class RedisServer:
     def __init__(self, directory: str, *config: str, port: int | None = None, bus: bool = False) -> None:
-        self.directory = directory
+        self.directory = os.path.abspath(directory)  # redis-server chdirs into --dir before opening the log
         self.config = config
         self.port = port or free_port(bus)
         self.process: subprocess.Popen | None = None

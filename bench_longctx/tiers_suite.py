@@ -9,8 +9,9 @@ this module reads them as one list of moves, each next to the ceiling that bound
   pinned    pinned host -> device copy (CUDA only), for cpu -> device fetches
   disk      sequential write + fsync / read-back of one file, for the ssd tier
   memcpy (same pieces)  service_bench's single-threaded copy of the same values
-  C client  redis-benchmark SET/GET of the same value size, for redis put/get
-            (bench_longctx.redis_bench also measures loopback socket, fresh-memory copy, redis-py)
+  loopback socket  one TCP pair on 127.0.0.1, for redis put/get (durable puts: disk write+fsync);
+                   result["redis"]["ceilings"] adds the C client (redis-benchmark), redis-py
+                   alone, fresh-memory copy and memcpy, all from the same run
 """
 
 from __future__ import annotations
@@ -80,26 +81,28 @@ def run_service(p: TiersPreset) -> list[dict]:
             server.stop()
 
 
-def run_redis_part(p: TiersPreset) -> dict:
-    """Put/get through the redis tier on its own loopback servers (one instance, a 3-master cluster)."""
+def run_redis_part(p: TiersPreset, directory: str) -> dict:
+    """Put/get through the redis tier on its own loopback servers (one instance, a 3-master cluster),
+    their files in `directory` (the disk the disk ceiling measured)."""
     if not p.redis_mib:
         return {"skipped": "redis part skipped: the preset has redis_mib=0"}
     from bench_longctx.redis_bench import run_redis
 
     try:
-        return run_redis(p.redis_mib, p.redis_sizes)
+        return run_redis(p.redis_mib, p.redis_sizes, directory=directory)
     except Exception as exc:  # like the sidecar: a failure is reported, the tier numbers kept
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def redis_moves(redis: dict) -> list[dict]:
-    c = redis.get("ceilings", {})
+def redis_moves(redis: dict, disk_write_GBps: float) -> list[dict]:
+    """Redis rows against the loopback socket; durable puts (appendfsync always) against disk write+fsync."""
+    socket = redis.get("ceilings", {}).get("socket_GBps")
     out = []
     for r in redis.get("rows", []):
         name = f"redis {r['target']} {r['op']}, {r['value_bytes'] >> 20} MiB values, {r['compression']}"
-        size = r["value_bytes"] >> 20
-        client = c["c_client"][size]["set_GBps" if r["op"] == "put" else "get_GBps"]
-        out.append(_move(name, r["GBps"], "C client (redis-benchmark)", client, r["ratio"]))
+        durable_put = r["target"] == "single-durable" and r["op"] == "put"
+        ceiling = ("disk write+fsync", disk_write_GBps) if durable_put else ("loopback socket", socket)
+        out.append(_move(name, r["GBps"], *ceiling, r["ratio"]))
     return out
 
 
@@ -110,8 +113,8 @@ def run_tiers_suite(p: TiersPreset, device: torch.device, directory: str) -> dic
                         ceiling_bytes=p.ceiling_bytes, disk_bytes=p.disk_bytes)
     raw.pop("environment", None)  # the run's environment is recorded once, at the top of results.json
     result = {"geometry": p.geometry, "ceilings": raw["ceilings"], "moves": moves(raw), "raw": raw}
-    result["redis"] = run_redis_part(p)
-    result["moves"] += redis_moves(result["redis"])
+    result["redis"] = run_redis_part(p, directory)
+    result["moves"] += redis_moves(result["redis"], raw["ceilings"]["disk_write_fsync_GBps"])
     note = service_note(p)
     if note:
         result["service"] = {"skipped": note}
