@@ -28,8 +28,11 @@ class NeedlePreset:
     geometry: str = "smollm2-135m"
     contexts: tuple[int, ...] = (4096, 16384, 32768)
     budgets: tuple[int, ...] = (256, 1024)
-    needles: int = 4  # planted per context, each with its own query
-    margin: float = 4.0  # needle logit above the distractors' log-sum-exp: dense attention finds it
+    needles: int = 6  # planted per context, each with its own query; graded margins (bench_longctx/needle.py)
+    margin_low: float = -4.6  # needle logit minus the background's log-sum-exp, from margin_high down to
+    margin_high: float = 4.6  # margin_low: dense weights ~99% down to ~1%
+    min_weight: float = 0.05  # recall counts (needle, q head) pairs holding at least this dense weight
+    key_layer: int = 15  # SmolLM2 layer whose key mean and covariance the background keys follow
     h2o_warmup: int = 2  # queries H2O sees (and evicts on) before the needle queries
     sink_tokens: int = 64
     recent_tokens: int = 128
@@ -54,6 +57,11 @@ class QualityPreset:
     int8_hot_tokens: int = 128  # hot window of the int8 store: everything older is int8
     sink_tokens: int = 64
     recent_tokens: int = 64
+    # selection: real SmolLM2 Q/K (bench_longctx/selection_quality.py), mass vs the oracle per layer-head
+    selection_tokens: int = 4096  # context captured; 0 skips the part
+    selection_steps: int = 2  # decode steps (queries of the last positions)
+    selection_blocks: tuple[int, ...] = (32,)
+    selection_fractions: tuple[int, ...] = (8, 16)  # budget = context / fraction (64 sink + 64 recent kept)
 
 
 @dataclass(frozen=True)
@@ -112,9 +120,11 @@ PRESETS: dict[str, Preset] = {
         decode=DecodePreset(geometry="llama3-8b", contexts=(8 * K, 32 * K, 128 * K, 512 * K, M),
                             budgets=(2048, 4096, 16384), recent_tokens=1024, block_tokens=64),
         needle=NeedlePreset(geometry="llama3-8b", contexts=(32 * K, 256 * K, M), budgets=(1024, 4096, 16384),
-                            needles=8, recent_tokens=256, block_tokens=64),
+                            needles=10, recent_tokens=256, block_tokens=64),
         passkey=PasskeyPreset(contexts=(2048, 8192), depths=(0.1, 0.5, 0.9), budgets=(256, 1024)),
-        quality=QualityPreset(prefill_tokens=3072, prefix_tokens=2048, scored_tokens=256, budgets=(256, 1024)),
+        quality=QualityPreset(prefill_tokens=3072, prefix_tokens=2048, scored_tokens=256, budgets=(256, 1024),
+                              selection_tokens=8192, selection_steps=4, selection_blocks=(16, 32, 64),
+                              selection_fractions=(8, 16, 32)),
         tiers=TiersPreset(geometry="llama3-8b", blocks=4096, fetch=2000, ssd_blocks=512, ceiling_bytes=1 << 30,
                           disk_bytes=256 << 20, service_sizes=()),
         e2e=E2EPreset(geometry="llama3-8b", layers=0, context=M, budget=4096, steps=64, hot_tokens=4096,

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from bench_longctx.measure import Deadline, release
 from bench_longctx.models import Models, model_store
 from bench_longctx.presets import QualityPreset
+from bench_longctx.real_qk import capture, real_text
+from bench_longctx.selection_quality import evaluate
 from engine_adapter.evaluate import perplexity
 from engine_adapter.llama import Decoder
 
@@ -87,6 +89,7 @@ def run_quality(p: QualityPreset, device: torch.device, models: Models, deadline
         for store in built.values():
             store.close()
         release(device)
+    selection = selection_quality(p, models, progress) if not deadline.expired() else {"skipped": "time budget"}
     reference = next((r["ppl"] for r in rows if r["store"] == "fp16" and r["mode"] == "dense"), None)
     for r in rows:
         r["delta_vs_dense_fp16"] = None if reference is None else r["ppl"] - reference
@@ -96,4 +99,16 @@ def run_quality(p: QualityPreset, device: torch.device, models: Models, deadline
             "prefill": {"tokens": n, "fp16_ppl": prefill["fp16"], "int8_warm_ppl": prefill["int8_warm"],
                         "int8_hot_tokens": p.int8_hot_tokens, "delta": prefill["int8_warm"] - prefill["fp16"],
                         "relative_delta": prefill["int8_warm"] / prefill["fp16"] - 1},
-            "decode": {"prefix_tokens": prefix_len, "scored_tokens": len(targets), "rows": rows}}
+            "decode": {"prefix_tokens": prefix_len, "scored_tokens": len(targets), "rows": rows},
+            "selection": selection}
+
+
+def selection_quality(p: QualityPreset, models: Models, progress) -> dict:
+    """Mass the top-K selectors keep vs the oracle per layer-head, on real SmolLM2 Q/K (quest vs sketch), and the
+    certified omitted mass checked against the true one on every case (bench_longctx/selection_quality.py)."""
+    if not p.selection_tokens:
+        return {"skipped": "quality.selection_tokens=0"}
+    model, tokenizer = models.smollm2()
+    ids = real_text(tokenizer, p.selection_tokens + p.selection_steps)
+    keys, queries = capture(model, ids, p.selection_steps)
+    return evaluate(keys, queries, ["quest", "sketch"], p.selection_blocks, p.selection_fractions, progress=progress)

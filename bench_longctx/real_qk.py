@@ -47,14 +47,15 @@ def real_text(tokenizer, num_tokens: int) -> list[int]:
 @torch.no_grad()
 def capture(model: Llama, ids: list[int], steps: int, chunk: int = 512) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(keys, queries) per layer: fp16 [T, H, D] and fp16 [steps, Hq, D] for the last `steps` positions."""
-    tokens = torch.tensor(ids)
+    device = model.embed_tokens.weight.device
+    tokens = torch.tensor(ids, device=device)
     num_layers = len(model.layers)
     keys: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
     values: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
     queries: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
     for start in range(0, len(ids), chunk):
         part = tokens[start:start + chunk]
-        cos, sin = model.rope(torch.arange(start, start + part.numel()), torch.float32)
+        cos, sin = model.rope(torch.arange(start, start + part.numel(), device=device), torch.float32)
         x = model.embed_tokens(part)  # [t, dim]
         for i, layer in enumerate(model.layers):
             q, k, v = layer.qkv(x, cos, sin)  # [t, Hq, D], [t, H, D], [t, H, D]

@@ -76,7 +76,24 @@ def quality_table(r: dict) -> str:
         md_table(["prefill tokens", "fp16", "int8 warm", "delta", "relative"],
                  [[p["tokens"], p["fp16_ppl"], p["int8_warm_ppl"], p["delta"], p["relative_delta"]]]),
         f"Teacher-forced decode: {r['decode']['scored_tokens']} tokens after a {r['decode']['prefix_tokens']}-token "
-        "prefix", md_table(["store", "mode", "budget", "ppl", "delta", "relative"], rows)])
+        "prefix", md_table(["store", "mode", "budget", "ppl", "delta", "relative"], rows), *selection_tables(r)])
+
+
+def selection_tables(r: dict) -> list[str]:
+    sel = r.get("selection", {})
+    if not sel.get("rows"):
+        return _skip_or_error("selection", sel)
+    rows = [[x["method"], x["block_tokens"], x["budget"], x["mean_mass"], x["worst_mass"], x["mean_vs_oracle"],
+             x["worst_vs_oracle"]] for x in sel["rows"]]
+    cert = [[c["block_tokens"], c["budget_fraction"], c["cases"], c["below_true"], c["mean_true"],
+             c["mean_certified"], c["ratio_of_means"], c["median_ratio"]] for c in sel["certificate"]]
+    return [f"Selected softmax mass on real SmolLM2 Q/K ({sel['context']} tokens, {sel['steps']} steps, "
+            f"{sel['layers']} layers x {sel['kv_heads']} kv heads; worst = worst layer-head)",
+            md_table(["method", "block", "budget", "mean mass", "worst mass", "mean vs oracle", "worst vs oracle"],
+                     rows),
+            "Certified omitted mass of the sketch selection vs the true omitted mass (every case checked)",
+            md_table(["block", "budget", "cases", "certified < true", "true", "certified", "ratio of means",
+                      "median ratio"], cert)]
 
 
 def e2e_table(r: dict) -> str:

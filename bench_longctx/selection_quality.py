@@ -131,9 +131,17 @@ def evaluate_step(q: torch.Tensor, keys: torch.Tensor, block_tokens: int, fracti
 
 def run(path: str, method_names: list[str] | None = None, block_sizes=BLOCK_SIZES, fractions=FRACTIONS,
         layers: list[int] | None = None, progress: Callable = lambda it, _: it) -> dict:
-    """Every case of a real_qk capture; rows per (method, block size, budget) and the certificate's check."""
+    """Every case of a real_qk capture file."""
     data = torch.load(path, weights_only=True)
-    keys_all, queries_all, steps = data["keys"], data["queries"], data["steps"]
+    return evaluate(data["keys"], data["queries"], method_names, block_sizes, fractions, layers, progress)
+
+
+def evaluate(keys_all: list[torch.Tensor], queries_all: list[torch.Tensor], method_names: list[str] | None = None,
+             block_sizes=BLOCK_SIZES, fractions=FRACTIONS, layers: list[int] | None = None,
+             progress: Callable = lambda it, _: it) -> dict:
+    """Rows per (method, block size, budget) and the certificate's check, over keys [T, H, D] and the
+    queries [steps, Hq, D] of the last positions, per layer (bench_longctx.real_qk.capture)."""
+    steps = queries_all[0].shape[0]
     names = list(scorers()) + ["sketch"] if method_names is None else method_names
     methods = {k: v for k, v in scorers().items() if k in names}
     policy = SketchTopK() if "sketch" in names else None
@@ -142,9 +150,10 @@ def run(path: str, method_names: list[str] | None = None, block_sizes=BLOCK_SIZE
     acc: dict = {}
     for layer in progress(layers, "selection quality"):
         for s in range(steps):
-            keys = keys_all[layer][: context + s + 1]
+            keys = keys_all[layer][: context + s + 1].cpu()
+            q = queries_all[layer][s].cpu()
             for b in block_sizes:
-                for (name, frac), m in evaluate_step(queries_all[layer][s], keys, b, fractions, methods, policy).items():
+                for (name, frac), m in evaluate_step(q, keys, b, fractions, methods, policy).items():
                     acc.setdefault((name, b, frac), []).append(m)  # [H] (or [2, H]) per (layer, step)
     rows, certificate = [], []
     for (name, b, frac), values in acc.items():

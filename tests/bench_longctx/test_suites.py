@@ -11,7 +11,8 @@ import torch
 
 from bench_longctx.e2e import appended_kv_matches, model_args, random_model
 from bench_longctx.models import model_store
-from bench_longctx.needle import needle_keys, needle_queries
+from bench_longctx.needle import haystack, key_distribution, logits
+from bench_longctx.presets import NeedlePreset
 from engine_adapter.graph_decode import GraphDecoder
 from engine_adapter import weights
 from engine_adapter.llama import Decoder
@@ -46,13 +47,33 @@ def test_graph_decoder_generates_what_the_eager_decoder_does(mode):
         s.close()
 
 
-@pytest.mark.parametrize("geometry, ctx", [("smollm2-135m", 5000), ("llama3-8b", 1 << 20)])
-def test_needle_logit_clears_the_distractors_for_every_head(geometry, ctx):
+@pytest.mark.parametrize("geometry, ctx", [("smollm2-135m", 5000), ("llama3-8b", 3000)])
+def test_needles_are_graded_norm_matched_and_follow_smollm2_keys(geometry, ctx):
     spec = ModelSpec.preset(geometry, num_layers=1)
-    q = needle_queries(spec, 3, torch.device("cpu"), seed=1)  # [N, Hq, D]
-    keys = needle_keys(spec, q, ctx, margin=4.0)  # [N, H, D]
-    logits = (q * keys.repeat_interleave(spec.gqa_group, dim=1)).sum(-1) / math.sqrt(spec.head_dim)  # [N, Hq]
-    assert float(logits.min()) >= math.log(ctx) + 4.0
+    p = NeedlePreset(needles=6, sink_tokens=64, recent_tokens=128, block_tokens=32)
+    hay = haystack(spec, ctx, p, torch.device("cpu"), seed=ctx)
+    keys = hay["keys"].float()  # [T, H, D]
+    mean, chol = key_distribution(spec, p.key_layer, torch.device("cpu"))
+    background = torch.ones(ctx, dtype=torch.bool)
+    background[hay["positions"]] = False
+    n = int(background.sum())
+    want_cov = chol @ chol.transpose(1, 2)  # [H, D, D]
+    std = want_cov.diagonal(dim1=1, dim2=2).sqrt()  # [H, D]
+    assert ((keys[background].mean(0) - mean).abs() <= 5 * std / n**0.5 + 2e-3).all()  # the shared mean direction
+    cov = torch.einsum("thd,the->hde", keys[background] - mean, keys[background] - mean) / n
+    scale = std[:, :, None] * std[:, None, :]
+    assert ((cov - want_cov).abs() <= 6 * scale / n**0.5 + 2e-3 * scale.amax()).all()  # covariance, not only scales
+    assert (want_cov - torch.diag_embed(want_cov.diagonal(dim1=1, dim2=2))).abs().amax() > 0.1 * scale.amax()
+    planted = keys[hay["positions"]].norm(dim=-1)  # [N, H]
+    torch.testing.assert_close(planted, hay["replaced_norms"], rtol=2e-3, atol=0)  # as long as the key they replace
+    weights = hay["weights"]  # [N, Hq]: exact dense weight of each needle for each head
+    for i, pos in enumerate(hay["positions"]):
+        want = torch.softmax(logits(hay["queries"][i], hay["keys"]), dim=1)[:, pos]
+        torch.testing.assert_close(weights[i], want)
+    by_margin = weights.mean(1)[torch.tensor(hay["margins"]).argsort()]
+    assert by_margin[0] < 0.2 and by_margin[-1] > 0.6  # graded: from a few % to most of the dense softmax
+    assert float(weights.min()) < 0.02 and float(weights.max()) > 0.95
+    assert float((weights >= p.min_weight).float().mean()) > 0.5
 
 
 def test_suites_skip_smollm2_parts_when_the_wheel_is_absent(tmp_path, monkeypatch):
