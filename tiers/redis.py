@@ -96,6 +96,8 @@ class RedisTier:
         """Stores the batch (one SET NX per block, pipelined); returns once Redis acknowledged all."""
         self.layout.check(blocks)
         check_ids(ids, num_blocks(blocks), self.name)
+        if any(not 0 <= i < 1 << 64 for i in ids):
+            raise ValueError(f"redis.put: block ids must be in [0, 2**64), got {[i for i in ids if not 0 <= i < 1 << 64][:4]}")
         stored = [i for i in ids if i in self.sizes]
         if stored:
             raise ValueError(f"redis: block ids already stored: {stored[:8]}")

@@ -257,3 +257,12 @@ def test_bad_settings_are_refused(redis_single):
         RedisTier(LAYOUT, redis_single.url, 1 << 20, shared=True)
     with pytest.raises(ValueError, match="compression"):
         RedisTier(LAYOUT, redis_single.url, 1 << 20, compression="lz4")
+
+
+def test_ids_outside_u64_are_refused(redis_single):
+    tier = RedisTier(LAYOUT, redis_single.url, 1 << 26)
+    with pytest.raises(ValueError, match="2\\*\\*64"):
+        tier.put([-1], kv_like(1, seed=10))
+    tier.put([(1 << 64) - 1], kv_like(1, seed=10))  # the largest id (e.g. a 64-bit content hash) fits
+    assert torch.equal(tier.get([(1 << 64) - 1]), kv_like(1, seed=10))
+    tier.close()
