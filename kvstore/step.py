@@ -28,6 +28,7 @@ import torch
 
 from eviction.quest_kernel import quest_scores, quest_scores_ref
 from eviction.select import top_blocks
+from kvstore.append_kernel import append_token, append_token_ref
 from kvstore.decode import block_table
 from kvstore.table import DROPPED
 from kvstore.tierset import HOT_TIER
@@ -63,9 +64,8 @@ class DecodeStep:
         self.kernel_tokens = torch.zeros(1, dtype=torch.int32, device=dev)  # [1]
         self.positions = torch.arange(self.capacity, device=dev)  # [N]
         self.all_blocks = self.positions.expand(h, self.capacity)  # [H, N] the dense table
-        self._kv_index = torch.tensor([[0], [1]], device=dev)  # [2, 1]
-        self._head_index = torch.arange(h, device=dev)[None]  # [1, H]
         self._scores = quest_scores if dev.type == "cuda" else _quest_scores_cpu
+        self._append_token = append_token if dev.type == "cuda" else append_token_ref  # one launch on the GPU
         self.phase = self._phase(length + 1)
         self._sync_tail_slots()
 
@@ -158,15 +158,8 @@ class DecodeStep:
         return out[0]
 
     def _append(self, layer: int, table, k: torch.Tensor, v: torch.Tensor) -> None:
-        pool, b = self.store.tiers.hot.pool, self.block_tokens
-        n0 = self.num_tokens  # [1]
-        slot, offset, tail = self.tail_slot[layer: layer + 1], n0 % b, n0 // b  # [1] each
-        h = self._head_index.shape[1]
-        pool.index_put_((slot.expand(2, h), self._kv_index.expand(2, h), self._head_index.expand(2, h),
-                         offset.expand(2, h)), torch.stack([k, v]))  # [2, H, D] into [S, 2, H, B, D]
-        summary = table.summaries.index_select(0, tail)  # [1, 2, H, D]
-        widened = torch.stack([torch.minimum(summary[0, 0], k), torch.maximum(summary[0, 1], k)])
-        table.summaries.index_copy_(0, tail, widened[None])
+        self._append_token(self.store.tiers.hot.pool, table.summaries, k, v, self.tail_slot[layer: layer + 1],
+                           self.num_tokens)
 
     def _select(self, table, q: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         b = self.block_tokens

@@ -1,0 +1,75 @@
+"""Append one decode token to every kv head of a tail block, and widen the block's key summary: one launch.
+
+A captured decode step (kvstore/step.py) appends in every layer of every token; done with torch
+ops it is ~8 launches per layer (stack, index_put, index_select, min, max, stack, index_copy),
+which a 32-layer graph pays ~250 times per token. Positions come from device state, so the
+launch is the same for every token: slot = tail_slot[0], offset = num_tokens[0] % B, block
+index = num_tokens[0] // B.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _append_kernel(pool_ptr, summaries_ptr, k_ptr, v_ptr, tail_slot_ptr, num_tokens_ptr,
+                   s_pool_slot, s_pool_kv, s_pool_head, s_pool_tok, s_sum_blk, s_sum_kind, s_sum_head,
+                   s_kv_head, BLOCK_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    head = tl.program_id(0)
+    n0 = tl.load(num_tokens_ptr)
+    offset, block = n0 % BLOCK_TOKENS, n0 // BLOCK_TOKENS
+    slot = tl.load(tail_slot_ptr)
+    d = tl.arange(0, HEAD_DIM)
+    k = tl.load(k_ptr + head * s_kv_head + d)
+    v = tl.load(v_ptr + head * s_kv_head + d)
+    row = pool_ptr + slot * s_pool_slot + head * s_pool_head + offset * s_pool_tok + d
+    tl.store(row, k)
+    tl.store(row + s_pool_kv, v)
+    low = summaries_ptr + block * s_sum_blk + head * s_sum_head + d
+    tl.store(low, tl.minimum(tl.load(low), k))
+    tl.store(low + s_sum_kind, tl.maximum(tl.load(low + s_sum_kind), k))
+
+
+def append_token(pool: torch.Tensor, summaries: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 tail_slot: torch.Tensor, num_tokens: torch.Tensor) -> None:
+    """Write k, v [H, D] fp16 at token num_tokens[0] % B of pool slot tail_slot[0] (pool fp16 [S, 2, H, B, D])
+    and widen summaries[num_tokens[0] // B] (fp16 [N, 2, H, D]: min, max) by k. No host sync."""
+    _check(pool, summaries, k, v, tail_slot, num_tokens)
+    h, d = k.shape
+    _append_kernel[(h,)](pool, summaries, k, v, tail_slot, num_tokens,
+                         pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3),
+                         summaries.stride(0), summaries.stride(1), summaries.stride(2), k.stride(0),
+                         BLOCK_TOKENS=pool.shape[3], HEAD_DIM=d, num_warps=1)
+
+
+def append_token_ref(pool: torch.Tensor, summaries: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     tail_slot: torch.Tensor, num_tokens: torch.Tensor) -> None:
+    """The same contract in torch (still no host sync: device-tensor indices)."""
+    _check(pool, summaries, k, v, tail_slot, num_tokens)
+    h, b = k.shape[0], pool.shape[3]
+    heads = torch.arange(h, device=k.device)[None].expand(2, h)  # [2, H]
+    kinds = torch.tensor([[0], [1]], device=k.device).expand(2, h)  # [2, H]
+    offset, block = num_tokens % b, num_tokens // b  # [1] each
+    pool.index_put_((tail_slot.expand(2, h), kinds, heads, offset.expand(2, h)), torch.stack([k, v]))
+    summary = summaries.index_select(0, block)  # [1, 2, H, D]
+    widened = torch.stack([torch.minimum(summary[0, 0], k), torch.maximum(summary[0, 1], k)])
+    summaries.index_copy_(0, block, widened[None])
+
+
+def _check(pool: torch.Tensor, summaries: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           tail_slot: torch.Tensor, num_tokens: torch.Tensor) -> None:
+    h, d = k.shape
+    if pool.dim() != 5 or pool.shape[1:3] != (2, h) or pool.shape[4] != d or pool.dtype != torch.float16:
+        raise ValueError(f"pool: expected fp16 [S, 2, {h}, B, {d}], got {pool.dtype} {list(pool.shape)}")
+    if summaries.dim() != 4 or summaries.shape[1:] != (2, h, d) or summaries.dtype != torch.float16:
+        raise ValueError(f"summaries: expected fp16 [N, 2, {h}, {d}], got {summaries.dtype} {list(summaries.shape)}")
+    if k.shape != v.shape or k.dtype != torch.float16 or v.dtype != torch.float16:
+        raise ValueError(f"k, v: expected fp16 [{h}, {d}] each, got {k.dtype} {list(k.shape)}, {v.dtype} {list(v.shape)}")
+    if pool.stride(4) != 1 or summaries.stride(3) != 1 or k.stride(1) != 1 or v.stride() != k.stride():
+        raise ValueError("pool, summaries, k and v need a contiguous last dim (and k, v the same strides)")
+    for name, t in (("tail_slot", tail_slot), ("num_tokens", num_tokens)):
+        if t.dtype != torch.int64 or t.numel() != 1:
+            raise ValueError(f"{name}: expected int64 [1], got {t.dtype} {list(t.shape)}")
