@@ -1,33 +1,49 @@
 """A transformers Cache whose K/V live in a KVStore, so an unmodified HF model decodes with kvtier.
 
-    cache = KVTierCache(store)
-    out = hf_model.generate(input_ids, cache=cache, max_new_tokens=16, do_sample=False)
-    cache.free()
+    register()                                   # engine_adapter.hf_attention: attn_implementation="kvtier"
+    model.set_attn_implementation("kvtier")
+    with KVTierCache(store, mode="topk", budget=512) as cache:
+        out = model.generate(input_ids, cache=cache, max_new_tokens=16, do_sample=False)
+        print(cache.decode_reads())
 
-Each layer's update() appends the new K/V (RoPE already applied by the model) to the
-store as fp16 and returns the store's dense read-back, cast to the model's dtype.
-Batch size 1 only; beam search and cropping are refused, since one store sequence
-is one cache row. Run under torch.no_grad() (generate() does), not torch.inference_mode():
-store tables grown inside inference mode cannot be updated outside it.
+Each layer's update() appends the new K/V (RoPE already applied by the model) to the store as
+fp16. A decode step (one token) returns that token's K/V tagged with its layer, and the kvtier
+attention function (engine_adapter/hf_attention.py) attends through `store.attend` with the
+cache's mode and budget: no dense read-back. A prefill chunk returns what the store held before
+it (read once per chunk) followed by the chunk's own K/V, for SDPA. A decode step that no kvtier
+attention consumed (the model runs another attention implementation) is refused at the next update.
+
+Batch size 1 only; beam search and cropping are refused, since one store sequence is one cache
+row. Run under torch.no_grad() (generate() does), not torch.inference_mode(): store tables grown
+inside inference mode cannot be updated outside it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from engine_adapter.hf_attention import LAYER_ATTRIBUTE, NAME
+from eviction import Policy
+from kvstore.store import MODES, KVStore
+
 
 class KVTierLayer(CacheLayerMixin):
-    """One decoder layer of one store sequence."""
+    """One decoder layer of one store sequence, attended with the cache's mode and budget."""
 
     is_sliding = False
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, store, seq: int, layer: int) -> None:
+    def __init__(self, store: KVStore, seq: int, layer: int, mode: str | Policy, budget: int) -> None:
         super().__init__()
         self.store, self.seq, self.layer = store, seq, layer
+        self.mode, self.budget = mode, budget
         self.num_tokens = 0
+        self.num_decode_steps = 0  # store.attend calls made through this layer
+        self.awaiting_attention = False  # a decode token went in; kvtier attention has not attended it yet
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -36,7 +52,28 @@ class KVTierLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """key/value_states [1, Hkv, T, D] -> all of this layer's K, V [1, Hkv, S, D] in the model's dtype."""
+        """key/value_states [1, Hkv, T, D] -> decode (T = 1): the same token, tagged for kvtier attention;
+        prefill: the store's earlier K/V then this chunk's, [1, Hkv, S, D] in the model's dtype."""
+        self._check(key_states, value_states)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        store_device, num_new, num_before = self.store.device, key_states.shape[2], self.num_tokens
+        k = key_states[0].transpose(0, 1).to(store_device, torch.float16).contiguous()  # [T, Hkv, D]
+        v = value_states[0].transpose(0, 1).to(store_device, torch.float16).contiguous()
+        self.store.append(self.seq, self.layer, k, v)
+        self.num_tokens += num_new
+        keys, values = key_states.view_as(key_states), value_states
+        if num_new == 1:
+            self.awaiting_attention = True
+        elif num_before:
+            old_keys, old_values = self.store.read(self.seq, self.layer, 0, num_before)  # [S0, Hkv, D] fp16
+            as_model = dict(device=key_states.device, dtype=key_states.dtype)
+            keys = torch.cat([old_keys.transpose(0, 1)[None].to(**as_model), key_states], dim=2)
+            values = torch.cat([old_values.transpose(0, 1)[None].to(**as_model), value_states], dim=2)
+        setattr(keys, LAYER_ATTRIBUTE, self)
+        return keys, values
+
+    def _check(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         spec = self.store.spec
         expected = (1, spec.num_kv_heads, key_states.shape[2], spec.head_dim)
         if key_states.shape != expected or value_states.shape != expected:
@@ -44,16 +81,17 @@ class KVTierLayer(CacheLayerMixin):
                 f"KVTierCache expects key/value states of shape [1, {spec.num_kv_heads}, T, {spec.head_dim}] "
                 f"(batch size 1), got {list(key_states.shape)} and {list(value_states.shape)}"
             )
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        store_device = self.store.device
-        k = key_states[0].transpose(0, 1).to(store_device, torch.float16).contiguous()  # [T, Hkv, D]
-        v = value_states[0].transpose(0, 1).to(store_device, torch.float16).contiguous()
-        self.store.append(self.seq, self.layer, k, v)
-        self.num_tokens += k.shape[0]
-        keys, values = self.store.read(self.seq, self.layer)  # [S, Hkv, D] fp16
-        as_model = dict(device=key_states.device, dtype=key_states.dtype)
-        return keys.transpose(0, 1)[None].to(**as_model), values.transpose(0, 1)[None].to(**as_model)
+        if self.awaiting_attention:
+            raise ValueError(
+                f"KVTierCache layer {self.layer}: the last decode step never attended through the store; "
+                f"the model must run attn_implementation={NAME!r} (engine_adapter.hf_attention.register(), then "
+                f"model.set_attn_implementation({NAME!r}))"
+            )
+
+    def attended(self) -> None:
+        """Called by kvtier attention once the decode token's query attended through the store."""
+        self.awaiting_attention = False
+        self.num_decode_steps += 1
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.num_tokens + query_length, 0
@@ -71,16 +109,90 @@ class KVTierLayer(CacheLayerMixin):
         """No-op: the decode path stages cold blocks itself."""
 
 
-class KVTierCache(Cache):
-    """A Cache over one new store sequence; call free() (or use it as a context manager) when done."""
+@dataclass(frozen=True, slots=True)
+class DecodeReads:
+    """K/V the store's decode attention read for a cache, from the store's attend counters."""
 
-    def __init__(self, store, num_layers: int | None = None) -> None:
+    num_steps: int  # decode steps (tokens fed back), each attending every layer
+    num_layers: int
+    attended_tokens: int  # tokens the kernel read, summed over steps and layers
+    context_tokens: int  # tokens the sequence held, summed over steps and layers
+    token_bytes: int  # fp16 K and V of one token in one layer (int8 warm blocks read half)
+
+    @property
+    def bytes_per_step(self) -> float:
+        return self.attended_tokens * self.token_bytes / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def dense_bytes_per_step(self) -> float:
+        """What dense attention over the whole context reads per step."""
+        return self.context_tokens * self.token_bytes / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def tokens_per_layer(self) -> float:
+        return self.attended_tokens / (self.num_steps * self.num_layers) if self.num_steps else 0.0
+
+    def __str__(self) -> str:
+        if not self.num_steps:
+            return "no decode step attended through the store"
+        context = self.context_tokens / (self.num_steps * self.num_layers)
+        return (f"decode read {self.bytes_per_step / 2**10:,.1f} KiB of K/V per step ({self.tokens_per_layer:,.0f} "
+                f"tokens per layer of a {context:,.0f}-token context; dense reads "
+                f"{self.dense_bytes_per_step / 2**10:,.1f} KiB), over {self.num_steps} steps")
+
+
+class KVTierCache(Cache):
+    """A Cache over one new store sequence; call free() (or use it as a context manager) when done.
+
+    mode: "dense", "topk", "h2o", "window" or an eviction.Policy instance; budget: tokens each
+    sparse decode step attends per layer (sinks and the recent window included)."""
+
+    def __init__(self, store: KVStore, mode: str | Policy = "dense", budget: int = 4096,
+                 num_layers: int | None = None) -> None:
         num_layers = store.spec.num_layers if num_layers is None else num_layers
         if num_layers != store.spec.num_layers:
             raise ValueError(f"the store holds {store.spec.num_layers} layers, got num_layers={num_layers}")
-        self.store = store
+        if not isinstance(mode, Policy) and mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES} or an eviction.Policy instance, got {mode!r}")
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+            raise ValueError(f"budget must be a positive int (tokens), got {budget!r}")
+        self.store, self.mode, self.budget = store, mode, budget
         self.seq = store.create_sequence()
-        super().__init__(layers=[KVTierLayer(store, self.seq, i) for i in range(num_layers)])
+        self._attend_before = store.stats()["attend"]
+        super().__init__(layers=self._new_layers(num_layers))
+
+    def _new_layers(self, num_layers: int) -> list[KVTierLayer]:
+        return [KVTierLayer(self.store, self.seq, i, self.mode, self.budget) for i in range(num_layers)]
+
+    def decode_reads(self) -> DecodeReads:
+        """What the store's decode attention read since this cache was made (or reset). The store's
+        counters are shared: decode steps of other sequences in the meantime are counted too."""
+        now, spec = self.store.stats()["attend"], self.store.spec
+        return DecodeReads(
+            num_steps=self.layers[0].num_decode_steps if self.layers else 0, num_layers=spec.num_layers,
+            attended_tokens=now["attended_tokens"] - self._attend_before["attended_tokens"],
+            context_tokens=now["context_tokens"] - self._attend_before["context_tokens"],
+            token_bytes=spec.bytes_per_token // spec.num_layers,
+        )
+
+    def fork(self, mode: str | Policy | None = None, budget: int | None = None) -> KVTierCache:
+        """A new cache over a copy of this one's tokens (read back once per layer), so several modes can
+        share one prefill; mode and budget default to this cache's. Not after h2o mode dropped blocks."""
+        if self.seq is None:
+            raise ValueError("KVTierCache.fork: the cache was freed")
+        copy = KVTierCache(self.store, self.mode if mode is None else mode,
+                           self.budget if budget is None else budget, len(self.layers))
+        try:
+            for source, layer in zip(self.layers, copy.layers):
+                if source.num_tokens:
+                    keys, values = self.store.read(self.seq, source.layer)  # [S, Hkv, D] fp16
+                    self.store.append(copy.seq, layer.layer, keys, values)
+                    layer.num_tokens, layer.dtype, layer.device = source.num_tokens, source.dtype, source.device
+                    layer.is_initialized = True
+        except BaseException:
+            copy.free()
+            raise
+        return copy
 
     def free(self) -> None:
         """Return the sequence's blocks to the store; the cache is empty and unusable afterwards."""
@@ -94,7 +206,8 @@ class KVTierCache(Cache):
             raise ValueError("KVTierCache.reset: the cache was freed; create a new one")
         self.store.free(self.seq)
         self.seq = self.store.create_sequence()
-        self.layers = [KVTierLayer(self.store, self.seq, i) for i in range(len(self.layers))]
+        self._attend_before = self.store.stats()["attend"]
+        self.layers = self._new_layers(len(self.layers))
 
     def _refuse(self, what: str) -> None:
         raise ValueError(f"KVTierCache holds one sequence (batch size 1, no beams); {what} is not supported")

@@ -1,16 +1,31 @@
-"""An unmodified HF model generating with KVTierCache: same tokens as with its own DynamicCache."""
+"""KVTierCache under an unmodified HF model: K/V go into the store, decode steps attend through it
+(kvtier attention), prefill chunks get what the store held before them, misuse is refused."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from kvstore import Config, KVStore, ModelSpec
-from tests.engine_adapter import smollm2
 from tests.engine_adapter.test_llama import TINY, store_for, tiny_hf
 
 pytest.importorskip("transformers")
+from engine_adapter.hf_attention import NAME, register  # noqa: E402
 from engine_adapter.hf_cache import KVTierCache  # noqa: E402
+
+
+@contextlib.contextmanager
+def kvtier_attention(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """The model with attn_implementation="kvtier" inside the block (models are shared between tests)."""
+    register()
+    before = model.config._attn_implementation
+    model.set_attn_implementation(NAME)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(before)
 
 
 def generate(model, ids: torch.Tensor, n: int, cache=None) -> list[int]:
@@ -20,55 +35,113 @@ def generate(model, ids: torch.Tensor, n: int, cache=None) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
+def tiny_prompt(n: int, seed: int = 4) -> torch.Tensor:
+    return torch.randint(0, 101, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
 def test_tiny_model_generates_the_same_tokens_and_stores_every_position() -> None:
-    hf = tiny_hf("llama3", tied=False, seed=3)
-    ids = torch.randint(0, 101, (1, 150), generator=torch.Generator().manual_seed(4))
-    with store_for(TINY) as store:  # hot 64 tokens: most of the prompt is read back from int8 blocks
-        with KVTierCache(store) as cache:
-            ours = generate(hf, ids, 12, cache)
-            assert cache.get_seq_length() == 150 + 11  # the last token is never fed back
-            assert store.stats()["tiers"]["warm"]["blocks"] > 0
-            store.check_integrity()
-        assert store.stats()["sequences"]["count"] == 0  # freed on exit
-    with store_for(TINY, hot_tokens=1024) as store, KVTierCache(store) as cache:
-        exact = generate(hf, ids, 12, cache)
-    assert exact == generate(hf, ids, 12)
+    hf, ids = tiny_hf("llama3", tied=False, seed=3), tiny_prompt(150)
+    exact = generate(hf, ids, 12)  # HF's own SDPA and DynamicCache
+    with kvtier_attention(hf):
+        with store_for(TINY) as store:  # hot 64 tokens: most of the prompt is attended as int8 blocks
+            with KVTierCache(store) as cache:
+                ours = generate(hf, ids, 12, cache)
+                assert cache.get_seq_length() == 150 + 11  # the last token is never fed back
+                assert store.stats()["tiers"]["warm"]["blocks"] > 0
+                reads = cache.decode_reads()
+                assert reads.num_steps == 11 and reads.attended_tokens == reads.context_tokens  # dense
+                assert reads.context_tokens == TINY.num_layers * sum(range(151, 162))
+                store.check_integrity()
+            assert store.stats()["sequences"]["count"] == 0  # freed on exit
+        with store_for(TINY, hot_tokens=1024) as store, KVTierCache(store) as cache:
+            assert generate(hf, ids, 12, cache) == exact
     assert sum(a == b for a, b in zip(ours, exact)) >= 9  # int8 K/V may flip a late near-tie
 
 
-def test_update_returns_the_stores_read_back_in_the_models_dtype() -> None:
+def test_decode_updates_return_only_the_new_token_and_prefill_chunks_what_came_before() -> None:
     with store_for(TINY) as store, KVTierCache(store) as cache:
-        k = torch.randn(1, TINY.num_kv_heads, 40, TINY.head_dim)
-        v = torch.randn(1, TINY.num_kv_heads, 40, TINY.head_dim)
-        keys, values = cache.update(k, v, 1)
-        assert keys.dtype == torch.float32 and keys.shape == (1, TINY.num_kv_heads, 40, TINY.head_dim)
-        torch.testing.assert_close(keys, k.half().float())
-        torch.testing.assert_close(values, v.half().float())
-        assert cache.get_seq_length(1) == 40 and cache.get_mask_sizes(3, 1) == (43, 0)
+        k, v = torch.randn(1, TINY.num_kv_heads, 41, TINY.head_dim), torch.randn(1, TINY.num_kv_heads, 41, TINY.head_dim)
+        keys, values = cache.update(k[:, :, :30], v[:, :, :30], 1)
+        assert keys.shape == (1, TINY.num_kv_heads, 30, TINY.head_dim)
+        torch.testing.assert_close(keys, k[:, :, :30], rtol=0, atol=0)  # the chunk's own K/V, not rounded
+        keys, values = cache.update(k[:, :, 30:40], v[:, :, 30:40], 1)  # a second chunk sees the first
+        assert keys.dtype == torch.float32 and keys.shape[2] == 40
+        torch.testing.assert_close(keys[:, :, :30], k[:, :, :30].half().float())
+        torch.testing.assert_close(values[:, :, 30:], v[:, :, 30:40], rtol=0, atol=0)
+        reads = []
+        real_read = store.read
+        store.read = lambda *a, **kw: reads.append(a) or real_read(*a, **kw)  # instance attribute: this store only
+        keys, values = cache.update(k[:, :, 40:], v[:, :, 40:], 1)
+        assert keys.shape[2] == values.shape[2] == 1 and not reads  # decode: no read-back
+        del store.read
+        stored_k, stored_v = store.read(cache.seq, 1)
+        torch.testing.assert_close(stored_k, k[0].transpose(0, 1).half())
+        torch.testing.assert_close(stored_v, v[0].transpose(0, 1).half())
+        assert cache.get_seq_length(1) == 41 and cache.get_mask_sizes(3, 1) == (44, 0)
+        with pytest.raises(ValueError, match="never attended through the store"):
+            cache.update(k[:, :, :1], v[:, :, :1], 1)  # nothing attended the last decode token
         cache.reset()
         assert cache.get_seq_length(1) == 0 and store.stats()["sequences"]["count"] == 1
 
 
-def test_refuses_batches_beams_and_geometry_mismatch() -> None:
-    with store_for(TINY) as store, KVTierCache(store) as cache:
-        with pytest.raises(ValueError, match="batch size 1"):
-            cache.update(torch.randn(2, 2, 4, 16), torch.randn(2, 2, 4, 16), 0)
-        with pytest.raises(ValueError, match="beam search"):
-            cache.reorder_cache(torch.tensor([0]))
-        with pytest.raises(ValueError, match="expanding the batch"):
-            cache.batch_repeat_interleave(2)
+def test_chunked_prefill_and_decode_match_hf_logits() -> None:
+    hf, ids = tiny_hf("default", tied=True, seed=5), tiny_prompt(130, seed=6)
+    with torch.no_grad():
+        ref = hf(ids).logits[0]  # [T, V] fp32 K/V, one pass
+        with kvtier_attention(hf), store_for(TINY, hot_tokens=1024) as store, KVTierCache(store) as cache:
+            parts = [hf(ids[:, a:b], cache=cache).logits[0] for a, b in ((0, 70), (70, 129), (129, 130))]
+            store.check_integrity()
+    ours = torch.cat(parts)  # chunk 2 attends the store's fp16 copy of chunk 1; the last token decodes
+    err = (ours - ref).abs().max() / ref.abs().max()
+    assert err < 5e-3, f"relative logit error {err:.2e} (earlier K/V rounded to fp16)"
+    assert bool((ours.argmax(-1) == ref.argmax(-1)).all())
+
+
+def test_misuse_is_refused() -> None:
+    hf, ids = tiny_hf("default", tied=True), tiny_prompt(20)
+    with store_for(TINY) as store:
+        with KVTierCache(store) as cache, pytest.raises(ValueError, match="attn_implementation='kvtier'"):
+            generate(hf, ids, 4, cache)  # HF's SDPA would attend the decode token alone
+        with kvtier_attention(hf), pytest.raises(ValueError, match="needs a KVTierCache"):
+            generate(hf, ids, 4)
+        with KVTierCache(store) as cache:
+            with pytest.raises(ValueError, match="batch size 1"):
+                cache.update(torch.randn(2, 2, 4, 16), torch.randn(2, 2, 4, 16), 0)
+            with pytest.raises(ValueError, match="beam search"):
+                cache.reorder_cache(torch.tensor([0]))
+            with pytest.raises(ValueError, match="expanding the batch"):
+                cache.batch_repeat_interleave(2)
         with pytest.raises(ValueError, match="num_layers=3"):
             KVTierCache(store, num_layers=3)
-        assert store.stats()["tiers"]["hot"]["blocks"] == 0  # nothing half-written
-
-
-def test_smollm2_generates_the_same_tokens_as_dynamic_cache() -> None:
-    hf_model, _, _ = smollm2.smollm2()
-    prompt = smollm2.prose_ids()[:2000]
-    spec = ModelSpec.preset("smollm2-135m")
-    config = Config(model=spec, block_tokens=32, sink_tokens=64, hot_tokens=4096, warm_tokens=32768,
-                    gpu_bytes=512 << 20, cpu_bytes=64 << 20, device="cpu")
-    with KVStore(config) as store, KVTierCache(store) as cache:
-        ours = generate(hf_model, torch.tensor([prompt]), 16, cache)
+        with pytest.raises(ValueError, match="mode must be one of"):
+            KVTierCache(store, mode="sparse")
+        for budget in (0, -5, 1.5, True):
+            with pytest.raises(ValueError, match="budget must be a positive int"):
+                KVTierCache(store, mode="topk", budget=budget)
+        assert store.stats()["sequences"]["count"] == 0  # the refused caches made no sequence
         store.check_integrity()
-    assert tuple(ours) == smollm2.hf_greedy(2000, 16)[0]
+
+
+def test_topk_reads_about_the_budget_per_step_and_fork_shares_a_prefill() -> None:
+    hf, ids = tiny_hf("llama3", tied=False, seed=7), tiny_prompt(640, seed=8)
+    with kvtier_attention(hf), store_for(TINY, hot_tokens=1024, recent_tokens=16) as store:
+        with KVTierCache(store) as base:
+            with torch.no_grad():
+                hf(ids[:, :-1], cache=base)  # prefill once
+            for mode, budget in (("topk", 96), ("window", 96), ("dense", 4096)):
+                with base.fork(mode, budget) as cache:
+                    assert cache.get_seq_length() == 639 and (cache.mode, cache.budget) == (mode, budget)
+                    generate(hf, ids, 6, cache)  # the last prompt token, then 5 more, attend through the store
+                    reads = cache.decode_reads()
+                    assert reads.num_steps == 6
+                    context = reads.context_tokens / (reads.num_steps * TINY.num_layers)
+                    assert 639 < context < 646
+                    if mode == "dense":
+                        assert reads.tokens_per_layer == context
+                    else:  # whole 16-token blocks, the partial tail block included: at most the budget
+                        assert budget - 16 <= reads.tokens_per_layer <= budget
+                        assert reads.bytes_per_step * 6 < reads.dense_bytes_per_step
+                    assert reads.bytes_per_step == reads.tokens_per_layer * TINY.num_layers * 2 * 2 * 16 * 2
+            assert base.get_seq_length() == 639  # the forks never touched it
+            store.check_integrity()
+        assert store.stats()["sequences"]["count"] == 0
