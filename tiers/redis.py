@@ -143,10 +143,8 @@ class RedisTier:
             written = [k for k, r in zip(keys, results) if r is True]
             if written:
                 self._run(written, lambda pipe, k, _: pipe.delete(k))
-            if failed:
-                if any(isinstance(r, redis.exceptions.OutOfMemoryError) for r in failed):
-                    raise MemoryError(f"redis at {self.url} is out of memory (maxmemory, noeviction): {failed[0]}")
-                raise RuntimeError(f"redis refused a SET: {failed[0]}")
+            if failed:  # _run lets only OOM answers to a SET through
+                raise MemoryError(f"redis at {self.url} is out of memory (maxmemory, noeviction): {failed[0]}")
             raise ValueError(f"redis: {len(taken)} keys already exist in namespace {self.namespace!r} "
                              f"(another store writes there?): {taken[:4]}")
         adopted = dict(zip(taken, self._run(taken, lambda pipe, k, _: pipe.strlen(k)))) if taken else {}
@@ -266,8 +264,9 @@ class RedisTier:
             raise IntegrityError(f"{what}: the value names another block or key")
 
     def _run(self, keys: list[bytes], command: Callable, values: Sequence | None = None) -> list:
-        """command(pipe, key, value) per key, `chunk_blocks` keys per pipeline; per-command errors
-        come back in the results, a dead connection raises ConnectionError."""
+        """command(pipe, key, value) per key, `chunk_blocks` keys per pipeline. WRONGTYPE and OOM
+        answers come back in the results (they are about a key or memory); a dead connection or
+        any other error answer (CLUSTERDOWN, LOADING, ...) raises ConnectionError: Redis is not serving."""
         values = values if values is not None else [None] * len(keys)
         results: list = []
         for start in range(0, len(keys), self.chunk_blocks):
@@ -275,11 +274,20 @@ class RedisTier:
             for key, value in zip(keys[start: start + self.chunk_blocks], values[start: start + self.chunk_blocks]):
                 command(pipe, key, value)
             try:
-                results.extend(pipe.execute(raise_on_error=False))
+                answers = pipe.execute(raise_on_error=False)
             except _FAILURES as exc:
                 raise ConnectionError(f"redis tier: {self.url} failed mid-batch "
                                       f"({type(exc).__name__}: {exc})") from None
+            refused = [a for a in answers if isinstance(a, Exception) and not _about_key_or_memory(a)]
+            if refused:
+                raise ConnectionError(f"redis tier: {self.url} is not serving ({type(refused[0]).__name__}: "
+                                      f"{refused[0]})")
+            results.extend(answers)
         return results
+
+
+def _about_key_or_memory(answer: Exception) -> bool:
+    return isinstance(answer, redis.exceptions.OutOfMemoryError) or str(answer).startswith("WRONGTYPE")
 
 
 class _SendValuesAsIs(Connection):

@@ -14,6 +14,8 @@ import pytest
 import redis
 import torch
 
+from bench_longctx.redis_servers import RedisCluster
+from tests.tiers.redis_servers import require_redis
 from tiers.base import BlockMissingError, IntegrityError
 from tiers.layout import BlockLayout
 from tiers.quant import quantize
@@ -175,6 +177,8 @@ WRITER = textwrap.dedent("""
     from tiers.layout import BlockLayout
     from tiers.quant import quantize
     from tiers.redis import RedisTier
+from bench_longctx.redis_servers import RedisCluster
+from tests.tiers.redis_servers import require_redis
     url, namespace = sys.argv[1:3]
     g = torch.Generator().manual_seed(6)
     x = (torch.randn((8, 2, 2, 32, 64), generator=g) * 4).half()
@@ -266,3 +270,26 @@ def test_ids_outside_u64_are_refused(redis_single):
     tier.put([(1 << 64) - 1], kv_like(1, seed=10))  # the largest id (e.g. a 64-bit content hash) fits
     assert torch.equal(tier.get([(1 << 64) - 1]), kv_like(1, seed=10))
     tier.close()
+
+
+def test_a_dead_cluster_master_is_a_clean_connection_error(tmp_path):
+    require_redis()
+    cluster = RedisCluster(str(tmp_path / "cluster"))
+    try:
+        tier = RedisTier(LAYOUT, cluster.url, 1 << 26, timeout=5)
+        x = kv_like(48, seed=11)
+        tier.put(list(range(48)), x)
+        cluster.nodes[1].kill()
+        with pytest.raises(ConnectionError):
+            tier.get(list(range(48)))
+        with pytest.raises(ConnectionError):
+            tier.put(list(range(100, 148)), x)
+        assert tier.num_blocks == 48 and 100 not in tier and tier.integrity_errors == 0
+        on_live_node = [i for i in range(48) if cluster.nodes[1].port not in _node_ports(tier, i)]
+        assert torch.equal(tier.get(on_live_node), x[on_live_node])  # the other masters still serve
+    finally:
+        cluster.stop()
+
+
+def _node_ports(tier: RedisTier, block_id: int) -> set[int]:
+    return {tier.client.get_node_from_key(tier.key(block_id)).port}
