@@ -177,8 +177,6 @@ WRITER = textwrap.dedent("""
     from tiers.layout import BlockLayout
     from tiers.quant import quantize
     from tiers.redis import RedisTier
-from bench_longctx.redis_servers import RedisCluster
-from tests.tiers.redis_servers import require_redis
     url, namespace = sys.argv[1:3]
     g = torch.Generator().manual_seed(6)
     x = (torch.randn((8, 2, 2, 32, 64), generator=g) * 4).half()
