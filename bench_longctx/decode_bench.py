@@ -43,12 +43,15 @@ def real_key_stats(spec: ModelSpec = SPEC, device: str = "cuda") -> tuple[torch.
     return mean.to(device), std.to(device)  # [H, D] each
 
 
+APPEND_ROOM = 16384  # tokens the timed appending steps may add (do_bench calls them ~1-2K times)
+
+
 def build_store(ctx: int, block_tokens: int, int8: bool, needle: tuple[int, torch.Tensor] | None,
                 spec: ModelSpec = SPEC, device: str = "cuda", recent_tokens: int = 1024) -> tuple[KVStore, int]:
     """A one-layer store holding ctx random tokens, all fp16 (hot) or all int8 (warm) but the window."""
     token_bytes = 2 * spec.num_kv_heads * spec.head_dim * 2
-    hot = 1024 if int8 else ctx + 2 * block_tokens
-    gpu = int((hot + 2 * block_tokens + 64 + (ctx * 0.56 if int8 else 0)) * token_bytes) + (8 << 20) + (4096 * token_bytes)
+    hot = 1024 if int8 else ctx + APPEND_ROOM  # the appending step benchmarks add a token per call
+    gpu = int((hot + 2 * block_tokens + 64 + APPEND_ROOM + (ctx * 0.56 if int8 else 0)) * token_bytes) + (8 << 20) + (4096 * token_bytes)
     store = KVStore(Config(model=spec, block_tokens=block_tokens, sink_tokens=64, hot_tokens=hot,
                            warm_tokens=ctx if int8 else 0, recent_tokens=recent_tokens, gpu_bytes=gpu,
                            staging_tokens=4096, cpu_bytes=1 << 30, ssd_bytes=1 << 30, device=device, host_memory_reserve=0))

@@ -77,7 +77,7 @@ def e2e_store(spec: ModelSpec, p: E2EPreset, device: torch.device) -> KVStore:
     per_token = spec.num_layers * BlockLayout.of(spec, 32).int8_bytes / 32
     staging = 4096 // 32 * BlockLayout.of(spec, 32).fp16_bytes
     room = available_bytes(device) - 2 * hot - staging
-    warm_tokens = max(0, min(p.context + p.steps * 4, int(room / per_token) - 64)) // 32 * 32
+    warm_tokens = max(0, min(p.context + p.steps * 8, int(room / per_token) - 64)) // 32 * 32  # 4 paths append
     cold_tokens = p.context - p.hot_tokens - warm_tokens
     cpu_bytes = int(max(0, cold_tokens + 4096) * per_token * 1.1)
     return model_store(spec, device, hot_tokens=p.hot_tokens, warm_tokens=warm_tokens, sink_tokens=sink,

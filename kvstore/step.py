@@ -10,12 +10,14 @@ state, so one capture stays valid while the sequence grows:
 per layer, inside the step (no host sync):
     1. append    k, v of the new token -> the tail block at offset num_tokens % B; widen its summary
     2. select    dense: every block up to capacity (the kernel reads only ceil(n / B) of them);
-                 topk: the policy's block scores over capacity, invalid blocks -inf, sinks and
-                 the recent window +inf, top k (k fixed: budget // B), ascending
+                 topk (the 4-bit sketch, SketchTopK.select_masked) or quest (min/max bound): block
+                 scores over capacity, invalid blocks -inf, sinks and the recent window +inf, top k
+                 (k fixed: budget // B), ascending
     3. attend    the paged kernel over that block table, token count computed on the device
     4. account   the kernel's block mass into the table's H2O scores
-Host work happens before a token and only at block boundaries (`begin_token`): a new tail
-block per layer, and cooling of blocks the token pushes out of their windows. A sequence with blocks in
+Host work happens before a token and only at block boundaries (`begin_token`): the sketch codes of
+the tail block the last token filled, a new tail block per layer, and cooling of blocks the token
+pushes out of their windows. A sequence with blocks in
 cpu/ssd tiers cannot be served from device state: `ready()` says so and callers use the
 eager path for that token.
 """
@@ -28,6 +30,8 @@ import torch
 
 from eviction.quest_kernel import quest_scores, quest_scores_ref
 from eviction.select import top_blocks
+from eviction.topk_kernel import MAX_BLOCKS, topk_sorted
+from eviction.sketch_topk import SketchTopK
 from kvstore.append_kernel import append_token, append_token_ref
 from kvstore.decode import block_table
 from kvstore.table import DROPPED
@@ -36,7 +40,7 @@ from kvstore.tierset import HOT_TIER
 if TYPE_CHECKING:  # the store builds steps (KVStore.decode_step); annotations only
     from kvstore.store import KVStore
 
-STEP_MODES = ("dense", "topk")
+STEP_MODES = ("dense", "topk", "quest")
 
 
 class DecodeStep:
@@ -46,12 +50,13 @@ class DecodeStep:
             raise ValueError(f"DecodeStep mode must be one of {STEP_MODES}, got {mode!r}")
         c, spec, dev = store.config, store.spec, store.device
         self.store, self.seq, self.mode, self.budget = store, seq, mode, budget
+        self.policy = store.policies[mode] if mode == "topk" else None  # SketchTopK unless replaced
         self.tables = [store.table(seq, layer) for layer in range(spec.num_layers)]
         if any(DROPPED in t.block_ids for t in self.tables):
             raise ValueError("DecodeStep serves dense and topk sequences; this one has blocks H2O dropped")
         self.block_tokens = b = c.block_tokens
         length = self.tables[0].num_tokens
-        capacity_tokens = capacity_tokens or length + max(65536, length // 4)
+        capacity_tokens = capacity_tokens or length + max(16384, length // 16)  # selection scans all of it
         self.capacity = -(-capacity_tokens // b)  # blocks every table is preallocated for
         for t in self.tables:
             store.tensors.reserve(t, self.capacity)  # fixed addresses from here on: what a graph needs
@@ -92,6 +97,10 @@ class DecodeStep:
         if self.length % self.block_tokens == 0:
             tiers, b, spec = self.store.tiers, self.block_tokens, self.store.spec
             tiers.check_room(len(self.tables))
+            for table in self.tables:  # the tail the last tokens filled (in the graph): codes on its final grid
+                if table.block_ids:
+                    keys = tiers.gather([table.block_ids[-1]], self.store.device)[0, 0].transpose(0, 1)
+                    self.store.tensors.encode_block(table, table.num_blocks - 1, keys)
             empty = torch.zeros((1, 2, spec.num_kv_heads, b, spec.head_dim), dtype=torch.float16,
                                 device=self.store.device)
             for layer, table in enumerate(self.tables):
@@ -169,11 +178,16 @@ class DecodeStep:
             return self.all_blocks
         # k blocks of k * B tokens; the tail (always selected, always last) holds (n - 1) % B + 1
         self.kernel_tokens.copy_((self.k - 1) * b + (n - 1) % b + 1)
-        scores = self._scores(q, table.summaries[: self.capacity])  # [H, N]
         valid = self.positions < num_blocks  # [N]
         recent_start = torch.minimum(torch.clamp((n - self.recent_tokens) // b, min=0), num_blocks - 1)
         protected = (self.positions < self.sink_blocks) | (self.positions >= recent_start)  # the tail included
+        if isinstance(self.policy, SketchTopK):
+            return self.policy.select_masked(q, table.summaries[: self.capacity], table.sketch[: self.capacity],
+                                             valid, protected, self.k)
+        scores = self._scores(q, table.summaries[: self.capacity])  # [H, N]
         scores = scores.masked_fill(~valid, float("-inf")).masked_fill(protected & valid, float("inf"))
+        if scores.is_cuda and self.capacity <= MAX_BLOCKS:  # the one-launch kernel (torch.topk + sort: ~4x)
+            return topk_sorted(scores, self.k)
         return top_blocks(scores, self.k)
 
 

@@ -20,7 +20,7 @@ from kvstore.tierset import HOT_TIER, TierSet
 from tiers.errors import CapacityError
 from tiers.layout import BlockLayout
 
-MODES = ("dense", "topk", "h2o", "window")
+MODES = ("dense", "topk", "quest", "h2o", "window")  # topk: the 4-bit sketch selector; quest: min/max bound
 
 
 class KVStore:
@@ -92,6 +92,9 @@ class KVStore:
             self.tiers.hot.write_tokens(table.block_ids[tail], b - fill, k[:head], v[:head])
             self.tensors.extend_tail(table, tail, k[:head])
             table.num_tokens += head
+            if head == fill:  # the tail block is full: its sketch codes on the final grid
+                keys = self.tiers.gather([table.block_ids[tail]], self.device)[0, 0].transpose(0, 1)  # [B, H, D]
+                self.tensors.encode_block(table, tail, keys)
         if num_new:
             try:
                 self._append_blocks(seq, layer, table, k[head:], v[head:])
@@ -166,11 +169,14 @@ class KVStore:
 
     # -- attend ------------------------------------------------------------------------------
     def attend(self, seq: int, layer: int, q: torch.Tensor, mode: str | Policy = "dense", budget: int = 4096,
-               measure_mass: bool = False) -> torch.Tensor:
+               measure_mass: bool = False, epsilon: float | None = None) -> torch.Tensor:
         """Decode attention of q [num_q_heads, head_dim] over one layer of `seq` -> [num_q_heads, head_dim].
 
-        mode: "dense" (exact), "topk", "window", "h2o" (drop mode), or a policy instance
-        (e.g. `TopK(group_reduce="sum")`, `H2O(head_reduce="sum")`) whose fields are its settings."""
+        mode: "dense" (exact), "topk" (4-bit key sketch, certified omitted mass in stats()["attend"]),
+        "quest" (min/max bound), "window", "h2o" (drop mode), or a policy instance (e.g.
+        `SketchTopK(coarse_factor=4)`, `H2O(head_reduce="sum")`) whose fields are its settings.
+        epsilon (topk): adaptive budget: grow the selection in power-of-two block counts until the certified
+        omitted softmax mass is <= epsilon for every kv head, or `budget` tokens are selected."""
         table = self.table(seq, layer)
         policy = self._policy(mode)
         self._check_query(q, budget)
@@ -178,11 +184,11 @@ class KVStore:
             raise ValueError(f"sequence {seq} layer {layer} holds no tokens to attend to")
         if table.num_dropped and not isinstance(policy, type(self.policies["h2o"])):
             raise ValueError(f"sequence {seq} layer {layer}: h2o mode dropped blocks; only mode='h2o' can attend it")
-        return self.decode.attend(table, q, policy, budget, measure_mass)
+        return self.decode.attend(table, q, policy, budget, measure_mass, epsilon)
 
     def decode_step(self, seq: int, mode: str = "topk", budget: int = 4096, capacity_tokens: int | None = None):
         """A DecodeStep for `seq`: append + select + attend for every layer of a token from device state,
-        capturable in one CUDA graph (kvstore/step.py). Capacity: the length + max(64K, 1/4 of it)."""
+        capturable in one CUDA graph (kvstore/step.py). Capacity: the length + max(16K, 1/16 of it)."""
         from kvstore.step import DecodeStep
 
         self.table(seq, 0)
