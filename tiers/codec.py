@@ -15,7 +15,6 @@ plain zstd level 1 is the default; the split stays selectable.
 from __future__ import annotations
 
 import struct
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -24,7 +23,7 @@ import zstandard
 
 from tiers.base import IntegrityError
 from tiers.layout import BlockLayout, Blocks, Int8Blocks, concat
-from tiers.quant import one_format
+from tiers.quant import dequantize
 
 LAYOUT_VERSION = 1
 _HEADER = struct.Struct("<4sHBBIIIQQ")
@@ -70,18 +69,6 @@ class Codec:
         Raises IntegrityError on any damage."""
         return _unpack(layout, *self.verify(layout, value, what, prefix))
 
-    def decode_batch(self, layout: BlockLayout, values: Sequence[bytes], whats: Sequence[str], prefix: int = 0) -> Blocks:
-        """Stored values -> one batch, each payload copied once into it; a batch mixing fp16
-        and int8 blocks comes back fp16."""
-        checked = [self.verify(layout, v, what, prefix) for v, what in zip(values, whats)]
-        if any(fmt != _FORMATS["float16"] for fmt, _ in checked):
-            return concat(one_format([_unpack(layout, fmt, payload) for fmt, payload in checked]))
-        out = layout.empty_fp16(len(checked), "cpu")  # [n, 2, H, B, D]
-        rows = out.view(len(checked), -1).view(torch.uint8).numpy()
-        for row, (_, payload) in enumerate(checked):
-            rows[row] = np.frombuffer(payload, np.uint8)
-        return out
-
     def verify(self, layout: BlockLayout, value: bytes | memoryview, what: str, prefix: int = 0) -> tuple[int, bytes | memoryview]:
         """Checks one stored value; returns its format and its payload (a view where stored raw)."""
         view = memoryview(value)
@@ -104,6 +91,34 @@ class Codec:
         if (fmt, length) not in ((0, layout.fp16_bytes), (1, layout.int8_bytes)):
             raise IntegrityError(f"{what}: format {fmt} with {length} payload bytes does not fit {layout}")
         return fmt, payload
+
+
+class BatchDecoder:
+    """Verified values -> one batch, filled row by row as values arrive (a caller can drop each
+    value once added). fp16 payloads are copied once into the batch; a batch mixing fp16 and int8
+    blocks comes back fp16 (int8 ones dequantized), one of only int8 blocks as Int8Blocks."""
+
+    def __init__(self, codec: Codec, layout: BlockLayout, n: int, prefix: int = 0) -> None:
+        self.codec, self.layout, self.n, self.prefix = codec, layout, n, prefix
+        self.out: torch.Tensor | None = None  # [n, 2, H, B, D], allocated at the first fp16 block
+        self.int8_rows: dict[int, Int8Blocks] = {}
+
+    def add(self, row: int, value: bytes | memoryview, what: str) -> None:
+        """Raises IntegrityError on any damage."""
+        fmt, payload = self.codec.verify(self.layout, value, what, self.prefix)
+        if fmt != _FORMATS["float16"]:
+            self.int8_rows[row] = _unpack(self.layout, fmt, payload)
+            return
+        if self.out is None:
+            self.out = self.layout.empty_fp16(self.n, "cpu")
+        self.out.view(self.n, -1).view(torch.uint8).numpy()[row] = np.frombuffer(payload, np.uint8)
+
+    def result(self) -> Blocks:
+        if self.out is None:
+            return concat([self.int8_rows[r] for r in range(self.n)]) if self.n else self.layout.empty_fp16(0, "cpu")
+        for row, part in self.int8_rows.items():
+            self.out[row] = dequantize(part)[0]
+        return self.out
 
 
 def _digest(prefix: bytes | memoryview, header: bytes | memoryview, payload: bytes | memoryview) -> int:

@@ -42,7 +42,7 @@ from redis.connection import Connection, Encoder, PythonRespSerializer
 from redis.retry import Retry
 
 from tiers.base import BlockMissingError, IntegrityError, check_ids
-from tiers.codec import HEADER_BYTES, Codec
+from tiers.codec import HEADER_BYTES, BatchDecoder, Codec
 from tiers.layout import BlockLayout, Blocks, num_blocks
 
 _ENVELOPE = struct.Struct("<4sQH")
@@ -153,29 +153,38 @@ class RedisTier:
             self._used += self.sizes[block_id]
 
     def get(self, ids: Sequence[int]) -> Blocks:
-        """Verified blocks, in order; a batch mixing fp16 and int8 blocks comes back fp16."""
+        """Verified blocks, in order; a batch mixing fp16 and int8 blocks comes back fp16. Each
+        pipeline's values are copied into the batch and dropped before the next is read."""
         unknown = [i for i in ids if i not in self.sizes]
         if unknown:
             raise KeyError(f"redis: blocks not stored: {unknown[:8]}")
-        if not ids:
-            return self.layout.empty_fp16(0, "cpu")
         keys = [self.key(i) for i in ids]
-        values = self._run(keys, lambda pipe, k, _: pipe.get(k))
-        gone = [i for i, v in zip(ids, values) if v is None]
-        if gone:
-            self.missing_blocks += len(gone)
-            error = BlockMissingError(f"redis: {len(gone)} blocks are gone from {self.namespace!r} "
-                                      f"(evicted by Redis's maxmemory policy?): {gone[:8]}")
-            error.ids = gone
-            raise error
-        whats = [f"redis block {i} ({k.decode()})" for i, k in zip(ids, keys)]
-        try:
-            for block_id, key, value, what in zip(ids, keys, values, whats):
-                self._check_envelope(block_id, key, value, what)
-            return self.codec().decode_batch(self.layout, values, whats, prefix=_ENVELOPE.size + len(keys[0]))
-        except IntegrityError:
-            self.integrity_errors += 1
-            raise
+        batch = BatchDecoder(self.codec(), self.layout, len(ids), prefix=_ENVELOPE.size + len(self.key(0)))
+        for start in range(0, len(ids), self.chunk_blocks):
+            chunk = slice(start, start + self.chunk_blocks)
+            values = self._run(keys[chunk], lambda pipe, k, _: pipe.get(k))
+            gone = [i for i, v in zip(ids[chunk], values) if v is None]
+            if gone:
+                self._raise_missing(ids, keys, start, gone)
+            try:
+                for row, (block_id, key, value) in enumerate(zip(ids[chunk], keys[chunk], values), start):
+                    what = f"redis block {block_id} ({key.decode()})"
+                    self._check_envelope(block_id, key, value, what)
+                    batch.add(row, value, what)
+            except IntegrityError:
+                self.integrity_errors += 1
+                raise
+        return batch.result()
+
+    def _raise_missing(self, ids: Sequence[int], keys: list[bytes], start: int, gone: list[int]) -> None:
+        """BlockMissingError naming every block of the batch Redis no longer holds."""
+        after = slice(start + self.chunk_blocks, None)
+        gone += [i for i, n in zip(ids[after], self._run(keys[after], lambda pipe, k, _: pipe.exists(k))) if not n]
+        self.missing_blocks += len(gone)
+        error = BlockMissingError(f"redis: {len(gone)} blocks are gone from {self.namespace!r} "
+                                  f"(evicted by Redis's maxmemory policy?): {gone[:8]}")
+        error.ids = gone
+        raise error
 
     def fetch(self, ids: Sequence[int], device: torch.device) -> Blocks:
         return self.get(ids).to(device, non_blocking=True)

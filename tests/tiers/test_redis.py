@@ -18,7 +18,7 @@ from bench_longctx.redis_servers import RedisCluster
 from tests.tiers.redis_servers import require_redis
 from tiers.base import BlockMissingError, IntegrityError
 from tiers.layout import BlockLayout
-from tiers.quant import quantize
+from tiers.quant import dequantize, quantize
 from tiers.redis import RedisTier
 
 LAYOUT = BlockLayout(num_kv_heads=2, block_tokens=32, head_dim=64)  # 16 KiB fp16 blocks
@@ -291,3 +291,16 @@ def test_a_dead_cluster_master_is_a_clean_connection_error(tmp_path):
 
 def _node_ports(tier: RedisTier, block_id: int) -> set[int]:
     return {tier.client.get_node_from_key(tier.key(block_id)).port}
+
+
+def test_a_batch_mixing_fp16_and_int8_comes_back_fp16(redis_single):
+    tier = RedisTier(LAYOUT, redis_single.url, 1 << 26)
+    x = kv_like(4, seed=12)
+    tier.put([1, 2], x[:2])
+    tier.put([3, 4], quantize(x[2:]))
+    mixed = tier.get([3, 1, 4, 2])
+    assert torch.equal(mixed[[1, 3]], x[:2])
+    assert torch.equal(mixed[[0, 2]], dequantize(quantize(x[2:])))
+    only_int8 = tier.get([4, 3])  # stays int8: nothing to match
+    assert all(torch.equal(a, b) for a, b in zip(only_int8.tensors(), quantize(x[[3, 2]]).tensors()))
+    tier.close()
