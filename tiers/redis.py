@@ -16,8 +16,9 @@ Keys carry no hash tags: a batch is a pipeline of single-key commands, which the
 client splits per shard, so blocks spread over every slot. The URL decides the client: a
 node that reports `cluster_enabled:1` is opened as a cluster.
 
-Sharing: a private tier (namespace=None) owns `kvtier:<random>`, deletes what it deletes and
-everything left on close(). A shared tier (shared=True, a namespace other processes also
+Sharing: a private tier (shared=False; namespace `kvtier:<random>` unless named) deletes the
+keys of what it deletes and everything left on close(), and never overwrites a key it did not
+write (SET NX: the batch is undone, ValueError). A shared tier (shared=True, a namespace other processes also
 name) never deletes from Redis: its ids must name the same content fleet-wide (e.g. content
 hashes); a put whose key already exists stores nothing and adopts the block there (stored once);
 `attach(ids)` adopts blocks another process wrote. Redis's own maxmemory policy removes them.
