@@ -1,4 +1,4 @@
-"""The `kvtier` command: demo, serve, generate, bench."""
+"""The `kvtier` command: demo, serve, verify, generate, bench."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 COMMANDS = {
     "demo": ("kvstore.demo", "store a long synthetic sequence through every tier and verify it"),
     "serve": ("kvstore.service.cli", "run the sidecar service (FastAPI + uvicorn)"),
+    "verify": ("kvstore.service.verify", "check a sidecar's store (--data-dir) and copy its intact values out"),
     "generate": ("engine_adapter.generate_cli", "greedy decoding with a real or random-weight model"),
     "bench": ("bench_longctx.cli", "long-context benchmarks: speed and accuracy in one run"),
 }

@@ -2,12 +2,16 @@
 
 Every error is JSON {"error": <code>, "detail": <message>}:
     400 bad_request       malformed descriptor, name, body framing or checksum
-    401 unauthorized      missing or wrong bearer token
+    401 unauthorized      missing or wrong bearer token (checked before any body byte is read)
     404 not_found         unknown keys (all of them are named) or route
+    408 body_timeout      the request body stalled for body_timeout_s; the connection is closed
     413 too_large         body or value over the configured limits
     500 integrity_error   a stored value failed its checksum (its bytes are never sent)
+    500 internal_error    a bug; the detail names the exception type, the log has the traceback
+    503 degraded          a write to a store that runs read-only on a damaged file (see /healthz)
     507 storage_full      the ssd budget cannot take the put; nothing was stored
-Routes of the API itself live in kvstore/service/routes.py.
+Routes of the API itself live in kvstore/service/routes.py; the gate every request passes
+first (token, body limits, body timeout) in kvstore/service/guard.py.
 """
 
 from __future__ import annotations
@@ -16,14 +20,17 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 import anyio
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvstore.service.routes import router
-from kvstore.service.settings import ServiceSettings, TooLarge, require_token
+from kvstore.service.damage import Degraded
+from kvstore.service.guard import RequestGuard
 from kvstore.service.metrics import MetricsMiddleware, ServiceMetrics
+from kvstore.service.openapi import openapi_for
+from kvstore.service.routes import router
+from kvstore.service.settings import ServiceSettings, TooLarge
 from kvstore.service.storage import NotFound, ServiceStorage, StorageFull
 from tiers.remote.wire import WireError
 from tiers.base import IntegrityError
@@ -50,19 +57,21 @@ def create_app(settings: ServiceSettings) -> FastAPI:
                               "binary formats and kvstore/service/app.py for the error codes.")
     app.state.settings = settings
     app.state.metrics = metrics
+    app.add_middleware(RequestGuard, settings=settings)  # inner: runs after metrics started the clock
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     _add_error_handlers(app)
     app.include_router(router)
 
     @app.get("/healthz", tags=["ops"])
-    async def healthz() -> dict:
-        return {"status": "ok"}
+    async def healthz(request: Request) -> dict:
+        """"ok", or "degraded" with what is damaged and how to repair it (never needs the token)."""
+        return request.app.state.storage.health()
 
-    @app.get("/metrics", tags=["ops"], dependencies=[Depends(require_token)], response_class=Response,
-             responses={200: {"content": {"text/plain": {}}}})
+    @app.get("/metrics", tags=["ops"], response_class=Response, responses={200: {"content": {"text/plain": {}}}})
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    app.openapi = lambda: openapi_for(app, settings)  # type: ignore[method-assign]
     return app
 
 
@@ -72,7 +81,7 @@ def _error(status: int, code: str, detail: str, headers: dict | None = None) -> 
 
 def _add_error_handlers(app: FastAPI) -> None:
     codes = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
-             413: "too_large", 507: "storage_full"}
+             408: "body_timeout", 413: "too_large", 507: "storage_full"}
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -102,3 +111,12 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(IntegrityError)
     async def integrity_error(request: Request, exc: IntegrityError) -> JSONResponse:
         return _error(500, "integrity_error", str(exc))
+
+    @app.exception_handler(Degraded)
+    async def degraded(request: Request, exc: Degraded) -> JSONResponse:
+        return _error(503, "degraded", str(exc))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        # Runs in Starlette's outermost middleware, which logs the traceback after this answer.
+        return _error(500, "internal_error", f"{type(exc).__name__} (see the server log)")

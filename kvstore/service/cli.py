@@ -1,7 +1,8 @@
 """`kvtier serve`: run the sidecar under uvicorn (also `python -m kvstore.service`).
 
 Binding anything but a loopback address requires a token (--token or $KVTIER_TOKEN);
-clients then send `Authorization: Bearer <token>`.
+clients then send `Authorization: Bearer <token>`. An empty or whitespace token is refused,
+never taken to mean "no token".
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import ipaddress
 import os
 import re
 import sys
+
+from kvstore.service.settings import check_token
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -38,18 +41,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", required=True, help="directory of the LMDB store (created if missing)")
     parser.add_argument("--cpu-bytes", type=parse_bytes, default=parse_bytes("1G"), help="read cache budget")
     parser.add_argument("--ssd-bytes", type=parse_bytes, default=parse_bytes("64G"), help="LMDB budget")
-    parser.add_argument("--token", default=os.environ.get("KVTIER_TOKEN") or None,
+    parser.add_argument("--token", default=os.environ.get("KVTIER_TOKEN"),
                         help="bearer token required on every /v1 and /metrics request (default $KVTIER_TOKEN)")
     parser.add_argument("--compression", choices=("none", "zstd"), default="none",
                         help="zstd level 1 on stored values: less disk, slower puts and cold reads")
     parser.add_argument("--no-sync", action="store_true",
                         help="skip the fsync per LMDB commit: acknowledged puts survive kill -9 but not an OS crash")
     parser.add_argument("--max-value-bytes", type=parse_bytes, default=parse_bytes("256M"))
-    parser.add_argument("--max-body-bytes", type=parse_bytes, default=parse_bytes("1G"))
+    parser.add_argument("--max-body-bytes", type=parse_bytes, default=parse_bytes("1G"),
+                        help="any request body, JSON or binary; checked while it streams in")
+    parser.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="longest wait for the next piece of a request body; then 408 and the connection closes")
+    parser.add_argument("--limit-concurrency", type=int, default=1024, metavar="N",
+                        help="open connections / requests in flight beyond which new requests get 503 (uvicorn)")
     parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        check_token(args.token)
+    except ValueError as exc:
+        print(f"kvtier serve: --token / $KVTIER_TOKEN: {exc}", file=sys.stderr)
+        return 2
+    if args.limit_concurrency < 1:
+        print(f"kvtier serve: --limit-concurrency must be at least 1, got {args.limit_concurrency}", file=sys.stderr)
+        return 2
     if not is_loopback(args.host) and not args.token:
         print(f"kvtier serve: refusing to bind {args.host!r} without a token; pass --token or set KVTIER_TOKEN "
               "(or bind 127.0.0.1)", file=sys.stderr)
@@ -69,13 +85,14 @@ def run(args: argparse.Namespace) -> int:
         settings = ServiceSettings(
             data_dir=args.data_dir, cpu_bytes=args.cpu_bytes, ssd_bytes=args.ssd_bytes, token=args.token,
             compression=args.compression, sync=not args.no_sync, max_value_bytes=args.max_value_bytes,
-            max_body_bytes=args.max_body_bytes,
+            max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
         )
     except ValueError as exc:
         print(f"kvtier serve: {exc}", file=sys.stderr)
         return 2
     config = uvicorn.Config(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
-                            access_log=False, lifespan="on", timeout_graceful_shutdown=5)
+                            access_log=False, lifespan="on", timeout_graceful_shutdown=5,
+                            limit_concurrency=args.limit_concurrency)
     server = uvicorn.Server(config)
     server.run()
     return 0 if server.started else 1

@@ -4,8 +4,11 @@
     kvtier_lookups_total{result}                        cpu_hit | ssd_hit | miss, per key
     kvtier_bytes_in_total, kvtier_bytes_out_total       tensor payload bytes received / sent
     kvtier_request_seconds{method, route}               latency histogram, route = path template
-    kvtier_responses_total{method, route, status}
+    kvtier_responses_total{method, route, status}       status = the HTTP status sent, or "disconnect" when
+                                                        the client left before its response was complete
     kvtier_integrity_errors_total                       stored values that failed a checksum
+    kvtier_degraded                                     1 while the store runs read-only on a damaged file
+    kvtier_damage_problems, kvtier_damaged_values       what the startup check of the LMDB file found
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.requests import ClientDisconnect
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -34,6 +38,10 @@ class ServiceMetrics:
         self.responses = Counter("kvtier_responses", "Responses", ["method", "route", "status"], registry=r)
         self.integrity_errors = Counter("kvtier_integrity_errors", "Stored values that failed a checksum",
                                         registry=r)
+        self.degraded = Gauge("kvtier_degraded", "1 while serving read-only from a damaged LMDB file", registry=r)
+        self.damage_problems = Gauge("kvtier_damage_problems", "Structural problems the startup check found",
+                                     registry=r)
+        self.damaged_values = Gauge("kvtier_damaged_values", "Values the startup check could not keep", registry=r)
         for result in ("cpu_hit", "ssd_hit", "miss"):
             self.lookups.labels(result)
 
@@ -57,18 +65,30 @@ class MetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        start, status = time.perf_counter(), 500
+        start, status, disconnected, complete = time.perf_counter(), "500", False, False
+
+        async def receive_watching() -> Message:
+            nonlocal disconnected
+            message = await receive()
+            disconnected = disconnected or (message["type"] == "http.disconnect" and not complete)
+            return message
 
         async def send_with_status(message: Message) -> None:
-            nonlocal status
+            nonlocal status, complete
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status = str(message["status"])
+            complete = message["type"] == "http.response.body" and not message.get("more_body", False)
             await send(message)
 
         try:
-            await self.app(scope, receive, send_with_status)
+            await self.app(scope, receive_watching, send_with_status)
+        except ClientDisconnect:
+            disconnected = True  # nobody is left to answer; not a server error
+        except Exception:
+            if not disconnected:
+                raise
         finally:
             route = scope.get("route")
             path = getattr(route, "path", "unmatched")
             self.metrics.latency.labels(scope["method"], path).observe(time.perf_counter() - start)
-            self.metrics.responses.labels(scope["method"], path, str(status)).inc()
+            self.metrics.responses.labels(scope["method"], path, "disconnect" if disconnected else status).inc()

@@ -10,19 +10,19 @@ from __future__ import annotations
 from typing import Annotated, Callable
 
 import anyio
-from fastapi import APIRouter, Depends, Header, Path, Query, Request
+from fastapi import APIRouter, Header, Path, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 from starlette.types import Receive, Scope, Send
 
-from kvstore.service.settings import TooLarge, require_token
+from kvstore.service.settings import TooLarge
 from kvstore.service.storage import ServiceStorage
 from tiers.remote.wire import (
     DTYPES, H_CHECKSUM, LAYOUT_VERSION, Descriptor, WireError, check_key, check_namespace, check_prefix, format_checksum,
     pack_batch, parse_checksum, unpack_batch,
 )
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], tags=["blocks"])
+router = APIRouter(prefix="/v1", tags=["blocks"])  # the token is checked before routing (guard.py)
 
 
 class ErrorBody(BaseModel):
@@ -57,7 +57,8 @@ class NamespaceStats(BaseModel):
 
 _BINARY = {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}
 _BINARY_BODY = {"requestBody": {"required": True, **_BINARY}}
-_ERRORS: dict = {code: {"model": ErrorBody} for code in (400, 401, 404, 413, 500, 507)}
+# 401, 408 and 413 from the guard are added by openapi.py (401 only when a token is configured).
+_ERRORS: dict = {code: {"model": ErrorBody} for code in (400, 404, 500, 503, 507)}
 # Patterns and enums below only document the API (and steer schemathesis); the wire.check_* functions
 # enforce them with messages that name the problem.
 Namespace = Annotated[str, Path(description="namespaces never share keys",
@@ -69,6 +70,10 @@ Dtype = Annotated[str, Header(json_schema_extra={"enum": list(DTYPES)})]
 Shape = Annotated[str, Header(description="comma separated dims; empty for a 0-d tensor",
                               json_schema_extra={"pattern": "^([0-9]{1,4}(,[0-9]{1,4}){0,3})?$"})]
 Layout = Annotated[str, Header(json_schema_extra={"enum": [str(LAYOUT_VERSION)]})]
+_PREFIX_SCHEMA = {"pattern": "^[A-Za-z0-9_.~:@+=/-]*$", "maxLength": 400}
+Prefix = Annotated[str, Query(description="only keys that start with this", json_schema_extra=_PREFIX_SCHEMA)]
+After = Annotated[str, Query(description="only keys that sort after this one (the last key of the previous page)",
+                             json_schema_extra=_PREFIX_SCHEMA)]
 
 
 async def _blocking(request: Request, fn: Callable, *args: object):
@@ -218,7 +223,7 @@ async def batch_delete(namespace: Namespace, body: KeysRequest, request: Request
 
 @router.get("/namespaces/{namespace}/keys", response_model=KeysPage, responses=_ERRORS)
 async def list_keys(
-    namespace: Namespace, request: Request, prefix: str = "", after: str = "",
+    namespace: Namespace, request: Request, prefix: Prefix = "", after: After = "",
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
 ) -> KeysPage:
     """Keys starting with `prefix`, in byte order; page with `after` = the last key seen."""

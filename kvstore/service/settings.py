@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import hmac
+import math
+import re
 from dataclasses import dataclass
 
-from fastapi import Depends, HTTPException, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+# RFC 6750 b64token: what an Authorization header can carry unchanged (no spaces, no quotes).
+_TOKEN = re.compile(r"[A-Za-z0-9._~+/-]+=*")
 
 
 @dataclass(slots=True)
@@ -18,28 +19,32 @@ class ServiceSettings:
     compression: str = "none"  # "none" or "zstd" (smaller on disk, slower puts and cold reads)
     sync: bool = True  # fsync every LMDB commit
     max_value_bytes: int = 256 << 20  # one tensor
-    max_body_bytes: int = 1 << 30  # one request body (a batch)
+    max_body_bytes: int = 1 << 30  # one request body (a batch or a JSON key list)
+    body_timeout_s: float = 30.0  # longest wait for the next piece of a request body (then 408, connection closed)
     worker_threads: int = 16  # blocking LMDB / checksum / zstd work runs on these, never on the event loop
 
     def __post_init__(self) -> None:
         for name in ("cpu_bytes", "ssd_bytes", "max_value_bytes", "max_body_bytes", "worker_threads"):
             if getattr(self, name) < (0 if name == "cpu_bytes" else 1):
                 raise ValueError(f"ServiceSettings.{name} must be positive, got {getattr(self, name)}")
-        if self.token is not None and not self.token:
-            raise ValueError("ServiceSettings.token must be a non-empty string or None")
+        if not (isinstance(self.body_timeout_s, (int, float)) and math.isfinite(self.body_timeout_s)
+                and self.body_timeout_s > 0):
+            raise ValueError(f"ServiceSettings.body_timeout_s must be a positive number of seconds, "
+                             f"got {self.body_timeout_s!r}")
+        check_token(self.token)
+
+
+def check_token(token: str | None) -> None:
+    """None (no auth) or a usable bearer token; an empty or whitespace token is a mistake, never 'no auth'."""
+    if token is None:
+        return
+    if not isinstance(token, str) or not token.strip():
+        raise ValueError("token must not be empty or whitespace; pass a real secret, or none to disable auth "
+                         "(only allowed on a loopback bind)")
+    if not _TOKEN.fullmatch(token):
+        raise ValueError("token must be letters, digits and ._~+/- (RFC 6750 b64token, no spaces or quotes) "
+                         f"so an 'Authorization: Bearer' header can carry it; got {len(token)} characters that are not")
 
 
 class TooLarge(ValueError):
     """A body or value over the configured limits (413)."""
-
-
-_bearer = HTTPBearer(auto_error=False, description="required when the server was started with --token")
-
-
-async def require_token(request: Request, cred: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
-    token = request.app.state.settings.token
-    if token is None:
-        return
-    if cred is None or not hmac.compare_digest(cred.credentials.encode(), token.encode()):
-        raise HTTPException(401, "missing or wrong bearer token (send 'Authorization: Bearer <token>')",
-                            headers={"WWW-Authenticate": "Bearer"})

@@ -13,7 +13,11 @@ in commit order (tiers.ssd.SsdTier.on_commit), so it never holds a value older t
 LMDB's; reads fill it only when no commit ran during their LMDB read.
 
 LMDB keys: b"v/" + namespace + b"/" + key. Namespaces cannot contain "/", so one
-namespace's keys are never a prefix scan away from another's.
+namespace's keys are never a prefix scan away from another's. Each value also holds its
+key inside its checksummed header (values.py), so a damaged key never serves another's data.
+
+A damaged LMDB file does not stop the service: it starts read-only on the intact values
+(damage.py) and says so in stats() and health().
 """
 
 from __future__ import annotations
@@ -25,14 +29,12 @@ from collections import OrderedDict
 
 import xxhash
 
+from kvstore.service.damage import PREFIX as _PREFIX
+from kvstore.service.damage import open_values
 from kvstore.service.metrics import ServiceMetrics
 from kvstore.service.values import Value, ValueCodec
 from tiers.remote.wire import Descriptor, WireError
 from tiers.base import IntegrityError
-from tiers.layout import BlockLayout
-from tiers.ssd import SsdTier
-
-_PREFIX = b"v/"
 
 
 class NotFound(KeyError):
@@ -105,9 +107,13 @@ class ServiceStorage:
         self.integrity_errors = 0
         self._codec = threading.local()
         ValueCodec(compression)  # validates `compression` before anything is opened
-        # SsdTier's block API is unused here (values go through put_values); its layout is a placeholder.
-        self.ssd = SsdTier(BlockLayout(1, 1, 1), os.path.join(data_dir, "values.lmdb"), ssd_bytes,
-                           sync=sync, key_prefix=_PREFIX)
+        self.ssd, self.damage = open_values(os.path.join(data_dir, "values.lmdb"), ssd_bytes, sync)
+        metrics.degraded.set(int(self.damage.read_only))
+        metrics.damage_problems.set(len(self.damage.problems))
+        metrics.damaged_values.set(self.damage.damaged_values)
+        if self.damage.read_only:
+            logging.getLogger(__name__).error("kvtier service: %s is damaged; serving %d intact values read-only: %s",
+                                              data_dir, self.damage.found_values, self.damage.problems[:5])
         self._lock = threading.Lock()  # guards namespace totals and the bytes reserved by puts in flight
         self._reserved = 0
         self.namespaces: dict[str, list[int]] = {}  # namespace -> [blocks, bytes]
@@ -124,7 +130,7 @@ class ServiceStorage:
             if checksum is not None and checksum != actual:
                 raise WireError(f"key {key!r}: body checksum {actual:016x} != x-kvtier-checksum {checksum:016x} "
                                  "(the bytes were damaged on the way)")
-            values.append(self.codec().encode(desc, payload, actual))
+            values.append(self.codec().encode(desc, payload, actual, _lmdb_key(namespace, key)))
         need = sum(map(len, values))
         with self._lock:
             free = self.ssd.capacity_bytes - self.ssd.used_bytes - self._reserved
@@ -176,7 +182,7 @@ class ServiceStorage:
 
     def _decode(self, namespace: str, key: str, lkey: bytes, value: bytes) -> Value:
         try:
-            return self.codec().decode(value, f"namespace {namespace!r} key {key!r}")
+            return self.codec().decode(value, f"namespace {namespace!r} key {key!r}", lkey)
         except IntegrityError:
             self.integrity_errors += 1
             self.metrics.integrity_errors.inc()
@@ -236,7 +242,19 @@ class ServiceStorage:
             "integrity_errors": self.integrity_errors,
             "durability": "fsync per commit" if self.sync else "no fsync (survives kill -9, not an OS crash)",
             "compression": self.compression,
+            "mode": "read-only (damaged file)" if self.damage.read_only else "read-write",
+            "damage": self.damage.summary() if self.damage.read_only else None,
         }
+
+    def health(self) -> dict:
+        """/healthz: "ok", or "degraded" once damage is known (at startup, or a value that failed its checksum)."""
+        if not self.damage.read_only and not self.integrity_errors:
+            return {"status": "ok"}
+        out: dict = {"status": "degraded", "mode": "read-only" if self.damage.read_only else "read-write",
+                     "integrity_errors": self.integrity_errors}
+        if self.damage.read_only:
+            out["damage"] = self.damage.summary()
+        return out
 
     def close(self) -> None:
         self.ssd.close()

@@ -160,6 +160,8 @@ def unpack_batch(body: memoryview | bytes) -> list[tuple[str, Descriptor, int | 
         items = [_unpack_item(item, len(body), _LENGTH.size + length) for item in raw_items]
     except WireError:
         raise
+    except RecursionError:  # json.loads of deeply nested arrays: bad input, not a server fault
+        raise WireError("batch index is nested too deeply to be a batch index") from None
     except (ValueError, KeyError, TypeError) as exc:
         raise WireError(f"batch index is malformed ({type(exc).__name__}: {exc}); see kvstore/service/wire.py") from None
     keys = [item[0] for item in items]
