@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kvstore import Config, KVStore, ModelSpec
-from tests.tiers.redis_servers import redis_server, redis_single  # noqa: F401  (fixtures)
+from tests.tiers.redis_servers import raw_client
+from tests.tiers.redis_servers import redis_cluster, redis_server, redis_single, redis_url  # noqa: F401  (fixtures)
 from tiers.base import BlockMissingError
 from tiers.quant import within_bound as within_int8
 
@@ -27,9 +28,9 @@ def kv(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.randn((t, 2, 64), generator=g).half(), torch.randn((t, 2, 64), generator=g).half())
 
 
-def test_cold_blocks_live_in_redis_and_read_back(redis_single):
+def test_cold_blocks_live_in_redis_and_read_back(redis_url):
     namespace = f"store-{uuid.uuid4().hex[:8]}"
-    store = KVStore(config(redis_single.url, redis_namespace=namespace))
+    store = KVStore(config(redis_url, redis_namespace=namespace))
     seq = store.create_sequence()
     k, v = kv(4096, seed=1)
     for start in range(0, 4096, 512):
@@ -40,10 +41,11 @@ def test_cold_blocks_live_in_redis_and_read_back(redis_single):
     assert torch.equal(got[0][:32], k[:32]) and torch.equal(got[0][-64:], k[-64:])
     assert within_int8(got, (k, v), 32)
     store.check_integrity()
-    with redis_single.client() as raw:
-        assert len(list(raw.scan_iter(match=f"{namespace}:*"))) == tiers["redis"]["blocks"]
-        store.close()
-        assert not list(raw.scan_iter(match=f"{namespace}:*"))  # a store's blocks leave with it
+    raw = raw_client(redis_url)  # on a cluster, scan_iter visits every master
+    assert len(list(raw.scan_iter(match=f"{namespace}:*"))) == tiers["redis"]["blocks"]
+    store.close()
+    assert not list(raw.scan_iter(match=f"{namespace}:*"))  # a store's blocks leave with it
+    raw.close()
 
 
 def test_evicted_cold_blocks_are_a_clean_error_never_data(redis_server):

@@ -8,8 +8,19 @@ Without redis-server installed the tests skip and say so (CI installs it: .ci/ru
 from __future__ import annotations
 
 import pytest
+import redis
 
 from bench_longctx.redis_servers import RedisCluster, RedisServer, missing_binaries
+
+
+def raw_client(url: str) -> redis.Redis | redis.RedisCluster:
+    """A plain redis-py client for `url` (a cluster client if the node is in a cluster): what tests
+    use to look at, damage or remove values behind the tier."""
+    client = redis.Redis.from_url(url)
+    if client.info("cluster").get("cluster_enabled") == 1:
+        client.close()
+        return redis.RedisCluster.from_url(url)
+    return client
 
 
 def require_redis() -> None:

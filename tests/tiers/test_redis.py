@@ -11,11 +11,10 @@ import threading
 import uuid
 
 import pytest
-import redis
 import torch
 
 from bench_longctx.redis_servers import RedisCluster
-from tests.tiers.redis_servers import require_redis
+from tests.tiers.redis_servers import raw_client, require_redis
 from tiers.base import BlockMissingError, IntegrityError
 from tiers.layout import BlockLayout
 from tiers.quant import dequantize, quantize
@@ -29,14 +28,6 @@ def kv_like(n: int, seed: int) -> torch.Tensor:
     x = torch.randn((n, *LAYOUT.shape), generator=g)
     x[:, 0, :, :, :4] *= 30  # a few large key channels, as real keys have
     return x.half()
-
-
-def raw_client(url: str) -> redis.Redis | redis.RedisCluster:
-    client = redis.Redis.from_url(url)
-    if client.info("cluster").get("cluster_enabled") == 1:
-        client.close()
-        return redis.RedisCluster.from_url(url)
-    return client
 
 
 @pytest.mark.parametrize("compression", ["none", "zstd"])
