@@ -56,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--geometry", default=None, help="e2e: model geometry, e.g. llama3-8b")
     parser.add_argument("--context", default=None, help="e2e: context length, e.g. 1M")
     parser.add_argument("--budget", default=None, help="e2e: top-K token budget, e.g. 4096")
+    parser.add_argument("--fill", default=None, choices=("prefill", "random", "auto"),
+                        help="e2e: fill the context by the model's prefill (timed against the FLOP bound) or random K/V")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override one preset field, e.g. decode.contexts=4K,8K (repeatable)")
     parser.add_argument("--smallest", action="store_true", help="only the smallest case of every suite")
@@ -65,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_preset(args: argparse.Namespace) -> presets.Preset:
     preset = presets.get_preset(args.preset)
-    for key, value in (("geometry", args.geometry), ("context", args.context), ("budget", args.budget)):
+    for key, value in (("geometry", args.geometry), ("context", args.context), ("budget", args.budget),
+                       ("fill", args.fill)):
         if value is not None:
             preset = presets.override(preset, f"e2e.{key}={value}")
     for assignment in args.set:

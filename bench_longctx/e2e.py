@@ -4,7 +4,8 @@ The model is engine_adapter.llama's Llama at the geometry's published sizes (hid
 width, vocabulary), random weights initialized on the device. Its KV cache lives in a
 KVStore: sinks and the recent window fp16 (hot), everything older int8 (warm) as far as
 GPU memory allows, the rest int8 in host memory (cpu). The context is filled either by
-the model's own chunked prefill ("prefill") or, at lengths where that prefill would take
+the model's own layer-wise prefill ("prefill": tokens/s reported beside the FLOP-bound
+estimate, the prefill's matmul FLOPs over the device's measured matmul rate) or, at lengths where that prefill would take
 far longer than the benchmark, by writing random K/V into every layer ("random": the
 decode step reads the same bytes either way, so its speed is measured fairly).
 
@@ -23,7 +24,7 @@ import torch
 
 from bench_longctx.models import model_store, store_bytes
 from bench_longctx.presets import E2EPreset
-from bench_longctx.timing import Deadline, release, timed
+from bench_longctx.timing import Deadline, release, time_ms, timed
 from engine_adapter.llama import Decoder, Llama, LlamaArgs
 from kvstore.config import ModelSpec
 from kvstore.store import KVStore
@@ -37,6 +38,7 @@ REAL_SIZES = {
     "smollm2-135m": (576, 1536, 49152, True),
 }
 CHUNK = 1 << 16
+PREFILL_CHUNK = 8192  # queries per SDPA call and MLP pass of the layer-wise prefill on CUDA
 GPU_RESERVE = 6 << 30  # activations, CUDA graphs, key summaries growing past the context
 
 
@@ -143,18 +145,41 @@ def memory(store: KVStore, model: Llama, seq: int) -> dict:
     return out
 
 
-def fill_context(decoder: Decoder, seq: int, p: E2EPreset, progress) -> tuple[str, float]:
+def prefill_flops(args: LlamaArgs, tokens: int) -> float:
+    """Matmul FLOPs of a prefill of `tokens` tokens: 2 * layer params * tokens (projections and MLP) plus
+    causal attention, 4 * q_heads * head_dim per (query, key) pair per layer (QK^T and PV)."""
+    q_dim, kv_dim = args.num_q_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    layer_params = args.dim * (2 * q_dim + 2 * kv_dim) + 3 * args.dim * args.hidden_dim
+    pairs = tokens * (tokens + 1) / 2
+    return args.num_layers * (2.0 * layer_params * tokens + 4.0 * args.num_q_heads * args.head_dim * pairs)
+
+
+def matmul_flops_per_s(device: torch.device, dtype: torch.dtype) -> float:
+    """The device's measured dense matmul rate in `dtype` (the prefill's FLOP-bound ceiling)."""
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn((n, n), device=device).to(dtype)
+    b = torch.randn((n, n), device=device).to(dtype)
+    return 2.0 * n ** 3 / (time_ms(lambda: a @ b, device) / 1e3)
+
+
+def fill_context(decoder: Decoder, seq: int, p: E2EPreset, progress) -> tuple[str, float, dict | None]:
+    """(fill, seconds, prefill rate against the FLOP bound or None for a random fill)."""
     fill = p.fill if p.fill != "auto" else ("prefill" if p.context <= p.max_prefill else "random")
     if fill not in ("prefill", "random"):
         raise ValueError(f"e2e.fill must be 'prefill', 'random' or 'auto', got {p.fill!r}")
-    if fill == "prefill":
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, decoder.model.args.vocab_size, (p.context,), generator=g)
-        _, seconds = timed(lambda: decoder.prefill(seq, ids, chunk_tokens=512), decoder.store.device)
-    else:
+    if fill == "random":
         _, seconds = timed(lambda: fill_random(decoder.store, seq, p.context, seed=0, progress=progress),
                            decoder.store.device)
-    return fill, seconds
+        return fill, seconds, None
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, decoder.model.args.vocab_size, (p.context,), generator=g)
+    chunk = PREFILL_CHUNK if decoder.device.type == "cuda" else 512
+    _, seconds = timed(lambda: decoder.prefill(seq, ids, chunk_tokens=chunk), decoder.store.device)
+    flops, peak = prefill_flops(decoder.model.args, p.context), matmul_flops_per_s(decoder.device, decoder.dtype)
+    return fill, seconds, {"tokens": p.context, "chunk_tokens": chunk, "seconds": seconds,
+                           "tokens_per_s": p.context / seconds, "flops": flops, "matmul_flops_per_s": peak,
+                           "flop_bound_s": flops / peak, "flop_bound_tokens_per_s": p.context * peak / flops,
+                           "fraction_of_flop_bound": flops / peak / seconds}
 
 
 def timed_paths(decoder: Decoder, seq: int, p: E2EPreset, deadline: Deadline) -> tuple[dict, list[str]]:
@@ -181,17 +206,22 @@ def run_e2e(p: E2EPreset, device: torch.device, deadline: Deadline, progress) ->
     try:
         decoder = Decoder(model, store)
         seq = store.create_sequence()
-        fill, fill_s = fill_context(decoder, seq, p, progress)
+        fill, fill_s, prefill = fill_context(decoder, seq, p, progress)
         paths, notes = timed_paths(decoder, seq, p, deadline)
         result = {"geometry": p.geometry, "layers": args.num_layers, "dim": args.dim, "hidden_dim": args.hidden_dim,
                   "vocab_size": args.vocab_size, "dtype": str(model.embed_tokens.weight.dtype).replace("torch.", ""),
                   "context": p.context, "budget": p.budget, "hot_tokens": p.hot_tokens,
                   "recent_tokens": p.recent_tokens, "warm_tokens": store.config.warm_tokens, "fill": fill,
-                  "fill_s": fill_s, "paths": paths, "notes": notes, "memory": memory(store, model, seq)}
+                  "fill_s": fill_s, "prefill": prefill, "paths": paths, "notes": notes, "memory": memory(store, model, seq)}
     finally:
         store.close()
         del model, store
         release(device)
+    if prefill:
+        result["notes"].append(f"prefill {prefill['tokens_per_s']:.0f} tokens/s, FLOP bound "
+                               f"{prefill['flop_bound_tokens_per_s']:.0f} tokens/s ({prefill['flops'] / 1e12:.2f} TFLOP "
+                               f"at a measured {prefill['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s matmul): "
+                               f"{100 * prefill['fraction_of_flop_bound']:.0f}% of the bound")
     if fill == "random":
         result["notes"].append("context filled with random K/V written into every layer, not by a prefill: "
                                "decode reads the same bytes either way")

@@ -3,9 +3,10 @@
 The module holds the math only: RMSNorm, RoPE, GQA attention projections and the
 SwiGLU MLP, with parameter names that mirror Hugging Face's so an HF state dict
 loads after stripping prefixes (see engine_adapter.weights). `Decoder` runs it
-against a store: prefill in chunks (each chunk attends, exactly and causally, to
-everything the store holds for the sequence, itself included), decode one token
-at a time through `store.attend`, greedy `generate`.
+against a store: a layer-wise prefill (per layer, the prompt's causal attention with SDPA
+over its K/V on the device, the sequence's earlier tokens read from the store once, then
+the K/V appended to the store), decode one token at a time through `store.attend`,
+greedy `generate`.
 
 K and V enter the store as fp16 with RoPE already applied to K; compute is in the
 model's dtype (fp32 matches the HF reference best on CPU).
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from kvstore.config import ModelSpec
 
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
     from kvstore.store import KVStore
 
 TokenIds = Sequence[int] | torch.Tensor
+APPEND_TOKENS = 1 << 16  # prefill appends a layer's K/V to the store this many tokens at a time
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +164,8 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if start == 0 and s == t:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    elif start + t == s and q.device.type == "cuda":  # flash, lower-right causal: no [T, S] mask in memory
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(t, s), enable_gqa=True)
     else:
         mask = torch.arange(s, device=q.device)[None, :] <= torch.arange(start, start + t, device=q.device)[:, None]
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
@@ -196,37 +201,66 @@ class Decoder:
             raise ValueError(f"token ids must lie in [0, {vocab}), got range [{int(ids.min())}, {int(ids.max())}]")
         return ids
 
-    @torch.no_grad()  # not inference_mode: tensors the store allocates here must stay writable after
+    @torch.no_grad()
     def forward_chunk(self, seq: int, token_ids: TokenIds, all_logits: bool = False) -> torch.Tensor:
         """Append one chunk to the sequence; fp32 logits [T, vocab] for its positions ([1, vocab]: the last)."""
         ids = self._tokens(token_ids)
-        start = self.length(seq)
-        cos, sin = self.model.rope(torch.arange(start, start + ids.numel(), device=self.device), self.dtype)
+        if ids.numel() == 0:
+            raise ValueError("forward_chunk needs at least one token, got none")
+        x = self._prefill_hidden(seq, ids, ids.numel())
+        return self.model.logits(x if all_logits else x[-1:])
+
+    @torch.no_grad()  # not inference_mode: tensors the store allocates here must stay writable after
+    def _prefill_hidden(self, seq: int, ids: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+        """Layer-wise prefill of ids [T] after the sequence's tokens; returns the last layer's hidden [T, dim].
+
+        Per layer: the layer's K/V of the whole prompt stay on the device (the earlier tokens read from
+        the store once, up front), queries and the MLP run chunk_tokens at a time with causal SDPA over
+        the K/V so far, then the prompt's K/V are appended to the store (placed by tier). K/V are
+        rounded to fp16 before anyone attends to them: exactly what decode later reads back."""
+        a, start, t = self.model.args, self.length(seq), ids.numel()
+        cos, sin = self.model.rope(torch.arange(start, start + t, device=self.device), self.dtype)  # [T, D]
         x = self.model.embed_tokens(ids)  # [T, dim]
         for i, layer in enumerate(self.model.layers):
-            q, k, v = layer.qkv(x, cos, sin)
-            self.store.append(seq, i, k.half(), v.half())
-            keys, values = self.store.read(seq, i)  # [S, Hkv, D] fp16, this chunk included
-            attn = chunk_attention(q, keys.to(q), values.to(q), start)
-            x = layer.finish(x, attn)
-        return self.model.logits(x if all_logits else x[-1:])
+            keys = torch.empty((start + t, a.num_kv_heads, a.head_dim), dtype=self.dtype, device=self.device)
+            values = torch.empty_like(keys)  # [S, Hkv, D] for positions 0..start+T-1
+            if start:
+                keys[:start], values[:start] = self.store.read(seq, i)
+            for lo in range(0, t, chunk_tokens):
+                hi = min(t, lo + chunk_tokens)
+                q, k, v = layer.qkv(x[lo:hi], cos[lo:hi], sin[lo:hi])
+                keys[start + lo: start + hi], values[start + lo: start + hi] = k.half(), v.half()
+                attn = chunk_attention(q, keys[: start + hi], values[: start + hi], start + lo)
+                x[lo:hi] = layer.finish(x[lo:hi], attn)
+            for lo in range(start, start + t, APPEND_TOKENS):  # bounded staging in the store's append
+                hi = min(start + t, lo + APPEND_TOKENS)
+                self.store.append(seq, i, keys[lo:hi].half(), values[lo:hi].half())
+        return x
 
     def prefill_logits(self, seq: int, token_ids: TokenIds, chunk_tokens: int = 512,
                        all_logits: bool = True) -> Iterator[torch.Tensor]:
-        """Prefill chunk by chunk, yielding each chunk's logits [t, vocab] (or [1, vocab], its last)."""
+        """Prefill (layer-wise, chunk_tokens queries at a time), then yield each chunk's logits [t, vocab]
+        (or [1, vocab], its last)."""
         if chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
         ids = self._tokens(token_ids)
         if ids.numel() == 0:
             raise ValueError("prefill needs at least one token, got none")
+        x = self._prefill_hidden(seq, ids, chunk_tokens)
         for begin in range(0, ids.numel(), chunk_tokens):
-            yield self.forward_chunk(seq, ids[begin : begin + chunk_tokens], all_logits)
+            h = x[begin: begin + chunk_tokens]
+            with torch.no_grad():
+                yield self.model.logits(h if all_logits else h[-1:])
 
     def prefill(self, seq: int, token_ids: TokenIds, chunk_tokens: int = 512) -> torch.Tensor:
         """Prefill the prompt; returns the logits [vocab] that predict the next token."""
-        for logits in self.prefill_logits(seq, token_ids, chunk_tokens, all_logits=False):
-            last = logits[-1]
-        return last
+        if chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+        ids = self._tokens(token_ids)
+        if ids.numel() == 0:
+            raise ValueError("prefill needs at least one token, got none")
+        with torch.no_grad():
+            return self.model.logits(self._prefill_hidden(seq, ids, chunk_tokens)[-1:])[0]
 
     @torch.no_grad()  # not inference_mode: tensors the store allocates here must stay writable after
     def decode_step(self, seq: int, token_id: int, mode: str = "dense", budget: int = 4096) -> torch.Tensor:

@@ -68,6 +68,25 @@ def test_chunked_prefill_is_chunk_size_invariant() -> None:
         torch.testing.assert_close(other, results[0], atol=1e-5, rtol=1e-4)
 
 
+def test_prefill_after_a_prefix_reads_the_store_once_per_layer() -> None:
+    """A prompt appended after earlier tokens attends to them through the store, once per layer per call
+    (not per chunk), and gives the logits one whole prefill gives."""
+    model = random_llama(TINY, seed=9, vocab_size=211)
+    ids = torch.randint(0, 211, (150,), generator=torch.Generator().manual_seed(3))
+    with store_for(TINY, hot_tokens=32, warm_tokens=0) as store:  # the prefix spans hot and cpu (fp16: exact)
+        decoder = Decoder(model, store)
+        whole = torch.cat(list(decoder.prefill_logits(store.create_sequence(), ids, 64)))
+        seq = store.create_sequence()
+        decoder.prefill(seq, ids[:70], 16)
+        reads = []
+        read = store.read
+        store.read = lambda *a, **kw: reads.append(a) or read(*a, **kw)
+        later = torch.cat(list(decoder.prefill_logits(seq, ids[70:], 16)))
+        assert sorted(reads) == [(seq, layer) for layer in range(TINY.num_layers)]
+        store.check_integrity()
+    torch.testing.assert_close(later, whole[70:], atol=1e-5, rtol=1e-4)
+
+
 def test_decode_steps_match_prefill() -> None:
     """Token t decoded through store.attend sees what prefill's causal attention gave position t."""
     model = random_llama(TINY, seed=4, vocab_size=211)
