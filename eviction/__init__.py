@@ -1,8 +1,11 @@
 """Which KV blocks a decode step attends, and which ones leave first.
 
     from eviction import POLICIES, ScoreContext
-    ctx = ScoreContext(summaries, num_tokens, block_tokens, sink_tokens, recent_tokens, q=q, h2o_scores=scores)
+    ctx = ScoreContext(summaries, num_tokens, block_tokens, sink_tokens, recent_tokens, q=q, h2o_scores=scores,
+                       sketch=codes)
     block_table = POLICIES["topk"]().select(ctx, budget_tokens)  # int64 [kv_heads, k], rows ascending
+
+"topk" is the 4-bit key sketch selector (SketchTopK, eviction/sketch_topk.py); "quest" the min/max bound.
 """
 
 from __future__ import annotations
@@ -10,16 +13,18 @@ from __future__ import annotations
 from eviction.base import Policy, ScoreContext
 from eviction.h2o import H2O, h2o_evict
 from eviction.select import protected_mask, protected_range, select
+from eviction.sketch_topk import SketchTopK
 from eviction.topk import TopK, topk_select
 from eviction.window import Window
 
-POLICIES: dict[str, type[Policy]] = {"window": Window, "h2o": H2O, "topk": TopK}
+POLICIES: dict[str, type[Policy]] = {"window": Window, "h2o": H2O, "topk": SketchTopK, "quest": TopK}
 
 __all__ = [
     "POLICIES",
     "H2O",
     "Policy",
     "ScoreContext",
+    "SketchTopK",
     "TopK",
     "Window",
     "h2o_evict",

@@ -26,13 +26,11 @@ from __future__ import annotations
 import torch
 
 from eviction.select import cdiv
+from eviction.sketch_kernel import COARSE_HALF, COARSE_MID, FINE_HALF, ROUNDING_SLACK
 from eviction.summaries import summarize_keys
 
 LEVELS = 15  # 4-bit codes 0..15
 PLANES = 2
-COARSE_MID, COARSE_HALF = 1.5, 2.0  # high plane alone: k_hat = min + step * (4 hi + 1.5), |err| <= 2 step
-FINE_HALF = 0.5  # both planes: |err| <= step / 2
-ROUNDING_SLACK = 1e-4  # relative slack on sum_d |q_d| max(|min_d|, |max_d|): fp32 arithmetic in the estimate
 
 
 def grid_steps(summaries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,13 +38,6 @@ def grid_steps(summaries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = summaries.float()
     low = s.select(-3, 0)
     return low, (s.select(-3, 1) - low) / LEVELS
-
-
-def encode(keys: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:
-    """4-bit codes of the keys of one block: keys [t, H, D], summary [2, H, D] -> int64 [t, H, D] in [0, 15]."""
-    low, step = grid_steps(summary)  # [H, D]
-    scaled = (keys.float() - low) / torch.where(step > 0, step, torch.ones_like(step))
-    return scaled.round().clamp_(0, LEVELS).to(torch.int64)
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:
@@ -66,6 +57,14 @@ def unpack(packed: torch.Tensor, planes: int = PLANES) -> torch.Tensor:
     return code.flatten(-2).float()
 
 
+def encode_blocks(blocks: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
+    """Codes of whole blocks: keys [n, B, H, D] on the grids of their summaries [n, 2, H, D]
+    -> uint8 [n, H, 2, B, D // 4]. Tokens a block does not hold must repeat a real key or be masked later."""
+    low, step = grid_steps(summaries)  # [n, H, D]
+    scaled = (blocks.float() - low[:, None]) / torch.where(step > 0, step, torch.ones_like(step))[:, None]
+    return pack(scaled.round().clamp_(0, LEVELS).to(torch.int64).transpose(1, 2))  # [n, H, 2, B, D/4]
+
+
 def sketch_keys(keys: torch.Tensor, block_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """keys [T, H, D] -> (summaries fp16 [N, 2, H, D], codes uint8 [N, H, 2, block_tokens, D // 4]).
 
@@ -76,14 +75,10 @@ def sketch_keys(keys: torch.Tensor, block_tokens: int) -> tuple[torch.Tensor, to
     if head_dim % 4:
         raise ValueError(f"keys: head_dim must be a multiple of 4 for 2-bit planes, got {head_dim}")
     num_blocks = summaries.shape[0]
-    padded = keys.new_zeros(num_blocks * block_tokens, num_kv_heads, head_dim)  # [N*B, H, D]
+    padded = keys.new_empty(num_blocks * block_tokens, num_kv_heads, head_dim)  # [N*B, H, D]
     padded[:num_tokens] = keys
-    blocks = padded.view(num_blocks, block_tokens, num_kv_heads, head_dim).float()  # [N, B, H, D]
-    low, step = grid_steps(summaries)  # [N, H, D]
-    scaled = (blocks - low[:, None]) / torch.where(step > 0, step, torch.ones_like(step))[:, None]
-    codes = scaled.round().clamp_(0, LEVELS).to(torch.int64)
-    codes.view(-1, num_kv_heads, head_dim)[num_tokens:] = 0
-    return summaries, pack(codes.transpose(1, 2))  # [N, H, 2, B, D/4]
+    padded[num_tokens:] = summaries[-1, 0]  # the tail's minimum: code 0
+    return summaries, encode_blocks(padded.view(num_blocks, block_tokens, num_kv_heads, head_dim), summaries)
 
 
 class KeySketch:

@@ -29,9 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-LEVELS = 15.0
-COARSE_MID, COARSE_HALF, FINE_HALF = 1.5, 2.0, 0.5  # as in eviction/sketch.py
-ROUNDING_SLACK = 1e-4
+LEVELS = 15.0  # 4-bit codes 0..15 (eviction/sketch.py)
+COARSE_MID, COARSE_HALF = 1.5, 2.0  # high plane alone: k_hat = min + step * (4 hi + 1.5), |k - k_hat| <= 2 step
+FINE_HALF = 0.5  # both planes: |k - k_hat| <= step / 2
+ROUNDING_SLACK = 1e-4  # relative slack on sum_d |q_d| max(|min_d|, |max_d|): fp32 arithmetic in the bounds
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_cols"])

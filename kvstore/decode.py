@@ -18,6 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from eviction import H2O, Policy, ScoreContext
+from eviction.certify import certified_omitted_mass
+from eviction.select import num_protected, num_selected
+from eviction.sketch_topk import SketchTopK
 from kvstore.attention import kernel_for
 from kvstore.config import Config
 from kvstore.table import DROPPED, LayerTable
@@ -35,11 +38,18 @@ class AttendStats:
     promotions: int = 0
     mass_measured: int = 0
     mass_captured: float = 0.0  # summed over measured calls
+    certified_calls: int = 0  # calls whose policy certified its omitted mass (SketchTopK)
+    certified_omitted: float = 0.0  # summed: per call the mean over kv heads of the certified bound
+    true_omitted: float = 0.0  # summed over calls both certified and measured: 1 - captured mass
+    certified_measured: int = 0
+    certificate_violations: int = 0  # measured calls where some head's bound fell below its true omitted mass
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
         d["read_fraction"] = self.attended_tokens / self.context_tokens if self.context_tokens else None
         d["mean_mass_captured"] = self.mass_captured / self.mass_measured if self.mass_measured else None
+        d["mean_certified_omitted"] = self.certified_omitted / self.certified_calls if self.certified_calls else None
+        d["mean_true_omitted"] = self.true_omitted / self.certified_measured if self.certified_measured else None
         return d
 
 
@@ -72,26 +82,72 @@ class DecodePath:
         n = table.num_blocks
         return ScoreContext(summaries=table.summaries[:n], num_tokens=table.num_tokens,
                             block_tokens=self.block_tokens, sink_tokens=self.sink_tokens,
-                            recent_tokens=self.recent_window(budget), q=q, h2o_scores=table.h2o_scores[:, :n])
+                            recent_tokens=self.recent_window(budget), q=q, h2o_scores=table.h2o_scores[:, :n],
+                            sketch=table.sketch)
 
     def attend(self, table: LayerTable, q: torch.Tensor, policy: Policy | None, budget: int,
-               measure_mass: bool = False) -> torch.Tensor:
+               measure_mass: bool = False, epsilon: float | None = None) -> torch.Tensor:
         """q [num_q_heads, head_dim] -> out [num_q_heads, head_dim] (fp16). policy None: dense.
 
         measure_mass: also run dense attention and record in the stats how much of the dense
-        softmax mass the selected blocks hold (costs a dense pass; for evaluation)."""
-        selected = self.select(table, q, policy, budget)  # int64 [H, k], ascending, tail last
-        out, mass = self.attend_blocks(table, q, selected)
+        softmax mass the selected blocks hold (costs a dense pass; for evaluation).
+        epsilon (SketchTopK only): grow the selection in power-of-two block counts until the certified
+        omitted mass of every kv head is <= epsilon or `budget` tokens are selected."""
+        certified = None
+        if isinstance(policy, SketchTopK):
+            selected, out, mass, certified = self.attend_certified(table, q, policy, budget, epsilon)
+        else:
+            if epsilon is not None:
+                raise ValueError(f"epsilon needs the sketch top-K policy (mode='topk'), got {type(policy).__name__}")
+            selected = self.select(table, q, policy, budget)  # int64 [H, k], ascending, tail last
+            out, mass = self.attend_blocks(table, q, selected)
         table.h2o_scores[:, : table.num_blocks].scatter_add_(1, selected, mass)
         self.promote_if_needed(table)
         self.stats.calls += 1
         self.stats.context_tokens += table.num_tokens
         self.stats.attended_tokens += tokens_covered(table, selected.shape[1], self.block_tokens)
+        if certified is not None:
+            self.stats.certified_calls += 1
+            self.stats.certified_omitted += float(certified.mean())
         if measure_mass and policy is not None:
             _, dense_mass = self.attend_blocks(table, q, self.live_blocks(table))
+            captured = dense_mass.gather(1, _live_positions(table, selected)).sum(1)  # [H]
             self.stats.mass_measured += 1
-            self.stats.mass_captured += float(dense_mass.gather(1, _live_positions(table, selected)).sum(1).mean())
+            self.stats.mass_captured += float(captured.mean())
+            if certified is not None:
+                true = (1 - captured).clamp_min(0)
+                self.stats.certified_measured += 1
+                self.stats.true_omitted += float(true.mean())
+                self.stats.certificate_violations += int(bool((certified + 1e-5 < true * (1 - 1e-3)).any()))
         return out
+
+    def attend_certified(self, table: LayerTable, q: torch.Tensor, policy: SketchTopK, budget: int,
+                         epsilon: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(selected [H, k], out [Hq, D], block mass [H, k], certified omitted mass [H]) of a sketch selection:
+        at `budget`, or (epsilon) at the first power-of-two block count whose bound is <= epsilon."""
+        ctx = self.context(table, q, budget)
+        b = self.block_tokens
+        counts = dict(num_tokens=ctx.num_tokens, block_tokens=b, sink_tokens=ctx.sink_tokens,
+                      recent_tokens=ctx.recent_tokens)
+        most = num_selected(budget_tokens=budget, **counts)
+        sizes = [most]
+        if epsilon is not None:
+            if not 0 < epsilon < 1:
+                raise ValueError(f"epsilon must be in (0, 1), got {epsilon!r}")
+            k = 1 << num_protected(**counts).bit_length()  # a power of two above the protected blocks
+            sizes = []
+            while k < most:  # block counts a captured graph could replay: powers of two, then the budget
+                sizes.append(k)
+                k *= 2
+            sizes.append(most)
+        coarse = policy.coarse(ctx) if policy.coarse_factor and len(sizes) > 1 else None
+        for k in sizes:  # each try attends for real: its exact log-sum-exp is what the bound needs
+            selected, upper = policy.select_with_bounds(ctx, k * b, coarse=coarse)
+            out, mass, lse = self.attend_blocks(table, q, selected, return_lse=True)
+            certified = certified_omitted_mass(upper, selected, lse)
+            if epsilon is None or float(certified.max()) <= epsilon:
+                break
+        return selected, out, mass, certified
 
     def select(self, table: LayerTable, q: torch.Tensor, policy: Policy | None, budget: int) -> torch.Tensor:
         if policy is None:
@@ -116,9 +172,10 @@ class DecodePath:
             idx = torch.arange(table.num_blocks, device=self.device)
         return idx.expand(table.h2o_scores.shape[0], -1)
 
-    def attend_blocks(self, table: LayerTable, q: torch.Tensor,
-                      selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the paged kernel over `selected` [H, k]; returns (out [Hq, D], block mass [H, k])."""
+    def attend_blocks(self, table: LayerTable, q: torch.Tensor, selected: torch.Tensor,
+                      return_lse: bool = False) -> tuple[torch.Tensor, ...]:
+        """Run the paged kernel over `selected` [H, k]; returns (out [Hq, D], block mass [H, k]) and with
+        return_lse the log-sum-exp [Hq] of the attended logits (what the certified bound needs)."""
         slots, is_int8 = block_table(table, selected)
         hot_pool = self.tiers.hot.pool
         if table.num_cold:
@@ -129,7 +186,10 @@ class DecodePath:
             warm = warm.index(slice(0, 0))
         out, mass = self.kernel(q[None], hot_pool, warm.data, warm.k_scale, warm.v_scale, slots[None],
                                 is_int8[None], num_tokens.to(self.device), return_block_mass=True)
-        return out[0], mass[0]
+        if not return_lse:
+            return out[0], mass[0]
+        tail_tokens = table.num_tokens - (table.num_blocks - 1) * self.block_tokens
+        return out[0], mass[0], attended_lse(q, hot_pool, warm, slots, is_int8, tail_tokens)
 
     def stage(self, table: LayerTable, selected: torch.Tensor, slots: torch.Tensor,
               is_int8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -166,6 +226,27 @@ class DecodePath:
                if b != DROPPED and self.tiers.blocks.tier_of[b] >= CPU_TIER]
         if ids:
             self.stats.promotions += self.tiers.promote(ids, WARM_TIER)
+
+
+def attended_lse(q: torch.Tensor, hot_pool: torch.Tensor, warm, slots: torch.Tensor, is_int8: torch.Tensor,
+                 tail_tokens: int) -> torch.Tensor:
+    """float32 [Hq]: log-sum-exp of the scaled logits over the blocks of a kernel block table (slots [H, k],
+    tail block last with `tail_tokens` tokens), read from the same pools the kernel read.
+    (The kernel computes it too, per split; until it returns it, this second pass over the K of the
+    selected blocks does: the attended tokens, not the context.)"""
+    num_kv_heads, k = slots.shape
+    heads = torch.arange(num_kv_heads, device=q.device)[:, None]  # [H, 1]
+    s = slots.long()
+    keys = hot_pool[s.clamp_max(hot_pool.shape[0] - 1), 0, heads].float()  # [H, k, B, D]
+    if bool(is_int8.any()):
+        w = s.clamp_max(warm.data.shape[0] - 1)
+        dequant = warm.data[w, 0, heads].float() * warm.k_scale[w, heads][:, :, None, :]
+        keys = torch.where(is_int8[:, :, None, None], dequant, keys)
+    block_tokens, head_dim = keys.shape[2], keys.shape[3]
+    qg = q.float().view(num_kv_heads, -1, head_dim)  # [H, G, D]
+    logits = torch.einsum("hgd,hkbd->hgkb", qg, keys) * head_dim**-0.5
+    logits[:, :, -1, tail_tokens:] = float("-inf")
+    return torch.logsumexp(logits.flatten(2), dim=-1).flatten()
 
 
 def _live_positions(table: LayerTable, selected: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,9 @@
 
 For every block of a table the store keeps, on its device:
   summaries  fp16 [n, 2, H, D]  elementwise min (0) and max (1) of the block's keys
+  sketch     uint8 [n, H, 2, B, D/4]  4-bit codes of every key on the summary's grid (eviction/sketch.py);
+                                 a block's codes are written when it is created and again when it fills
+                                 (a partial tail block is always attended, so its codes may lag)
   slot_map   int32 [n]          slot in the hot or warm pool (-1 when cold or dropped)
   tier_map   int8 [n]           tier index: 0 hot, 1 warm, 2 cpu, 3 cold (ssd/remote/redis), -1 dropped
 so one decode step turns a selection into a kernel block table without a host round trip.
@@ -13,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from eviction.sketch import encode_blocks
 from eviction.summaries import summarize_keys
 
 DROPPED = -1  # block id of a block H2O drop-mode evicted for good
@@ -25,6 +29,7 @@ class LayerTable:
     block_ids: list[int] = field(default_factory=list)  # block index -> global block id (or DROPPED)
     num_tokens: int = 0
     summaries: torch.Tensor | None = None  # fp16 [capacity, 2, H, D]
+    sketch: torch.Tensor | None = None  # uint8 [capacity, H, 2, B, D // 4]
     slot_map: torch.Tensor | None = None  # int32 [capacity]
     tier_map: torch.Tensor | None = None  # int8 [capacity]
     num_warm: int = 0  # blocks in the warm tier (none: the kernel's pure-fp16 build runs)
@@ -58,13 +63,15 @@ class TableTensors:
             torch.full((new,), -1, dtype=torch.int32, device=dev),
             torch.full((new,), DROPPED, dtype=torch.int8, device=dev),
             torch.zeros((h, new), dtype=torch.float32, device=dev),
+            torch.zeros((new, h, 2, self.block_tokens, d // 4), dtype=torch.uint8, device=dev),
         )
         if capacity:
             grown[0][:capacity] = table.summaries
             grown[1][:capacity] = table.slot_map
             grown[2][:capacity] = table.tier_map
             grown[3][:, :capacity] = table.h2o_scores
-        table.summaries, table.slot_map, table.tier_map, table.h2o_scores = grown
+            grown[4][:capacity] = table.sketch
+        table.summaries, table.slot_map, table.tier_map, table.h2o_scores, table.sketch = grown
 
     def extend_tail(self, table: LayerTable, index: int, k: torch.Tensor) -> None:
         """Fold keys k [t, H, D] appended to block `index` into its summary."""
@@ -74,10 +81,18 @@ class TableTensors:
         torch.maximum(s[1], high, out=s[1])
 
     def write_new(self, table: LayerTable, first: int, k: torch.Tensor) -> None:
-        """Summaries of new blocks first, first+1, ... holding keys k [t, H, D] (last may be partial)."""
+        """Summaries and sketch codes of new blocks first, first+1, ... holding keys k [t, H, D] (last may be
+        partial)."""
         summaries = summarize_keys(k, self.block_tokens)  # [n, 2, H, D]
-        self.reserve(table, first + summaries.shape[0])
-        table.summaries[first:first + summaries.shape[0]] = summaries
+        n, b = summaries.shape[0], self.block_tokens
+        self.reserve(table, first + n)
+        table.summaries[first:first + n] = summaries
+        padded = torch.cat((k, k[-1:].expand(n * b - k.shape[0], -1, -1)))  # [n*B, H, D]: repeat a real key
+        table.sketch[first:first + n] = encode_blocks(padded.view(n, b, *k.shape[1:]), summaries)
+
+    def encode_block(self, table: LayerTable, index: int, keys: torch.Tensor) -> None:
+        """Sketch codes of block `index`, now full with keys [B, H, D], on its summary's final grid."""
+        table.sketch[index: index + 1] = encode_blocks(keys[None], table.summaries[index: index + 1])
 
     def set_location(self, table: LayerTable, indices: list[int], slots: list[int], tier: int) -> None:
         """Blocks `indices` of `table` now live in `tier` at `slots` (-1 for tiers without slots)."""

@@ -83,3 +83,24 @@ def test_missing_sketch_or_bad_settings_raise() -> None:
         SketchTopK(coarse_factor=-1)
     with pytest.raises(ValueError, match="sketch: expected"):
         ScoreContext(ctx.summaries, num_tokens=ctx.num_tokens, block_tokens=16, q=ctx.q, sketch=ctx.sketch[:, :1])
+
+
+@pytest.mark.parametrize("coarse_factor", [0, 2, 8])
+def test_masked_selection_over_garbage_capacity_matches(coarse_factor) -> None:
+    """The captured step's sync-free path: capacity rows past the sequence hold garbage (NaN, inf, random codes)
+    and the tail block's codes are stale; it must pick what the eager selection picks."""
+    ctx, _ = _needle_case(4)
+    n, capacity = ctx.num_blocks, ctx.num_blocks + 37
+    summaries = torch.cat((ctx.summaries, torch.full((37, *ctx.summaries.shape[1:]), float("nan")).half()))
+    summaries[n + 3] = float("inf")
+    sketch = torch.cat((ctx.sketch, torch.randint(0, 256, (37, *ctx.sketch.shape[1:]), dtype=torch.uint8)))
+    sketch[n - 1] = torch.randint(0, 256, sketch.shape[1:], dtype=torch.uint8)  # the partial tail's codes lag
+    positions = torch.arange(capacity)
+    valid = positions < n
+    protected = protected_mask(num_tokens=ctx.num_tokens, block_tokens=16, sink_tokens=32, recent_tokens=64)
+    protected = torch.cat((protected, torch.zeros(37, dtype=torch.bool)))
+    policy = SketchTopK(coarse_factor=coarse_factor)
+    for budget in (16 * 12, 16 * 40):
+        want = policy.select(ctx, budget)
+        got = policy.select_masked(ctx.q, summaries, sketch, valid, protected, want.shape[1])
+        assert torch.equal(got, want)

@@ -5,14 +5,16 @@ import torch
 
 from eviction import POLICIES, Policy, ScoreContext, Window
 from eviction.select import cdiv, protected_mask
+from eviction.sketch import sketch_keys
 
 
 def _context(num_tokens: int = 1000, block_tokens: int = 16, num_kv_heads: int = 2, seed: int = 0) -> ScoreContext:
     g = torch.Generator().manual_seed(seed)
     num_blocks = cdiv(num_tokens, block_tokens)
-    sorted_pairs = torch.randn(num_blocks, 2, num_kv_heads, 32, generator=g).sort(dim=1).values  # min <= max
+    summaries, sketch = sketch_keys(torch.randn(num_tokens, num_kv_heads, 32, generator=g).half(), block_tokens)
     return ScoreContext(
-        summaries=sorted_pairs.half(),
+        summaries=summaries,
+        sketch=sketch,
         num_tokens=num_tokens,
         block_tokens=block_tokens,
         sink_tokens=40,
