@@ -164,3 +164,25 @@ class PooledTier:
 
     def check_integrity(self) -> None:
         self.slots.check()
+
+
+class BudgetedTier:
+    """Shared bookkeeping of the cold tiers with a byte budget (ssd, remote, redis): each keeps
+    `_used` and `_capacity` bytes and defines `free_blocks()`, `get()` and `num_blocks`."""
+
+    _used: int
+    _capacity: int
+
+    def fetch(self, ids: Sequence[int], device: torch.device) -> Blocks:
+        return self.get(ids).to(device, non_blocking=True)
+
+    def can_put(self, n: int) -> bool:
+        return n <= self.free_blocks()
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity

@@ -42,7 +42,7 @@ from redis.cluster import RedisCluster
 from redis.connection import Connection, Encoder, PythonRespSerializer
 from redis.retry import Retry
 
-from tiers.base import BlockMissingError, IntegrityError, check_ids
+from tiers.base import BlockMissingError, BudgetedTier, IntegrityError, check_ids
 from tiers.codec import HEADER_BYTES, BatchDecoder, Codec
 from tiers.layout import BlockLayout, Blocks, num_blocks
 
@@ -54,7 +54,7 @@ _FAILURES = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, re
              redis.exceptions.RedisClusterException)
 
 
-class RedisTier:
+class RedisTier(BudgetedTier):
     name = "redis"
 
     def __init__(
@@ -187,9 +187,6 @@ class RedisTier:
         error.ids = gone
         raise error
 
-    def fetch(self, ids: Sequence[int], device: torch.device) -> Blocks:
-        return self.get(ids).to(device, non_blocking=True)
-
     def attach(self, ids: Sequence[int]) -> None:
         """Adopt blocks another process stored under this namespace; all or none."""
         check_ids(ids, len(ids), self.name)
@@ -217,9 +214,6 @@ class RedisTier:
     def __contains__(self, block_id: int) -> bool:
         return block_id in self.sizes
 
-    def can_put(self, n: int) -> bool:
-        return n <= self.free_blocks()
-
     def free_blocks(self) -> int:
         # Counted at the uncompressed size: compression only shrinks, so this never over-promises.
         return max(0, (self._capacity - self._used) // self.max_value_bytes)
@@ -227,14 +221,6 @@ class RedisTier:
     @property
     def num_blocks(self) -> int:
         return len(self.sizes)
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
 
     def check_integrity(self) -> None:
         """Byte count matches the index; every indexed key still in Redis has the recorded size

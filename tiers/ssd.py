@@ -15,9 +15,8 @@ from concurrent.futures import Future
 from typing import Callable, Sequence
 
 import lmdb
-import torch
 
-from tiers.base import IntegrityError, check_ids
+from tiers.base import BudgetedTier, IntegrityError, check_ids
 from tiers.codec import HEADER_BYTES, Codec
 from tiers.layout import BlockLayout, Blocks, concat, num_blocks
 from tiers.quant import one_format
@@ -25,7 +24,7 @@ from tiers.quant import one_format
 _MAX_BATCH = 256  # queued write requests folded into one transaction
 
 
-class SsdTier:
+class SsdTier(BudgetedTier):
     name = "ssd"
 
     def __init__(
@@ -95,9 +94,6 @@ class SsdTier:
             raise
         return concat(one_format(parts)) if parts else self.layout.empty_fp16(0, "cpu")
 
-    def fetch(self, ids: Sequence[int], device: torch.device) -> Blocks:
-        return self.get(ids).to(device, non_blocking=True)
-
     def _read_checked(self, ids: Sequence[int]) -> list[bytes]:
         values = self.get_values([self.key(i) for i in ids])
         missing = [i for i, v in zip(ids, values) if v is None]
@@ -115,9 +111,6 @@ class SsdTier:
     def __contains__(self, block_id: int) -> bool:
         return self.key(block_id) in self.sizes
 
-    def can_put(self, n: int) -> bool:
-        return n <= self.free_blocks()
-
     def free_blocks(self) -> int:
         # Counted at the uncompressed size: compression only shrinks, so this never over-promises.
         return max(0, (self._capacity - self._used) // (self.block_bytes + HEADER_BYTES))
@@ -125,14 +118,6 @@ class SsdTier:
     @property
     def num_blocks(self) -> int:
         return len(self.sizes)
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
 
     def check_integrity(self) -> None:
         on_disk = self._scan()

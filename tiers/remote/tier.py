@@ -18,14 +18,14 @@ from typing import Sequence
 import torch
 
 from tiers.remote.client import Client, CorruptValueError, UnreachableError
-from tiers.base import IntegrityError, check_ids
+from tiers.base import BudgetedTier, IntegrityError, check_ids
 from tiers.layout import BlockLayout, Blocks, Int8Blocks, concat, num_blocks
 from tiers.quant import one_format
 
 _INT8_PARTS = ("data", "k_scale", "v_scale")
 
 
-class RemoteTier:
+class RemoteTier(BudgetedTier):
     name = "remote"
 
     def __init__(
@@ -105,9 +105,6 @@ class RemoteTier:
                 at += 1
         return concat(one_format(parts))
 
-    def fetch(self, ids: Sequence[int], device: torch.device) -> Blocks:
-        return self.get(ids).to(device, non_blocking=True)
-
     def _check_parts(self, keys: list[str], tensors: list[torch.Tensor]) -> None:
         for key, t in zip(keys, tensors):
             shape, dtype = self.part_shapes[key.partition("/")[2]]
@@ -125,23 +122,12 @@ class RemoteTier:
     def __contains__(self, block_id: int) -> bool:
         return block_id in self.is_int8
 
-    def can_put(self, n: int) -> bool:
-        return n <= self.free_blocks()
-
     def free_blocks(self) -> int:
         return max(0, (self._capacity - self._used) // self.block_bytes)
 
     @property
     def num_blocks(self) -> int:
         return len(self.is_int8)
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
 
     def check_integrity(self) -> None:
         """The local index, the byte count and the service's keys agree."""
