@@ -53,7 +53,14 @@ class RedisServer:
         self.port = port or free_port(bus)
         self.process: subprocess.Popen | None = None
         os.makedirs(directory, exist_ok=True)
-        self.start()
+        for attempt in range(3):  # another process may take a free port before the server binds it
+            try:
+                self.start()
+                return
+            except RuntimeError as exc:
+                if port is not None or attempt == 2 or "already in use" not in str(exc):
+                    raise
+                self.port = free_port(bus)
 
     @property
     def url(self) -> str:
