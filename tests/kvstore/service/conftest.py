@@ -78,6 +78,18 @@ def server(tmp_path_factory) -> ServerProcess:
     proc.stop()
 
 
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture(scope="session")
+def guarded(tmp_path_factory) -> ServerProcess:
+    """A token server with small limits: 1 MiB bodies, 1 s body timeout, 8 connections."""
+    proc = ServerProcess(tmp_path_factory.mktemp("guarded") / "data", "--max-body-bytes", "1M", "--body-timeout", "1",
+                         "--limit-concurrency", "8", token=TOKEN)
+    yield proc.start()
+    proc.stop()
+
+
 @pytest.fixture
 def make_server(tmp_path):
     """Factory of private servers; every one is stopped at teardown."""

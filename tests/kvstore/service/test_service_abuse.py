@@ -14,20 +14,9 @@ import pytest
 
 from kvstore.service.cli import main
 from kvstore.service.settings import ServiceSettings
+from tests.kvstore.service.conftest import TOKEN
 
-TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-@pytest.fixture(scope="module")
-def guarded(tmp_path_factory):
-    """A token server with small limits: 1 MiB bodies, 1 s body timeout, 8 connections."""
-    from tests.kvstore.service.conftest import ServerProcess
-
-    proc = ServerProcess(tmp_path_factory.mktemp("guarded") / "data", "--max-body-bytes", "1M", "--body-timeout", "1",
-                         "--limit-concurrency", "8", token=TOKEN)
-    yield proc.start()
-    proc.stop()
 
 
 def connect(server) -> socket.socket:

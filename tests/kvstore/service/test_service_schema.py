@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -21,3 +22,28 @@ def test_no_request_gets_a_server_error(server, mode):
 
     check()
     assert len(calls) >= 40 and all(status < 500 for status in calls)
+
+
+def operations(schema: dict):
+    for path, methods in schema["paths"].items():
+        for method, operation in methods.items():
+            yield path, method, operation
+
+
+def test_openapi_agrees_with_the_server_about_tokens_and_statuses(server, guarded):
+    plain = httpx.get(f"{server.url}/openapi.json").json()
+    assert "securitySchemes" not in plain["components"]  # no token configured: no auth declared
+    for path, method, operation in operations(plain):
+        assert "security" not in operation and "401" not in operation["responses"], (method, path)
+        assert "422" not in operation["responses"]  # validation errors are answered 400
+    token = httpx.get(f"{guarded.url}/openapi.json").json()
+    assert token["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    for path, method, operation in operations(token):
+        needs = path == "/metrics" or path.startswith("/v1/")
+        assert ("401" in operation["responses"]) == needs and ("security" in operation) == needs, (method, path)
+        url = guarded.url + path.replace("{namespace}", "ns").replace("{key:path}", "k").replace("{key}", "k")
+        status = httpx.request(method.upper(), url).status_code  # no token
+        assert (status == 401) == needs and str(status) in operation["responses"], (method, path, status)
+    params = {p["name"]: p["schema"] for p in token["paths"]["/v1/namespaces/{namespace}/keys"]["get"]["parameters"]}
+    assert params["prefix"]["pattern"] == params["after"]["pattern"] == "^[A-Za-z0-9_.~:@+=/-]*$"
+    assert params["prefix"]["maxLength"] == 400
