@@ -3,8 +3,13 @@
     header  (36 bytes, little endian): magic b"KVTB", layout version u16, format u8
             (0 fp16, 1 int8), compression u8 (0 none, 1 zstd, 2 zstd over byte planes),
             kv_heads u32, block_tokens u32, head_dim u32, payload length u64,
-            xxh3-64 of header-without-checksum + uncompressed payload u64
+            xxh3-64 of prefix + header-without-checksum + uncompressed payload u64
     payload fp16: the block's bytes [2, H, B, D]; int8: data, then k_scale, then v_scale
+    prefix  optional, before the header: a caller's envelope (the redis tier's block id and key
+            name), covered by the checksum; the ssd tier stores none
+
+A payload that zstd does not shrink is stored raw (compression 0), so a value never outgrows
+its block plus header and prefix.
 
 The byte-plane split stores the low bytes of every fp16 value, then the high bytes. On
 real SmolLM2 KV, one 12 KiB block per value, it gained nothing over plain zstd (1.074x vs
