@@ -51,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=parse_bytes, default=parse_bytes("1G"),
                         help="any request body, JSON or binary; checked while it streams in")
     parser.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
-                        help="longest wait for the next piece of a request body; then 408 and the connection closes")
+                        help="longest wait for a whole request head (then the connection closes) or for the next "
+                             "piece of a body (then 408 and the connection closes)")
     parser.add_argument("--limit-concurrency", type=int, default=1024, metavar="N",
                         help="open connections / requests in flight beyond which new requests get 503 (uvicorn)")
     parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
@@ -80,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvstore.service.app import ServiceSettings, create_app
+    from kvstore.service.protocol import with_head_timeout
 
     try:
         settings = ServiceSettings(
@@ -92,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     config = uvicorn.Config(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
                             access_log=False, lifespan="on", timeout_graceful_shutdown=5,
-                            limit_concurrency=args.limit_concurrency)
+                            limit_concurrency=args.limit_concurrency, http=with_head_timeout(args.body_timeout))
     server = uvicorn.Server(config)
     server.run()
     return 0 if server.started else 1

@@ -30,7 +30,7 @@ def head(method: str, path: str, headers: dict[str, str]) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
-def read_response(sock: socket.socket) -> tuple[int, dict, bytes, bool]:
+def read_response(sock: socket.socket, then_closed: bool = True) -> tuple[int, dict, bytes, bool]:
     """(status, headers, body, whether the server then closed the connection); socket timeouts fail the test."""
     data = b""
     while b"\r\n\r\n" not in data:
@@ -44,7 +44,7 @@ def read_response(sock: socket.socket) -> tuple[int, dict, bytes, bool]:
     while len(body) < int(headers.get("content-length", 0)):
         body += sock.recv(65536)
     try:
-        closed = sock.recv(1) == b""
+        closed = then_closed and sock.recv(1) == b""
     except socket.timeout:
         closed = False
     return status, headers, body, closed
@@ -92,10 +92,29 @@ def test_a_stalled_body_gets_408_and_the_connection_closes(guarded):
     assert httpx.get(f"{guarded.url}/v1/namespaces/ns/keys", headers=AUTH).json()["keys"] == []
 
 
+@pytest.mark.parametrize("sent", [b"", b"GET /healthz HTTP/1.1\r\nHost: x"])
+def test_a_connection_without_a_whole_request_head_is_closed(guarded, sent):
+    with connect(guarded) as sock:
+        sock.sendall(sent)
+        start = time.monotonic()
+        assert sock.recv(100) == b""  # closed, no request was read; the socket timeout is 5 s
+    assert time.monotonic() - start < 4  # --body-timeout 1 bounds the head too
+
+
+def test_a_kept_alive_connection_still_works_and_its_next_head_is_timed(guarded):
+    with connect(guarded) as sock:
+        for _ in range(2):
+            sock.sendall(head("GET", "/healthz", {}))
+            status, _, body, _ = read_response(sock, then_closed=False)
+            assert status == 200 and body == b'{"status":"ok"}'
+        sock.sendall(b"GET /heal")
+        assert sock.recv(100) == b""
+
+
 def test_connections_beyond_the_limit_get_503(guarded):
-    idle = [connect(guarded) for _ in range(8)]
+    idle = [connect(guarded) for _ in range(8)]  # closed by the 1 s head timeout if not before
     try:
-        time.sleep(0.2)
+        time.sleep(0.1)
         assert httpx.get(f"{guarded.url}/healthz").status_code == 503
     finally:
         for sock in idle:
