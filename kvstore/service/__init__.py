@@ -1,5 +1,8 @@
 """The kvtier sidecar: a FastAPI service that holds shared, durable cold tiers (`kvtier serve`).
 
-Submodules: values (stored value codec), storage (cache + LMDB), metrics, routes, app, cli.
+Submodules: values (stored value codec), storage (cache + LMDB), damage (opening a damaged
+file read-only) over lmdbfile (a reader of LMDB's format that trusts no byte), verify
+(`kvtier verify`), guard (token and body limits before routing), protocol (request-head
+deadline), metrics, openapi, routes, app, cli.
 The wire format and the client live in tiers/remote/, below the tier that speaks it.
 """

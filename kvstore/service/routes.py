@@ -1,6 +1,6 @@
 """The /v1 API: tensors addressed by (namespace, key), binary bodies, explicit descriptors.
 
-Formats are in kvstore/service/wire.py, errors in kvstore/service/app.py. Handlers only
+Formats are in tiers/remote/wire.py, errors in kvstore/service/app.py. Handlers only
 parse and check on the event loop; LMDB, checksums, zstd and batch assembly run on
 worker threads (`_blocking`).
 """
@@ -36,8 +36,12 @@ class Stored(BaseModel):
     nbytes: int = Field(description="payload bytes stored")
 
 
+_KEY_PATTERN = "^[A-Za-z0-9_~:@+=-]+(/[A-Za-z0-9_~:@+=-]+)*$"
+
+
 class KeysRequest(BaseModel):
-    keys: list[str] = Field(max_length=100_000)
+    keys: list[Annotated[str, Field(json_schema_extra={"pattern": _KEY_PATTERN, "maxLength": 400})]] = \
+        Field(max_length=100_000)
 
 
 class KeysPage(BaseModel):
@@ -65,7 +69,7 @@ Namespace = Annotated[str, Path(description="namespaces never share keys",
                                 json_schema_extra={"pattern": "^[A-Za-z0-9_.-]{1,64}$"})]
 Key = Annotated[str, Path(description="'/'-separated segments of [A-Za-z0-9_.~:@+=-] (a segment may not be "
                                       "'.' or '..'), at most 400 bytes",
-                          json_schema_extra={"pattern": "^[A-Za-z0-9_~:@+=-]+(/[A-Za-z0-9_~:@+=-]+)*$"})]
+                          json_schema_extra={"pattern": _KEY_PATTERN})]
 Dtype = Annotated[str, Header(json_schema_extra={"enum": list(DTYPES)})]
 Shape = Annotated[str, Header(description="comma separated dims; empty for a 0-d tensor",
                               json_schema_extra={"pattern": "^([0-9]{1,4}(,[0-9]{1,4}){0,3})?$"})]
@@ -169,7 +173,7 @@ async def delete_block(namespace: Namespace, key: Key, request: Request) -> Dele
 
 @router.post("/namespaces/{namespace}/batch/get", response_class=Response, responses={200: _BINARY, **_ERRORS})
 async def batch_get(namespace: Namespace, body: KeysRequest, request: Request) -> Response:
-    """Many tensors in one framed body (kvstore/service/wire.py); 404 names every missing key."""
+    """Many tensors in one framed body (tiers/remote/wire.py); 404 names every missing key."""
     check_namespace(namespace)
     limit = request.app.state.settings.max_body_bytes
 
@@ -189,7 +193,7 @@ async def batch_get(namespace: Namespace, body: KeysRequest, request: Request) -
 @router.post("/namespaces/{namespace}/batch/put", status_code=201, response_model=Stored, responses=_ERRORS,
              openapi_extra=_BINARY_BODY)
 async def batch_put(namespace: Namespace, request: Request) -> Stored:
-    """Store many tensors from one framed body (kvstore/service/wire.py), all or none."""
+    """Store many tensors from one framed body (tiers/remote/wire.py), all or none."""
     check_namespace(namespace)
     settings = request.app.state.settings
     chunks = await _read_body(request, settings.max_body_bytes)

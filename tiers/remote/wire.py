@@ -163,7 +163,7 @@ def unpack_batch(body: memoryview | bytes) -> list[tuple[str, Descriptor, int | 
     except RecursionError:  # json.loads of deeply nested arrays: bad input, not a server fault
         raise WireError("batch index is nested too deeply to be a batch index") from None
     except (ValueError, KeyError, TypeError) as exc:
-        raise WireError(f"batch index is malformed ({type(exc).__name__}: {exc}); see kvstore/service/wire.py") from None
+        raise WireError(f"batch index is malformed ({type(exc).__name__}: {exc}); see tiers/remote/wire.py") from None
     keys = [item[0] for item in items]
     if len(set(keys)) != len(keys):
         raise WireError("batch has duplicate keys")
