@@ -219,6 +219,7 @@ class Decoder:
         the K/V so far, then the prompt's K/V are appended to the store (placed by tier). K/V are
         rounded to fp16 before anyone attends to them: exactly what decode later reads back."""
         a, start, t = self.model.args, self.length(seq), ids.numel()
+        self._record_tokens(seq, ids)
         cos, sin = self.model.rope(torch.arange(start, start + t, device=self.device), self.dtype)  # [T, D]
         x = self.model.embed_tokens(ids)  # [T, dim]
         for i, layer in enumerate(self.model.layers):
@@ -273,8 +274,10 @@ class Decoder:
         if graph is not None and graph.ready():
             if not (isinstance(token_id, int) and 0 <= token_id < self.model.args.vocab_size):
                 raise ValueError(f"token id must be an int in [0, {self.model.args.vocab_size}), got {token_id!r}")
+            self._record_tokens(seq, [token_id])
             return graph(token_id).clone()
         ids = self._tokens([token_id])
+        self._record_tokens(seq, ids)
         pos = self.length(seq)
         cos, sin = self.model.rope(torch.tensor([pos], device=self.device), self.dtype)
         x = self.model.embed_tokens(ids)  # [1, dim]
@@ -320,13 +323,15 @@ class Decoder:
         return out
 
     def fork(self, seq: int) -> int:
-        """A new sequence holding a copy of seq's K/V, so several decode modes can share one prefill
-        (not after h2o mode dropped blocks of seq: those are gone)."""
-        copy = self.store.create_sequence()
-        for layer in range(self.model.args.num_layers):
-            k, v = self.store.read(seq, layer)  # [T, Hkv, D]
-            self.store.append(copy, layer, k, v)
-        return copy
+        """A new sequence on seq's K/V (store.fork: full blocks shared, the partial tail copied), so several
+        decode modes or questions share one prefill."""
+        return self.store.fork(seq)
+
+    def _record_tokens(self, seq: int, ids: TokenIds) -> None:
+        """Token ids go to the store (content keys for prefix reuse, saved contexts) whenever it knows the
+        sequence's ids from position 0 (not for K/V written without ids, e.g. a random fill)."""
+        if self.store.tracks_tokens(seq):
+            self.store.extend_tokens(seq, ids)
 
     def free(self, seq: int) -> None:
         self.store.free(seq)

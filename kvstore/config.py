@@ -101,6 +101,8 @@ class Config:
     redis_compression: str = "none"  # "none" or "zstd": 1.08x smaller values, slower gets (BENCHMARKS.md)
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     host_memory_reserve: int = 2 << 30  # never let host tiers push free RAM below this
+    model_id: str = ""  # the weights' identity (e.g. a checkpoint name): blocks are content-keyed and saved
+    # contexts opened only under the same model_id and geometry (kvstore/contexts.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelSpec):
@@ -126,6 +128,8 @@ class Config:
         for name in ("ssd_path", "remote_url", "remote_token", "redis_url", "redis_namespace"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ValueError(f"Config.{name} must be a str or None, got {getattr(self, name)!r}")
+        if not isinstance(self.model_id, str) or len(self.model_id) > 1024:
+            raise ValueError(f"Config.model_id must be a str of at most 1024 characters, got {self.model_id!r}")
         self._check_redis()
         self._check_device()
 

@@ -1,26 +1,50 @@
-"""Where every block is: its tier, its owner, and each tier's arrival order."""
+"""Where every block is: its tier, its holders, its content key, and each tier's arrival order."""
 
 from __future__ import annotations
 
 from typing import Iterator, Sequence
 
+Holder = tuple[int, int, int]  # (sequence, layer, block index): one table entry pointing at a block
+
 
 class BlockRegistry:
-    """Global block ids -> (tier index, owner). Plain dicts: the store touches it per block move,
-    never per token, and the decode path reads the per-table device maps instead."""
+    """Global block ids -> (tier index, holders, content key). Plain dicts: the store touches it per block
+    move, never per token, and the decode path reads the per-table device maps instead.
+
+    A block is held by every table entry that points at it (a forked or prefix-started sequence shares
+    its full blocks); its reference count is the number of holders, and it is freed when the last one
+    lets go. A full block whose token ids are known carries a content key (layer + hash chain of its
+    tokens, kvstore/contexts.py); `find` maps a key back to a block holding that content."""
 
     def __init__(self, num_tiers: int) -> None:
         self.tier_of: dict[int, int] = {}  # block id -> index into KVStore.tiers
-        self.owner: dict[int, tuple[int, int, int]] = {}  # block id -> (sequence, layer, block index)
+        self.holders: dict[int, set[Holder]] = {}  # block id -> table entries pointing at it
         self.order: list[dict[int, None]] = [{} for _ in range(num_tiers)]  # per tier, oldest arrival first
+        self.key_of: dict[int, bytes] = {}  # block id -> content key (full blocks of known tokens)
+        self.by_key: dict[bytes, dict[int, None]] = {}  # content key -> blocks carrying it, first keyed first
         self._next = 0
 
     def new_ids(self, n: int, seq: int, layer: int, first_index: int) -> list[int]:
         ids = list(range(self._next, self._next + n))
         self._next += n
         for offset, block_id in enumerate(ids):
-            self.owner[block_id] = (seq, layer, first_index + offset)
+            self.holders[block_id] = {(seq, layer, first_index + offset)}
         return ids
+
+    def hold(self, block_id: int, holder: Holder) -> None:
+        """One more table entry points at a recorded block."""
+        if block_id not in self.tier_of:
+            raise KeyError(f"block {block_id} is in no tier: it cannot be shared")
+        self.holders[block_id].add(holder)
+
+    def let_go(self, block_id: int, holder: Holder) -> bool:
+        """`holder` no longer points at the block; True when nothing holds it now (the caller frees it)."""
+        held = self.holders[block_id]
+        held.remove(holder)
+        return not held
+
+    def refcount(self, block_id: int) -> int:
+        return len(self.holders.get(block_id, ()))
 
     def record(self, ids: Sequence[int], tier: int) -> None:
         """`ids` now live in `tier` (leaving the tier they were in, if any)."""
@@ -34,14 +58,34 @@ class BlockRegistry:
     def forget_owners(self, ids: Sequence[int]) -> None:
         """Ids handed out by new_ids that were never recorded in a tier (a refused append)."""
         for block_id in ids:
-            del self.owner[block_id]
+            del self.holders[block_id]
 
     def remove(self, ids: Sequence[int]) -> None:
         """`ids` are gone from every tier and every table."""
         for block_id in ids:
             del self.order[self.tier_of.pop(block_id)][block_id]
-            del self.owner[block_id]
+            del self.holders[block_id]
+            key = self.key_of.pop(block_id, None)
+            if key is not None:
+                same = self.by_key[key]
+                del same[block_id]
+                if not same:
+                    del self.by_key[key]
 
+    # -- content keys ----------------------------------------------------------------------
+    def set_key(self, block_id: int, key: bytes) -> None:
+        """A full block's content key (two independent prefills of one prompt give two blocks with one key:
+        `find` returns the first still stored)."""
+        if block_id in self.key_of:
+            return
+        self.key_of[block_id] = key
+        self.by_key.setdefault(key, {})[block_id] = None
+
+    def find(self, key: bytes) -> int | None:
+        same = self.by_key.get(key)
+        return next(iter(same)) if same else None
+
+    # -- queries ---------------------------------------------------------------------------
     def by_tier(self, ids: Sequence[int]) -> dict[int, list[int]]:
         groups: dict[int, list[int]] = {}
         for block_id in ids:
@@ -56,5 +100,11 @@ class BlockRegistry:
             recorded = self.order[index]
             if tier.num_blocks != len(recorded) or any(i not in tier for i in recorded):
                 raise AssertionError(f"{tier.name}: {tier.num_blocks} blocks stored, {len(recorded)} recorded")
-        if sum(len(o) for o in self.order) != len(self.tier_of) or len(self.tier_of) != len(self.owner):
+        if sum(len(o) for o in self.order) != len(self.tier_of) or len(self.tier_of) != len(self.holders):
             raise AssertionError("block records disagree: a block is in two tiers or in none")
+        unheld = [b for b, held in self.holders.items() if not held]
+        if unheld:
+            raise AssertionError(f"blocks with a reference count of 0 are still stored: {unheld[:8]}")
+        keyed = {(b, k) for k, same in self.by_key.items() for b in same}
+        if keyed != {(b, k) for b, k in self.key_of.items()}:
+            raise AssertionError("content keys disagree with the blocks that carry them")

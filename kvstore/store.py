@@ -13,6 +13,7 @@ import torch
 
 from eviction import POLICIES, Policy
 from kvstore.config import Config
+from kvstore.contexts import Contexts, PrefixMatch, check_token_ids
 from kvstore.decode import DecodePath
 from kvstore.placement import HOT
 from kvstore.table import DROPPED, LayerTable, TableTensors
@@ -33,15 +34,60 @@ class KVStore:
         self.tensors = TableTensors(c.model.num_kv_heads, c.model.head_dim, c.block_tokens, self.device)
         self.tiers = TierSet(c, self.layout, self.sequences, self.tensors)
         self.decode = DecodePath(c, self.tiers)
+        self.contexts = Contexts(c, self.sequences, self.tiers, self.tensors)
         self.policies: dict[str, Policy] = {name: cls() for name, cls in POLICIES.items()}  # mode -> default policy
         self._next_sequence = 0
 
     # -- sequences ---------------------------------------------------------------------------
-    def create_sequence(self) -> int:
+    def create_sequence(self, prefix: PrefixMatch | None = None) -> int:
+        """A new, empty sequence; or one that starts on a held prefix (`match_prefix`'s answer): its
+        blocks shared by reference, its token ids known, nothing copied."""
+        if prefix is not None and not isinstance(prefix, PrefixMatch):
+            raise ValueError(f"prefix must be a PrefixMatch from match_prefix, got {type(prefix).__name__}")
         seq = self._next_sequence
         self._next_sequence += 1
-        self.sequences[seq] = [LayerTable() for _ in range(self.spec.num_layers)]
+        if prefix is None or not prefix.num_tokens:
+            self.sequences[seq] = [LayerTable() for _ in range(self.spec.num_layers)]
+            if prefix is not None:
+                self.contexts.records[seq] = self.contexts.new_record()
+        else:
+            self.contexts.start_on(seq, prefix)
         return seq
+
+    def fork(self, seq: int) -> int:
+        """A new sequence holding what `seq` holds, without copying K/V: full blocks are shared by reference
+        count, the partial tail block (appends write it in place) is copied. Both then grow independently;
+        `free` of either leaves the other intact."""
+        self.table(seq, 0)
+        new = self._next_sequence
+        self._next_sequence += 1
+        self.contexts.fork(seq, new)
+        return new
+
+    def extend_tokens(self, seq: int, token_ids: Sequence[int]) -> None:
+        """Record the token ids at the sequence's next positions (before or with their K/V; ids must cover
+        the sequence from position 0). Full blocks of known tokens get content keys, so `match_prefix` can
+        find them. engine_adapter.Decoder calls this for every prompt and decoded token."""
+        self.table(seq, 0)
+        self.contexts.extend(seq, check_token_ids(token_ids))
+
+    def tracks_tokens(self, seq: int) -> bool:
+        """Whether extend_tokens may be called: the sequence is empty or its ids are known from position 0."""
+        self.table(seq, 0)
+        record = self.contexts.records.get(seq)
+        held = max(t.num_tokens for t in self.sequences[seq])
+        return len(record.token_ids) >= held if record is not None else held == 0
+
+    def token_ids(self, seq: int) -> list[int] | None:
+        """The recorded token ids of `seq` (None: its K/V came without ids)."""
+        self.table(seq, 0)
+        record = self.contexts.records.get(seq)
+        return None if record is None else list(record.token_ids)
+
+    def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
+        """The longest prefix of `token_ids`, in whole blocks, whose K/V the store holds in every layer
+        (under this store's model_id); `.num_tokens` is 0 when none is. Pass it to create_sequence."""
+        return self.contexts.match(check_token_ids(token_ids))
 
     def table(self, seq: int, layer: int) -> LayerTable:
         if seq not in self.sequences:
@@ -51,11 +97,9 @@ class KVStore:
         return self.sequences[seq][layer]
 
     def free(self, seq: int) -> None:
-        """Return every block of `seq` to its tier."""
+        """Let go of every block of `seq`: blocks no other sequence shares return to their tiers."""
         self.table(seq, 0)
-        for table in self.sequences[seq]:
-            self.tiers.delete([i for i in table.block_ids if i != DROPPED])
-        del self.sequences[seq]
+        self.contexts.free(seq)
 
     def drop(self, seq: int, layer: int, indices: Sequence[int]) -> None:
         """Free blocks for good (H2O drop mode): they are never attended or read again."""
@@ -103,6 +147,7 @@ class KVStore:
                     table.num_tokens -= head
                     table.summaries[tail] = tail_summary
                 raise
+        self.contexts.key_blocks(seq, layer)
         self.tiers.cool(table, old_tokens)
 
     def _check_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -213,8 +258,11 @@ class KVStore:
     # -- introspection -----------------------------------------------------------------------
     def stats(self) -> dict:
         tokens = sum(tables[0].num_tokens for tables in self.sequences.values())
+        holders = self.tiers.blocks.holders
         return {
             "tiers": self.tiers.stats(),
+            "blocks": {"stored": len(holders), "references": sum(map(len, holders.values())),
+                       "shared": sum(len(h) > 1 for h in holders.values())},
             "sequences": {"count": len(self.sequences), "tokens": tokens},
             "integrity_errors": self.tiers.integrity_errors,
             "cooling_failures": self.tiers.cooling_failures,
@@ -224,6 +272,11 @@ class KVStore:
     def check_integrity(self) -> None:
         """Raise AssertionError if any invariant is broken."""
         self.tiers.check_integrity()
+        for block_id, holders in self.tiers.blocks.holders.items():  # every holder's table points back
+            for seq, layer, i in holders:
+                tables = self.sequences.get(seq)
+                if tables is None or i >= tables[layer].num_blocks or tables[layer].block_ids[i] != block_id:
+                    raise AssertionError(f"block {block_id}: holder {(seq, layer, i)} does not point at it")
         for seq, tables in self.sequences.items():
             for layer, table in enumerate(tables):
                 self._check_table(seq, layer, table)
@@ -233,8 +286,8 @@ class KVStore:
         if table.num_blocks != -(-table.num_tokens // self.config.block_tokens):
             raise AssertionError(f"{where}: {table.num_blocks} blocks for {table.num_tokens} tokens")
         live = [(i, b) for i, b in enumerate(table.block_ids) if b != DROPPED]
-        if any(registry.owner.get(b) != (seq, layer, i) for i, b in live):
-            raise AssertionError(f"{where}: a block is not owned by its table")
+        if any((seq, layer, i) not in registry.holders.get(b, ()) for i, b in live):
+            raise AssertionError(f"{where}: a block does not count its table among its holders")
         if any(b not in registry.tier_of for _, b in live):
             raise AssertionError(f"{where}: a table points at a block no tier holds")
         tiers = [registry.tier_of[b] for _, b in live]

@@ -94,6 +94,20 @@ class TableTensors:
         """Sketch codes of block `index`, now full with keys [B, H, D], on its summary's final grid."""
         table.sketch[index: index + 1] = encode_blocks(keys[None], table.summaries[index: index + 1])
 
+    def copy(self, table: LayerTable) -> LayerTable:
+        """A new table pointing at the same block ids, with its own device maps, summaries, H2O scores and
+        counts (a fork; the tier set then makes the copy a holder of those blocks)."""
+        n = table.num_blocks
+        out = LayerTable(list(table.block_ids), table.num_tokens, num_warm=table.num_warm,
+                         num_cold=table.num_cold, num_dropped=table.num_dropped)
+        if n:
+            self.reserve(out, n)
+            out.summaries[:n] = table.summaries[:n]
+            out.slot_map[:n] = table.slot_map[:n]
+            out.tier_map[:n] = table.tier_map[:n]
+            out.h2o_scores[:, :n] = table.h2o_scores[:, :n]
+        return out
+
     def set_location(self, table: LayerTable, indices: list[int], slots: list[int], tier: int) -> None:
         """Blocks `indices` of `table` now live in `tier` at `slots` (-1 for tiers without slots)."""
         idx = torch.tensor(indices, dtype=torch.int64).to(self.device, non_blocking=True)

@@ -97,18 +97,22 @@ class TierSet:
         return sorted(candidates, key=self._worth)[:n]
 
     def _worth(self, block_id: int) -> float:
-        seq, layer, index = self.blocks.owner[block_id]
-        return float(self.ranking.block_worth(self.tables[seq][layer].h2o_scores[:, index: index + 1])[0])
+        """A shared block is worth what its most attending holder gives it."""
+        return max(float(self.ranking.block_worth(self.tables[seq][layer].h2o_scores[:, index: index + 1])[0])
+                   for seq, layer, index in self.blocks.holders[block_id])
 
     def _is_pinned(self, block_id: int) -> bool:
         """Tail blocks are written in place, so they never leave the hot tier; moving blocks stay put."""
-        seq, layer, index = self.blocks.owner[block_id]
-        return index == self.tables[seq][layer].num_blocks - 1 or block_id in self._in_flight
+        return block_id in self._in_flight or any(
+            index == self.tables[seq][layer].num_blocks - 1 for seq, layer, index in self.blocks.holders[block_id])
 
     def _is_protected(self, block_id: int) -> bool:
-        seq, layer, index = self.blocks.owner[block_id]
-        table = self.tables[seq][layer]
-        return self.placement.is_protected(index, table.num_blocks, table.num_tokens)
+        return any(self.placement.is_protected(index, t.num_blocks, t.num_tokens)
+                   for t, index in self._holding_tables(block_id))
+
+    def _holding_tables(self, block_id: int) -> Iterator[tuple[LayerTable, int]]:
+        for seq, layer, index in self.blocks.holders[block_id]:
+            yield self.tables[seq][layer], index
 
     # -- moves ---------------------------------------------------------------------------
     def place(self, ids: list[int], blocks: Blocks, tier: int, coldest: int | None = None) -> None:
@@ -153,12 +157,12 @@ class TierSet:
             plan = self._plan(spill, tier + 1, coldest)
         return plan + ([(tier, spill, n)] if room else [])
 
-    def move(self, ids: list[int], src: int, dst: int) -> None:
-        """Move blocks between tiers: put in `dst` (or colder, but never back into `src`), then delete
-        from `src`."""
+    def move(self, ids: list[int], src: int, dst: int, coldest: int | None = None) -> None:
+        """Move blocks between tiers: put in `dst` (or colder, down to `coldest`, but never back into `src`),
+        then delete from `src`."""
         blocks = self.tiers[src].get(ids)  # verified: a damaged block raises here, before anything moved
         with self._moving(ids):
-            self.place(ids, blocks, dst, coldest=src - 1 if dst < src else None)
+            self.place(ids, blocks, dst, coldest=coldest if coldest is not None else src - 1 if dst < src else None)
         self.tiers[src].delete(ids)
         self._count(ids, src, -1)
 
@@ -196,7 +200,8 @@ class TierSet:
             block_id = table.block_ids[index]
             if block_id == DROPPED:
                 continue
-            want = self.first_tier(index, new_tokens)
+            want = min(self.first_tier(i, new_tokens if t is table else t.num_tokens)
+                       for t, i in self._holding_tables(block_id))  # a shared block: its hottest holder's tier
             current = self.blocks.tier_of[block_id]
             if current < want:
                 wanted.setdefault((current, want), []).append(block_id)
@@ -218,8 +223,8 @@ class TierSet:
         self._count(ids, tier, +1)
         by_table: dict[tuple[int, int], list[int]] = {}
         for block_id in ids:
-            seq, layer, index = self.blocks.owner[block_id]
-            by_table.setdefault((seq, layer), []).append(index)
+            for seq, layer, index in self.blocks.holders[block_id]:  # every holder's maps follow the block
+                by_table.setdefault((seq, layer), []).append(index)
         for (seq, layer), indices in by_table.items():
             table = self.tables[seq][layer]
             slots = self.tiers[tier].slots.lookup([table.block_ids[i] for i in indices]) \
@@ -231,12 +236,15 @@ class TierSet:
         if tier == HOT_TIER:
             return
         for block_id in ids:
-            seq, layer, _ = self.blocks.owner[block_id]
-            table = self.tables[seq][layer]
-            if tier == WARM_TIER:
-                table.num_warm += sign
-            else:
-                table.num_cold += sign
+            for table, _ in self._holding_tables(block_id):
+                self._count_in(table, tier, sign)
+
+    @staticmethod
+    def _count_in(table: LayerTable, tier: int, sign: int) -> None:
+        if tier == WARM_TIER:
+            table.num_warm += sign
+        elif tier != HOT_TIER:
+            table.num_cold += sign
 
     # -- reads and frees -----------------------------------------------------------------
     def gather(self, ids: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -256,9 +264,70 @@ class TierSet:
             self._count(group, tier, -1)
         self.blocks.remove(ids)
 
+    def release(self, seq: int, layer: int, indices: Sequence[int]) -> None:
+        """Entries `indices` of the table (seq, layer) let go of their blocks; a block no other table holds
+        is deleted from its tier. The table's counts follow; its block ids and maps are the caller's."""
+        table, last = self.tables[seq][layer], []
+        for i in indices:
+            block_id = table.block_ids[i]
+            if self.blocks.refcount(block_id) == 1:
+                last.append(block_id)
+            else:
+                self.blocks.let_go(block_id, (seq, layer, i))
+                self._count_in(table, self.blocks.tier_of[block_id], -1)
+        self.delete(last)
+
+    def share(self, seq: int, layer: int, table: LayerTable, block_tokens: int) -> None:
+        """`table`, registered as (seq, layer), points at recorded blocks (a fork's copy, or a prefix): its
+        full blocks become held by reference and its maps and counts follow the registry; a partial tail
+        block, which appends write in place, is copied into the hot tier (copy-on-write). On failure the
+        table is left empty and holds nothing."""
+        n = table.num_blocks
+        partial = table.num_tokens % block_tokens != 0
+        shared = [i for i in range(n - 1 if partial else n) if table.block_ids[i] != DROPPED]
+        for i in shared:
+            self.blocks.hold(table.block_ids[i], (seq, layer, i))
+        self._point(table, shared)
+        try:
+            if partial:
+                tail = self.gather([table.block_ids[n - 1]], self.device)  # [1, 2, H, B, D] fp16
+                table.block_ids[n - 1] = self.blocks.new_ids(1, seq, layer, n - 1)[0]
+                try:
+                    self.place([table.block_ids[n - 1]], tail, HOT_TIER, coldest=HOT_TIER)
+                except BaseException:
+                    self.blocks.forget_owners([table.block_ids[n - 1]])
+                    raise
+            elif n and self.blocks.tier_of[table.block_ids[-1]] != HOT_TIER:  # a full tail stays hot too
+                src = self.blocks.tier_of[table.block_ids[-1]]
+                self.move([table.block_ids[-1]], src, HOT_TIER, coldest=HOT_TIER)
+        except BaseException:
+            for i in shared:
+                self.blocks.let_go(table.block_ids[i], (seq, layer, i))
+            table.block_ids.clear()
+            table.num_tokens = table.num_warm = table.num_cold = table.num_dropped = 0
+            raise
+
+    def _point(self, table: LayerTable, indices: list[int]) -> None:
+        """Set the table's maps and warm/cold counts for entries `indices` (every live one but a copied tail)."""
+        groups: dict[int, list[int]] = {}
+        for i in indices:
+            groups.setdefault(self.blocks.tier_of[table.block_ids[i]], []).append(i)
+        table.num_warm = len(groups.get(WARM_TIER, ()))
+        table.num_cold = sum(len(g) for t, g in groups.items() if t > WARM_TIER)
+        for tier, group in groups.items():
+            slots = self.tiers[tier].slots.lookup([table.block_ids[i] for i in group]) \
+                if tier < CPU_TIER else [-1] * len(group)
+            self.tensors.set_location(table, group, slots, tier)
+
     def drop(self, table: LayerTable, indices: list[int]) -> None:
-        """Free blocks of `table` for good (H2O drop mode); indices must be validated by the caller."""
-        self.delete([table.block_ids[i] for i in indices])
+        """Free blocks of `table` for good (H2O drop mode); indices must be validated by the caller.
+        A block another sequence shares stays stored for it."""
+        if not indices:
+            return
+        block_id = table.block_ids[indices[0]]
+        seq, layer = next((s, l) for s, l, i in self.blocks.holders[block_id]
+                          if i == indices[0] and self.tables[s][l] is table)
+        self.release(seq, layer, indices)
         for i in indices:
             table.block_ids[i] = DROPPED
         table.num_dropped += len(indices)

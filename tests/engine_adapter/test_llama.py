@@ -140,6 +140,27 @@ def test_fork_copies_kv_and_generate_is_deterministic() -> None:
         store.check_integrity()
 
 
+def test_a_prompt_on_a_matched_prefix_prefills_only_its_rest() -> None:
+    """Two questions about one document: the second starts on the first's blocks (match_prefix), prefills
+    only its own tokens and gets the logits of a prefill from scratch."""
+    model = random_llama(TINY, seed=10, vocab_size=97)
+    doc = torch.randint(0, 97, (100,), generator=torch.Generator().manual_seed(11)).tolist()
+    question = doc + [5, 6, 7, 8, 9]
+    with store_for(TINY, hot_tokens=1024) as store:  # fp16 throughout: the prefix reads back exactly
+        decoder = Decoder(model, store)
+        first = store.create_sequence()
+        decoder.prefill(first, doc + [1, 2], 32)
+        match = store.match_prefix(question)
+        assert match.num_tokens == 96
+        stored = store.stats()["blocks"]["stored"]
+        second = store.create_sequence(prefix=match)
+        logits = decoder.prefill(second, question[96:], 32)
+        assert store.stats()["blocks"]["stored"] == stored + TINY.num_layers  # only the new tail block
+        scratch = decoder.prefill(store.create_sequence(), question, 32)
+        store.check_integrity()
+    torch.testing.assert_close(logits, scratch, atol=1e-5, rtol=1e-4)
+
+
 def test_random_weights_are_seeded_and_keep_fp32_rope() -> None:
     a, b = random_llama(TINY, seed=1), random_llama(TINY, seed=1)
     c = random_llama(TINY, seed=2, dtype=torch.float16)

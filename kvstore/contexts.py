@@ -1,0 +1,199 @@
+"""Content keys: a sequence's token ids and the hash chain that names its full blocks.
+
+Block i of a sequence covers token ids [i*B, (i+1)*B). Its chain hash is
+
+    h_i = blake2b-128(h_{i-1} || token ids of block i as little-endian int64),
+    h_-1 = blake2b-128("kvtier-chain/1" || model identity || geometry || block_tokens)
+
+so h_i names the whole prefix up to block i under one model, and block i of layer l carries the
+content key `l (2 bytes) || h_i`. Identical prefixes give identical keys: `KVStore.match_prefix`
+finds the longest held one and `KVStore.create_sequence(prefix=...)` starts a sequence on its
+blocks by reference (vLLM's and SGLang's prefix caching, per layer).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from kvstore.config import Config, ModelSpec
+from kvstore.table import DROPPED, LayerTable, TableTensors
+from kvstore.tierset import TierSet
+
+
+def chain_root(model_id: str, spec: ModelSpec, block_tokens: int) -> bytes:
+    geometry = f"{model_id}|{spec.num_layers}|{spec.num_q_heads}|{spec.num_kv_heads}|{spec.head_dim}|{block_tokens}"
+    return hashlib.blake2b(b"kvtier-chain/1|" + geometry.encode(), digest_size=16).digest()
+
+
+def chain_hashes(parent: bytes, token_ids: Sequence[int], block_tokens: int) -> list[bytes]:
+    """Chain hashes of the full blocks of `token_ids` (a partial last block has none), after `parent`."""
+    ids = np.asarray(token_ids, dtype="<i8")
+    out = []
+    for start in range(0, len(ids) - block_tokens + 1, block_tokens):
+        parent = hashlib.blake2b(parent + ids[start: start + block_tokens].tobytes(), digest_size=16).digest()
+        out.append(parent)
+    return out
+
+
+def block_key(layer: int, chain_hash: bytes) -> bytes:
+    return layer.to_bytes(2, "big") + chain_hash
+
+
+@dataclass(slots=True)
+class TokenRecord:
+    """The token ids a sequence holds, from position 0, and the chain hashes of its full blocks."""
+
+    root: bytes
+    block_tokens: int
+    num_layers: int
+    token_ids: list[int] = field(default_factory=list)
+    chain: list[bytes] = field(default_factory=list)  # chain hash of each full block of token_ids
+    keyed: list[int] = field(default_factory=list)  # per layer: leading blocks whose keys are registered
+
+    def __post_init__(self) -> None:
+        if not self.keyed:
+            self.keyed = [0] * self.num_layers
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        b = self.block_tokens
+        self.token_ids.extend(token_ids)
+        pending = self.token_ids[len(self.chain) * b:]
+        self.chain += chain_hashes(self.chain[-1] if self.chain else self.root, pending, b)
+
+    def copy(self) -> TokenRecord:
+        return TokenRecord(self.root, self.block_tokens, self.num_layers, list(self.token_ids), list(self.chain),
+                           list(self.keyed))
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """The longest prefix of some token ids whose blocks the store holds in every layer."""
+
+    num_tokens: int  # a multiple of block_tokens (full blocks only)
+    token_ids: tuple[int, ...]  # the matched tokens
+    block_ids: tuple[tuple[int, ...], ...]  # [layer][block index] -> block id
+
+
+def check_token_ids(token_ids: object) -> list[int]:
+    """Token ids as a list of non-negative ints (a list, tuple, range, numpy array or 1-d tensor)."""
+    if hasattr(token_ids, "tolist") and not isinstance(token_ids, (list, tuple)):
+        token_ids = token_ids.tolist()
+    if isinstance(token_ids, range):
+        token_ids = list(token_ids)
+    if not isinstance(token_ids, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 62 for t in token_ids):
+        raise ValueError(f"token_ids must be a sequence of non-negative ints, got {str(token_ids)[:80]}")
+    return list(token_ids)
+
+
+class Contexts:
+    """Token records, content keys and sharing over the store's tables: fork, prefix lookup, sequences
+    started on a prefix, free. Handed the tables, the tier set and the table tensors; never the store."""
+
+    def __init__(self, config: Config, tables: dict[int, list[LayerTable]], tiers: TierSet,
+                 tensors: TableTensors) -> None:
+        self.block_tokens, self.num_layers = config.block_tokens, config.model.num_layers
+        self.root = chain_root(config.model_id, config.model, config.block_tokens)
+        self.tables, self.tiers, self.tensors = tables, tiers, tensors
+        self.records: dict[int, TokenRecord] = {}  # sequences whose token ids are known from position 0
+
+    def new_record(self) -> TokenRecord:
+        return TokenRecord(self.root, self.block_tokens, self.num_layers)
+
+    # -- token ids and keys ---------------------------------------------------------------
+    def extend(self, seq: int, token_ids: list[int]) -> None:
+        record = self.records.get(seq)
+        held = max(t.num_tokens for t in self.tables[seq])
+        if record is None:
+            if held:
+                raise ValueError(f"sequence {seq} holds {held} tokens of K/V whose ids were never given: "
+                                 "token ids must cover a sequence from position 0")
+            record = self.records[seq] = self.new_record()
+        elif len(record.token_ids) < held:
+            raise ValueError(f"sequence {seq} holds {held} tokens of K/V but only {len(record.token_ids)} "
+                             "token ids: give each token's id before or when its K/V are appended")
+        record.extend(token_ids)
+        for layer in range(self.num_layers):
+            self.key_blocks(seq, layer)
+
+    def key_blocks(self, seq: int, layer: int) -> None:
+        """Register the content keys of the layer's full blocks whose token ids are known."""
+        record = self.records.get(seq)
+        if record is None:
+            return
+        table, registry = self.tables[seq][layer], self.tiers.blocks
+        upto = min(table.num_tokens // self.block_tokens, len(record.chain))
+        for i in range(record.keyed[layer], upto):
+            if table.block_ids[i] != DROPPED:
+                registry.set_key(table.block_ids[i], block_key(layer, record.chain[i]))
+        record.keyed[layer] = max(record.keyed[layer], upto)
+
+    # -- sharing ----------------------------------------------------------------------------
+    def fork(self, seq: int, new: int) -> None:
+        """Sequence `new` holds what `seq` holds: full blocks by reference, partial tails copied."""
+        partial = sum(t.num_tokens % self.block_tokens != 0 for t in self.tables[seq])
+        self.tiers.check_room(partial)
+        self.tables[new] = [self.tensors.copy(t) for t in self.tables[seq]]
+        if seq in self.records:
+            self.records[new] = self.records[seq].copy()
+        self._share_all(new)
+
+    def match(self, token_ids: list[int]) -> PrefixMatch:
+        registry, found = self.tiers.blocks, []
+        for h in chain_hashes(self.root, token_ids, self.block_tokens):
+            ids = [registry.find(block_key(layer, h)) for layer in range(self.num_layers)]
+            if None in ids:
+                break
+            found.append(ids)
+        n = len(found) * self.block_tokens
+        return PrefixMatch(n, tuple(token_ids[:n]), tuple(zip(*found)) if found else ((),) * self.num_layers)
+
+    def start_on(self, new: int, match: PrefixMatch) -> None:
+        """Sequence `new` starts on the blocks of `match` (by reference, no K/V copied)."""
+        registry, b = self.tiers.blocks, self.block_tokens
+        chain = chain_hashes(self.root, match.token_ids, b)
+        if len(match.block_ids) != self.num_layers or match.num_tokens != len(chain) * b or any(
+                len(ids) != len(chain) or any(registry.key_of.get(i) != block_key(layer, h) for i, h in zip(ids, chain))
+                for layer, ids in enumerate(match.block_ids)):
+            raise ValueError("prefix match is stale or not from this store: its blocks were freed; match again")
+        self.tables[new] = [self._table_on(list(ids)) for ids in match.block_ids]
+        record = self.records[new] = self.new_record()
+        record.extend(match.token_ids)
+        record.keyed = [len(chain)] * self.num_layers
+        self._share_all(new)
+
+    def _table_on(self, ids: list[int]) -> LayerTable:
+        """A table over held full blocks, their summaries copied from a table holding each."""
+        table = LayerTable(ids, len(ids) * self.block_tokens)
+        self.tensors.reserve(table, len(ids))
+        by_source: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+        for i, block_id in enumerate(ids):
+            seq, layer, index = next(iter(self.tiers.blocks.holders[block_id]))
+            dst, src = by_source.setdefault((seq, layer), ([], []))
+            dst.append(i)
+            src.append(index)
+        for (seq, layer), (dst, src) in by_source.items():
+            table.summaries[dst] = self.tables[seq][layer].summaries[src]
+        return table
+
+    def _share_all(self, new: int) -> None:
+        tables, done = self.tables[new], 0
+        try:
+            for layer, table in enumerate(tables):
+                self.tiers.share(new, layer, table, self.block_tokens)
+                done += 1
+        except BaseException:  # the failing layer's table is empty already; later ones never held anything
+            tables[done + 1:] = [LayerTable() for _ in tables[done + 1:]]
+            self.free(new)
+            raise
+
+    def free(self, seq: int) -> None:
+        """Let go of every block of `seq`; blocks no other sequence holds return to their tiers."""
+        for layer, table in enumerate(self.tables[seq]):
+            self.tiers.release(seq, layer, [i for i, b in enumerate(table.block_ids) if b != DROPPED])
+        del self.tables[seq]
+        self.records.pop(seq, None)
