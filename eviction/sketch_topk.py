@@ -100,9 +100,12 @@ class SketchTopK(Policy):
               num_kv_heads: int) -> torch.Tensor:
         """int64 [H, k] ascending: the `keep` blocks (bool [N]), never the `drop` ones, the rest by estimated
         mass from lse [Hq, N]; with fine (candidates [H, C] -> lse [Hq, C]) re-ranked by the fine pass over
-        the coarse_factor * k best. The shares count only real, unprotected blocks, so a partial tail block's
-        stale codes change nothing. No host sync."""
-        skip = keep | drop
+        the coarse_factor * k best. Shares are of each head's estimated softmax over the real blocks but the
+        tail (the last real one, always kept: its codes may lag its keys), so eager and captured steps agree.
+        No host sync."""
+        real = ~drop
+        tail = real & ~torch.cat((real[1:], real.new_zeros(1)))  # [N]: the last real block
+        skip = drop | tail
 
         def ranked(x: torch.Tensor) -> torch.Tensor:
             share = block_mass(x.masked_fill(skip, float("-inf")), num_kv_heads).nan_to_num(nan=float("-inf"))
