@@ -5,7 +5,9 @@
     kvtier_bytes_in_total, kvtier_bytes_out_total       tensor payload bytes received / sent
     kvtier_request_seconds{method, route}               latency histogram, route = path template
     kvtier_responses_total{method, route, status}       status = the HTTP status sent, or "disconnect" when
-                                                        the client left before its response was complete
+                                                        the client left while its request was being read
+                                                        (uvicorn drops sends to a client that has gone, so
+                                                        one leaving mid-response keeps the status sent)
     kvtier_integrity_errors_total                       stored values that failed a checksum
     kvtier_degraded                                     1 while the store runs read-only on a damaged file
     kvtier_damage_problems, kvtier_damaged_values       what the startup check of the LMDB file found
