@@ -95,14 +95,15 @@ class TableTensors:
         table.sketch[index: index + 1] = encode_blocks(keys[None], table.summaries[index: index + 1])
 
     def copy(self, table: LayerTable) -> LayerTable:
-        """A new table pointing at the same block ids, with its own device maps, summaries, H2O scores and
-        counts (a fork; the tier set then makes the copy a holder of those blocks)."""
+        """A new table pointing at the same block ids, with its own device maps, summaries, sketch, H2O scores
+        and counts (a fork; the tier set then makes the copy a holder of those blocks)."""
         n = table.num_blocks
         out = LayerTable(list(table.block_ids), table.num_tokens, num_warm=table.num_warm,
                          num_cold=table.num_cold, num_dropped=table.num_dropped)
         if n:
             self.reserve(out, n)
             out.summaries[:n] = table.summaries[:n]
+            out.sketch[:n] = table.sketch[:n]
             out.slot_map[:n] = table.slot_map[:n]
             out.tier_map[:n] = table.tier_map[:n]
             out.h2o_scores[:, :n] = table.h2o_scores[:, :n]
