@@ -167,7 +167,7 @@ class Contexts:
         self._share_all(new)
 
     def _table_on(self, ids: list[int]) -> LayerTable:
-        """A table over held full blocks, their summaries copied from a table holding each."""
+        """A table over held full blocks, their summaries and sketch codes copied from a table holding each."""
         table = LayerTable(ids, len(ids) * self.block_tokens)
         self.tensors.reserve(table, len(ids))
         by_source: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
@@ -178,6 +178,7 @@ class Contexts:
             src.append(index)
         for (seq, layer), (dst, src) in by_source.items():
             table.summaries[dst] = self.tables[seq][layer].summaries[src]
+            table.sketch[dst] = self.tables[seq][layer].sketch[src]
         return table
 
     def _share_all(self, new: int) -> None:
