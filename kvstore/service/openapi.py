@@ -2,8 +2,9 @@
 
 FastAPI's defaults disagree in three places, fixed here: it documents 422 (the service
 answers validation errors with 400), it cannot know that guard.py answers 401 on every
-guarded path (only when a token is configured) and 408 to a stalled body, and it would
-declare bearer security whether or not a token is configured.
+guarded path (only when a token is configured), 408 to a stalled body, 413 to any body over
+the limit and uvicorn's 503 past --limit-concurrency, and it would declare bearer security
+whether or not a token is configured.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def _document_guard(operation: dict, guarded: bool, token: bool) -> None:
     responses.pop("401", None)
     responses["408"] = {"description": "the request body stalled; the connection is closed", "content": _ERROR}
     responses["413"] = {"description": "the body exceeds max_body_bytes", "content": _ERROR}
+    responses.setdefault("503", {"description": "over --limit-concurrency (uvicorn answers, in text/plain)",
+                                 "content": {"text/plain": {"schema": {"type": "string"}}}})
     if guarded and token:
         responses["401"] = {"description": UNAUTHORIZED, "content": _ERROR}
         operation["security"] = [{"bearer": []}]
