@@ -95,8 +95,8 @@ class LmdbFile:
             report.problems.append(f"meta says {meta.last_pg + 1} pages; the file holds {self.size // psize}")
             return report
         walk = _Walk(self, psize, meta.last_pg + 1, report)
-        walk.tree("main", meta.main_db, walk.leaf_entry)
-        walk.tree("free", meta.free_db, walk.free_entry)
+        walk.tree("main", meta.main_db, walk.leaf_entry, bytes)  # LMDB's default order: memcmp, then length
+        walk.tree("free", meta.free_db, walk.free_entry, _txnid)  # MDB_INTEGERKEY: native (little endian) u64
         walk.account()
         return report
 
@@ -161,7 +161,7 @@ class _Walk:
         self.owner[pgno: pgno + count] = b"\x01" * count
         return True
 
-    def tree(self, name: str, db: tuple, on_entry) -> None:
+    def tree(self, name: str, db: tuple, on_entry, order) -> None:
         depth, root = db[2], db[7]
         self.counts[name] = [0, 0, 0, 0, 0]
         if root == NO_ROOT:
@@ -172,13 +172,13 @@ class _Walk:
         if not 1 <= depth <= MAX_DEPTH:
             self.problem(f"{name} db: depth {depth} out of range")
             return
-        self.page(name, root, depth, None, None, on_entry)
+        self.page(name, root, depth, None, None, on_entry, order)
         if tuple(self.counts[name]) != db[2:7]:
             self.problem(f"{name} db: meta counts (depth, branch, leaf, overflow, entries) {db[2:7]}, "
                          f"the walk found {tuple(self.counts[name])}")
 
-    def page(self, name: str, pgno: int, level: int, low: bytes | None, high: bytes | None, on_entry) -> None:
-        """Check one page and recurse; `level` 1 is a leaf. Keys must lie in [low, high)."""
+    def page(self, name: str, pgno: int, level: int, low, high, on_entry, order) -> None:
+        """Check one page and recurse; `level` 1 is a leaf. Keys, as `order` ranks them, must lie in [low, high)."""
         what = f"{name} db page {pgno}"
         if not self.claim(pgno, 1, what):
             return
@@ -193,7 +193,7 @@ class _Walk:
             return
         self.counts[name][1 if level > 1 else 2] += 1
         nodes = self.nodes(what, base, (lower - 16) // 2, upper, level == 1)
-        keys = [k for _, k, _, _ in nodes]
+        keys = [order(k) for _, k, _, _ in nodes]
         inner = keys[1:] if level > 1 else keys  # a branch page's first key is not compared (LMDB ignores it)
         if any(a >= b for a, b in zip(inner, inner[1:])) or (inner and low is not None and inner[0] < low) \
                 or (inner and high is not None and inner[-1] >= high):
@@ -204,7 +204,7 @@ class _Walk:
             return
         bounds = [low] + keys[1:] + [high]
         for i, (_, _, _, child) in enumerate(nodes):
-            self.page(name, child, level - 1, bounds[i], bounds[i + 1], on_entry)
+            self.page(name, child, level - 1, bounds[i], bounds[i + 1], on_entry, order)
 
     def nodes(self, what: str, base: int, count: int, upper: int, leaf: bool) -> list[tuple]:
         """(node offset, key, flags, data size or child pgno) of each node that lies inside its page."""
@@ -282,6 +282,10 @@ class _Walk:
         if unaccounted:
             self.problem(f"{unaccounted} of {self.num_pages} pages are in no tree and no free list "
                          f"(first: page {self.owner.find(0)})")
+
+
+def _txnid(key: bytes) -> int:
+    return int.from_bytes(key, "little") if len(key) == 8 else -1  # a wrong length is reported per record
 
 
 def check_file(env_dir: str) -> FileReport:

@@ -3,6 +3,7 @@ a damaged or renamed value, reports the damage, and `kvtier verify` finds it and
 
 from __future__ import annotations
 
+import random
 import shutil
 import struct
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 import xxhash
 
+from kvstore.service.lmdbfile import check_file
 from kvstore.service.metrics import ServiceMetrics
 from kvstore.service.storage import NotFound, ServiceStorage
 from kvstore.service.verify import main as verify
@@ -114,6 +116,32 @@ def test_any_single_flipped_byte_opens_and_serves_no_damaged_value(tmp_path):
     assert all(degraded[(n, b)] for n in structural for b in (0x01, 0x10, 0x80)), \
         [(n, b) for n in structural for b in (0x01, 0x10, 0x80) if not degraded[(n, b)]]
     assert not any(degraded[("overflow payload", b)] for b in (0x01, 0x10, 0x80))  # caught by the value's checksum
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_healthy_file_is_never_called_damaged(tmp_path, seed):
+    """Random puts, overwrites (bigger and smaller, in one txn too) and deletes, with readers pinning old
+    snapshots so the free list grows past txnid 255 (its keys are little-endian integers, not bytes)."""
+    rng = random.Random(seed)
+    env = lmdb.open(str(tmp_path / "env"), map_size=1 << 30, sync=False)
+    keys, readers = set(), []
+    for txn_id in range(320):
+        with env.begin(write=True) as txn:
+            for _ in range(rng.randint(1, 30)):
+                key = b"v/ns%d/k%04d" % (rng.randint(0, 2), rng.randint(0, 1500))
+                if rng.random() < 0.7:
+                    txn.put(key, rng.randbytes(rng.choice([16, 600, 2100, 5000, 13000])))
+                    keys.add(key)
+                elif txn.delete(key):
+                    keys.discard(key)
+        if txn_id in (230, 250):
+            readers.append(env.begin())
+            readers[-1].get(b"v")
+    for reader in readers:
+        reader.abort()
+    env.close()
+    report = check_file(str(tmp_path / "env"))
+    assert report.problems == [] and set(report.entries) == keys
 
 
 def test_a_renamed_value_is_an_integrity_error_not_another_keys_data(tmp_path):
