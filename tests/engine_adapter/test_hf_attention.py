@@ -1,0 +1,87 @@
+"""SmolLM2-135M, unmodified, through transformers' generate() with KVTierCache + kvtier attention:
+dense equals HF's own greedy output; top-K at 1/8 of the context answers a passkey like dense while
+reading about its budget per decode step (the window control at the same budget misses it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_adapter.evaluate import passkey_prompt, read_passkey
+from kvstore import Config, KVStore, ModelSpec
+from tests.engine_adapter import smollm2
+
+pytest.importorskip("transformers")
+from engine_adapter.hf_cache import KVTierCache  # noqa: E402
+from tests.engine_adapter.test_hf_cache import generate, kvtier_attention  # noqa: E402
+
+PASSKEY_TOKENS, PASSKEY_DEPTH, PASSKEY = 2000, 0.5, "13821"
+BUDGET = PASSKEY_TOKENS // 8 // 32 * 32  # 224: at most 1/8 of the context, whole blocks
+
+
+def config() -> Config:
+    # recent_tokens 64 leaves most of the budget to top-K's picks (as in test_passkey.py)
+    return Config(model=ModelSpec.preset("smollm2-135m"), block_tokens=32, sink_tokens=64, hot_tokens=4096,
+                  warm_tokens=32768, recent_tokens=64, gpu_bytes=512 << 20, cpu_bytes=64 << 20, device="cpu")
+
+
+def test_dense_generate_equals_hf_greedy_token_for_token() -> None:
+    hf_model, _, _ = smollm2.smollm2()
+    expected, _ = smollm2.hf_greedy(2000, 16)  # HF's SDPA and DynamicCache, fp32 K/V
+    with kvtier_attention(hf_model), KVStore(config()) as store, KVTierCache(store) as cache:
+        ours = generate(hf_model, torch.tensor([smollm2.prose_ids()[:2000]]), 16, cache)
+        assert cache.decode_reads().num_steps == 15
+        store.check_integrity()
+    assert tuple(ours) == expected
+
+
+def test_topk_at_an_eighth_answers_the_passkey_like_dense_and_reads_about_its_budget(
+        request: pytest.FixtureRequest) -> None:
+    hf_model, tokenizer, _ = smollm2.smollm2()
+    ids = torch.tensor([passkey_prompt(tokenizer, PASSKEY_TOKENS, PASSKEY_DEPTH, PASSKEY)])
+    answers, reads = {}, {}
+    with kvtier_attention(hf_model), KVStore(config()) as store, KVTierCache(store) as prefilled:
+        with torch.no_grad():
+            hf_model(ids[:, :-1], cache=prefilled, logits_to_keep=1)  # one SDPA prefill for every mode
+        for mode in ("dense", "topk", "window"):
+            with prefilled.fork(mode, BUDGET) as cache:
+                answers[mode] = read_passkey(tokenizer.decode(generate(hf_model, ids, 6, cache)))
+                reads[mode] = cache.decode_reads()
+        store.check_integrity()
+    terminal = request.config.pluginmanager.get_plugin("terminalreporter")
+    if terminal is not None:
+        terminal.write_line("\nSmolLM2 via generate(), passkey at 2K tokens: " + "; ".join(
+            f"{mode} -> {answers[mode]} ({reads[mode]})" for mode in answers))
+    assert answers["dense"] == PASSKEY and answers["topk"] == PASSKEY, answers
+    assert answers["window"] != PASSKEY, answers  # the budget alone does not reach the needle
+    token_bytes = 2 * 3 * 64 * 2  # fp16 K and V, 3 kv heads of 64 dims, one layer
+    dense, topk = reads["dense"], reads["topk"]
+    assert dense.tokens_per_layer > PASSKEY_TOKENS and dense.bytes_per_step == dense.dense_bytes_per_step
+    assert BUDGET - 32 <= topk.tokens_per_layer <= BUDGET  # ~budget, not ~context
+    assert topk.bytes_per_step == topk.tokens_per_layer * 30 * token_bytes
+    assert topk.bytes_per_step * 8 < dense.bytes_per_step
+
+
+def test_generate_cli_hf_engine_prints_text_and_bytes_per_step(
+        tmp_path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    import re
+
+    from engine_adapter import generate_cli, weights
+    from tests.engine_adapter.test_llama_cli import parse
+
+    hf_model, tokenizer, _ = smollm2.smollm2()
+    monkeypatch.setattr(weights, "load_hf", lambda name: (hf_model, tokenizer))  # the model this process loaded
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(tokenizer.decode(smollm2.prose_ids()[:400]), encoding="utf-8")
+    args = parse("--engine", "hf", "--prompt-file", str(prompt), "--mode", "topk", "--budget", "160",
+                 "--max-new-tokens", "4", "--chunk-tokens", "256", "--device", "cpu")
+    with kvtier_attention(hf_model):  # restores the shared model's attention after the CLI switched it
+        assert generate_cli.run(args) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and "\nhot " in err and "transformers' generate()" in err
+    found = re.search(r"decode read ([\d.,]+) KiB of K/V per step \(([\d,]+) tokens per layer of a ([\d,]+)-token", err)
+    assert found, err
+    kib, tokens, context = (float(g.replace(",", "")) for g in found.groups())
+    assert 128 <= tokens <= 160 and context > 390 and kib == pytest.approx(tokens * 30 * 768 / 1024, rel=1e-3)
+    with pytest.raises(SystemExit, match="--engine hf runs a packaged model"):
+        generate_cli.run(parse("--engine", "hf", "--prompt", "hi", "--random-weights"))
