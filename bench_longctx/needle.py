@@ -17,8 +17,9 @@ softmax (computed from the planted keys), and it is recalled when the attention 
 at least half the needle's dense contribution along its marker: out . e_i >= w_i * |v_i| / 2
 (a selected needle's weight only grows by renormalization; a missed one contributes nothing).
 
-Modes: dense (every block: the check that trials are recalled), topk (the store's selector),
-window (sinks + recent) and h2o (drop mode after `h2o_warmup` unrelated queries) as controls.
+Modes: dense (every block: the check that trials are recalled), topk (the store's selector, the 4-bit
+key sketch), quest (the min/max bound), window (sinks + recent) and h2o (drop mode after `h2o_warmup`
+unrelated queries) as controls.
 """
 
 from __future__ import annotations
@@ -195,7 +196,8 @@ def run_context(spec: ModelSpec, ctx: int, p: NeedlePreset, device: torch.device
     try:
         seq = fill(store, hay)
         rows = [score(store, seq, hay, "dense", ctx, p.min_weight, False)]
-        rows += [score(store, seq, hay, mode, b, p.min_weight, True) for mode in ("topk", "window") for b in p.budgets]
+        rows += [score(store, seq, hay, mode, b, p.min_weight, True) for mode in ("topk", "quest", "window")
+                 for b in p.budgets]
         store.free(seq)
         for budget in p.budgets:  # h2o drops blocks for good: a fresh copy of the same sequence per budget
             seq = fill(store, hay)
