@@ -21,7 +21,8 @@ import numpy as np
 
 from kvstore.config import Config, ModelSpec
 from kvstore.table import DROPPED, LayerTable, TableTensors
-from kvstore.tierset import TierSet
+from kvstore.saved import SavedContext, SavedLayer
+from kvstore.tierset import HOT_TIER, TierSet
 
 
 def chain_root(model_id: str, spec: ModelSpec, block_tokens: int) -> bytes:
@@ -165,6 +166,42 @@ class Contexts:
         record.extend(match.token_ids)
         record.keyed = [len(chain)] * self.num_layers
         self._share_all(new)
+
+    def start_saved(self, new: int, saved: SavedContext) -> None:
+        """Sequence `new` is the saved context: tables, summaries and token ids now; each block stays in the
+        saved tier until selected, except tails and the hot window (sinks, recent tokens), loaded here."""
+        tables = self.tables[new] = [self._table_saved(new, layer, s) for layer, s in enumerate(saved.layers)]
+        ids = [b for table in tables for b in table.block_ids if b != DROPPED]
+        self.tiers.adopt_saved(ids, [key for s in saved.layers for key in s.keys])  # every block, or none
+        try:
+            if saved.token_ids is not None:
+                self.records[new] = self.new_record()
+                self.records[new].extend(saved.token_ids)
+                for layer in range(self.num_layers):
+                    self.key_blocks(new, layer)
+            for table in tables:
+                hot = [b for i, b in enumerate(table.block_ids[:-1])
+                       if b != DROPPED and self.tiers.first_tier(i, table.num_tokens) == HOT_TIER]
+                self.tiers.promote(hot, HOT_TIER)  # opportunistic: what does not fit is staged when selected
+                self.tiers.pin_tail(table)
+        except BaseException:
+            self.free(new)
+            raise
+
+    def _table_saved(self, new: int, layer: int, saved: SavedLayer) -> LayerTable:
+        n = saved.summaries.shape[0]
+        ids = self.tiers.blocks.new_ids(n, new, layer, 0)
+        if saved.dropped:
+            self.tiers.blocks.forget_owners([ids[i] for i in saved.dropped])
+            for i in saved.dropped:
+                ids[i] = DROPPED
+        table = LayerTable(ids, saved.num_tokens, num_dropped=len(saved.dropped))
+        if n:
+            self.tensors.reserve(table, n)
+            table.summaries[:n] = saved.summaries.to(self.tensors.device)
+            table.h2o_scores[:, :n] = saved.h2o_scores.to(self.tensors.device)
+            table.sketch[:n] = saved.sketch.to(self.tensors.device)
+        return table
 
     def _table_on(self, ids: list[int]) -> LayerTable:
         """A table over held full blocks, their summaries and sketch codes copied from a table holding each."""

@@ -16,9 +16,11 @@ from kvstore.config import Config
 from kvstore.contexts import Contexts, PrefixMatch, check_token_ids
 from kvstore.decode import DecodePath
 from kvstore.placement import HOT
+from kvstore.saved import SavedContexts
 from kvstore.table import DROPPED, LayerTable, TableTensors
 from kvstore.tierset import HOT_TIER, TierSet
 from tiers.errors import CapacityError
+from tiers.ssd import SsdTier
 from tiers.layout import BlockLayout
 
 MODES = ("dense", "topk", "quest", "h2o", "window")  # topk: the 4-bit sketch selector; quest: min/max bound
@@ -35,6 +37,8 @@ class KVStore:
         self.tiers = TierSet(c, self.layout, self.sequences, self.tensors)
         self.decode = DecodePath(c, self.tiers)
         self.contexts = Contexts(c, self.sequences, self.tiers, self.tensors)
+        self.saved = SavedContexts(self.tiers.cold, self.contexts.root, c.model.num_kv_heads, c.model.head_dim,
+                                   c.block_tokens) if isinstance(self.tiers.cold, SsdTier) else None  # local ssd only
         self.policies: dict[str, Policy] = {name: cls() for name, cls in POLICIES.items()}  # mode -> default policy
         self._next_sequence = 0
 
@@ -83,6 +87,39 @@ class KVStore:
         self.table(seq, 0)
         record = self.contexts.records.get(seq)
         return None if record is None else list(record.token_ids)
+
+    # -- saved contexts ----------------------------------------------------------------------
+    def save(self, seq: int, name: str) -> None:
+        """Persist `seq` as `name` in the ssd tier's LMDB (Config.ssd_path): every block from whichever tier
+        holds it, key summaries, H2O scores and token ids. Returns once durable; an interrupted save leaves
+        nothing under `name` (an earlier save of `name` stays until this one commits, then is replaced)."""
+        self.table(seq, 0)
+        self._saved_contexts().save(name, self.sequences[seq], self.token_ids(seq), self.tiers.encoded)
+
+    def open(self, name: str) -> int:
+        """A new sequence on the saved context `name` (saved by any process with this ssd_path, model_id and
+        geometry): summaries, tables and token ids load now, so decoding can start at once; blocks are read
+        from the saved values when selected (or promoted), never copied in bulk. Sinks, the recent window and
+        the tail load now. Outputs equal the saved sequence's."""
+        saved = self._saved_contexts().load(name)
+        seq = self._next_sequence
+        self._next_sequence += 1
+        self.contexts.start_saved(seq, saved)
+        return seq
+
+    def saved_contexts(self) -> list[str]:
+        """Names of the contexts saved at this store's ssd_path."""
+        return self._saved_contexts().names()
+
+    def delete_saved(self, name: str) -> None:
+        """Delete a saved context (stores that have it open can no longer read its blocks)."""
+        self._saved_contexts().delete(name)
+
+    def _saved_contexts(self) -> SavedContexts:
+        if self.saved is None:
+            raise ValueError("saved contexts live in the local ssd tier (Config.ssd_path); this store's cold tier "
+                             f"is {self.tiers.cold.name}")
+        return self.saved
 
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
         """The longest prefix of `token_ids`, in whole blocks, whose K/V the store holds in every layer

@@ -3,7 +3,7 @@
 It is asked to place, cool, promote, gather, drop and free blocks, and edits the block
 tables it is handed (device slot and tier maps, warm/cold counts); it never imports the
 store. Tiers by index: 0 hot (GPU fp16), 1 warm (GPU int8), 2 cpu, 3 cold (ssd, the sidecar
-or redis). Placement levels (HOT, WARM, COLD) map onto the first three; a COLD block starts
+or redis), 4 saved (read-only: blocks of opened saved contexts, read where the save put them). Placement levels (HOT, WARM, COLD) map onto the first three; a COLD block starts
 in cpu and spills colder. Every move is put-then-delete and every placement all-or-nothing:
 a failed put leaves each block where it was, so no failure loses a block.
 """
@@ -24,14 +24,16 @@ from kvstore.registry import BlockRegistry
 from kvstore.table import DROPPED, LayerTable, TableTensors
 from tiers.base import Tier
 from tiers.cpu import CpuTier
-from tiers.errors import CapacityError
+from tiers.errors import BlockMissingError, CapacityError
 from tiers.hot import HotTier
 from tiers.layout import BlockLayout, Blocks, Int8Blocks
 from tiers.quant import dequantize
+from tiers.codec import Codec
+from tiers.saved import SavedTier
 from tiers.ssd import SsdTier
 from tiers.warm import WarmTier
 
-HOT_TIER, WARM_TIER, CPU_TIER = 0, 1, 2
+HOT_TIER, WARM_TIER, CPU_TIER, COLD_TIER, SAVED_TIER = 0, 1, 2, 3, 4
 _FIRST_TIER = {HOT: HOT_TIER, WARM: WARM_TIER, COLD: CPU_TIER}
 _VICTIM_POOL = 4  # demote mode: look at this many times more old blocks than needed, keep the least attended
 
@@ -53,6 +55,8 @@ class TierSet:
             open_cold_tier(c, layout, self._tempdir),
         ]
         self.hot, self.warm, self.cpu, self.cold = self.tiers
+        self.saved = SavedTier(layout, self.cold.get_values if isinstance(self.cold, SsdTier) else None)
+        self.tiers.append(self.saved)
         self.blocks = BlockRegistry(len(self.tiers))
         self.tables, self.tensors = tables, tensors
         self.ranking = H2O()  # demote mode: the least attended of the oldest blocks cool first
@@ -79,7 +83,7 @@ class TierSet:
     def _make_room(self, tier: int, n: int) -> int:
         """Cool victims out of `tier` until n blocks fit (as far as colder tiers allow); returns how many fit."""
         deficit = n - self.tiers[tier].free_blocks()
-        if deficit > 0 and tier + 1 < len(self.tiers):
+        if deficit > 0 and tier < COLD_TIER:
             victims = self._victims(tier, deficit)
             if victims:
                 try:
@@ -118,7 +122,7 @@ class TierSet:
     def place(self, ids: list[int], blocks: Blocks, tier: int, coldest: int | None = None) -> None:
         """Put blocks into `tier`; what does not fit goes one tier colder (down to `coldest`), oldest
         first. All or nothing: on any failure no block of `ids` is stored anywhere new."""
-        plan = self._plan(len(ids), tier, len(self.tiers) - 1 if coldest is None else coldest)
+        plan = self._plan(len(ids), tier, COLD_TIER if coldest is None else coldest)
         done: list[tuple[int, int, int]] = []
         try:
             for t, lo, hi in plan:
@@ -297,15 +301,45 @@ class TierSet:
                 except BaseException:
                     self.blocks.forget_owners([table.block_ids[n - 1]])
                     raise
-            elif n and self.blocks.tier_of[table.block_ids[-1]] != HOT_TIER:  # a full tail stays hot too
-                src = self.blocks.tier_of[table.block_ids[-1]]
-                self.move([table.block_ids[-1]], src, HOT_TIER, coldest=HOT_TIER)
+            else:
+                self.pin_tail(table)
         except BaseException:
             for i in shared:
                 self.blocks.let_go(table.block_ids[i], (seq, layer, i))
             table.block_ids.clear()
             table.num_tokens = table.num_warm = table.num_cold = table.num_dropped = 0
             raise
+
+    def pin_tail(self, table: LayerTable) -> None:
+        """Bring the table's tail block into the hot tier, where tails live (a full one too: DecodeStep
+        addresses the tail by its hot slot); CapacityError if the hot pool cannot take it."""
+        if table.block_ids and self.blocks.tier_of[table.block_ids[-1]] != HOT_TIER:
+            self.move([table.block_ids[-1]], self.blocks.tier_of[table.block_ids[-1]], HOT_TIER, coldest=HOT_TIER)
+
+    def adopt_saved(self, ids: list[int], keys: list[bytes]) -> None:
+        """New block ids (held by their tables) are the saved values under `keys`: nothing is read."""
+        self.saved.adopt(ids, keys)
+        self._record(ids, SAVED_TIER)
+
+    def encoded(self, ids: Sequence[int]) -> list[bytes]:
+        """Each block as one stored value (tiers/codec.py), in its tier's format (fp16 or int8): values the
+        cold ssd tier or the saved tier hold are copied as they are, the others encoded."""
+        values: dict[int, bytes] = {}
+        for tier, group in self.blocks.by_tier(ids).items():
+            if tier == SAVED_TIER:
+                got = self.saved.get_values([self.saved.key_of[i] for i in group])
+            elif tier == COLD_TIER and isinstance(self.cold, SsdTier):
+                got = self.cold.get_values([self.cold.key(i) for i in group])
+            else:
+                blocks, codec = self.tiers[tier].get(group).to("cpu"), Codec(*self._codec_args())
+                got = [codec.encode(self.layout, blocks, row) for row in range(len(group))]
+            if any(v is None for v in got):
+                raise BlockMissingError(f"{self.tiers[tier].name}: a block to save is gone")
+            values.update(zip(group, got))
+        return [values[i] for i in ids]
+
+    def _codec_args(self) -> tuple[str, int]:
+        return self.cold.codec_args if isinstance(self.cold, SsdTier) else ("zstd", 1)
 
     def _point(self, table: LayerTable, indices: list[int]) -> None:
         """Set the table's maps and warm/cold counts for entries `indices` (every live one but a copied tail)."""

@@ -80,7 +80,7 @@ class FaultyTier:
 def inject(store: KVStore, index: int, error: Exception) -> FaultyTier:
     faulty = FaultyTier(store.tiers[index], error)
     store.tiers.tiers[index] = faulty
-    store.tiers.hot, store.tiers.warm, store.tiers.cpu, store.tiers.cold = store.tiers.tiers
+    store.tiers.hot, store.tiers.warm, store.tiers.cpu, store.tiers.cold = store.tiers.tiers[:4]
     return faulty
 
 

@@ -1,0 +1,45 @@
+"""Subprocess side of tests/kvstore/test_saved.py: one store in a fresh process on a shared ssd_path.
+
+    python -m tests.kvstore.saved_worker open <ssd_path> <name> <out.pt> <warm_tokens>   attend the opened context
+    python -m tests.kvstore.saved_worker save <ssd_path> <name> <seed>     fill and save slowly, printing progress
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from kvstore import KVStore
+from tests.kvstore.test_saved import NUM_TOKENS, attend_all, config, filled, query
+
+
+def main(argv: list[str]) -> None:
+    what, path, name = argv[:3]
+    store = KVStore(config(path, warm_tokens=int(argv[4])) if what == "open" else config(path))
+    if what == "open":
+        started = time.perf_counter()
+        seq = store.open(name)
+        opened = time.perf_counter() - started
+        outs = attend_all(store, seq, query(1))
+        store.check_integrity()
+        torch.save({"outs": outs, "open_s": opened, "stats": store.stats()}, argv[3])
+    else:
+        seq = filled(store, NUM_TOKENS, seed=int(argv[3]))
+        encode = store.tiers.encoded
+
+        def slow(ids):  # one progress line per batch written, so the parent can kill mid-save
+            print("batch", flush=True)
+            time.sleep(0.2)
+            return encode(ids)
+
+        store.tiers.encoded = slow
+        store.save(seq, name)
+        print("saved", flush=True)
+        time.sleep(60)
+    store.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,191 @@
+"""Saved contexts: save, open in another process (lazily, outputs equal), atomic under kill -9."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import lmdb
+import pytest
+import torch
+
+from kvstore import Config, KVStore, ModelSpec
+
+SPEC = ModelSpec(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16)
+NUM_TOKENS = 1203  # 150 full blocks and a 3-token tail per layer
+REPO = Path(__file__).resolve().parents[2]
+
+
+def config(path: str, **overrides) -> Config:
+    base = dict(model=SPEC, block_tokens=8, sink_tokens=8, hot_tokens=32, warm_tokens=0, gpu_bytes=96 << 10,
+                cpu_bytes=48 << 10, ssd_path=str(path), staging_tokens=256, ssd_bytes=64 << 20, device="cpu",
+                host_memory_reserve=0, model_id="test-model")
+    return Config(**{**base, **overrides})
+
+
+def kv(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn((t, 2, 16), generator=g)
+    k[:, :, :4] *= 4  # outlier channels: blocks differ in their summaries, so topk selects
+    return k.half(), torch.randn((t, 2, 16), generator=g).half()
+
+
+def filled(store: KVStore, num_tokens: int, seed: int) -> int:
+    """A sequence whose blocks end up in every tier: hot, warm (int8), cpu and ssd."""
+    seq = store.create_sequence()
+    store.extend_tokens(seq, [(seed * 7 + i) % 1000 for i in range(num_tokens)])
+    for layer in range(SPEC.num_layers):
+        k, v = kv(num_tokens, seed + layer)
+        for lo in range(0, num_tokens, 100):
+            store.append(seq, layer, k[lo:lo + 100], v[lo:lo + 100])
+    return seq
+
+
+def query(seed: int) -> torch.Tensor:
+    return torch.randn((SPEC.num_q_heads, SPEC.head_dim), generator=torch.Generator().manual_seed(seed)).half()
+
+
+def attend_all(store: KVStore, seq: int, q: torch.Tensor) -> list[torch.Tensor]:
+    return [store.attend(seq, layer, q, mode, budget=64) for layer in range(SPEC.num_layers)
+            for mode in ("dense", "topk")]
+
+
+def worker(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tests.kvstore.saved_worker", *map(str, args)], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True, **kw)
+
+
+def data_keys(path: Path) -> list[bytes]:
+    env = lmdb.open(str(path), readonly=True, lock=False)
+    with env.begin() as txn:
+        keys = [bytes(k) for k, _ in txn.cursor() if bytes(k).startswith(b"ctx/")]
+    env.close()
+    return keys
+
+
+@pytest.mark.parametrize("warm_tokens", [0, 64])
+def test_a_saved_context_opens_in_another_process_with_equal_outputs(tmp_path, warm_tokens):
+    """Bit-equal when the original attends fp16 blocks only; with warm int8 blocks the original's kernel
+    dequantizes in its mixed build, the opened sequence's staged copies are dequantized first: ~1 ulp."""
+    path = tmp_path / "ssd"
+    store = KVStore(config(path, warm_tokens=warm_tokens))
+    seq = filled(store, NUM_TOKENS, seed=3)
+    tiers = store.stats()["tiers"]
+    assert all(tiers[t]["blocks"] for t in ("hot", "cpu", "ssd") + (("warm",) if warm_tokens else ())), tiers
+    store.save(seq, "doc")
+    want = attend_all(store, seq, query(1))  # after the save: attending promotes blocks, saving must not
+    assert store.saved_contexts() == ["doc"]
+    store.close()
+    proc = worker("open", path, "doc", tmp_path / "out.pt", warm_tokens)
+    assert proc.wait(timeout=120) == 0
+    got = torch.load(tmp_path / "out.pt")
+    for a, b in zip(got["outs"], want):
+        if warm_tokens:
+            torch.testing.assert_close(a, b, atol=2e-3, rtol=0)
+        else:
+            assert torch.equal(a, b)
+    assert got["stats"]["attend"]["cold_blocks_fetched"] > 0  # blocks came from the saved values
+
+
+def test_open_is_lazy_and_the_opened_sequence_lives_on(tmp_path):
+    store = KVStore(config(tmp_path / "ssd"))
+    seq = filled(store, NUM_TOKENS, seed=4)
+    ids = store.token_ids(seq)
+    store.save(seq, "doc")
+    q = query(2)
+    want = attend_all(store, seq, q)
+    store.free(seq)
+    opened = store.open("doc")
+    store.check_integrity()
+    stats = store.stats()["tiers"]
+    loaded = SPEC.num_layers * (1 + 5)  # per layer: the sink block and the 5 blocks the hot window touches (tail too)
+    assert stats["saved"]["blocks"] == SPEC.num_layers * 151 - loaded  # nothing else was read
+    assert store.stats()["blocks"]["stored"] == SPEC.num_layers * 151
+    assert store.token_ids(opened) == ids
+    fetched = store.stats()["attend"]["cold_blocks_fetched"]
+    topk = store.attend(opened, 0, q, "topk", budget=64)
+    assert 0 < store.stats()["attend"]["cold_blocks_fetched"] - fetched <= 64 // 8  # only selected blocks read
+    assert torch.equal(topk, want[1])
+    assert all(torch.equal(a, b) for a, b in zip(attend_all(store, opened, q), want))
+    match = store.match_prefix(ids[:500])
+    assert match.num_tokens == 496  # the opened blocks carry content keys: prefixes can start on them
+    fork = store.fork(opened)
+    store.extend_tokens(opened, [1, 2])
+    for layer in range(SPEC.num_layers):  # the opened sequence grows; its saved tail is copy-on-write
+        store.append(opened, layer, *kv(2, 40 + layer))
+    store.check_integrity()
+    for seq in (opened, fork):
+        store.free(seq)
+    store.check_integrity()
+    assert store.stats()["blocks"]["stored"] == 0 and store.stats()["tiers"]["saved"]["blocks"] == 0
+    again = store.open("doc")  # freeing never touched the saved values
+    assert all(torch.equal(a, b) for a, b in zip(attend_all(store, again, q), want))
+    store.save(again, "copy")  # a context opened lazily saves again (values copied as stored)
+    store.delete_saved("doc")
+    assert store.saved_contexts() == ["copy"]
+    assert all(torch.equal(a, b) for a, b in zip(attend_all(store, store.open("copy"), q), want))
+    store.close()
+
+
+def test_open_refuses_another_model_and_unknown_names(tmp_path):
+    store = KVStore(config(tmp_path / "ssd"))
+    store.save(filled(store, 100, seed=5), "doc")
+    store.close()
+    other = KVStore(config(tmp_path / "ssd", model_id="another-model"))
+    with pytest.raises(ValueError, match="another model"):
+        other.open("doc")
+    with pytest.raises(KeyError, match="no saved context"):
+        other.open("nothing")
+    with pytest.raises(ValueError, match="name must match"):
+        other.save(other.create_sequence(), "bad/name")
+    assert other.saved_contexts() == ["doc"]  # reopening the path swept stale blocks, not saved contexts
+    other.close()
+
+
+@pytest.mark.parametrize("earlier", [False, True])
+def test_a_save_killed_mid_way_leaves_the_name_absent_or_as_it_was(tmp_path, earlier):
+    path = tmp_path / "ssd"
+    q = query(3)
+    if earlier:  # a complete earlier save of the name must survive the interrupted one
+        store = KVStore(config(path))
+        seq = filled(store, 300, seed=6)
+        store.save(seq, "doc")
+        want = attend_all(store, seq, q)
+        store.close()
+    before = data_keys(path) if earlier else []
+    proc = worker("save", path, "doc", 7)
+    assert proc.stdout.readline().strip() == "batch"
+    assert proc.stdout.readline().strip() == "batch"  # the first batch is written, the second pending
+    proc.kill()  # SIGKILL
+    proc.wait(timeout=30)
+    orphans = set(data_keys(path)) - set(before)
+    assert any(k.startswith(b"ctx/data/") for k in orphans) and any(k.startswith(b"ctx/pending/") for k in orphans)
+    assert not any(k.startswith(b"ctx/name/") for k in orphans)
+    store = KVStore(config(path))
+    if earlier:
+        assert all(torch.equal(a, b) for a, b in zip(attend_all(store, store.open("doc"), q), want))
+    else:
+        with pytest.raises(KeyError):
+            store.open("doc")
+    assert store.saved.collect_garbage() == 1
+    store.close()
+    assert data_keys(path) == before  # the killed save's data and pending record are gone, nothing else
+
+
+def test_an_acknowledged_save_survives_kill_9(tmp_path):
+    path = tmp_path / "ssd"
+    proc = worker("save", path, "doc", 8)
+    while (line := proc.stdout.readline().strip()) != "saved":
+        assert line == "batch"
+    proc.kill()
+    proc.wait(timeout=30)
+    store = KVStore(config(path))
+    seq = store.open("doc")
+    store.check_integrity()
+    reference = KVStore(config(tmp_path / "ref"))
+    ref = filled(reference, NUM_TOKENS, seed=8)
+    q = query(4)
+    assert all(torch.equal(a, b) for a, b in zip(attend_all(store, seq, q), attend_all(reference, ref, q)))
+    assert store.saved.collect_garbage() == 0
+    store.close(), reference.close()
