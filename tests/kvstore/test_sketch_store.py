@@ -117,3 +117,15 @@ def test_adaptive_mode_reads_until_the_bound_holds(tmp_path):
         store.attend(seq, 0, q, mode="topk", budget=512, epsilon=1.5)
     with pytest.raises(ValueError, match="epsilon"):
         store.attend(seq, 0, q, mode="window", budget=512, epsilon=0.1)
+
+
+def test_a_fork_reads_the_same_sketch_and_selects_the_same_blocks(tmp_path):
+    store = make_store(tmp_path)
+    q, k, v, _ = haystack(2500, seed=3)
+    seq = fill(store, k, v)
+    twin = store.fork(seq)
+    a, b = store.table(seq, 0), store.table(twin, 0)
+    assert torch.equal(a.sketch[: a.num_blocks], b.sketch[: b.num_blocks])
+    outs = [store.attend(s, 0, q, mode="topk", budget=320) for s in (seq, twin)]
+    assert torch.equal(outs[0], outs[1])
+    store.check_integrity()
