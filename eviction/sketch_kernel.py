@@ -82,10 +82,10 @@ def _sketch_kernel(
     for g in tl.static_range(GROUP):
         q_row = q_ptr + (head * GROUP + g) * stride_qh
         est = tl.zeros((BLOCK_T,), tl.float32)
-        base = 0.0
-        spread = 0.0  # sum_d |q_d| step_d
-        size = 0.0  # sum_d |q_d| max(|min_d|, |max_d|)
-        quest = 0.0
+        base = tl.full((), 0.0, tl.float32)  # q . min
+        spread = tl.full((), 0.0, tl.float32)  # sum_d |q_d| step_d
+        size = tl.full((), 0.0, tl.float32)  # sum_d |q_d| max(|min_d|, |max_d|)
+        quest = tl.full((), 0.0, tl.float32)  # q+ . max + q- . min
         for i in tl.static_range(4):
             offs_d = i * QUARTER + offs_j
             q = tl.load(q_row + offs_d).to(tl.float32)
