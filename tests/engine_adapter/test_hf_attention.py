@@ -27,10 +27,10 @@ def config() -> Config:
 
 def test_dense_generate_equals_hf_greedy_token_for_token() -> None:
     hf_model, _, _ = smollm2.smollm2()
-    expected, _ = smollm2.hf_greedy(2000, 16)  # HF's SDPA and DynamicCache, fp32 K/V
+    expected, _ = smollm2.hf_greedy(1200, 12)  # HF's SDPA and DynamicCache, fp32 K/V
     with kvtier_attention(hf_model), KVStore(config()) as store, KVTierCache(store) as cache:
-        ours = generate(hf_model, torch.tensor([smollm2.prose_ids()[:2000]]), 16, cache)
-        assert cache.decode_reads().num_steps == 15
+        ours = generate(hf_model, torch.tensor([smollm2.prose_ids()[:1200]]), 12, cache)
+        assert cache.decode_reads().num_steps == 11
         store.check_integrity()
     assert tuple(ours) == expected
 
@@ -45,7 +45,7 @@ def test_topk_at_an_eighth_answers_the_passkey_like_dense_and_reads_about_its_bu
             hf_model(ids[:, :-1], cache=prefilled, logits_to_keep=1)  # one SDPA prefill for every mode
         for mode in ("dense", "topk", "window"):
             with prefilled.fork(mode, BUDGET) as cache:
-                answers[mode] = read_passkey(tokenizer.decode(generate(hf_model, ids, 6, cache)))
+                answers[mode] = read_passkey(tokenizer.decode(generate(hf_model, ids, 5, cache)))
                 reads[mode] = cache.decode_reads()
         store.check_integrity()
     terminal = request.config.pluginmanager.get_plugin("terminalreporter")
@@ -73,8 +73,8 @@ def test_generate_cli_hf_engine_prints_text_and_bytes_per_step(
     monkeypatch.setattr(weights, "load_hf", lambda name: (hf_model, tokenizer))  # the model this process loaded
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(tokenizer.decode(smollm2.prose_ids()[:400]), encoding="utf-8")
-    args = parse("--engine", "hf", "--prompt-file", str(prompt), "--mode", "topk", "--budget", "160",
-                 "--max-new-tokens", "4", "--chunk-tokens", "256", "--device", "cpu")
+    args = parse("--engine", "hf", "--prompt-file", str(prompt), "--mode", "window", "--budget", "160",
+                 "--max-new-tokens", "3", "--chunk-tokens", "256", "--device", "cpu")
     with kvtier_attention(hf_model):  # restores the shared model's attention after the CLI switched it
         assert generate_cli.run(args) == 0
     out, err = capsys.readouterr()
@@ -82,6 +82,7 @@ def test_generate_cli_hf_engine_prints_text_and_bytes_per_step(
     found = re.search(r"decode read ([\d.,]+) KiB of K/V per step \(([\d,]+) tokens per layer of a ([\d,]+)-token", err)
     assert found, err
     kib, tokens, context = (float(g.replace(",", "")) for g in found.groups())
-    assert 128 <= tokens <= 160 and context > 390 and kib == pytest.approx(tokens * 30 * 768 / 1024, rel=1e-3)
+    assert 128 <= tokens <= 160 and context > 390
+    assert kib == pytest.approx(tokens * 30 * 768 / 1024, rel=1e-2)  # the printed tokens are a rounded mean
     with pytest.raises(SystemExit, match="--engine hf runs a packaged model"):
         generate_cli.run(parse("--engine", "hf", "--prompt", "hi", "--random-weights"))

@@ -60,7 +60,8 @@ def test_tiny_model_generates_the_same_tokens_and_stores_every_position() -> Non
 
 def test_decode_updates_return_only_the_new_token_and_prefill_chunks_what_came_before() -> None:
     with store_for(TINY) as store, KVTierCache(store) as cache:
-        k, v = torch.randn(1, TINY.num_kv_heads, 41, TINY.head_dim), torch.randn(1, TINY.num_kv_heads, 41, TINY.head_dim)
+        k = torch.randn(1, TINY.num_kv_heads, 41, TINY.head_dim)
+        v = torch.randn(1, TINY.num_kv_heads, 41, TINY.head_dim)
         keys, values = cache.update(k[:, :, :30], v[:, :, :30], 1)
         assert keys.shape == (1, TINY.num_kv_heads, 30, TINY.head_dim)
         torch.testing.assert_close(keys, k[:, :, :30], rtol=0, atol=0)  # the chunk's own K/V, not rounded
