@@ -142,13 +142,16 @@ class DecodeReads:
 
 
 class KVTierCache(Cache):
-    """A Cache over one new store sequence; call free() (or use it as a context manager) when done.
+    """A Cache over one store sequence; call free() (or use it as a context manager) when done.
 
     mode: "dense", "topk", "h2o", "window" or an eviction.Policy instance; budget: tokens each
-    sparse decode step attends per layer (sinks and the recent window included)."""
+    sparse decode step attends per layer (sinks and the recent window included).
+    seq: a store sequence to continue (e.g. `store.open(name)`, `store.create_sequence(prefix=...)`),
+    which the cache then owns and frees; by default a new empty one. generate() given the whole
+    token ids then runs only the ones past what the sequence holds."""
 
     def __init__(self, store: KVStore, mode: str | Policy = "dense", budget: int = 4096,
-                 num_layers: int | None = None) -> None:
+                 num_layers: int | None = None, seq: int | None = None) -> None:
         num_layers = store.spec.num_layers if num_layers is None else num_layers
         if num_layers != store.spec.num_layers:
             raise ValueError(f"the store holds {store.spec.num_layers} layers, got num_layers={num_layers}")
@@ -156,13 +159,19 @@ class KVTierCache(Cache):
             raise ValueError(f"mode must be one of {MODES} or an eviction.Policy instance, got {mode!r}")
         if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
             raise ValueError(f"budget must be a positive int (tokens), got {budget!r}")
+        held = [store.table(seq, i).num_tokens for i in range(num_layers)] if seq is not None else []
+        if len(set(held)) > 1:
+            raise ValueError(f"sequence {seq} holds different token counts per layer ({min(held)}..{max(held)})")
         self.store, self.mode, self.budget = store, mode, budget
-        self.seq = store.create_sequence()
+        self.seq = store.create_sequence() if seq is None else seq
         self._attend_before = store.stats()["attend"]
         super().__init__(layers=self._new_layers(num_layers))
 
     def _new_layers(self, num_layers: int) -> list[KVTierLayer]:
-        return [KVTierLayer(self.store, self.seq, i, self.mode, self.budget) for i in range(num_layers)]
+        layers = [KVTierLayer(self.store, self.seq, i, self.mode, self.budget) for i in range(num_layers)]
+        for layer in layers:
+            layer.num_tokens = self.store.table(self.seq, layer.layer).num_tokens
+        return layers
 
     def decode_reads(self) -> DecodeReads:
         """What the store's decode attention read since this cache was made (or reset). The store's
@@ -176,23 +185,17 @@ class KVTierCache(Cache):
         )
 
     def fork(self, mode: str | Policy | None = None, budget: int | None = None) -> KVTierCache:
-        """A new cache over a copy of this one's tokens (read back once per layer), so several modes can
-        share one prefill; mode and budget default to this cache's. Not after h2o mode dropped blocks."""
+        """A new cache over `store.fork` of this one's sequence (full blocks shared, nothing copied), so
+        several modes can share one prefill; mode and budget default to this cache's."""
         if self.seq is None:
             raise ValueError("KVTierCache.fork: the cache was freed")
-        copy = KVTierCache(self.store, self.mode if mode is None else mode,
-                           self.budget if budget is None else budget, len(self.layers))
+        mode, budget = self.mode if mode is None else mode, self.budget if budget is None else budget
+        seq = self.store.fork(self.seq)
         try:
-            for source, layer in zip(self.layers, copy.layers):
-                if source.num_tokens:
-                    keys, values = self.store.read(self.seq, source.layer)  # [S, Hkv, D] fp16
-                    self.store.append(copy.seq, layer.layer, keys, values)
-                    layer.num_tokens, layer.dtype, layer.device = source.num_tokens, source.dtype, source.device
-                    layer.is_initialized = True
+            return KVTierCache(self.store, mode, budget, len(self.layers), seq=seq)
         except BaseException:
-            copy.free()
+            self.store.free(seq)
             raise
-        return copy
 
     def free(self) -> None:
         """Return the sequence's blocks to the store; the cache is empty and unusable afterwards."""

@@ -120,6 +120,11 @@ def test_misuse_is_refused() -> None:
             with pytest.raises(ValueError, match="budget must be a positive int"):
                 KVTierCache(store, mode="topk", budget=budget)
         assert store.stats()["sequences"]["count"] == 0  # the refused caches made no sequence
+        ragged = store.create_sequence()
+        store.append(ragged, 0, torch.randn(5, 2, 16).half(), torch.randn(5, 2, 16).half())
+        with pytest.raises(ValueError, match="different token counts per layer"):
+            KVTierCache(store, seq=ragged)
+        store.free(ragged)
         store.check_integrity()
 
 
