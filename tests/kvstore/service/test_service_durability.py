@@ -75,12 +75,14 @@ def kill_during_writes(server, round_: int) -> list[int]:
     return acked
 
 
-# Rounds of kill -9; the hand-run fault check (BENCHMARKS.md) sets KVTIER_KILL_ROUNDS=12.
+# Rounds of kill -9, and extra server flags (e.g. --no-sync); the hand-run fault check in
+# BENCHMARKS.md sets KVTIER_KILL_ROUNDS=12 and runs once with KVTIER_KILL_SERVER_ARGS=--no-sync.
 KILL_ROUNDS = int(os.environ.get("KVTIER_KILL_ROUNDS", "3"))
+KILL_SERVER_ARGS = os.environ.get("KVTIER_KILL_SERVER_ARGS", "").split()
 
 
 def test_every_acknowledged_put_survives_repeated_kill_9(make_server):
-    server = make_server().start()
+    server = make_server(*KILL_SERVER_ARGS).start()
     acked: list[int] = []
     for round_ in range(KILL_ROUNDS):
         acked += kill_during_writes(server, round_)
@@ -97,7 +99,7 @@ def test_every_acknowledged_put_survives_repeated_kill_9(make_server):
                 got = c.get_many("crash", stored[start:start + 200])
                 assert all(same_bits(g, value_for(int(k[1:]))) for g, k in zip(got, stored[start:start + 200]))
             assert httpx.get(f"{server.url}/healthz").json() == {"status": "ok"}
-    print(f"{KILL_ROUNDS} kill -9 rounds: {len(acked)} acknowledged puts, 0 lost")
+    print(f"{KILL_ROUNDS} kill -9 rounds {KILL_SERVER_ARGS}: {len(acked)} acknowledged puts, 0 lost")
 
 
 def stored_value(data_dir, key: bytes) -> bytes:
