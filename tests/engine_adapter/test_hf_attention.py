@@ -49,9 +49,11 @@ def test_topk_at_an_eighth_answers_the_passkey_like_dense_and_reads_about_its_bu
                 reads[mode] = cache.decode_reads()
         store.check_integrity()
     terminal = request.config.pluginmanager.get_plugin("terminalreporter")
-    if terminal is not None:
-        terminal.write_line("\nSmolLM2 via generate(), passkey at 2K tokens: " + "; ".join(
-            f"{mode} -> {answers[mode]} ({reads[mode]})" for mode in answers))
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if terminal is not None and capture is not None:
+        with capture.global_and_fixture_disabled():  # shown in every run, not only on failure
+            terminal.write_line("\nSmolLM2 via generate(), passkey at 2K tokens, budget 224:\n" + "\n".join(
+                f"  {mode:<7}{answers[mode] or '-':>7}  {reads[mode]}" for mode in answers))
     assert answers["dense"] == PASSKEY and answers["topk"] == PASSKEY, answers
     assert answers["window"] != PASSKEY, answers  # the budget alone does not reach the needle
     token_bytes = 2 * 3 * 64 * 2  # fp16 K and V, 3 kv heads of 64 dims, one layer
