@@ -151,3 +151,22 @@ def test_topk_reads_about_the_budget_per_step_and_fork_shares_a_prefill() -> Non
             assert base.get_seq_length() == 639  # the forks never touched it
             store.check_integrity()
         assert store.stats()["sequences"]["count"] == 0
+
+
+def test_continues_a_context_the_compact_decoder_prefilled_and_saved() -> None:
+    from engine_adapter.llama import Decoder
+    from engine_adapter.weights import llama_from_hf
+
+    hf, ids = tiny_hf("llama3", tied=False, seed=3), tiny_prompt(150)
+    exact = generate(hf, ids, 8)
+    with kvtier_attention(hf), store_for(TINY, hot_tokens=1024) as store:
+        seq = store.create_sequence()
+        Decoder(llama_from_hf(hf), store).prefill(seq, ids[0, :-1].tolist())
+        store.save(seq, "prompt")
+        store.free(seq)
+        with KVTierCache(store, seq=store.open("prompt")) as cache:
+            assert cache.get_seq_length() == 149
+            assert generate(hf, ids, 8, cache) == exact  # generate() runs only the last prompt token on
+            assert cache.decode_reads().num_steps == 8
+        store.check_integrity()
+        assert store.stats()["sequences"]["count"] == 0
