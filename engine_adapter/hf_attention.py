@@ -53,6 +53,9 @@ def kvtier_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                          "to generate() or forward()")
     if dropout:
         raise ValueError(f"kvtier attention is for inference; got dropout={dropout} (call model.eval())")
+    unsupported = {name: kwargs[name] for name in ("sliding_window", "softcap") if kwargs.get(name) is not None}
+    if unsupported:  # Mistral-style windows, Gemma-style logit caps: the store attends plain softmax
+        raise ValueError(f"kvtier attention supports full causal softmax attention only, got {unsupported}")
     head_dim = query.shape[-1]
     if scaling is not None and scaling != head_dim**-0.5:  # the store and SDPA below scale by 1/sqrt(D)
         query = query * (scaling * head_dim**0.5)

@@ -13,6 +13,7 @@ from tests.engine_adapter.test_llama import TINY, store_for, tiny_hf
 
 pytest.importorskip("transformers")
 from engine_adapter.hf_attention import NAME, register  # noqa: E402
+from engine_adapter.hf_attention import kvtier_attention as kvtier_attention_fn  # noqa: E402
 from engine_adapter.hf_cache import KVTierCache  # noqa: E402
 
 
@@ -105,6 +106,11 @@ def test_misuse_is_refused() -> None:
             generate(hf, ids, 4, cache)  # HF's SDPA would attend the decode token alone
         with kvtier_attention(hf), pytest.raises(ValueError, match="needs a KVTierCache"):
             generate(hf, ids, 4)
+        with KVTierCache(store) as cache:
+            keys, _ = cache.update(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16), 0)
+            with pytest.raises(ValueError, match="sliding_window"):
+                kvtier_attention_fn(hf.model.layers[0].self_attn, torch.randn(1, 6, 3, 16), keys, keys, None,
+                                    sliding_window=2)
         with KVTierCache(store) as cache:
             with pytest.raises(ValueError, match="batch size 1"):
                 cache.update(torch.randn(2, 2, 4, 16), torch.randn(2, 2, 4, 16), 0)
