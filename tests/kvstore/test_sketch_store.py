@@ -129,3 +129,21 @@ def test_a_fork_reads_the_same_sketch_and_selects_the_same_blocks(tmp_path):
     outs = [store.attend(s, 0, q, mode="topk", budget=320) for s in (seq, twin)]
     assert torch.equal(outs[0], outs[1])
     store.check_integrity()
+
+
+def test_captured_step_codes_each_block_it_fills(tmp_path):
+    """DecodeStep appends inside the (captured) step; at each block boundary it codes the block just filled."""
+    store = make_store(tmp_path, warm_tokens=2048)  # nothing goes cold: the step serves every token
+    q, k, v, _ = haystack(2000, seed=4)
+    seq = store.create_sequence()
+    store.append(seq, 0, k[:600], v[:600])
+    step = store.decode_step(seq, mode="topk", budget=160, capacity_tokens=1024)
+    for t in range(600, 700):  # 600 -> 700 tokens: blocks 37 .. 43 filled by the step
+        step.begin_token()
+        step.attend(0, q, k[t], v[t])
+        step.end_token()
+    step.begin_token()  # the boundary work of the next token codes the last block filled
+    table = store.table(seq, 0)
+    _, codes = sketch_keys(k[:700].cpu(), 16)  # the fp16 keys as appended (read() dequantizes warm blocks)
+    full = 700 // 16
+    assert torch.equal(table.sketch[:full].cpu(), codes[:full])
