@@ -86,7 +86,7 @@ def scorers(rank: int = RANK) -> dict[str, Callable]:
     def centroid(q, keys, b, scale):
         h = keys.shape[1]
         mean = _blocks(keys.float().permute(1, 2, 0), b, 0.0).sum(-1)  # [H, D, N]
-        counts = _blocks(torch.ones(keys.shape[0]), b, 0.0).sum(-1)  # [N]
+        counts = _blocks(torch.ones(keys.shape[0], device=keys.device), b, 0.0).sum(-1)  # [N]
         return torch.bmm(q.float().view(h, -1, q.shape[-1]), mean / counts).amax(1)
 
     return {"quest": quest, "sketch4": sketch(2, "max"), "sketch4_mass": sketch(2, "mass"),
@@ -150,8 +150,8 @@ def evaluate(keys_all: list[torch.Tensor], queries_all: list[torch.Tensor], meth
     acc: dict = {}
     for layer in progress(layers, "selection quality"):
         for s in range(steps):
-            keys = keys_all[layer][: context + s + 1].cpu()
-            q = queries_all[layer][s].cpu()
+            keys = keys_all[layer][: context + s + 1]  # on the capture's device (CUDA: the sketch kernel runs)
+            q = queries_all[layer][s]
             for b in block_sizes:
                 for (name, frac), m in evaluate_step(q, keys, b, fractions, methods, policy).items():
                     acc.setdefault((name, b, frac), []).append(m)  # [H] (or [2, H]) per (layer, step)
