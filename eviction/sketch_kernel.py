@@ -33,6 +33,10 @@ LEVELS = 15.0  # 4-bit codes 0..15 (eviction/sketch.py)
 COARSE_MID, COARSE_HALF = 1.5, 2.0  # high plane alone: k_hat = min + step * (4 hi + 1.5), |k - k_hat| <= 2 step
 FINE_HALF = 0.5  # both planes: |k - k_hat| <= step / 2
 ROUNDING_SLACK = 1e-4  # relative slack on sum_d |q_d| max(|min_d|, |max_d|): fp32 arithmetic in the bounds
+# The same constants as the compiled kernel sees them (a compiled kernel reads only constexpr globals;
+# the interpreter reads any, so CPU tests cannot catch a plain float here)
+_LEVELS, _COARSE_MID, _COARSE_HALF = tl.constexpr(LEVELS), tl.constexpr(COARSE_MID), tl.constexpr(COARSE_HALF)
+_FINE_HALF, _ROUNDING_SLACK = tl.constexpr(FINE_HALF), tl.constexpr(ROUNDING_SLACK)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_cols"])
@@ -91,13 +95,13 @@ def _sketch_kernel(
             q = tl.load(q_row + offs_d).to(tl.float32)
             k_min = tl.load(s_row + offs_d).to(tl.float32)
             k_max = tl.load(s_row + stride_sm + offs_d).to(tl.float32)
-            step = (k_max - k_min) / LEVELS
+            step = (k_max - k_min) / _LEVELS
             qs = q * step
             code = ((hi >> (2 * i)) & 3).to(tl.float32) * 4.0
             if PLANES == 2:
                 code += ((lo >> (2 * i)) & 3).to(tl.float32)
             else:
-                code += COARSE_MID
+                code += _COARSE_MID
             est += tl.sum(code * qs[None, :], axis=1)
             base += tl.sum(q * k_min, axis=0)
             spread += tl.sum(tl.abs(qs), axis=0)
@@ -106,9 +110,9 @@ def _sketch_kernel(
         logit = tl.where(valid_t, (est + base) * scale, float("-inf"))
         top = tl.max(logit, axis=0)
         lse = top + tl.log(tl.sum(tl.exp(logit - top), axis=0))
-        half = FINE_HALF if PLANES == 2 else COARSE_HALF
-        err = (half * spread + ROUNDING_SLACK * size) * scale
-        upper = tl.minimum(lse + err, tl.log(n_real) + (quest + ROUNDING_SLACK * size) * scale)
+        half = _FINE_HALF if PLANES == 2 else _COARSE_HALF
+        err = (half * spread + _ROUNDING_SLACK * size) * scale
+        upper = tl.minimum(lse + err, tl.log(n_real) + (quest + _ROUNDING_SLACK * size) * scale)
         out = (head * GROUP + g) * stride_oh + col
         tl.store(lse_ptr + out, lse)
         tl.store(upper_ptr + out, upper)

