@@ -13,7 +13,7 @@ one `block_table` below.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,9 +43,18 @@ class AttendStats:
     true_omitted: float = 0.0  # summed over calls both certified and measured: 1 - captured mass
     certified_measured: int = 0
     certificate_violations: int = 0  # measured calls where some head's bound fell below its true omitted mass
+    _certified: list = field(default_factory=list, repr=False)  # device scalars: summed when read, not per step
+
+    def add_certified(self, bound: torch.Tensor) -> None:
+        """Count one call's certified omitted mass (bound [H], on the device) without a host sync."""
+        self.certified_calls += 1
+        self._certified.append(bound.mean())
 
     def as_dict(self) -> dict:
-        d = dict(self.__dict__)
+        if self._certified:
+            self.certified_omitted += float(torch.stack(self._certified).sum())
+            self._certified.clear()
+        d = {name: value for name, value in self.__dict__.items() if not name.startswith("_")}
         d["read_fraction"] = self.attended_tokens / self.context_tokens if self.context_tokens else None
         d["mean_mass_captured"] = self.mass_captured / self.mass_measured if self.mass_measured else None
         d["mean_certified_omitted"] = self.certified_omitted / self.certified_calls if self.certified_calls else None
@@ -107,8 +116,7 @@ class DecodePath:
         self.stats.context_tokens += table.num_tokens
         self.stats.attended_tokens += tokens_covered(table, selected.shape[1], self.block_tokens)
         if certified is not None:
-            self.stats.certified_calls += 1
-            self.stats.certified_omitted += float(certified.mean())
+            self.stats.add_certified(certified)
         if measure_mass and policy is not None:
             _, dense_mass = self.attend_blocks(table, q, self.live_blocks(table))
             captured = dense_mass.gather(1, _live_positions(table, selected)).sum(1)  # [H]
@@ -238,7 +246,7 @@ def attended_lse(q: torch.Tensor, hot_pool: torch.Tensor, warm, slots: torch.Ten
     heads = torch.arange(num_kv_heads, device=q.device)[:, None]  # [H, 1]
     s = slots.long()
     keys = hot_pool[s.clamp_max(hot_pool.shape[0] - 1), 0, heads].float()  # [H, k, B, D]
-    if bool(is_int8.any()):
+    if warm.data.shape[0]:  # a table with int8 blocks (no host sync: both reads, then a select)
         w = s.clamp_max(warm.data.shape[0] - 1)
         dequant = warm.data[w, 0, heads].float() * warm.k_scale[w, heads][:, :, None, :]
         keys = torch.where(is_int8[:, :, None, None], dequant, keys)
