@@ -25,7 +25,7 @@ import torch
 from bench_longctx.models import model_store, store_bytes
 from bench_longctx.presets import E2EPreset
 from bench_longctx.timing import Deadline, release, time_ms, timed
-from engine_adapter.llama import Decoder, Llama, LlamaArgs
+from engine_adapter.llama import APPEND_TOKENS, Decoder, Llama, LlamaArgs
 from kvstore.config import ModelSpec
 from kvstore.store import KVStore
 from tiers.layout import BlockLayout
@@ -72,13 +72,22 @@ def available_bytes(device: torch.device) -> int:
     return psutil.virtual_memory().available // 2
 
 
-def e2e_store(spec: ModelSpec, p: E2EPreset, device: torch.device) -> KVStore:
-    """int8 warm for as much of the context as the device holds; the rest int8 in host memory."""
+def prefill_bytes(args: LlamaArgs, context: int) -> int:
+    """Device memory the layer-wise prefill works in besides the store: the hidden states of the prompt,
+    one layer's K/V, one chunk's activations and the store's append staging (fp16)."""
+    kv_dim = args.num_kv_heads * args.head_dim
+    chunk = PREFILL_CHUNK * (4 * args.hidden_dim + 4 * args.num_q_heads * args.head_dim + args.vocab_size)
+    return 2 * (context * (args.dim + 2 * kv_dim) + chunk + 6 * APPEND_TOKENS * kv_dim)
+
+
+def e2e_store(spec: ModelSpec, p: E2EPreset, device: torch.device, reserve: int = 0) -> KVStore:
+    """int8 warm for as much of the context as the device holds (less `reserve` bytes); the rest int8 in
+    host memory."""
     sink = 64
     hot = store_bytes(spec, 32, p.hot_tokens, 0, sink)
     per_token = spec.num_layers * BlockLayout.of(spec, 32).int8_bytes / 32
     staging = 4096 // 32 * BlockLayout.of(spec, 32).fp16_bytes
-    room = available_bytes(device) - 2 * hot - staging
+    room = available_bytes(device) - reserve - 2 * hot - staging
     warm_tokens = max(0, min(p.context + p.steps * 8, int(room / per_token) - 64)) // 32 * 32  # 4 paths append
     cold_tokens = p.context - p.hot_tokens - warm_tokens
     cpu_bytes = int(max(0, cold_tokens + 4096) * per_token * 1.1)
@@ -162,11 +171,16 @@ def matmul_flops_per_s(device: torch.device, dtype: torch.dtype) -> float:
     return 2.0 * n ** 3 / (time_ms(lambda: a @ b, device) / 1e3)
 
 
-def fill_context(decoder: Decoder, seq: int, p: E2EPreset, progress) -> tuple[str, float, dict | None]:
-    """(fill, seconds, prefill rate against the FLOP bound or None for a random fill)."""
+def fill_kind(p: E2EPreset) -> str:
     fill = p.fill if p.fill != "auto" else ("prefill" if p.context <= p.max_prefill else "random")
     if fill not in ("prefill", "random"):
         raise ValueError(f"e2e.fill must be 'prefill', 'random' or 'auto', got {p.fill!r}")
+    return fill
+
+
+def fill_context(decoder: Decoder, seq: int, p: E2EPreset, progress) -> tuple[str, float, dict | None]:
+    """(fill, seconds, prefill rate against the FLOP bound or None for a random fill)."""
+    fill = fill_kind(p)
     if fill == "random":
         _, seconds = timed(lambda: fill_random(decoder.store, seq, p.context, seed=0, progress=progress),
                            decoder.store.device)
@@ -202,7 +216,7 @@ def timed_paths(decoder: Decoder, seq: int, p: E2EPreset, deadline: Deadline) ->
 def run_e2e(p: E2EPreset, device: torch.device, deadline: Deadline, progress) -> dict:
     args = model_args(p.geometry, p.layers)
     model = random_model(args, device, torch.float16 if device.type == "cuda" else torch.float32)
-    store = e2e_store(args.spec, p, device)
+    store = e2e_store(args.spec, p, device, prefill_bytes(args, p.context) if fill_kind(p) == "prefill" else 0)
     try:
         decoder = Decoder(model, store)
         seq = store.create_sequence()

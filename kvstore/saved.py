@@ -32,6 +32,7 @@ import torch
 import xxhash
 
 from kvstore.table import DROPPED, LayerTable
+from tiers.errors import CapacityError
 from tiers.ssd import SsdTier
 
 NAME = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
@@ -65,13 +66,32 @@ class SavedContexts:
     # -- save ------------------------------------------------------------------------------
     def save(self, name: str, tables: list[LayerTable], token_ids: list[int] | None, encode) -> None:
         """Persist `tables` (and the sequence's token ids, if known) as `name`; `encode(block ids)` gives
-        each block's stored value. Returns once the save is durable."""
+        each block's stored value. Returns once the save is durable; on failure nothing of it stays."""
         _check_name(name)
         self.collect_garbage()
         save_id = uuid.uuid4().hex.encode()
-        data = _DATA + save_id + b"/"
         self._put([(_PENDING + save_id, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())])
-        layers = []
+        try:
+            manifest = self._write_data(save_id, tables, token_ids, encode)
+            manifest.update(name=name, root=self.root.hex())
+            self.env.sync(True)  # every block and summary durable before the manifest names them
+            with self.env.begin(write=True) as txn:
+                old = txn.get(_MANIFEST + name.encode())
+                txn.put(_MANIFEST + name.encode(), json.dumps(manifest).encode())
+                txn.delete(_PENDING + save_id)
+        except BaseException as exc:
+            self._delete_data(save_id)
+            self._delete_keys([_PENDING + save_id])
+            if isinstance(exc, lmdb.MapFullError):
+                raise CapacityError(f"saving {name!r}: the ssd tier's LMDB map (2 x ssd_bytes) is full") from exc
+            raise
+        self.env.sync(True)
+        if old is not None:
+            self._delete_data(json.loads(old)["save_id"].encode())
+
+    def _write_data(self, save_id: bytes, tables: list[LayerTable], token_ids: list[int] | None, encode) -> dict:
+        """Blocks, per-layer metadata and token ids under the save id; returns the manifest's other fields."""
+        data, layers = _DATA + save_id + b"/", []
         for layer, table in enumerate(tables):
             live = [i for i, b in enumerate(table.block_ids) if b != DROPPED]
             for lo in range(0, len(live), _BATCH):
@@ -86,22 +106,19 @@ class SavedContexts:
         tokens = None if token_ids is None else np.asarray(token_ids, dtype="<i8").tobytes()
         if tokens is not None:
             self._put([(data + b"t", tokens)])
-        manifest = {"version": VERSION, "name": name, "save_id": save_id.decode(), "root": self.root.hex(),
-                    "geometry": [self.num_kv_heads, self.head_dim, self.block_tokens], "layers": layers,
-                    "tokens_xxh3": None if tokens is None else xxhash.xxh3_64_intdigest(tokens)}
-        self.env.sync(True)  # every block and summary durable before the manifest names them
-        with self.env.begin(write=True) as txn:
-            old = txn.get(_MANIFEST + name.encode())
-            txn.put(_MANIFEST + name.encode(), json.dumps(manifest).encode())
-            txn.delete(_PENDING + save_id)
-        self.env.sync(True)
-        if old is not None:
-            self._delete_data(json.loads(old)["save_id"].encode())
+        return {"version": VERSION, "save_id": save_id.decode(), "layers": layers,
+                "geometry": [self.num_kv_heads, self.head_dim, self.block_tokens],
+                "tokens_xxh3": None if tokens is None else xxhash.xxh3_64_intdigest(tokens)}
 
     def _put(self, items: list[tuple[bytes, bytes]]) -> None:
         with self.env.begin(write=True) as txn:
             for key, value in items:
                 txn.put(key, value)
+
+    def _delete_keys(self, keys: list[bytes]) -> None:
+        with self.env.begin(write=True) as txn:
+            for key in keys:
+                txn.delete(key)
 
     # -- open ------------------------------------------------------------------------------
     def load(self, name: str) -> SavedContext:
@@ -162,8 +179,7 @@ class SavedContexts:
                 if info["host"] == socket.gethostname() and not _alive(info["pid"])]
         for save_id in dead:
             self._delete_data(save_id)
-            with self.env.begin(write=True) as txn:
-                txn.delete(_PENDING + save_id)
+            self._delete_keys([_PENDING + save_id])
         return len(dead)
 
     def _delete_data(self, save_id: bytes) -> None:

@@ -56,11 +56,13 @@ def worker(*args: str, **kw) -> subprocess.Popen:
                             stdout=subprocess.PIPE, text=True, **kw)
 
 
-def data_keys(path: Path) -> list[bytes]:
-    env = lmdb.open(str(path), readonly=True, lock=False)
+def data_keys(path: Path, store: KVStore | None = None) -> list[bytes]:
+    """Every saved-context key at `path` (through `store`'s environment when this process has it open)."""
+    env = store.saved.env if store is not None else lmdb.open(str(path), readonly=True, lock=False)
     with env.begin() as txn:
         keys = [bytes(k) for k, _ in txn.cursor() if bytes(k).startswith(b"ctx/")]
-    env.close()
+    if store is None:
+        env.close()
     return keys
 
 
@@ -189,3 +191,29 @@ def test_an_acknowledged_save_survives_kill_9(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(attend_all(store, seq, q), attend_all(reference, ref, q)))
     assert store.saved.collect_garbage() == 0
     store.close(), reference.close()
+
+
+def test_a_failed_save_leaves_nothing_and_the_earlier_save_intact(tmp_path):
+    path = tmp_path / "ssd"
+    store = KVStore(config(path))
+    seq = filled(store, 300, seed=9)
+    store.save(seq, "doc")
+    before = data_keys(path, store)
+    encode, calls = store.tiers.encoded, []
+
+    def failing(ids):
+        calls.append(ids)
+        if len(calls) == 2:
+            raise OSError("disk went away")
+        return encode(ids)
+
+    store.tiers.encoded = failing
+    with pytest.raises(OSError, match="went away"):
+        store.save(filled(store, NUM_TOKENS, seed=10), "doc")
+    assert data_keys(path, store) == before
+    store.tiers.encoded = encode
+    q = query(5)
+    want = attend_all(store, seq, q)
+    assert all(torch.equal(a, b) for a, b in zip(attend_all(store, store.open("doc"), q), want))
+    store.check_integrity()
+    store.close()
