@@ -210,7 +210,7 @@ def run_context(spec: ModelSpec, ctx: int, p: NeedlePreset, device: torch.device
         del store
         release(device)
     w = hay["weights"].flatten()
-    spread = {"needle_weight_quantiles": [round(float(x), 4) for x in w.quantile(torch.tensor([0, .1, .5, .9, 1.]))],
+    spread = {"needle_weight_quantiles": [round(float(x), 4) for x in w.float().cpu().quantile(torch.tensor([0, .1, .5, .9, 1.]))],
               "needle_weights_at_least_min": int((w >= p.min_weight).sum()), "needle_head_pairs": w.numel()}
     return [{"context": ctx, **row, **spread} for row in rows]
 
