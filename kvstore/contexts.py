@@ -1,6 +1,7 @@
 """Content keys: a sequence's token ids and the hash chain that names its full blocks.
 
-Block i of a sequence covers token ids [i*B, (i+1)*B). Its chain hash is
+Block i of a sequence covers token ids [i*B, (i+1)*B). Its chain hash (tiers/keys.py, which the
+sidecar's prefix routes and the remote Client use too) is
 
     h_i = blake2b-128(h_{i-1} || token ids of block i as little-endian int64),
     h_-1 = blake2b-128("kvtier-chain/1" || model identity || geometry || block_tokens)
@@ -13,35 +14,20 @@ blocks by reference (vLLM's and SGLang's prefix caching, per layer).
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Sequence
-
-import numpy as np
 
 from kvstore.config import Config, ModelSpec
 from kvstore.table import DROPPED, LayerTable, TableTensors
 from kvstore.saved import SavedContext, SavedLayer
 from kvstore.tierset import HOT_TIER, TierSet
+from tiers import keys
+from tiers.keys import block_key, chain_hashes  # noqa: F401  (also re-exported)
 
 
 def chain_root(model_id: str, spec: ModelSpec, block_tokens: int) -> bytes:
-    geometry = f"{model_id}|{spec.num_layers}|{spec.num_q_heads}|{spec.num_kv_heads}|{spec.head_dim}|{block_tokens}"
-    return hashlib.blake2b(b"kvtier-chain/1|" + geometry.encode(), digest_size=16).digest()
-
-
-def chain_hashes(parent: bytes, token_ids: Sequence[int], block_tokens: int) -> list[bytes]:
-    """Chain hashes of the full blocks of `token_ids` (a partial last block has none), after `parent`."""
-    ids = np.asarray(token_ids, dtype="<i8")
-    out = []
-    for start in range(0, len(ids) - block_tokens + 1, block_tokens):
-        parent = hashlib.blake2b(parent + ids[start: start + block_tokens].tobytes(), digest_size=16).digest()
-        out.append(parent)
-    return out
-
-
-def block_key(layer: int, chain_hash: bytes) -> bytes:
-    return layer.to_bytes(2, "big") + chain_hash
+    return keys.chain_root(model_id, spec.num_layers, spec.num_q_heads, spec.num_kv_heads, spec.head_dim,
+                           block_tokens)
 
 
 @dataclass(slots=True)
