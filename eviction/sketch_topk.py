@@ -80,21 +80,28 @@ class SketchTopK(Policy):
         return selected, upper.scatter(1, rows, torch.minimum(fine_pass["upper"], upper.gather(1, rows)))
 
     def select_masked(self, q: torch.Tensor, summaries: torch.Tensor, sketch: torch.Tensor, valid: torch.Tensor,
-                      protected: torch.Tensor, k: int) -> torch.Tensor:
-        """int64 [H, k] ascending, with no host sync (a captured decode step): the same ranking as `select`
-        over capacity-sized summaries [N, 2, H, D] and sketch whose blocks outside `valid` (bool [N]) may
-        hold garbage; `protected` (bool [N]) blocks are kept. Needs k <= the number of valid blocks."""
+                      protected: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(selected int64 [H, k] ascending, block_upper float32 [Hq, N], -inf outside `valid`), with no host
+        sync (a captured decode step): the same ranking and bounds as `select_with_bounds` over capacity-sized
+        summaries [N, 2, H, D] and sketch whose blocks outside `valid` (bool [N]) may hold garbage;
+        `protected` (bool [N]) blocks are kept. Needs k <= the number of valid blocks."""
         use_kernel = summaries.is_cuda if self.use_kernel is None else self.use_kernel
         stats = sketch_block_stats if use_kernel else sketch_block_stats_ref
         n, b = summaries.shape[0], sketch.shape[3]
         num_tokens = n * b  # every token of a valid block is real but the tail's, and the tail is protected
         two_pass = bool(self.coarse_factor) and self.coarse_factor * k < n
-        lse, _ = stats(q, summaries, sketch, num_tokens, planes=1 if two_pass else 2)  # [Hq, N]
+        lse, upper = stats(q, summaries, sketch, num_tokens, planes=1 if two_pass else 2)  # [Hq, N] each
+        upper = upper.masked_fill(~valid, float("-inf"))
 
         def fine(candidates: torch.Tensor) -> torch.Tensor:
-            return stats(q, summaries, sketch, num_tokens, planes=2, block_ids=candidates)[0]
+            nonlocal upper
+            fine_lse, fine_upper = stats(q, summaries, sketch, num_tokens, planes=2, block_ids=candidates)
+            rows = candidates.repeat_interleave(q.shape[0] // summaries.shape[2], dim=0)  # [Hq, C]
+            upper = upper.scatter(1, rows, torch.minimum(fine_upper, upper.gather(1, rows)))
+            return fine_lse
 
-        return self._pick(lse, protected & valid, ~valid, k, fine if two_pass else None, summaries.shape[2])
+        selected = self._pick(lse, protected & valid, ~valid, k, fine if two_pass else None, summaries.shape[2])
+        return selected, upper
 
     def _pick(self, lse: torch.Tensor, keep: torch.Tensor, drop: torch.Tensor, k: int, fine,
               num_kv_heads: int) -> torch.Tensor:

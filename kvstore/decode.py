@@ -45,10 +45,11 @@ class AttendStats:
     certificate_violations: int = 0  # measured calls where some head's bound fell below its true omitted mass
     _certified: list = field(default_factory=list, repr=False)  # device scalars: summed when read, not per step
 
-    def add_certified(self, bound: torch.Tensor) -> None:
-        """Count one call's certified omitted mass (bound [H], on the device) without a host sync."""
-        self.certified_calls += 1
-        self._certified.append(bound.mean())
+    def add_certified(self, bounds: torch.Tensor) -> None:
+        """Count calls' certified omitted masses (bounds [calls], each a mean over kv heads, on the device)
+        without a host sync."""
+        self.certified_calls += bounds.numel()
+        self._certified.append(bounds.sum())
 
     def as_dict(self) -> dict:
         if self._certified:
@@ -116,7 +117,7 @@ class DecodePath:
         self.stats.context_tokens += table.num_tokens
         self.stats.attended_tokens += tokens_covered(table, selected.shape[1], self.block_tokens)
         if certified is not None:
-            self.stats.add_certified(certified)
+            self.stats.add_certified(certified.mean().reshape(1))
         if measure_mass and policy is not None:
             _, dense_mass = self.attend_blocks(table, q, self.live_blocks(table))
             captured = dense_mass.gather(1, _live_positions(table, selected)).sum(1)  # [H]
@@ -237,9 +238,9 @@ class DecodePath:
 
 
 def attended_lse(q: torch.Tensor, hot_pool: torch.Tensor, warm, slots: torch.Tensor, is_int8: torch.Tensor,
-                 tail_tokens: int) -> torch.Tensor:
+                 tail_tokens: int | torch.Tensor) -> torch.Tensor:
     """float32 [Hq]: log-sum-exp of the scaled logits over the blocks of a kernel block table (slots [H, k],
-    tail block last with `tail_tokens` tokens), read from the same pools the kernel read.
+    tail block last with `tail_tokens` tokens, an int or a device [1]), read from the pools the kernel read.
     (The kernel computes it too, per split; until it returns it, this second pass over the K of the
     selected blocks does: the attended tokens, not the context.)"""
     num_kv_heads, k = slots.shape
@@ -253,7 +254,8 @@ def attended_lse(q: torch.Tensor, hot_pool: torch.Tensor, warm, slots: torch.Ten
     block_tokens, head_dim = keys.shape[2], keys.shape[3]
     qg = q.float().view(num_kv_heads, -1, head_dim)  # [H, G, D]
     logits = torch.einsum("hgd,hkbd->hgkb", qg, keys) * head_dim**-0.5
-    logits[:, :, -1, tail_tokens:] = float("-inf")
+    beyond = torch.arange(block_tokens, device=q.device) >= tail_tokens  # [B]: past the tail's tokens
+    logits[:, :, -1] = logits[:, :, -1].masked_fill(beyond, float("-inf"))
     return torch.logsumexp(logits.flatten(2), dim=-1).flatten()
 
 

@@ -33,7 +33,8 @@ from eviction.select import top_blocks
 from eviction.topk_kernel import MAX_BLOCKS, topk_sorted
 from eviction.sketch_topk import SketchTopK
 from kvstore.append_kernel import append_token, append_token_ref
-from kvstore.decode import block_table
+from eviction.certify import certified_omitted_mass
+from kvstore.decode import attended_lse, block_table
 from kvstore.table import DROPPED
 from kvstore.tierset import HOT_TIER
 
@@ -67,6 +68,7 @@ class DecodeStep:
         self.num_tokens = torch.tensor([length], dtype=torch.int64, device=dev)  # [1]
         self.tail_slot = torch.zeros(spec.num_layers, dtype=torch.int64, device=dev)  # [L]
         self.kernel_tokens = torch.zeros(1, dtype=torch.int32, device=dev)  # [1]
+        self.certified = torch.zeros(spec.num_layers, dtype=torch.float32, device=dev)  # [L] this token's bounds
         self.positions = torch.arange(self.capacity, device=dev)  # [N]
         self.all_blocks = self.positions.expand(h, self.capacity)  # [H, N] the dense table
         self._scores = quest_scores if dev.type == "cuda" else _quest_scores_cpu
@@ -127,6 +129,8 @@ class DecodeStep:
         stats.context_tokens += len(self.tables) * (old + 1)
         k = self._num_selected(old + 1)
         stats.attended_tokens += len(self.tables) * ((k - 1) * self.block_tokens + (old % self.block_tokens) + 1)
+        if self.phase == "topk" and isinstance(self.policy, SketchTopK):
+            stats.add_certified(self.certified.clone())  # a device copy: the next replay rewrites the buffer
         self._synced_length = old + 1  # the step advanced the device count itself
 
     def _phase(self, num_tokens: int) -> str:
@@ -154,7 +158,7 @@ class DecodeStep:
         table = self.tables[layer]
         self._append(layer, table, k, v)
         n = self.num_tokens + 1  # [1] tokens after this one
-        selected = self._select(table, q, n)  # [H, k] ascending, the tail block last
+        selected, upper = self._select(table, q, n)  # [H, k] ascending, the tail block last
         slots, is_int8 = block_table(table, selected)
         tiers = self.store.tiers
         warm = tiers.warm.pool  # always both pools: blocks cool into int8 while a capture stays valid
@@ -162,6 +166,9 @@ class DecodeStep:
                                              slots[None], is_int8[None], self.kernel_tokens,
                                              return_block_mass=True)
         table.h2o_scores[:, : self.capacity].scatter_add_(1, selected, mass[0])
+        if upper is not None:  # the sketch's certified omitted mass, kept on the device (end_token counts it)
+            lse = attended_lse(q, tiers.hot.pool, warm, slots, is_int8, (n - 1) % self.block_tokens + 1)
+            self.certified[layer] = certified_omitted_mass(upper, selected, lse).mean()
         if layer == len(self.tables) - 1:
             self.num_tokens += 1
         return out[0]
@@ -170,12 +177,13 @@ class DecodeStep:
         self._append_token(self.store.tiers.hot.pool, table.summaries, k, v, self.tail_slot[layer: layer + 1],
                            self.num_tokens)
 
-    def _select(self, table, q: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    def _select(self, table, q: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(selected [H, k], the sketch's block upper bounds [Hq, N] or None)."""
         b = self.block_tokens
         num_blocks = (n + b - 1) // b  # [1]
         if self.phase == "dense":
             self.kernel_tokens.copy_(n)
-            return self.all_blocks
+            return self.all_blocks, None
         # k blocks of k * B tokens; the tail (always selected, always last) holds (n - 1) % B + 1
         self.kernel_tokens.copy_((self.k - 1) * b + (n - 1) % b + 1)
         valid = self.positions < num_blocks  # [N]
@@ -187,8 +195,8 @@ class DecodeStep:
         scores = self._scores(q, table.summaries[: self.capacity])  # [H, N]
         scores = scores.masked_fill(~valid, float("-inf")).masked_fill(protected & valid, float("inf"))
         if scores.is_cuda and self.capacity <= MAX_BLOCKS:  # the one-launch kernel (torch.topk + sort: ~4x)
-            return topk_sorted(scores, self.k)
-        return top_blocks(scores, self.k)
+            return topk_sorted(scores, self.k), None
+        return top_blocks(scores, self.k), None
 
 
 class GraphedSteps:

@@ -101,6 +101,8 @@ def test_masked_selection_over_garbage_capacity_matches(coarse_factor) -> None:
     protected = torch.cat((protected, torch.zeros(37, dtype=torch.bool)))
     policy = SketchTopK(coarse_factor=coarse_factor)
     for budget in (16 * 12, 16 * 40):
-        want = policy.select(ctx, budget)
-        got = policy.select_masked(ctx.q, summaries, sketch, valid, protected, want.shape[1])
+        want, want_upper = policy.select_with_bounds(ctx, budget)
+        got, upper = policy.select_masked(ctx.q, summaries, sketch, valid, protected, want.shape[1])
         assert torch.equal(got, want)
+        assert bool((upper[:, n:] == float("-inf")).all())
+        torch.testing.assert_close(upper[:, : n - 1], want_upper[:, : n - 1])  # the tail (always kept) aside

@@ -132,7 +132,8 @@ def test_a_fork_reads_the_same_sketch_and_selects_the_same_blocks(tmp_path):
 
 
 def test_captured_step_codes_each_block_it_fills(tmp_path):
-    """DecodeStep appends inside the (captured) step; at each block boundary it codes the block just filled."""
+    """DecodeStep appends inside the (captured) step; at each block boundary it codes the block just filled; it
+    certifies its omitted mass as the eager path does."""
     store = make_store(tmp_path, warm_tokens=2048)  # nothing goes cold: the step serves every token
     q, k, v, _ = haystack(2000, seed=4)
     seq = store.create_sequence()
@@ -142,6 +143,12 @@ def test_captured_step_codes_each_block_it_fills(tmp_path):
         step.begin_token()
         step.attend(0, q, k[t], v[t])
         step.end_token()
+    step_bound = float(step.certified[0])  # the last token's certified omitted mass, from the step
+    attend = store.stats()["attend"]
+    assert attend["certified_calls"] > 0 and 0 < attend["mean_certified_omitted"] <= 1
+    before = attend["certified_omitted"]
+    store.attend(seq, 0, q, mode="topk", budget=160)  # the eager path on the same 700 tokens, same query
+    assert abs(store.stats()["attend"]["certified_omitted"] - before - step_bound) < 1e-4
     step.begin_token()  # the boundary work of the next token codes the last block filled
     table = store.table(seq, 0)
     _, codes = sketch_keys(k[:700].cpu(), 16)  # the fp16 keys as appended (read() dequantizes warm blocks)
