@@ -13,6 +13,7 @@ Client key a chunk (every layer) by h_i alone. Both import this file, so the two
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -40,3 +41,38 @@ def chain_hashes(parent: bytes, token_ids: Sequence[int], block_tokens: int) -> 
 def block_key(layer: int, chain_hash: bytes) -> bytes:
     """The store's key of one layer's block: layer (2 bytes, big endian) || chain hash."""
     return layer.to_bytes(2, "big") + chain_hash
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkKeys:
+    """The model and chunk size a prompt's chain is hashed under: what a sidecar lookup needs to
+    turn token ids into the same keys the engine stored its chunks under."""
+
+    model_id: str
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_tokens: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_id, str) or not self.model_id:
+            raise ValueError(f"ChunkKeys.model_id must be a non-empty str, got {self.model_id!r}")
+        for name in ("num_layers", "num_q_heads", "num_kv_heads", "head_dim", "block_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 20:
+                raise ValueError(f"ChunkKeys.{name} must be an int in [1, 2**20], got {value!r}")
+
+    @property
+    def root(self) -> bytes:
+        return chain_root(self.model_id, self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_dim,
+                          self.block_tokens)
+
+    def hashes(self, token_ids: Sequence[int]) -> list[str]:
+        """Hex chain hashes of the prompt's full chunks, in order (a partial last chunk has none)."""
+        return [h.hex() for h in chain_hashes(self.root, token_ids, self.block_tokens)]
+
+    def model(self) -> dict:
+        """The model identity as the lookup route takes it."""
+        return {"model_id": self.model_id, "num_layers": self.num_layers, "num_q_heads": self.num_q_heads,
+                "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}

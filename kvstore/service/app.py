@@ -10,7 +10,8 @@ Every error is JSON {"error": <code>, "detail": <message>}:
     500 internal_error    a bug; the detail names the exception type, the log has the traceback
     503 degraded          a write to a store that runs read-only on a damaged file (see /healthz)
     507 storage_full      the ssd budget cannot take the put; nothing was stored
-Routes of the API itself live in kvstore/service/routes.py; the gate every request passes
+Routes of the API itself live in kvstore/service/routes.py (blocks by key) and prefix.py (chunks by
+hash); the gate every request passes
 first (token, body limits, body timeout) in kvstore/service/guard.py.
 """
 
@@ -29,6 +30,7 @@ from kvstore.service.damage import Degraded
 from kvstore.service.guard import RequestGuard
 from kvstore.service.metrics import MetricsMiddleware, ServiceMetrics
 from kvstore.service.openapi import openapi_for
+from kvstore.service.prefix import router as prefix_router
 from kvstore.service.routes import router
 from kvstore.service.settings import ServiceSettings, TooLarge
 from kvstore.service.storage import NotFound, ServiceStorage, StorageFull
@@ -61,6 +63,7 @@ def create_app(settings: ServiceSettings) -> FastAPI:
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     _add_error_handlers(app)
     app.include_router(router)
+    app.include_router(prefix_router)
 
     @app.get("/healthz", tags=["ops"])
     async def healthz(request: Request) -> dict:

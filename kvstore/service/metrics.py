@@ -11,6 +11,14 @@
     kvtier_integrity_errors_total                       stored values that failed a checksum
     kvtier_degraded                                     1 while the store runs read-only on a damaged file
     kvtier_damage_problems, kvtier_damaged_values       what the startup check of the LMDB file found
+  prefix routes (/v1/prefix/..., named like LMCache's so its dashboards fit):
+    kvtier_lookup_requests_total                        prefix lookups answered
+    kvtier_lookup_tokens_total                          tokens asked about (full blocks x block_tokens)
+    kvtier_lookup_hit_tokens_total                      leading tokens found held
+    kvtier_retrieve_seconds, kvtier_store_seconds       time of a batched fetch (first byte of the request to
+                                                        last byte of the answer) and store (through commit)
+    kvtier_retrieve_blocks_total                        chunks sent by fetches
+    kvtier_store_blocks_total{result}                   chunks of stores: stored | held (already there, skipped)
 """
 
 from __future__ import annotations
@@ -44,6 +52,18 @@ class ServiceMetrics:
         self.damage_problems = Gauge("kvtier_damage_problems", "Structural problems the startup check found",
                                      registry=r)
         self.damaged_values = Gauge("kvtier_damaged_values", "Values the startup check could not keep", registry=r)
+        self.lookup_requests = Counter("kvtier_lookup_requests", "Prefix lookups", registry=r)
+        self.lookup_tokens = Counter("kvtier_lookup_tokens", "Tokens asked about by prefix lookups", registry=r)
+        self.lookup_hit_tokens = Counter("kvtier_lookup_hit_tokens", "Leading tokens prefix lookups found held",
+                                         registry=r)
+        self.retrieve_seconds = Histogram("kvtier_retrieve_seconds", "Batched fetch by chunk hash, request to last "
+                                          "byte sent", buckets=_BUCKETS, registry=r)
+        self.store_seconds = Histogram("kvtier_store_seconds", "Batched store by chunk hash, request to commit",
+                                       buckets=_BUCKETS, registry=r)
+        self.retrieve_blocks = Counter("kvtier_retrieve_blocks", "Chunks sent by fetches", registry=r)
+        self.store_blocks = Counter("kvtier_store_blocks", "Chunks of stores by outcome", ["result"], registry=r)
+        for result in ("stored", "held"):
+            self.store_blocks.labels(result)
         for result in ("cpu_hit", "ssd_hit", "miss"):
             self.lookups.labels(result)
 

@@ -108,9 +108,11 @@ class ChunksResponse(Response):
 
     PIECE = 256 << 10
 
-    def __init__(self, chunks: list, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, chunks: list, headers: dict[str, str] | None = None,
+                 on_sent: Callable[[], None] | None = None) -> None:
         views = (memoryview(c) for c in chunks)
         self.pieces = [v[i: i + self.PIECE] for v in views for i in range(0, len(v), self.PIECE)] or [b""]
+        self.on_sent = on_sent  # called once the last piece was handed to the server
         total = str(sum(map(len, self.pieces)))
         super().__init__(None, media_type="application/octet-stream", headers={**(headers or {}), "content-length": total})
 
@@ -118,6 +120,8 @@ class ChunksResponse(Response):
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         for i, piece in enumerate(self.pieces):
             await send({"type": "http.response.body", "body": piece, "more_body": i + 1 < len(self.pieces)})
+        if self.on_sent is not None:
+            self.on_sent()
 
 
 def _storage(request: Request) -> ServiceStorage:

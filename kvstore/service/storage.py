@@ -144,6 +144,13 @@ class ServiceStorage:
                 self._reserved -= need
         return sum(len(p) for _, _, p, _ in items)
 
+    def put_new(self, namespace: str, items: list[tuple[str, Descriptor, bytes | memoryview, int | None]]
+                ) -> tuple[int, int]:
+        """put() of the items whose keys are not held yet (content-addressed values are stored once);
+        returns (values stored, payload bytes stored)."""
+        fresh = [item for item in items if _lmdb_key(namespace, item[0]) not in self.ssd.sizes]
+        return len(fresh), self.put(namespace, fresh) if fresh else 0
+
     def delete(self, namespace: str, keys: list[str]) -> int:
         """Delete every key, or none if any is missing."""
         lkeys = [_lmdb_key(namespace, k) for k in keys]
@@ -188,6 +195,13 @@ class ServiceStorage:
             self.metrics.integrity_errors.inc()
             self.cache.discard(lkey)
             raise
+
+    def num_held(self, namespace: str, keys: list[str]) -> int:
+        """How many of `keys`, from the first, are stored: the length of the held prefix."""
+        for i, key in enumerate(keys):
+            if _lmdb_key(namespace, key) not in self.ssd.sizes:
+                return i
+        return len(keys)
 
     def keys(self, namespace: str, prefix: str = "", after: str = "", limit: int = 1000) -> tuple[list[str], bool]:
         """Up to `limit` keys starting with `prefix`, sorted, after `after`; and whether more exist."""

@@ -5,6 +5,12 @@
         t = c.get("engine-a", "seq7/layer3/block0")            # CPU tensor, bit-exact
         ts = c.get_many("engine-a", ["k1", "k2"])              # one request
 
+    Prompt chunks by the hash chain of their token ids (tiers/keys.py), for engines:
+        keys = ChunkKeys("llama-3-8b", 32, 32, 8, 128, block_tokens=256)
+        c.store_chunks("engine-a", zip(keys.hashes(prompt), chunk_tensors))  # held ones skipped
+        held = c.lookup_prefix("engine-a", prompt, keys)       # held.num_tokens leading tokens
+        chunks = c.retrieve_chunks("engine-a", held.chunk_hashes)
+
 Connections are kept alive and reused, and a Client is safe to share between threads:
 httpx for every call but get/get_many, whose bodies tiers.remote.reader reads straight
 into the result tensor (see there why). Every value carries an xxh3-64 checksum both ways:
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import http.client
 import json
+from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 from urllib.parse import quote
 
@@ -23,10 +30,11 @@ import httpx
 import torch
 import xxhash
 
+from tiers.keys import ChunkKeys
 from tiers.remote.reader import BinaryReader
 from tiers.remote.wire import (
-    DTYPES, H_CHECKSUM, H_DTYPE, H_LAYOUT, H_SHAPE, Descriptor, check_key, check_namespace, format_checksum,
-    pack_batch, parse_checksum, unpack_batch,
+    DTYPES, H_CHECKSUM, H_DTYPE, H_LAYOUT, H_SHAPE, Descriptor, check_chunk_hash, check_key, check_namespace,
+    format_checksum, pack_batch, parse_checksum, unpack_batch,
 )
 from tiers.base import IntegrityError
 
@@ -71,6 +79,15 @@ class CorruptValueError(ServiceError, IntegrityError):
 
 class UnreachableError(ServiceError, ConnectionError):
     """The service could not be reached."""
+
+
+@dataclass(frozen=True, slots=True)
+class HeldPrefix:
+    """The leading chunks of a prompt that the sidecar holds."""
+
+    num_tokens: int  # num_chunks x block_tokens
+    num_chunks: int
+    chunk_hashes: tuple[str, ...]  # the held chunks' hashes, in order: what retrieve_chunks takes
 
 
 _ERRORS = {400: BadRequestError, 401: AuthError, 404: NotFoundError, 413: BadRequestError, 507: StorageFullError}
@@ -141,6 +158,44 @@ class Client:
     def drop_namespace(self, namespace: str) -> int:
         """Delete every key of `namespace`; returns how many there were."""
         return self._call("DELETE", f"/v1/namespaces/{_q(namespace)}").json()["deleted"]
+
+    # -- prompt chunks by hash -----------------------------------------------------------------
+    def lookup_prefix(self, namespace: str, token_ids: Sequence[int], keys: ChunkKeys) -> HeldPrefix:
+        """How many leading tokens of the prompt are held (vLLM's get_num_new_matched_tokens)."""
+        body = {"block_tokens": keys.block_tokens, "token_ids": [int(t) for t in token_ids], "model": keys.model()}
+        return self._held(namespace, body)
+
+    def lookup_chunks(self, namespace: str, chunk_hashes: Sequence[str | bytes], block_tokens: int) -> HeldPrefix:
+        """The same, for a prompt the caller hashed itself (ChunkKeys.hashes)."""
+        return self._held(namespace, {"block_tokens": block_tokens, "chunk_hashes": _hexes(chunk_hashes)})
+
+    def retrieve_chunks(self, namespace: str, chunk_hashes: Sequence[str | bytes]) -> list[torch.Tensor]:
+        """Chunks by hash, in order, from one request (views into one buffer); NotFoundError names the missing."""
+        hashes = _hexes(chunk_hashes)
+        if not hashes:
+            return []
+        body = json.dumps({"chunk_hashes": hashes}).encode()
+        buf, _ = self._download("POST", f"/v1/prefix/{_q(namespace)}/retrieve", body)
+        items = unpack_batch(memoryview(buf.numpy()))
+        if [k for k, *_ in items] != hashes:
+            raise CorruptValueError(200, "bad_response", "retrieve answered other chunks than were asked")
+        return [_tensor(buf[o: o + n], d, c, f"{namespace}/chunk/{k}") for k, d, c, o, n in items]
+
+    def store_chunks(self, namespace: str, chunks: Mapping[str | bytes, torch.Tensor]
+                     | Iterable[tuple[str | bytes, torch.Tensor]]) -> dict:
+        """Store chunks by hash in one request, all or none; the sidecar skips those it holds.
+        Returns {"stored": n, "held": n, "nbytes": payload bytes stored}."""
+        pairs = list(chunks.items()) if isinstance(chunks, Mapping) else list(chunks)
+        hashes, encoded = _hexes([h for h, _ in pairs]), [tensor_bytes(t) for _, t in pairs]
+        batch = pack_batch([(h, d, xxhash.xxh3_64_intdigest(v)) for h, (d, v) in zip(hashes, encoded)],
+                           [v for _, v in encoded])
+        headers = {"Content-Type": "application/octet-stream", "Content-Length": str(sum(map(len, batch)))}
+        answer = self._call("POST", f"/v1/prefix/{_q(namespace)}/store", content=batch, headers=headers).json()
+        return {name: answer[name] for name in ("stored", "held", "nbytes")}
+
+    def _held(self, namespace: str, body: dict) -> HeldPrefix:
+        answer = self._call("POST", f"/v1/prefix/{_q(namespace)}/lookup", json=body).json()
+        return HeldPrefix(answer["num_tokens"], answer["num_chunks"], tuple(answer["chunk_hashes"]))
 
     # -- service -------------------------------------------------------------------------------
     def stats(self, namespace: str | None = None) -> dict:
@@ -220,6 +275,13 @@ def _error(status: int, body: bytes) -> ServiceError:
     if code == "integrity_error":
         return CorruptValueError(status, code, detail)
     return _ERRORS.get(status, ServiceError)(status, code, detail)
+
+
+def _hexes(chunk_hashes: Sequence[str | bytes]) -> list[str]:
+    out = [h.hex() if isinstance(h, bytes) else h for h in chunk_hashes]
+    for h in out:
+        check_chunk_hash(h)
+    return out
 
 
 def _q(namespace: str) -> str:

@@ -17,7 +17,9 @@ body framed as
                                      "offset": int, "nbytes": int, "checksum": "16 hex"}]}
 
 `offset` counts from the start of the body and is a multiple of 64, so every payload
-can be viewed in place as its dtype. `checksum` is optional in a batch put. This file
+can be viewed in place as its dtype. `checksum` is optional in a batch put. The prefix
+routes (/v1/prefix/...) use the same framing with a chunk hash as each item's key:
+32 lowercase hex digits of a tiers/keys.py chain hash. This file
 imports neither torch nor the server, so the client and the service share it.
 """
 
@@ -38,6 +40,7 @@ MAX_KEY_BYTES = 400
 
 H_DTYPE, H_SHAPE, H_LAYOUT, H_CHECKSUM = "x-kvtier-dtype", "x-kvtier-shape", "x-kvtier-layout", "x-kvtier-checksum"
 
+_CHUNK_HASH = re.compile(r"[0-9a-f]{32}")
 _NAMESPACE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _SEGMENT = re.compile(r"[A-Za-z0-9_.~:@+=-]+")
 _LENGTH = struct.Struct("<Q")
@@ -97,6 +100,11 @@ def check_key(key: str) -> None:
             f"key must be up to {MAX_KEY_BYTES} bytes of '/'-separated non-empty segments "
             f"of [A-Za-z0-9_.~:@+=-] (not '.' or '..'), got {key!r}"
         )
+
+
+def check_chunk_hash(text: str) -> None:
+    if not isinstance(text, str) or not _CHUNK_HASH.fullmatch(text):
+        raise WireError(f"chunk hash must be 32 lowercase hex digits (a 16-byte chain hash), got {str(text)[:80]!r}")
 
 
 def check_prefix(prefix: str) -> None:
