@@ -55,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "piece of a body (then 408 and the connection closes)")
     parser.add_argument("--limit-concurrency", type=int, default=1024, metavar="N",
                         help="open connections / requests in flight beyond which new requests get 503 (uvicorn)")
+    parser.add_argument("--http", choices=("httptools", "h11"), default=None,
+                        help="HTTP parser: httptools (C; the default when installed) or h11 (pure Python)")
     parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
 
 
@@ -81,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvstore.service.app import ServiceSettings, create_app
-    from kvstore.service.protocol import with_head_timeout
+    from kvstore.service.protocol import http_protocols, with_head_timeout
 
     try:
         settings = ServiceSettings(
@@ -89,12 +91,14 @@ def run(args: argparse.Namespace) -> int:
             compression=args.compression, sync=not args.no_sync, max_value_bytes=args.max_value_bytes,
             max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
         )
+        protocol = with_head_timeout(args.body_timeout, args.http or http_protocols()[0])
     except ValueError as exc:
         print(f"kvtier serve: {exc}", file=sys.stderr)
         return 2
     config = uvicorn.Config(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
                             access_log=False, lifespan="on", timeout_graceful_shutdown=5,
-                            limit_concurrency=args.limit_concurrency, http=with_head_timeout(args.body_timeout))
+                            limit_concurrency=args.limit_concurrency, loop="auto",  # uvloop when installed
+                            http=protocol)
     server = uvicorn.Server(config)
     server.run()
     return 0 if server.started else 1

@@ -1,18 +1,50 @@
-"""uvicorn's h11 protocol with a deadline on each request head.
+"""uvicorn's HTTP protocols (httptools, or h11) with a deadline on each request head.
 
 uvicorn times out a keep-alive connection only after a response; a connection that never
 sends a complete request head (nothing at all, or `GET /` and then silence) is held for
 ever and counts against --limit-concurrency, so a few hundred such sockets would lock
 every client out. Here each head must be complete within `head_timeout_s` of its first
 byte (or of the connection), else the connection is closed. Bodies are timed in guard.py.
+
+httptools (C, llhttp) is the default when installed: it parses and hands over body bytes
+without h11's per-event Python work (bench_longctx/prefix_bench.py compares the two).
 """
 
 from __future__ import annotations
 
 import asyncio
+from typing import Callable
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # httptools is a dependency; without it the service falls back to h11
+    HttpToolsProtocol = None  # type: ignore[assignment,misc]
+
+
+class HeadTimer:
+    """One connection's deadline for a whole request head: closes the transport when it fires."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport, seconds: float,
+                 still_waiting: Callable[[], bool]) -> None:
+        self.loop, self.transport, self.seconds, self.still_waiting = loop, transport, seconds, still_waiting
+        self.handle: asyncio.TimerHandle | None = None
+
+    def arm(self) -> None:
+        if self.handle is None:
+            self.handle = self.loop.call_later(self.seconds, self._fire)
+
+    def disarm(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+
+    def _fire(self) -> None:
+        self.handle = None
+        if self.still_waiting() and not self.transport.is_closing():
+            self.transport.close()
 
 
 class TimedHeadProtocol(H11Protocol):
@@ -20,7 +52,8 @@ class TimedHeadProtocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self.head_timer: asyncio.TimerHandle | None = None
+        self.head_timer = HeadTimer(self.loop, transport, self.head_timeout_s,
+                                    lambda: self.conn.their_state is h11.IDLE)
         self._arm_if_waiting_for_head()
 
     def data_received(self, data: bytes) -> None:
@@ -28,26 +61,52 @@ class TimedHeadProtocol(H11Protocol):
         self._arm_if_waiting_for_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
+        self.head_timer.disarm()
         super().connection_lost(exc)
 
     def _arm_if_waiting_for_head(self) -> None:
         if self.conn.their_state is not h11.IDLE or self.cycle is not None and not self.cycle.response_complete:
-            self._disarm()  # a head arrived: its body is timed by guard.py, the wait for the next by keep-alive
-        elif self.head_timer is None and (self.conn.trailing_data[0] or self.timeout_keep_alive_task is None):
-            self.head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
-
-    def _disarm(self) -> None:
-        if getattr(self, "head_timer", None) is not None:
-            self.head_timer.cancel()
-            self.head_timer = None
-
-    def _head_timed_out(self) -> None:
-        self.head_timer = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            self.transport.close()
+            self.head_timer.disarm()  # a head arrived: its body is timed by guard.py, the wait for the next by keep-alive
+        elif self.conn.trailing_data[0] or self.timeout_keep_alive_task is None:
+            self.head_timer.arm()
 
 
-def with_head_timeout(seconds: float) -> type[TimedHeadProtocol]:
+if HttpToolsProtocol is not None:
+    class TimedHeadHttpTools(HttpToolsProtocol):
+        """The same deadline on httptools: armed at the connection and at each request's first byte
+        (llhttp's on_message_begin), disarmed when the head is complete."""
+
+        head_timeout_s = 30.0
+        waiting_for_head = True
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self.head_timer = HeadTimer(self.loop, transport, self.head_timeout_s, lambda: self.waiting_for_head)
+            self.head_timer.arm()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self.waiting_for_head = True
+            self.head_timer.arm()
+
+        def on_headers_complete(self) -> None:
+            self.waiting_for_head = False
+            self.head_timer.disarm()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.head_timer.disarm()
+            super().connection_lost(exc)
+
+
+def http_protocols() -> list[str]:
+    """The protocols this install can serve with, the default first."""
+    return (["httptools"] if HttpToolsProtocol is not None else []) + ["h11"]
+
+
+def with_head_timeout(seconds: float, http: str = "h11") -> type:
     """The protocol class to pass as uvicorn.Config(http=...)."""
-    return type("TimedHeadProtocol", (TimedHeadProtocol,), {"head_timeout_s": seconds})
+    if http not in http_protocols():
+        raise ValueError(f"http must be one of {http_protocols()}, got {http!r}")
+    base = TimedHeadHttpTools if http == "httptools" else TimedHeadProtocol
+    return type(base.__name__, (base,), {"head_timeout_s": seconds})

@@ -169,3 +169,17 @@ def test_empty_whitespace_or_unsendable_tokens_are_refused(tmp_path, capsys, mon
     assert not (tmp_path / "d").exists()  # refused before touching anything
     with pytest.raises(ValueError, match="token must"):
         ServiceSettings(data_dir=str(tmp_path), token=token)
+
+
+@pytest.mark.parametrize("http", ["h11", "httptools"])
+def test_each_http_parser_closes_a_connection_whose_head_never_completes(make_server, http):
+    server = make_server("--http", http, "--body-timeout", "1").start()
+    for sent in (b"", b"GET /healthz HTTP/1.1\r\nHost: x"):
+        with connect(server) as sock:
+            sock.sendall(sent)
+            start = time.monotonic()
+            assert sock.recv(100) == b""
+        assert time.monotonic() - start < 4
+    with connect(server) as sock:  # a whole head is answered, and the connection kept alive
+        sock.sendall(head("GET", "/healthz", {}))
+        assert read_response(sock, then_closed=False)[0] == 200
