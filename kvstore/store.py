@@ -1,8 +1,10 @@
 """KVStore: the KV cache of many sequences as fixed-size blocks across tiers.
 
 The facade users hold. It owns the sequences' block tables, a TierSet (where every block
-lives and how it moves) and a DecodePath (select -> stage -> attend -> account), checks
-every argument before anything changes, and hands each part only what it works on.
+lives and how it moves), a DecodePath (select -> stage -> attend -> account), Contexts
+(token ids, content keys, fork and prefix sharing by reference count) and SavedContexts
+(save / open in the ssd tier's LMDB), checks every argument before anything changes, and
+hands each part only what it works on.
 """
 
 from __future__ import annotations
