@@ -169,13 +169,18 @@ class Client:
         """The same, for a prompt the caller hashed itself (ChunkKeys.hashes)."""
         return self._held(namespace, {"block_tokens": block_tokens, "chunk_hashes": _hexes(chunk_hashes)})
 
-    def retrieve_chunks(self, namespace: str, chunk_hashes: Sequence[str | bytes]) -> list[torch.Tensor]:
-        """Chunks by hash, in order, from one request (views into one buffer); NotFoundError names the missing."""
+    def retrieve_chunks(self, namespace: str, chunk_hashes: Sequence[str | bytes],
+                        into: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Chunks by hash, in order, from one request (views into one buffer); NotFoundError names the missing.
+        `into`: a contiguous uint8 CPU tensor (pinned staging, say) that the response is read into when it
+        fits, so a loop of fetches faults no fresh pages in; the chunks returned are then views of it."""
         hashes = _hexes(chunk_hashes)
         if not hashes:
             return []
+        if into is not None and (into.dtype != torch.uint8 or into.device.type != "cpu" or not into.is_contiguous()):
+            raise ValueError(f"into must be a contiguous uint8 CPU tensor, got {into.dtype} on {into.device}")
         body = json.dumps({"chunk_hashes": hashes}).encode()
-        buf, _ = self._download("POST", f"/v1/prefix/{_q(namespace)}/retrieve", body)
+        buf, _ = self._download("POST", f"/v1/prefix/{_q(namespace)}/retrieve", body, into)
         items = unpack_batch(memoryview(buf.numpy()))
         if [k for k, *_ in items] != hashes:
             raise CorruptValueError(200, "bad_response", "retrieve answered other chunks than were asked")
@@ -236,11 +241,12 @@ class Client:
             raise _error(response.status_code, response.content)
         return response
 
-    def _download(self, method: str, path: str, body: bytes | None = None) -> tuple[torch.Tensor, Mapping[str, str]]:
-        """A binary response as one CPU byte tensor [nbytes], read with a single copy."""
+    def _download(self, method: str, path: str, body: bytes | None = None,
+                  into: torch.Tensor | None = None) -> tuple[torch.Tensor, Mapping[str, str]]:
+        """A binary response as one CPU byte tensor [nbytes] (in `into` when it fits), read with a single copy."""
         try:
             content_type = {"Content-Type": "application/json"} if body is not None else None
-            status, headers, content = self.reader.fetch(method, path, body, content_type)
+            status, headers, content = self.reader.fetch(method, path, body, content_type, into)
         except (OSError, http.client.HTTPException) as exc:
             raise UnreachableError(0, "unreachable", f"{method} {self.base_url}{path}: {exc!r}") from exc
         if status >= 300:

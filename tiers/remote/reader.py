@@ -33,9 +33,10 @@ class BinaryReader:
         self._lock = threading.Lock()
         self._connections: list[http.client.HTTPConnection] = []
 
-    def fetch(self, method: str, path: str, body: bytes | None = None,
-              headers: dict[str, str] | None = None) -> tuple[int, http.client.HTTPMessage, torch.Tensor | bytes]:
-        """(status, headers, body): a uint8 CPU tensor for 2xx, the raw error body otherwise.
+    def fetch(self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None,
+              into: torch.Tensor | None = None) -> tuple[int, http.client.HTTPMessage, torch.Tensor | bytes]:
+        """(status, headers, body): a uint8 CPU tensor for 2xx (a view of `into` when it is large enough),
+        the raw error body otherwise.
 
         Raises OSError or http.client.HTTPException when the service cannot be reached."""
         for attempt in (0, 1):
@@ -45,7 +46,7 @@ class BinaryReader:
                 response = connection.getresponse()
                 if response.status >= 300:
                     return response.status, response.headers, response.read()
-                return response.status, response.headers, _read_into_tensor(response)
+                return response.status, response.headers, _read_into_tensor(response, into)
             except _STALE:
                 connection.close()
                 if not reused or attempt:
@@ -72,11 +73,14 @@ class BinaryReader:
             self._connections.clear()
 
 
-def _read_into_tensor(response: http.client.HTTPResponse) -> torch.Tensor:
+def _read_into_tensor(response: http.client.HTTPResponse, into: torch.Tensor | None = None) -> torch.Tensor:
+    """The body, read into `into` (a contiguous uint8 CPU tensor, reused: no fresh pages to fault in)
+    when it is large enough, else into a new tensor."""
     length = response.getheader("content-length")
     if length is None or not length.isdigit():
         raise http.client.HTTPException("binary response without a Content-Length")
-    buf = torch.empty(int(length), dtype=torch.uint8)  # [nbytes]
+    fits = into is not None and into.numel() >= int(length)
+    buf = into[: int(length)] if fits else torch.empty(int(length), dtype=torch.uint8)  # [nbytes]
     view, filled = memoryview(buf.numpy()), 0
     while filled < len(buf):
         got = response.readinto(view[filled:])

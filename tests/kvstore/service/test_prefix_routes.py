@@ -76,6 +76,22 @@ def test_retrieve_is_bit_exact_and_store_keeps_each_chunk_once(client):
         client.retrieve_chunks(ns, [hashes[0], missing])
 
 
+def test_retrieve_into_a_staging_buffer_fills_it_and_falls_back_when_it_is_too_small(client):
+    ns = "prefix-into"
+    hashes = KEYS.hashes(prompt(16 * 3, seed=7))
+    chunks = {h: chunk(20 + i) for i, h in enumerate(hashes)}
+    client.store_chunks(ns, chunks)
+    staging = torch.full((1 << 20,), 7, dtype=torch.uint8)  # [bytes]
+    got = client.retrieve_chunks(ns, hashes, into=staging)
+    assert all(same_bits(g, chunks[h]) for g, h in zip(got, hashes))
+    assert all(g.untyped_storage().data_ptr() == staging.untyped_storage().data_ptr() for g in got)
+    small = torch.zeros(100, dtype=torch.uint8)
+    got = client.retrieve_chunks(ns, hashes[:1], into=small)
+    assert same_bits(got[0], chunks[hashes[0]]) and small.eq(0).all()  # read into a new buffer instead
+    with pytest.raises(ValueError, match="uint8"):
+        client.retrieve_chunks(ns, hashes, into=torch.zeros(1 << 20, dtype=torch.float16))
+
+
 def post(url: str, path: str, **kwargs) -> httpx.Response:
     return httpx.post(f"{url}/v1/prefix/{path}", **kwargs)
 
