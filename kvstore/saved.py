@@ -124,11 +124,11 @@ class SavedContexts:
     def load(self, name: str) -> SavedContext:
         """The manifest, summaries and token ids of `name` (no block is read)."""
         _check_name(name)
-        with self.env.begin(buffers=False) as txn:
+        with self.env.begin(buffers=True) as txn:  # views into the map: each value is copied once, below
             raw = txn.get(_MANIFEST + name.encode())
             if raw is None:
                 raise KeyError(f"no saved context named {name!r} (saved: {self.names()[:16]})")
-            m = json.loads(raw)
+            m = json.loads(bytes(raw))
             if m["version"] != VERSION or m["root"] != self.root.hex() or \
                     m["geometry"] != [self.num_kv_heads, self.head_dim, self.block_tokens]:
                 raise ValueError(f"saved context {name!r} was saved by another model, geometry or block size "
