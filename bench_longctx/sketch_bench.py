@@ -49,8 +49,10 @@ def bench_block_size(args, block_tokens: int, q: torch.Tensor, keys: torch.Tenso
            "coarse_MiB": (summary_bytes + plane_bytes) / 2**20,
            "fine_MiB": policy.coarse_factor * k * h * (2 * d * 2 + 2 * block_tokens * d // 4) / 2**20}
     row["coarse_ceiling_us"] = (summary_bytes + plane_bytes) / ceiling / 1e3
-    row["coarse_us"] = 1e3 * time_ms(lambda: sketch_block_stats(q, summaries, codes, keys.shape[0], planes=1),
-                                     q.device)
+    for warps in (1, 2, 4, 8):  # the kernel's one tuning knob
+        row[f"coarse_us_warps{warps}"] = 1e3 * time_ms(
+            lambda w=warps: sketch_block_stats(q, summaries, codes, keys.shape[0], planes=1, num_warps=w), q.device)
+    row["coarse_us"] = min(row[f"coarse_us_warps{w}"] for w in (1, 2, 4, 8))
     row["coarse_GBps"] = (summary_bytes + plane_bytes) / row["coarse_us"] / 1e3
     row["fine_us"] = 1e3 * time_ms(lambda: sketch_block_stats(q, summaries, codes, keys.shape[0], planes=2,
                                                               block_ids=candidates), q.device)

@@ -141,13 +141,14 @@ def check_inputs(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, 
 
 
 def sketch_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, num_tokens: int, *,
-                       planes: int = 2, block_ids: torch.Tensor | None = None,
-                       scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       planes: int = 2, block_ids: torch.Tensor | None = None, scale: float | None = None,
+                       num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """(lse, upper) float32 [Hq, C]: per q head and block (C = num_blocks, or the columns of block_ids
     [H, C]) the log-sum-exp of the sketch's logit estimates and an upper bound on the true one.
 
     q: float16 [Hq, D]; summaries: float16 [N, 2, H, D]; codes: uint8 [>= N, H, 2, B, D // 4], each with a
     contiguous last dim; scale defaults to 1 / sqrt(D). Sync-free: capturable in a CUDA graph.
+    num_warps is a tuning knob (bench_longctx/sketch_bench.py sweeps it).
     """
     num_blocks, num_kv_heads, block_tokens = check_inputs(q, summaries, codes, num_tokens, planes)
     head_dim = summaries.shape[3]
@@ -173,6 +174,7 @@ def sketch_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Te
         ids.stride(0), lse.stride(0),
         GROUP=q.shape[0] // num_kv_heads, HEAD_DIM=head_dim, QUARTER=head_dim // 4, BLOCK_TOKENS=block_tokens,
         BLOCK_T=max(16, triton.next_power_of_2(block_tokens)), PLANES=planes, HAS_IDS=block_ids is not None,
+        num_warps=num_warps,
     )  # fmt: skip
     return lse, upper
 
