@@ -30,6 +30,7 @@ import torch
 
 from bench_longctx.timing import memcpy_ceiling_GBps, timed
 from kvstore.service.cli import parse_bytes
+from kvstore.service.protocol import http_protocols
 from tiers.remote.client import Client
 
 GOAL_BATCHED_GET_GBPS = 2.0
@@ -154,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "load_average_before": load_before, "load_average_after": os.getloadavg()},
-        "server": {"durability": "fsync per commit", "compression": "none", "http": "uvicorn with h11 (no httptools/uvloop); client: httpx, gets via http.client readinto"},
+        "server": {"durability": "fsync per commit", "compression": "none",
+                   "http": f"uvicorn with {http_protocols()[0]} (loop auto: uvloop when installed); "
+                           "client: httpx, gets via http.client readinto"},
         "goal": {"batched_get_gb_per_s": GOAL_BATCHED_GET_GBPS, "best_batched_get_gb_per_s": best_get,
                  "met": best_get >= GOAL_BATCHED_GET_GBPS},
         "results": rows,

@@ -2,6 +2,7 @@
 (tiers/remote/client.py), so tiers never import kvstore."""
 
 from tiers.remote.client import (  # noqa: F401
-    AuthError, BadRequestError, Client, CorruptValueError, NotFoundError, ServiceError, StorageFullError,
+    AuthError, BadRequestError, Client, CorruptValueError, HeldPrefix, NotFoundError, ServiceError, StorageFullError,
     UnreachableError,
 )
+from tiers.keys import ChunkKeys  # noqa: F401

@@ -49,6 +49,9 @@ def test_lookup_counts_the_leading_held_chunks_and_a_diverging_token_ends_it(cli
     held = client.lookup_prefix(ns, ids, KEYS)
     assert (held.num_tokens, held.num_chunks, held.chunk_hashes) == (5 * 16, 5, tuple(hashes[:5]))
     assert client.lookup_chunks(ns, hashes, block_tokens=16) == held
+    by_server = post(client.base_url, f"{ns}/lookup",  # the server hashes token ids itself
+                     json={"block_tokens": 16, "token_ids": ids, "model": KEYS.model()}).json()
+    assert by_server == {"num_tokens": 80, "num_chunks": 5, "chunk_hashes": hashes[:5]}
     diverged = list(ids)
     diverged[3 * 16 + 7] += 1  # a token inside chunk 3 changes chunk 3's hash and every later one
     assert client.lookup_prefix(ns, diverged, KEYS).num_tokens == 3 * 16
