@@ -161,6 +161,29 @@ def test_a_prompt_on_a_matched_prefix_prefills_only_its_rest() -> None:
     torch.testing.assert_close(logits, scratch, atol=1e-5, rtol=1e-4)
 
 
+def test_a_saved_prefill_continues_after_open_without_prefilling_again(tmp_path) -> None:
+    """Prefill, save, close; a new store on the same ssd_path opens the context and greedy decoding from it
+    gives the tokens the never-saved sequence gives (blocks in hot and cpu fp16: exact)."""
+    model = random_llama(TINY, seed=12, vocab_size=97)
+    prompt = torch.randint(0, 97, (150,), generator=torch.Generator().manual_seed(13)).tolist()
+    settings = dict(hot_tokens=32, warm_tokens=0, ssd_path=str(tmp_path / "ssd"), model_id="tiny-12")
+    with store_for(TINY, **settings) as store:
+        decoder = Decoder(model, store)
+        seq = store.create_sequence()
+        decoder.prefill(seq, prompt[:-1], 64)
+        store.save(seq, "prompt")
+        first = decoder.decode_step(seq, prompt[-1])
+        want = decoder.continue_greedy(seq, first, 8)
+    with store_for(TINY, **settings) as store:
+        decoder = Decoder(model, store)
+        seq = store.open("prompt")
+        assert store.token_ids(seq) == prompt[:-1] and store.stats()["tiers"]["saved"]["blocks"] > 0
+        logits = decoder.decode_step(seq, prompt[-1])
+        got = decoder.continue_greedy(seq, logits, 8)
+        store.check_integrity()
+    assert torch.equal(logits, first) and got == want
+
+
 def test_random_weights_are_seeded_and_keep_fp32_rope() -> None:
     a, b = random_llama(TINY, seed=1), random_llama(TINY, seed=1)
     c = random_llama(TINY, seed=2, dtype=torch.float16)
