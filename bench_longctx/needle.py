@@ -9,8 +9,8 @@ direction, as real groups do). Needle i's key has exactly the norm of the key it
 lies in the plane of the group's query direction and a random orthogonal one, at the angle
 that puts its logit `margin_i` above the background's log-sum-exp for the group's mean head;
 margins are graded from `margin_high` to `margin_low` so dense weights span ~99% to ~1%: a needle is found by its
-direction, never by an extreme coordinate or a long key. Its value is a marker: a random unit
-direction e_i, `VALUE_SCALE` times a background value's norm.
+direction, never by an extreme coordinate or a long key. Its value is a marker: a unit direction
+e_i (orthogonal to the other needles' markers), `VALUE_SCALE` times a background value's norm.
 
 A (needle, q head) is a trial when the needle holds >= `min_weight` of that head's exact
 softmax (computed from the planted keys), and it is recalled when the attention output carries
@@ -141,8 +141,8 @@ def haystack(spec: ModelSpec, ctx: int, p: NeedlePreset, device: torch.device, s
         keys[pos] = plant(q[i], keys, pos, margins[i], g)
     keys = keys.half()
     values = torch.randn(keys.shape, device=device, generator=g)  # [T, H, D]
-    markers = torch.nn.functional.normalize(torch.randn((p.needles, *keys.shape[1:]), device=device, generator=g),
-                                            dim=-1)
+    basis = torch.randn((keys.shape[1], keys.shape[2], p.needles), device=device, generator=g)  # [H, D, N]
+    markers = torch.linalg.qr(basis).Q.permute(2, 0, 1)  # [N, H, D]: orthonormal per head, no crosstalk
     for i, pos in enumerate(positions):
         values[pos] = markers[i] * VALUE_SCALE * math.sqrt(spec.head_dim)
     weights = torch.stack([torch.softmax(logits(q[i].half(), keys), dim=1)[:, pos] for i, pos in enumerate(positions)])
