@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
-from kvstore.service.routes import _BINARY, _BINARY_BODY, _ERRORS, ChunksResponse, Namespace, _blocking, _read_body
+from kvstore.service.routes import BINARY, BINARY_BODY, ERRORS, ChunksResponse, Namespace, blocking, read_body
 from kvstore.service.settings import TooLarge
 from tiers.keys import ChunkKeys
 from tiers.remote.wire import WireError, check_chunk_hash, check_namespace, pack_batch, unpack_batch
@@ -86,7 +86,7 @@ def _lookup_hashes(body: LookupRequest) -> list[str]:
     return ChunkKeys(**body.model.model_dump(), block_tokens=body.block_tokens).hashes(body.token_ids)
 
 
-@router.post("/{namespace}/lookup", response_model=LookupResult, responses=_ERRORS)
+@router.post("/{namespace}/lookup", response_model=LookupResult, responses=ERRORS)
 async def lookup(namespace: Namespace, body: LookupRequest, request: Request) -> LookupResult:
     """How many leading tokens of a prompt are held: its full chunks are hashed in a chain and
     looked up in order; the first chunk not held ends the match."""
@@ -97,7 +97,7 @@ async def lookup(namespace: Namespace, body: LookupRequest, request: Request) ->
         hashes = _lookup_hashes(body)
         return hashes, storage.num_held(namespace, [_key(h) for h in hashes])
 
-    hashes, held = await _blocking(request, work)
+    hashes, held = await blocking(request, work)
     metrics = request.app.state.metrics
     metrics.lookup_requests.inc()
     metrics.lookup_tokens.inc(len(hashes) * body.block_tokens)
@@ -105,7 +105,7 @@ async def lookup(namespace: Namespace, body: LookupRequest, request: Request) ->
     return LookupResult(num_tokens=held * body.block_tokens, num_chunks=held, chunk_hashes=hashes[:held])
 
 
-@router.post("/{namespace}/retrieve", response_class=Response, responses={200: _BINARY, **_ERRORS})
+@router.post("/{namespace}/retrieve", response_class=Response, responses={200: BINARY, **ERRORS})
 async def retrieve(namespace: Namespace, body: HashesRequest, request: Request) -> Response:
     """Chunks by hash in one framed body (tiers/remote/wire.py; each item's key is its hash);
     404 names every chunk not held, and nothing is sent."""
@@ -125,20 +125,20 @@ async def retrieve(namespace: Namespace, body: HashesRequest, request: Request) 
         return pack_batch([(h, v.desc, v.checksum) for h, v in zip(body.chunk_hashes, values)],
                           [v.payload for v in values])
 
-    chunks = await _blocking(request, work)
+    chunks = await blocking(request, work)
     metrics.retrieve_blocks.inc(len(body.chunk_hashes))
     return ChunksResponse(chunks, on_sent=lambda: metrics.retrieve_seconds.observe(time.perf_counter() - start))
 
 
-@router.post("/{namespace}/store", status_code=201, response_model=StoredChunks, responses=_ERRORS,
-             openapi_extra=_BINARY_BODY)
+@router.post("/{namespace}/store", status_code=201, response_model=StoredChunks, responses=ERRORS,
+             openapi_extra=BINARY_BODY)
 async def store(namespace: Namespace, request: Request) -> StoredChunks:
     """Chunks from one framed body (each item's key is its hash), all or none; chunks already held
     are skipped, not rewritten: a chunk's hash names its content."""
     start = time.perf_counter()
     check_namespace(namespace)
     settings, storage, metrics = request.app.state.settings, request.app.state.storage, request.app.state.metrics
-    pieces = await _read_body(request, settings.max_body_bytes)
+    pieces = await read_body(request, settings.max_body_bytes)
 
     def work() -> tuple[int, int, int]:
         view = memoryview(b"".join(pieces))
@@ -150,7 +150,7 @@ async def store(namespace: Namespace, request: Request) -> StoredChunks:
         stored, nbytes = storage.put_new(namespace, [(_key(h), d, view[o: o + n], c) for h, d, c, o, n in items])
         return len(items), stored, nbytes
 
-    count, stored, nbytes = await _blocking(request, work)
+    count, stored, nbytes = await blocking(request, work)
     metrics.bytes_in.inc(nbytes)
     metrics.store_blocks.labels("stored").inc(stored)
     metrics.store_blocks.labels("held").inc(count - stored)

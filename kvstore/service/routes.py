@@ -2,7 +2,7 @@
 
 Formats are in tiers/remote/wire.py, errors in kvstore/service/app.py. Handlers only
 parse and check on the event loop; LMDB, checksums, zstd and batch assembly run on
-worker threads (`_blocking`).
+worker threads (`blocking`).
 """
 
 from __future__ import annotations
@@ -59,10 +59,10 @@ class NamespaceStats(BaseModel):
     bytes: int
 
 
-_BINARY = {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}
-_BINARY_BODY = {"requestBody": {"required": True, **_BINARY}}
+BINARY = {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}
+BINARY_BODY = {"requestBody": {"required": True, **BINARY}}
 # 401, 408 and 413 from the guard are added by openapi.py (401 only when a token is configured).
-_ERRORS: dict = {code: {"model": ErrorBody} for code in (400, 404, 500, 503, 507)}
+ERRORS: dict = {code: {"model": ErrorBody} for code in (400, 404, 500, 503, 507)}
 # Patterns and enums below only document the API (and steer schemathesis); the wire.check_* functions
 # enforce them with messages that name the problem.
 Namespace = Annotated[str, Path(description="namespaces never share keys",
@@ -80,11 +80,11 @@ After = Annotated[str, Query(description="only keys that sort after this one (th
                              json_schema_extra=_PREFIX_SCHEMA)]
 
 
-async def _blocking(request: Request, fn: Callable, *args: object):
+async def blocking(request: Request, fn: Callable, *args: object):
     return await anyio.to_thread.run_sync(fn, *args, limiter=request.app.state.limiter)
 
 
-async def _read_body(request: Request, limit: int, expected: int | None = None) -> list[bytes]:
+async def read_body(request: Request, limit: int, expected: int | None = None) -> list[bytes]:
     """The body's chunks (joined later, off the event loop); TooLarge past `limit`."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit():
@@ -129,7 +129,7 @@ def _storage(request: Request) -> ServiceStorage:
 
 
 @router.put("/namespaces/{namespace}/blocks/{key:path}", status_code=201, response_model=Stored,
-            responses=_ERRORS, openapi_extra=_BINARY_BODY)
+            responses=ERRORS, openapi_extra=BINARY_BODY)
 async def put_block(
     namespace: Namespace, key: Key, request: Request,
     x_kvtier_dtype: Dtype, x_kvtier_shape: Shape, x_kvtier_layout: Layout,
@@ -143,7 +143,7 @@ async def put_block(
     settings = request.app.state.settings
     if desc.nbytes > settings.max_value_bytes:
         raise TooLarge(f"{desc.dtype} {list(desc.shape)} is {desc.nbytes} bytes; the limit is {settings.max_value_bytes}")
-    chunks = await _read_body(request, min(settings.max_value_bytes, settings.max_body_bytes), desc.nbytes)
+    chunks = await read_body(request, min(settings.max_value_bytes, settings.max_body_bytes), desc.nbytes)
     size = sum(map(len, chunks))
     if size != desc.nbytes:
         raise WireError(f"body has {size} bytes; {desc.dtype} {list(desc.shape)} needs {desc.nbytes}")
@@ -151,31 +151,31 @@ async def put_block(
     def work() -> int:
         return _storage(request).put(namespace, [(key, desc, b"".join(chunks), checksum)])
 
-    nbytes = await _blocking(request, work)
+    nbytes = await blocking(request, work)
     request.app.state.metrics.bytes_in.inc(nbytes)
     return Stored(namespace=namespace, stored=1, nbytes=nbytes)
 
 
 @router.get("/namespaces/{namespace}/blocks/{key:path}", response_class=Response,
-            responses={200: _BINARY, **_ERRORS})
+            responses={200: BINARY, **ERRORS})
 async def get_block(namespace: Namespace, key: Key, request: Request) -> Response:
     """One tensor's raw bytes; the descriptor and checksum come back in x-kvtier-* headers."""
     check_namespace(namespace)
     check_key(key)
-    (value,) = await _blocking(request, _storage(request).get, namespace, [key])
+    (value,) = await blocking(request, _storage(request).get, namespace, [key])
     request.app.state.metrics.bytes_out.inc(len(value.payload))
     headers = {**value.desc.headers(), H_CHECKSUM: format_checksum(value.checksum)}
     return ChunksResponse([value.payload], headers)
 
 
-@router.delete("/namespaces/{namespace}/blocks/{key:path}", response_model=Deleted, responses=_ERRORS)
+@router.delete("/namespaces/{namespace}/blocks/{key:path}", response_model=Deleted, responses=ERRORS)
 async def delete_block(namespace: Namespace, key: Key, request: Request) -> Deleted:
     check_namespace(namespace)
     check_key(key)
-    return Deleted(deleted=await _blocking(request, _storage(request).delete, namespace, [key]))
+    return Deleted(deleted=await blocking(request, _storage(request).delete, namespace, [key]))
 
 
-@router.post("/namespaces/{namespace}/batch/get", response_class=Response, responses={200: _BINARY, **_ERRORS})
+@router.post("/namespaces/{namespace}/batch/get", response_class=Response, responses={200: BINARY, **ERRORS})
 async def batch_get(namespace: Namespace, body: KeysRequest, request: Request) -> Response:
     """Many tensors in one framed body (tiers/remote/wire.py); 404 names every missing key."""
     check_namespace(namespace)
@@ -191,16 +191,16 @@ async def batch_get(namespace: Namespace, body: KeysRequest, request: Request) -
         request.app.state.metrics.bytes_out.inc(total)
         return pack_batch([(k, v.desc, v.checksum) for k, v in zip(body.keys, values)], [v.payload for v in values])
 
-    return ChunksResponse(await _blocking(request, work))
+    return ChunksResponse(await blocking(request, work))
 
 
-@router.post("/namespaces/{namespace}/batch/put", status_code=201, response_model=Stored, responses=_ERRORS,
-             openapi_extra=_BINARY_BODY)
+@router.post("/namespaces/{namespace}/batch/put", status_code=201, response_model=Stored, responses=ERRORS,
+             openapi_extra=BINARY_BODY)
 async def batch_put(namespace: Namespace, request: Request) -> Stored:
     """Store many tensors from one framed body (tiers/remote/wire.py), all or none."""
     check_namespace(namespace)
     settings = request.app.state.settings
-    chunks = await _read_body(request, settings.max_body_bytes)
+    chunks = await read_body(request, settings.max_body_bytes)
 
     def work() -> tuple[int, int]:
         view = memoryview(b"".join(chunks))
@@ -211,12 +211,12 @@ async def batch_put(namespace: Namespace, request: Request) -> Stored:
         stored = _storage(request).put(namespace, [(k, d, view[o: o + n], c) for k, d, c, o, n in items])
         return len(items), stored
 
-    count, nbytes = await _blocking(request, work)
+    count, nbytes = await blocking(request, work)
     request.app.state.metrics.bytes_in.inc(nbytes)
     return Stored(namespace=namespace, stored=count, nbytes=nbytes)
 
 
-@router.post("/namespaces/{namespace}/batch/delete", response_model=Deleted, responses=_ERRORS)
+@router.post("/namespaces/{namespace}/batch/delete", response_model=Deleted, responses=ERRORS)
 async def batch_delete(namespace: Namespace, body: KeysRequest, request: Request) -> Deleted:
     """Delete every key, or none (404 naming the missing ones)."""
     check_namespace(namespace)
@@ -226,10 +226,10 @@ async def batch_delete(namespace: Namespace, body: KeysRequest, request: Request
             check_key(key)
         return _storage(request).delete(namespace, body.keys)
 
-    return Deleted(deleted=await _blocking(request, work))
+    return Deleted(deleted=await blocking(request, work))
 
 
-@router.get("/namespaces/{namespace}/keys", response_model=KeysPage, responses=_ERRORS)
+@router.get("/namespaces/{namespace}/keys", response_model=KeysPage, responses=ERRORS)
 async def list_keys(
     namespace: Namespace, request: Request, prefix: Prefix = "", after: After = "",
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
@@ -238,30 +238,30 @@ async def list_keys(
     check_namespace(namespace)
     check_prefix(prefix)
     check_prefix(after)
-    keys, truncated = await _blocking(request, _storage(request).keys, namespace, prefix, after, limit)
+    keys, truncated = await blocking(request, _storage(request).keys, namespace, prefix, after, limit)
     return KeysPage(keys=keys, truncated=truncated)
 
 
-@router.get("/namespaces/{namespace}/stats", response_model=NamespaceStats, responses=_ERRORS)
+@router.get("/namespaces/{namespace}/stats", response_model=NamespaceStats, responses=ERRORS)
 async def namespace_stats(namespace: Namespace, request: Request) -> NamespaceStats:
     check_namespace(namespace)
     return NamespaceStats(**_storage(request).namespace_stats(namespace))
 
 
-@router.delete("/namespaces/{namespace}", response_model=Deleted, responses=_ERRORS)
+@router.delete("/namespaces/{namespace}", response_model=Deleted, responses=ERRORS)
 async def drop_namespace(namespace: Namespace, request: Request) -> Deleted:
     """Delete every key of a namespace."""
     check_namespace(namespace)
-    return Deleted(deleted=await _blocking(request, _storage(request).drop, namespace))
+    return Deleted(deleted=await blocking(request, _storage(request).drop, namespace))
 
 
-@router.get("/namespaces", responses=_ERRORS)
+@router.get("/namespaces", responses=ERRORS)
 async def namespaces(request: Request) -> dict[str, NamespaceStats]:
     """Every namespace that holds values, with its totals."""
     return {ns: NamespaceStats(**_storage(request).namespace_stats(ns)) for ns in _storage(request).namespace_names()}
 
 
-@router.get("/stats", responses=_ERRORS)
+@router.get("/stats", responses=ERRORS)
 async def stats(request: Request) -> dict:
     """Tiers (cpu cache, ssd), namespace count, integrity errors, durability mode."""
     return _storage(request).stats()

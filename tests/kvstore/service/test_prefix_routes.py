@@ -22,7 +22,8 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def chunk(seed: int) -> torch.Tensor:
-    return random_tensor(torch.float16, (KEYS.num_layers, 2, KEYS.num_kv_heads, KEYS.block_tokens, 8), seed)  # [L, 2, H, B, D]
+    shape = (KEYS.num_layers, 2, KEYS.num_kv_heads, KEYS.block_tokens, 8)  # [L, 2, H, B, D]
+    return random_tensor(torch.float16, shape, seed)
 
 
 @pytest.fixture
@@ -150,9 +151,10 @@ def test_prefix_routes_need_the_token(guarded):
         assert r.status_code == 401 and r.json()["error"] == "unauthorized", path
     with Client(guarded.url) as anonymous, pytest.raises(AuthError):
         anonymous.lookup_prefix("ns", ids, KEYS)
-    with Client(guarded.url, token=TOKEN) as c:
-        c.store_chunks("ns", {KEYS.hashes(ids)[0]: chunk(2)})
-        assert c.lookup_prefix("ns", ids, KEYS).num_tokens == 16
+    with Client(guarded.url, token=TOKEN) as c:  # its own namespace: other tests expect "ns" of this server empty
+        c.store_chunks("prefix-auth", {KEYS.hashes(ids)[0]: chunk(2)})
+        assert c.lookup_prefix("prefix-auth", ids, KEYS).num_tokens == 16
+        c.drop_namespace("prefix-auth")
 
 
 def test_prefix_metrics_are_named_like_lmcaches(client):
