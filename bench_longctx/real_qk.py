@@ -45,7 +45,8 @@ def real_text(tokenizer, num_tokens: int) -> list[int]:
 
 
 @torch.no_grad()
-def capture(model: Llama, ids: list[int], steps: int, chunk: int = 512) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def capture(model: Llama, ids: list[int], steps: int,
+            chunk: int = 512) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(keys, queries) per layer: fp16 [T, H, D] and fp16 [steps, Hq, D] for the last `steps` positions."""
     device = model.embed_tokens.weight.device
     tokens = torch.tensor(ids, device=device)

@@ -95,7 +95,8 @@ def scorers(rank: int = RANK) -> dict[str, Callable]:
             "centroid": centroid}
 
 
-def dense_block_mass(q: torch.Tensor, keys: torch.Tensor, block_tokens: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def dense_block_mass(q: torch.Tensor, keys: torch.Tensor, block_tokens: int,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(block mass [H, N] (group mean of each q head's softmax), logits [Hq, T])."""
     h = keys.shape[1]
     logits = torch.einsum("hgd,thd->hgt", q.float().view(h, -1, q.shape[-1]), keys.float()).flatten(0, 1) * scale
@@ -184,7 +185,8 @@ def certificate_row(pairs: torch.Tensor, block_tokens: int, frac: int) -> dict:
 
 
 def table(result: dict) -> str:
-    lines = ["| method | block | budget | mean mass | worst mass | mean vs oracle | worst vs oracle |", "|" + "---|" * 7]
+    lines = ["| method | block | budget | mean mass | worst mass | mean vs oracle | worst vs oracle |",
+             "|" + "---|" * 7]
     for r in sorted(result["rows"], key=lambda r: (r["block_tokens"], -r["budget"], r["method"])):
         lines.append(f"| {r['method']} | {r['block_tokens']} | {r['budget_fraction']} | {r['mean_mass']:.3f} | "
                      f"{r['worst_mass']:.3f} | {r['mean_vs_oracle']:.3f} | {r['worst_vs_oracle']:.3f} |")

@@ -23,7 +23,8 @@ def unselected_mask(selected: torch.Tensor, num_blocks: int) -> torch.Tensor:
     return mask.scatter_(1, selected, False)
 
 
-def certified_omitted_mass(block_upper: torch.Tensor, selected: torch.Tensor, attended_lse: torch.Tensor) -> torch.Tensor:
+def certified_omitted_mass(block_upper: torch.Tensor, selected: torch.Tensor,
+                           attended_lse: torch.Tensor) -> torch.Tensor:
     """float32 [H]: per kv head, the group mean of an upper bound on each q head's omitted softmax mass.
 
     block_upper: float32 [Hq, N] upper bounds on each block's log-sum-exp of logits (only unselected

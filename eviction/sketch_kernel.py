@@ -130,13 +130,15 @@ def check_inputs(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, 
                          f"got {codes.dtype} {list(codes.shape)}")
     block_tokens = codes.shape[3]
     if q.dim() != 2 or q.shape[1] != head_dim or q.dtype != torch.float16 or q.shape[0] % num_kv_heads:
-        raise ValueError(f"q: expected float16 [a multiple of {num_kv_heads}, {head_dim}], got {q.dtype} {list(q.shape)}")
+        raise ValueError(f"q: expected float16 [a multiple of {num_kv_heads}, {head_dim}], "
+                         f"got {q.dtype} {list(q.shape)}")
     if not (num_blocks - 1) * block_tokens < num_tokens <= num_blocks * block_tokens:
         raise ValueError(f"num_tokens {num_tokens} does not fill {num_blocks} blocks of {block_tokens}")
     if planes not in (1, 2):
         raise ValueError(f"planes must be 1 (high plane) or 2 (both), got {planes}")
     if len({q.device, summaries.device, codes.device}) != 1:
-        raise ValueError(f"q, summaries and codes must share a device, got {q.device}, {summaries.device}, {codes.device}")
+        raise ValueError(f"q, summaries and codes must share a device, "
+                         f"got {q.device}, {summaries.device}, {codes.device}")
     return num_blocks, num_kv_heads, block_tokens
 
 

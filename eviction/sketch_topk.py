@@ -53,8 +53,8 @@ class SketchTopK(Policy):
         first; pass it back in to try several budgets on one step (the adaptive mode) for one coarse pass."""
         return self._stats(ctx, planes=1)
 
-    def select_with_bounds(self, ctx: ScoreContext, budget_tokens: int,
-                           coarse: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def select_with_bounds(self, ctx: ScoreContext, budget_tokens: int, coarse: tuple[torch.Tensor, torch.Tensor]
+                           | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(selected int64 [H, k] rows ascending, block_upper float32 [Hq, N]: upper bounds on each block's
         log-sum-exp of true logits, softmax scale applied)."""
         counts = dict(num_tokens=ctx.num_tokens, block_tokens=ctx.block_tokens, sink_tokens=ctx.sink_tokens,
