@@ -154,3 +154,19 @@ def test_captured_step_codes_each_block_it_fills(tmp_path):
     _, codes = sketch_keys(k[:700].cpu(), 16)  # the fp16 keys as appended (read() dequantizes warm blocks)
     full = 700 // 16
     assert torch.equal(table.sketch[:full].cpu(), codes[:full])
+
+
+def test_a_sequence_started_on_a_held_prefix_reads_its_sketch(tmp_path):
+    store = make_store(tmp_path)
+    q, k, v, _ = haystack(2000, seed=5)
+    doc = list(range(5, 805))  # 800 tokens: 50 full blocks
+    base = store.create_sequence()
+    store.extend_tokens(base, doc)
+    store.append(base, 0, k[:800], v[:800])
+    match = store.match_prefix(doc[:700] + [9] * 40)
+    assert match.num_tokens == 688  # 43 whole blocks
+    seq = store.create_sequence(prefix=match)
+    a, b = store.table(base, 0), store.table(seq, 0)
+    assert torch.equal(b.sketch[:43], a.sketch[:43])
+    assert torch.equal(b.sketch[:43].cpu(), sketch_keys(k[:688].cpu(), 16)[1])
+    store.check_integrity()
