@@ -3,8 +3,10 @@
 It is asked to place, cool, promote, gather, drop and free blocks, and edits the block
 tables it is handed (device slot and tier maps, warm/cold counts); it never imports the
 store. Tiers by index: 0 hot (GPU fp16), 1 warm (GPU int8), 2 cpu, 3 cold (ssd, the sidecar
-or redis), 4 saved (read-only: blocks of opened saved contexts, read where the save put them). Placement levels (HOT, WARM, COLD) map onto the first three; a COLD block starts
-in cpu and spills colder. Every move is put-then-delete and every placement all-or-nothing:
+or redis), 4 saved (read-only: blocks of opened saved contexts, read where the save put them;
+never placed into). Placement levels (HOT, WARM, COLD) map onto the first three; a COLD block
+starts in cpu and spills colder. A block may be held by several tables (forks, prefixes): its
+moves update every holder's maps and counts, and it is deleted when the last holder lets go. Every move is put-then-delete and every placement all-or-nothing:
 a failed put leaves each block where it was, so no failure loses a block.
 """
 
@@ -23,12 +25,12 @@ from kvstore.placement import COLD, HOT, WARM, Placement
 from kvstore.registry import BlockRegistry
 from kvstore.table import DROPPED, LayerTable, TableTensors
 from tiers.base import Tier
+from tiers.codec import Codec
 from tiers.cpu import CpuTier
 from tiers.errors import BlockMissingError, CapacityError
 from tiers.hot import HotTier
 from tiers.layout import BlockLayout, Blocks, Int8Blocks
 from tiers.quant import dequantize
-from tiers.codec import Codec
 from tiers.saved import SavedTier
 from tiers.ssd import SsdTier
 from tiers.warm import WarmTier
