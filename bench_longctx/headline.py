@@ -23,13 +23,14 @@ def _largest(rows: list[dict], key: str = "context") -> list[dict]:
 def e2e_rows(s: dict) -> list[list]:
     e, p = s.get("e2e", {}), s.get("e2e", {}).get("paths", {})
     rows = []
-    what = f"{e.get('geometry')} greedy decode, {fmt(e.get('context'))} context, top-K {e.get('budget')}"
+    where = f"{e.get('geometry')} greedy decode, {fmt(e.get('context'))} context"
     for kind, how in (("graph", "one CUDA graph per token, every token appended"),
                       ("eager", "eager launches, every token appended")):
-        top, dense = p.get(f"{kind}_topk"), p.get(f"{kind}_dense")
-        if top and dense:
-            rows.append([f"{what} ({how})", f"{fmt(top['tokens_per_s'])} tok/s",
-                         f"dense int8: {fmt(dense['tokens_per_s'])} tok/s"])
+        for mode, what in (("topk", "top-K sketch"), ("quest", "top-K Quest bound")):
+            top, dense = p.get(f"{kind}_{mode}"), p.get(f"{kind}_dense")
+            if top and dense:
+                rows.append([f"{where}, {what} {e.get('budget')} ({how})", f"{fmt(top['tokens_per_s'])} tok/s",
+                             f"dense int8: {fmt(dense['tokens_per_s'])} tok/s"])
     return rows
 
 

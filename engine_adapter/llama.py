@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from kvstore.config import ModelSpec
+from kvstore.step import STEP_MODES
 
 if TYPE_CHECKING:
     from kvstore.store import KVStore
@@ -290,7 +291,7 @@ class Decoder:
 
     def _graph_decoder(self, seq: int, mode: str, budget: int):
         """The cached GraphDecoder of (seq, mode, budget) on CUDA, rebuilt when its capacity runs out."""
-        if not self.graphs or self.device.type != "cuda" or mode not in ("dense", "topk"):
+        if not self.graphs or self.device.type != "cuda" or mode not in STEP_MODES:
             return None
         from engine_adapter.graph_decode import GraphDecoder
 

@@ -79,12 +79,13 @@ def test_tier_moves_are_read_against_ceilings_from_the_same_run(run):
 def test_e2e_reports_speed_and_memory_per_tier(run):
     _, _, results = run
     e2e = results["suites"]["e2e"]
-    assert e2e["fill"] == "prefill" and set(e2e["paths"]) == {"static_topk", "static_dense", "eager_topk",
-                                                              "eager_dense"}
+    # on CPU only the eager paths run (the captured ones need CUDA); every path appends and is verified
+    assert e2e["fill"] == "prefill" and set(e2e["paths"]) == {"eager_topk", "eager_dense"}
     for path in e2e["paths"].values():
         assert path["tokens_per_s"] * path["ms_per_token"] == pytest.approx(1000.0)
-    ratio = e2e["paths"]["static_topk"]["tokens_per_s"] / e2e["paths"]["static_dense"]["tokens_per_s"]
-    assert e2e["static_topk_speedup_vs_dense"] == pytest.approx(ratio)
+        assert path["appends"] and path["appended_verified"]
+    ratio = e2e["paths"]["eager_topk"]["tokens_per_s"] / e2e["paths"]["eager_dense"]["tokens_per_s"]
+    assert e2e["eager_topk_speedup_vs_dense"] == pytest.approx(ratio)
     tiers = e2e["memory"]["tiers"]
     assert set(tiers) == {"hot", "warm", "cpu", "ssd"} and tiers["warm"]["blocks"] > 0
     assert e2e["memory"]["model_weights_bytes"] > 0
