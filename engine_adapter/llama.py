@@ -264,6 +264,21 @@ class Decoder:
         with torch.no_grad():
             return self.model.logits(self._prefill_hidden(seq, ids, chunk_tokens)[-1:])[0]
 
+    def prefill_shared(self, token_ids: TokenIds, chunk_tokens: int = 512) -> tuple[int, torch.Tensor, int]:
+        """A new sequence for the prompt that starts on the longest prefix the store already holds (by
+        token-id hash chain: store.match_prefix) and prefills only the rest (at least the last token, whose
+        logits are returned). Returns (sequence, next-token logits [vocab], tokens reused)."""
+        ids = self._tokens(token_ids)
+        if ids.numel() == 0:
+            raise ValueError("prefill needs at least one token, got none")
+        match = self.store.match_prefix(ids[:-1].tolist())
+        seq = self.store.create_sequence(prefix=match)
+        try:
+            return seq, self.prefill(seq, ids[match.num_tokens:], chunk_tokens), match.num_tokens
+        except BaseException:
+            self.free(seq)
+            raise
+
     @torch.no_grad()  # not inference_mode: tensors the store allocates here must stay writable after
     def decode_step(self, seq: int, token_id: int, mode: str = "dense", budget: int = 4096) -> torch.Tensor:
         """Append one token and attend through the store; returns fp32 logits [vocab].

@@ -157,8 +157,12 @@ def test_a_prompt_on_a_matched_prefix_prefills_only_its_rest() -> None:
         logits = decoder.prefill(second, question[96:], 32)
         assert store.stats()["blocks"]["stored"] == stored + TINY.num_layers  # only the new tail block
         scratch = decoder.prefill(store.create_sequence(), question, 32)
+        third, shared, reused = decoder.prefill_shared(doc + [40, 41], 32)  # the same, in one call
+        assert reused == 96 and decoder.length(third) == 102
+        alone = decoder.prefill(store.create_sequence(), doc + [40, 41], 32)
         store.check_integrity()
     torch.testing.assert_close(logits, scratch, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(shared, alone, atol=1e-5, rtol=1e-4)
 
 
 def test_a_saved_prefill_continues_after_open_without_prefilling_again(tmp_path) -> None:
