@@ -50,7 +50,7 @@ def fill(store: KVStore, context: int) -> int:
     return seq
 
 
-MODES = ("quest", "topk", "dense")  # quest: min/max summaries; topk: the 4-bit key sketch (eviction/)
+MODES = ("topk", "sketch", "dense")  # topk: min/max summaries (Quest); sketch: the 4-bit key sketch (eviction/)
 
 
 def first_attends(store: KVStore, seq: int) -> dict:

@@ -202,7 +202,7 @@ def timed_paths(decoder: Decoder, seq: int, p: E2EPreset, deadline: Deadline) ->
     eager = Decoder(decoder.model, store, graphs=False)
     kinds = (("graph", decoder), ("eager", eager)) if store.device.type == "cuda" else (("eager", eager),)
     for kind, dec in kinds:
-        for mode in ("topk", "quest", "dense") if kind == "graph" else ("topk", "dense"):
+        for mode in ("topk", "sketch", "dense") if kind == "graph" else ("topk", "dense"):
             if deadline.expired():
                 notes.append(f"{kind}_{mode} skipped: time budget")
                 continue

@@ -26,7 +26,7 @@ def e2e_rows(s: dict) -> list[list]:
     where = f"{e.get('geometry')} greedy decode, {fmt(e.get('context'))} context"
     for kind, how in (("graph", "one CUDA graph per token, every token appended"),
                       ("eager", "eager launches, every token appended")):
-        for mode, what in (("topk", "top-K sketch"), ("quest", "top-K Quest bound")):
+        for mode, what in (("topk", "top-K (Quest bound)"), ("sketch", "top-K (4-bit key sketch)")):
             top, dense = p.get(f"{kind}_{mode}"), p.get(f"{kind}_dense")
             if top and dense:
                 rows.append([f"{where}, {what} {e.get('budget')} ({how})", f"{fmt(top['tokens_per_s'])} tok/s",

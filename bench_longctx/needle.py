@@ -196,7 +196,7 @@ def run_context(spec: ModelSpec, ctx: int, p: NeedlePreset, device: torch.device
     try:
         seq = fill(store, hay)
         rows = [score(store, seq, hay, "dense", ctx, p.min_weight, False)]
-        rows += [score(store, seq, hay, mode, b, p.min_weight, True) for mode in ("topk", "quest", "window")
+        rows += [score(store, seq, hay, mode, b, p.min_weight, True) for mode in ("sketch", "topk", "window")
                  for b in p.budgets]
         store.free(seq)
         for budget in p.budgets:  # h2o drops blocks for good: a fresh copy of the same sequence per budget

@@ -36,7 +36,7 @@ def recall(results: dict, r: dict, path: Path) -> Path:
     fig, axes = plt.subplots(1, len(contexts), figsize=(4 * len(contexts), 4), squeeze=False, sharey=True)
     for ax, ctx in zip(axes[0], contexts):
         here = [x for x in rows if x["context"] == ctx]
-        for mode in ("topk", "quest", "h2o", "window"):
+        for mode in ("sketch", "topk", "h2o", "window"):
             pts = sorted((x["budget"], x["recall"]) for x in here if x["mode"] == mode and x["recall"] is not None)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", label=mode, markersize=4)
         for x in here:

@@ -5,7 +5,8 @@
                        sketch=codes)
     block_table = POLICIES["topk"]().select(ctx, budget_tokens)  # int64 [kv_heads, k], rows ascending
 
-"topk" is the 4-bit key sketch selector (SketchTopK, eviction/sketch_topk.py); "quest" the min/max bound.
+"topk" is Quest's min/max bound (TopK: fast, the default); "sketch" the 4-bit key sketch selector
+(SketchTopK, eviction/sketch_topk.py: finds keys the bound misses, certifies what it left out, slower).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from eviction.sketch_topk import SketchTopK
 from eviction.topk import TopK, topk_select
 from eviction.window import Window
 
-POLICIES: dict[str, type[Policy]] = {"window": Window, "h2o": H2O, "topk": SketchTopK, "quest": TopK}
+POLICIES: dict[str, type[Policy]] = {"window": Window, "h2o": H2O, "topk": TopK, "sketch": SketchTopK}
 
 __all__ = [
     "POLICIES",

@@ -108,7 +108,7 @@ class DecodePath:
             selected, out, mass, certified = self.attend_certified(table, q, policy, budget, epsilon)
         else:
             if epsilon is not None:
-                raise ValueError(f"epsilon needs the sketch top-K policy (mode='topk'), got {type(policy).__name__}")
+                raise ValueError(f"epsilon needs the sketch top-K policy (mode='sketch'), got {type(policy).__name__}")
             selected = self.select(table, q, policy, budget)  # int64 [H, k], ascending, tail last
             out, mass = self.attend_blocks(table, q, selected)
         table.h2o_scores[:, : table.num_blocks].scatter_add_(1, selected, mass)

@@ -10,7 +10,7 @@ state, so one capture stays valid while the sequence grows:
 per layer, inside the step (no host sync):
     1. append    k, v of the new token -> the tail block at offset num_tokens % B; widen its summary
     2. select    dense: every block up to capacity (the kernel reads only ceil(n / B) of them);
-                 topk (the 4-bit sketch, SketchTopK.select_masked) or quest (min/max bound): block
+                 topk (Quest's min/max bound) or sketch (the 4-bit key sketch, SketchTopK.select_masked): block
                  scores over capacity, invalid blocks -inf, sinks and the recent window +inf, top k
                  (k fixed: budget // B), ascending
     3. attend    the paged kernel over that block table, token count computed on the device
@@ -41,7 +41,7 @@ from kvstore.tierset import HOT_TIER
 if TYPE_CHECKING:  # the store builds steps (KVStore.decode_step); annotations only
     from kvstore.store import KVStore
 
-STEP_MODES = ("dense", "topk", "quest")
+STEP_MODES = ("dense", "topk", "sketch")
 
 
 class DecodeStep:
@@ -51,7 +51,7 @@ class DecodeStep:
             raise ValueError(f"DecodeStep mode must be one of {STEP_MODES}, got {mode!r}")
         c, spec, dev = store.config, store.spec, store.device
         self.store, self.seq, self.mode, self.budget = store, seq, mode, budget
-        self.policy = store.policies[mode] if mode == "topk" else None  # SketchTopK unless replaced
+        self.policy = store.policies[mode] if mode == "sketch" else None  # SketchTopK; topk scores with Quest
         self.tables = [store.table(seq, layer) for layer in range(spec.num_layers)]
         if any(DROPPED in t.block_ids for t in self.tables):
             raise ValueError("DecodeStep serves dense and topk sequences; this one has blocks H2O dropped")

@@ -25,7 +25,7 @@ from tiers.errors import CapacityError
 from tiers.ssd import SsdTier
 from tiers.layout import BlockLayout
 
-MODES = ("dense", "topk", "quest", "h2o", "window")  # topk: the 4-bit sketch selector; quest: min/max bound
+MODES = ("dense", "topk", "sketch", "h2o", "window")  # topk: Quest's min/max bound; sketch: the 4-bit key sketch
 
 
 class KVStore:
@@ -256,10 +256,11 @@ class KVStore:
                measure_mass: bool = False, epsilon: float | None = None) -> torch.Tensor:
         """Decode attention of q [num_q_heads, head_dim] over one layer of `seq` -> [num_q_heads, head_dim].
 
-        mode: "dense" (exact), "topk" (4-bit key sketch, certified omitted mass in stats()["attend"]),
-        "quest" (min/max bound), "window", "h2o" (drop mode), or a policy instance (e.g.
-        `SketchTopK(coarse_factor=4)`, `H2O(head_reduce="sum")`) whose fields are its settings.
-        epsilon (topk): adaptive budget: grow the selection in power-of-two block counts until the certified
+        mode: "dense" (exact), "topk" (Quest's min/max bound: fast), "sketch" (4-bit key sketch: finds what
+        the bound misses, certified omitted mass in stats()["attend"], ~50x slower to select at 1M tokens),
+        "window", "h2o" (drop mode), or a policy instance (e.g. `SketchTopK(coarse_factor=4)`,
+        `H2O(head_reduce="sum")`) whose fields are its settings.
+        epsilon (sketch): adaptive budget: grow the selection in power-of-two block counts until the certified
         omitted softmax mass is <= epsilon for every kv head, or `budget` tokens are selected."""
         table = self.table(seq, layer)
         policy = self._policy(mode)

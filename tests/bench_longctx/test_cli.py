@@ -87,7 +87,7 @@ def test_e2e_reports_speed_and_memory_per_tier(run):
     ratio = e2e["paths"]["eager_topk"]["tokens_per_s"] / e2e["paths"]["eager_dense"]["tokens_per_s"]
     assert e2e["eager_topk_speedup_vs_dense"] == pytest.approx(ratio)
     tiers = e2e["memory"]["tiers"]
-    assert set(tiers) == {"hot", "warm", "cpu", "ssd"} and tiers["warm"]["blocks"] > 0
+    assert set(tiers) == {"hot", "warm", "cpu", "ssd", "saved"} and tiers["warm"]["blocks"] > 0
     assert e2e["memory"]["model_weights_bytes"] > 0
 
 
@@ -95,12 +95,12 @@ def test_needle_recall_counts_and_smollm2_parts(run):
     _, _, results = run
     needle = results["suites"]["needle"]
     rows = needle["synthetic"]["rows"]
-    assert {r["mode"] for r in rows} == {"dense", "topk", "quest", "window", "h2o"}
+    assert {r["mode"] for r in rows} == {"dense", "sketch", "topk", "window", "h2o"}
     for r in rows:
         assert r["recall"] == pytest.approx(r["found"] / r["trials"])
     by_mode = {r["mode"]: r for r in rows}
     assert by_mode["dense"]["trials"] > 0 and by_mode["dense"]["recall"] == 1.0  # exact attention reads every needle
-    assert by_mode["window"]["recall"] == 0.0 and by_mode["topk"]["recall"] == 1.0  # the sketch finds the needle
+    assert by_mode["window"]["recall"] == 0.0 and by_mode["sketch"]["recall"] == 1.0  # the sketch finds the needle
     if Models(None).note():
         assert "skipped" in needle["passkey"] and "skipped" in results["suites"]["quality"]
         return

@@ -46,7 +46,7 @@ def test_kernel_and_reference_paths_select_the_same_blocks() -> None:
 def test_policy_select_matches_shared_select_and_covers_all() -> None:
     q, summaries, _, counts = _needle_case(2, 3, 64, seed=7)
     ctx = ScoreContext(summaries, q=q, **counts)
-    policy = POLICIES["quest"]()
+    policy = POLICIES["topk"]()
     assert isinstance(policy, TopK)
     chosen = policy.select(ctx, budget_tokens=1000)
     assert torch.equal(chosen, select(quest_scores_ref(q, summaries), budget_tokens=1000, **counts))

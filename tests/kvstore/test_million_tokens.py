@@ -28,7 +28,7 @@ def test_million_token_sequence_round_trips(tmp_path):
         store.append(seq, 0, k[t % 1000:t % 1000 + 1], v[t % 1000:t % 1000 + 1])
     store.check_integrity()
     tiers = store.stats()["tiers"]
-    assert all(tiers[name]["blocks"] > 0 for name in tiers), tiers
+    assert all(tiers[name]["blocks"] > 0 for name in ("hot", "warm", "cpu", "ssd")), tiers  # saved: opened contexts
     assert sum(t["blocks"] for t in tiers.values()) == -(-(TOKENS + 40) // 32)
     want_k = torch.cat([k, k[TOKENS % 1000:][:40]])
     want_v = torch.cat([v, v[TOKENS % 1000:][:40]])

@@ -1,4 +1,4 @@
-"""The store's key sketch: kept for every block whatever its tier, used by mode='topk' (norm-matched needles in
+"""The store's key sketch: kept for every block whatever its tier, used by mode='sketch' (norm-matched needles in
 warm and cpu tiers are found), certified omitted mass never below the true one, the adaptive epsilon mode."""
 
 from __future__ import annotations
@@ -73,11 +73,11 @@ def test_topk_finds_norm_matched_needles_the_min_max_bound_misses(tmp_path):
     weight = torch.softmax(logits, dim=1)[:, positions]  # [Hq, 4]
     assert float(weight.min()) > 0.01  # each needle matters to dense attention
     found = {}
-    for mode in ("topk", "quest"):
+    for mode in ("sketch", "topk"):
         before = store.stats()["attend"]["mass_captured"]
         store.attend(seq, 0, q, mode=mode, budget=16 * 20, measure_mass=True)
         found[mode] = store.stats()["attend"]["mass_captured"] - before
-    assert found["topk"] > 0.9 and found["quest"] < found["topk"] - 0.1
+    assert found["sketch"] > 0.9 and found["topk"] < found["sketch"] - 0.1
     attend = store.stats()["attend"]
     assert attend["certified_calls"] == 1 and attend["certified_measured"] == 1
     assert attend["certificate_violations"] == 0
@@ -93,7 +93,7 @@ def test_certified_omitted_mass_is_never_below_the_true_one(tmp_path, seed):
     for budget in (96, 256, 640):
         for scale in (0.5, 1.0, 3.0):
             query = (q.float().cpu() * scale + torch.randn(6, 32, generator=g)).half().to(DEVICE)
-            store.attend(seq, 0, query, mode="topk", budget=budget, measure_mass=True)
+            store.attend(seq, 0, query, mode="sketch", budget=budget, measure_mass=True)
     attend = store.stats()["attend"]
     assert attend["certified_measured"] == 9 and attend["certificate_violations"] == 0
     store.check_integrity()
@@ -106,7 +106,7 @@ def test_adaptive_mode_reads_until_the_bound_holds(tmp_path):
     read, bound = {}, {}
     for epsilon in (0.5, 0.05, 0.005):
         before = store.stats()["attend"]
-        store.attend(seq, 0, q, mode="topk", budget=3003, epsilon=epsilon)
+        store.attend(seq, 0, q, mode="sketch", budget=3003, epsilon=epsilon)
         after = store.stats()["attend"]
         read[epsilon] = after["attended_tokens"] - before["attended_tokens"]
         bound[epsilon] = after["certified_omitted"] - before["certified_omitted"]
@@ -114,7 +114,7 @@ def test_adaptive_mode_reads_until_the_bound_holds(tmp_path):
     for epsilon in (0.5, 0.05):
         assert bound[epsilon] <= epsilon or read[epsilon] == 3003  # met, or the whole budget was read
     with pytest.raises(ValueError, match="epsilon"):
-        store.attend(seq, 0, q, mode="topk", budget=512, epsilon=1.5)
+        store.attend(seq, 0, q, mode="sketch", budget=512, epsilon=1.5)
     with pytest.raises(ValueError, match="epsilon"):
         store.attend(seq, 0, q, mode="window", budget=512, epsilon=0.1)
 
@@ -126,7 +126,7 @@ def test_a_fork_reads_the_same_sketch_and_selects_the_same_blocks(tmp_path):
     twin = store.fork(seq)
     a, b = store.table(seq, 0), store.table(twin, 0)
     assert torch.equal(a.sketch[: a.num_blocks], b.sketch[: b.num_blocks])
-    outs = [store.attend(s, 0, q, mode="topk", budget=320) for s in (seq, twin)]
+    outs = [store.attend(s, 0, q, mode="sketch", budget=320) for s in (seq, twin)]
     assert torch.equal(outs[0], outs[1])
     store.check_integrity()
 
@@ -138,7 +138,7 @@ def test_captured_step_codes_each_block_it_fills(tmp_path):
     q, k, v, _ = haystack(2000, seed=4)
     seq = store.create_sequence()
     store.append(seq, 0, k[:600], v[:600])
-    step = store.decode_step(seq, mode="topk", budget=160, capacity_tokens=1024)
+    step = store.decode_step(seq, mode="sketch", budget=160, capacity_tokens=1024)
     for t in range(600, 700):  # 600 -> 700 tokens: blocks 37 .. 43 filled by the step
         step.begin_token()
         step.attend(0, q, k[t], v[t])
@@ -147,11 +147,11 @@ def test_captured_step_codes_each_block_it_fills(tmp_path):
     attend = store.stats()["attend"]
     assert attend["certified_calls"] > 0 and 0 < attend["mean_certified_omitted"] <= 1
     before = attend["certified_omitted"]
-    store.attend(seq, 0, q, mode="topk", budget=160)  # the eager path on the same 700 tokens, same query
+    store.attend(seq, 0, q, mode="sketch", budget=160)  # the eager path on the same 700 tokens, same query
     assert abs(store.stats()["attend"]["certified_omitted"] - before - step_bound) < 1e-4
     step.begin_token()  # the boundary work of the next token codes the last block filled
     table = store.table(seq, 0)
-    _, codes = sketch_keys(k[:700].cpu(), 16)  # the fp16 keys as appended (read() dequantizes warm blocks)
+    codes = sketch_keys(k[:700], 16)[1].cpu()  # the fp16 keys as appended, coded on the store's device
     full = 700 // 16
     assert torch.equal(table.sketch[:full].cpu(), codes[:full])
 
@@ -168,5 +168,5 @@ def test_a_sequence_started_on_a_held_prefix_reads_its_sketch(tmp_path):
     seq = store.create_sequence(prefix=match)
     a, b = store.table(base, 0), store.table(seq, 0)
     assert torch.equal(b.sketch[:43], a.sketch[:43])
-    assert torch.equal(b.sketch[:43].cpu(), sketch_keys(k[:688].cpu(), 16)[1])
+    assert torch.equal(b.sketch[:43].cpu(), sketch_keys(k[:688], 16)[1].cpu())  # coded on the store's device
     store.check_integrity()
