@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from kvstore.config import ModelSpec
-from kvstore.step import STEP_MODES
+from kvstore.step import STEP_MODES, StepNotReady
 
 if TYPE_CHECKING:
     from kvstore.store import KVStore
@@ -286,14 +286,18 @@ class Decoder:
         On CUDA, dense and topk run the captured step (engine_adapter/graph_decode.py: every layer's
         append, select and attend in one graph replay) whenever every block is on the GPU; otherwise,
         and on CPU, the eager path below (store.append + store.attend per layer, same contract)."""
-        graph = self._graph_decoder(seq, mode, budget)
+        graph, recorded = self._graph_decoder(seq, mode, budget), False
         if graph is not None and graph.ready():
             if not (isinstance(token_id, int) and 0 <= token_id < self.model.args.vocab_size):
                 raise ValueError(f"token id must be an int in [0, {self.model.args.vocab_size}), got {token_id!r}")
             self._record_tokens(seq, [token_id])
-            return graph(token_id).clone()
+            try:
+                return graph(token_id).clone()
+            except StepNotReady:  # nothing of this token's K/V happened: the eager path below runs it
+                recorded = True
         ids = self._tokens([token_id])
-        self._record_tokens(seq, ids)
+        if not recorded:
+            self._record_tokens(seq, ids)
         pos = self.length(seq)
         cos, sin = self.model.rope(torch.tensor([pos], device=self.device), self.dtype)
         x = self.model.embed_tokens(ids)  # [1, dim]

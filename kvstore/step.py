@@ -10,16 +10,15 @@ state, so one capture stays valid while the sequence grows:
 per layer, inside the step (no host sync):
     1. append    k, v of the new token -> the tail block at offset num_tokens % B; widen its summary
     2. select    dense: every block up to capacity (the kernel reads only ceil(n / B) of them);
-                 topk (Quest's min/max bound) or sketch (the 4-bit key sketch, SketchTopK.select_masked): block
-                 scores over capacity, invalid blocks -inf, sinks and the recent window +inf, top k
-                 (k fixed: budget // B), ascending
+                 topk (Quest's min/max bound) or sketch (the 4-bit key sketch, select_masked):
+                 block scores over capacity, invalid blocks -inf, sinks and the recent window +inf,
+                 top k (k fixed: budget // B), ascending
     3. attend    the paged kernel over that block table, token count computed on the device
     4. account   the kernel's block mass into the table's H2O scores
-Host work happens before a token and only at block boundaries (`begin_token`): the sketch codes of
-the tail block the last token filled, a new tail block per layer, and cooling of blocks the token
-pushes out of their windows. A sequence with blocks in
-cpu/ssd tiers cannot be served from device state: `ready()` says so and callers use the
-eager path for that token.
+Host work happens before a token and only at block boundaries (`begin_token`): the sketch codes
+of the tail block the last token filled, a new tail block per layer, and cooling of blocks the
+token pushes out of their windows. A sequence with blocks in cpu/ssd tiers cannot be served from
+device state: `ready()` says so and callers use the eager path for that token.
 """
 
 from __future__ import annotations
@@ -28,12 +27,12 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from eviction.certify import certified_omitted_mass
 from eviction.quest_kernel import quest_scores, quest_scores_ref
 from eviction.select import top_blocks
-from eviction.topk_kernel import MAX_BLOCKS, topk_sorted
 from eviction.sketch_topk import SketchTopK
+from eviction.topk_kernel import MAX_BLOCKS, topk_sorted
 from kvstore.append_kernel import append_token, append_token_ref
-from eviction.certify import certified_omitted_mass
 from kvstore.decode import attended_lse, block_table
 from kvstore.table import DROPPED
 from kvstore.tierset import HOT_TIER
@@ -42,6 +41,11 @@ if TYPE_CHECKING:  # the store builds steps (KVStore.decode_step); annotations o
     from kvstore.store import KVStore
 
 STEP_MODES = ("dense", "topk", "sketch")
+
+
+class StepNotReady(ValueError):
+    """This token cannot run from device state (blocks in cpu/ssd, capacity reached, GPU pools full):
+    nothing of it has happened; run it through store.append + store.attend."""
 
 
 class DecodeStep:
@@ -82,7 +86,11 @@ class DecodeStep:
         return self.tables[0].num_tokens
 
     def ready(self) -> bool:
-        """Whether the next token can run from device state (every block on the GPU, room in capacity)."""
+        """Whether the next token can run from device state: every block on the GPU, room in capacity, and
+        at a block boundary room in the GPU pools for new tail blocks without spilling anything to cpu."""
+        tiers, n = self.store.tiers, len(self.tables)
+        if self.length % self.block_tokens == 0 and tiers.hot.free_blocks() + tiers.warm.free_blocks() < n:
+            return False
         return self.length + 1 <= self.capacity * self.block_tokens and \
             not any(t.num_cold or t.num_dropped for t in self.tables)
 
@@ -91,11 +99,16 @@ class DecodeStep:
         Returns the token's phase, "dense" or "topk": a captured graph is valid for one phase (a
         sequence of at most k blocks attends all of them, then topk takes over for good)."""
         if not self.ready():
-            raise ValueError("DecodeStep: the sequence has cold blocks or reached its capacity; use store.append "
-                             "and store.attend for this token")
+            raise StepNotReady("DecodeStep: the sequence has cold blocks, reached its capacity or the GPU pools "
+                               "are full; use store.append and store.attend for this token")
         if self._synced_length != self.length:  # tokens were appended eagerly since the last step
             self._sync_tail_slots()
         self.phase = self._phase(self.length + 1)
+        if self._crosses_window(self.length):  # as store.append does: cool, then the token attends
+            for table in self.tables:
+                self.store.tiers.cool(table, self.length, self.length + 1)
+            if any(t.num_cold for t in self.tables):  # a block left the warm window for cpu: not servable here
+                raise StepNotReady("DecodeStep: this token cools a block to cpu; use store.append and store.attend")
         if self.length % self.block_tokens == 0:
             tiers, b, spec = self.store.tiers, self.block_tokens, self.store.spec
             tiers.check_room(len(self.tables))
@@ -114,9 +127,6 @@ class DecodeStep:
                 table.summaries[index, 1] = float("-inf")
                 table.h2o_scores[:, index] = 0.0
             self._sync_tail_slots()
-        if self._crosses_window(self.length):  # as store.append does: cool, then the token attends
-            for table in self.tables:
-                self.store.tiers.cool(table, self.length, self.length + 1)
         return self.phase
 
     def end_token(self) -> None:

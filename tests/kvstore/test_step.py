@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvstore import Config, KVStore, ModelSpec
+from kvstore.step import StepNotReady
 
 SPEC = ModelSpec(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=32)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -85,3 +86,33 @@ def test_step_hands_over_to_the_eager_path_when_blocks_go_cold(tmp_path):
         step.begin_token()
     with pytest.raises(ValueError, match="mode"):
         store.decode_step(seq, mode="h2o")
+
+
+def test_a_token_that_cools_a_block_to_cpu_goes_the_eager_way_and_nothing_half_happens(tmp_path):
+    store = make_store(tmp_path, "d", warm_tokens=64, hot_tokens=64)
+    seq = store.create_sequence()
+    g = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(400, 2, 32, generator=g).half().to(DEVICE) for _ in range(2))
+    for layer in range(SPEC.num_layers):
+        store.append(seq, layer, k[:100], v[:100])
+    step = store.decode_step(seq, mode="dense", budget=4096)
+    q = torch.randn(4, 32, generator=g).half().to(DEVICE)
+    handed_over = None
+    for t in range(100, 200):
+        try:
+            step.begin_token()
+        except StepNotReady:
+            handed_over = t
+            store.check_integrity()  # the cooling happened, the token did not
+            assert all(store.table(seq, layer).num_tokens == t for layer in range(SPEC.num_layers))
+            break
+        for layer in range(SPEC.num_layers):
+            step.attend(layer, q, k[t], v[t])
+        step.end_token()
+    assert handed_over is not None and not step.ready()
+    for layer in range(SPEC.num_layers):  # the eager path takes the token from here
+        store.append(seq, layer, k[handed_over:handed_over + 1], v[handed_over:handed_over + 1])
+        store.attend(seq, layer, q, mode="dense")
+    store.check_integrity()
+    got_k, _ = store.read(seq, 0, handed_over - 8, handed_over + 1)
+    assert torch.equal(got_k[-1], k[handed_over])
