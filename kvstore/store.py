@@ -305,6 +305,7 @@ class KVStore:
                        "shared": sum(len(h) > 1 for h in holders.values())},
             "sequences": {"count": len(self.sequences), "tokens": tokens},
             "integrity_errors": self.tiers.integrity_errors,
+            "missing_blocks": self.tiers.missing_blocks,
             "cooling_failures": self.tiers.cooling_failures,
             "attend": self.decode.stats.as_dict(),
         }

@@ -378,6 +378,11 @@ class TierSet:
     def integrity_errors(self) -> int:
         return sum(getattr(t, "integrity_errors", 0) for t in self.tiers)
 
+    @property
+    def missing_blocks(self) -> int:
+        """Blocks a shared tier no longer held when asked (a Redis eviction): BlockMissingError each time."""
+        return sum(getattr(t, "missing_blocks", 0) for t in self.tiers)
+
     def check_integrity(self) -> None:
         for tier in self.tiers:
             tier.check_integrity()
