@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Iterator, Sequence
 
 import torch
@@ -24,16 +24,13 @@ from kvstore.config import Config
 from kvstore.placement import COLD, HOT, WARM, Placement
 from kvstore.registry import BlockRegistry
 from kvstore.table import DROPPED, LayerTable, TableTensors
+from kvstore.tier_stack import open_tiers
 from tiers.base import Tier
 from tiers.codec import Codec
-from tiers.cpu import CpuTier
 from tiers.errors import BlockMissingError, CapacityError
-from tiers.hot import HotTier
 from tiers.layout import BlockLayout, Blocks, Int8Blocks
 from tiers.quant import dequantize
-from tiers.saved import SavedTier
 from tiers.ssd import SsdTier
-from tiers.warm import WarmTier
 
 HOT_TIER, WARM_TIER, CPU_TIER, COLD_TIER, SAVED_TIER = 0, 1, 2, 3, 4
 _FIRST_TIER = {HOT: HOT_TIER, WARM: WARM_TIER, COLD: CPU_TIER}
@@ -46,19 +43,10 @@ class TierSet:
         c = config
         self.layout, self.device = layout, torch.device(c.device)
         self.placement = Placement(c.block_tokens, c.sink_tokens, c.hot_tokens, c.warm_tokens)
-        hot_bytes, warm_bytes = split_gpu_bytes(c, layout, self.placement)
         self._tempdir = None if c.ssd_path or c.remote_url or c.redis_url \
             else tempfile.mkdtemp(prefix="kvtier-ssd-")
-        self.tiers: list[Tier] = [
-            HotTier(layout, hot_bytes, self.device, staging_blocks=c.staging_tokens // c.block_tokens),
-            WarmTier(layout, warm_bytes, self.device),
-            CpuTier(layout, c.cpu_bytes, c.cpu_dtype, pin=self.device.type == "cuda",
-                    memory_reserve=c.host_memory_reserve),
-            open_cold_tier(c, layout, self._tempdir),
-        ]
-        self.hot, self.warm, self.cpu, self.cold = self.tiers
-        self.saved = SavedTier(layout, self.cold.get_values if isinstance(self.cold, SsdTier) else None)
-        self.tiers.append(self.saved)
+        self.tiers: list[Tier] = open_tiers(c, layout, self.placement, self._tempdir)
+        self.hot, self.warm, self.cpu, self.cold, self.saved = self.tiers
         self.blocks = BlockRegistry(len(self.tiers))
         self.tables, self.tensors = tables, tensors
         self.ranking = H2O()  # demote mode: the least attended of the oldest blocks cool first
@@ -87,11 +75,9 @@ class TierSet:
         deficit = n - self.tiers[tier].free_blocks()
         if deficit > 0 and tier < COLD_TIER:
             victims = self._victims(tier, deficit)
-            if victims:
-                try:
+            with suppress(CapacityError):  # colder tiers full too: fewer fit here, the caller spills or refuses
+                if victims:
                     self.move(victims, tier, tier + 1)
-                except CapacityError:
-                    pass  # colder tiers are full too: fewer fit here, the caller spills or refuses
         return min(n, self.tiers[tier].free_blocks())
 
     def _victims(self, tier: int, n: int) -> list[int]:
@@ -232,10 +218,13 @@ class TierSet:
             for seq, layer, index in self.blocks.holders[block_id]:  # every holder's maps follow the block
                 by_table.setdefault((seq, layer), []).append(index)
         for (seq, layer), indices in by_table.items():
-            table = self.tables[seq][layer]
-            slots = self.tiers[tier].slots.lookup([table.block_ids[i] for i in indices]) \
-                if tier < CPU_TIER else [-1] * len(indices)
-            self.tensors.set_location(table, indices, slots, tier)
+            self._set_maps(self.tables[seq][layer], indices, tier)
+
+    def _set_maps(self, table: LayerTable, indices: list[int], tier: int) -> None:
+        """Point the table's device maps for entries `indices` at `tier` (slots only in the GPU pools)."""
+        slots = self.tiers[tier].slots.lookup([table.block_ids[i] for i in indices]) \
+            if tier < CPU_TIER else [-1] * len(indices)
+        self.tensors.set_location(table, indices, slots, tier)
 
     def _count(self, ids: Sequence[int], tier: int, sign: int) -> None:
         """Keep each table's count of warm and of cold blocks (the decode path branches on them)."""
@@ -351,9 +340,7 @@ class TierSet:
         table.num_warm = len(groups.get(WARM_TIER, ()))
         table.num_cold = sum(len(g) for t, g in groups.items() if t > WARM_TIER)
         for tier, group in groups.items():
-            slots = self.tiers[tier].slots.lookup([table.block_ids[i] for i in group]) \
-                if tier < CPU_TIER else [-1] * len(group)
-            self.tensors.set_location(table, group, slots, tier)
+            self._set_maps(table, group, tier)
 
     def drop(self, table: LayerTable, indices: list[int]) -> None:
         """Free blocks of `table` for good (H2O drop mode); indices must be validated by the caller.
@@ -395,42 +382,6 @@ class TierSet:
             tier.close()
         if self._tempdir:
             shutil.rmtree(self._tempdir, ignore_errors=True)
-
-
-def split_gpu_bytes(c: Config, layout: BlockLayout, p: Placement) -> tuple[int, int]:
-    """(hot, warm) bytes: staging comes first; the rest is split in proportion to one sequence's windows."""
-    hot_blocks = c.model.num_layers * (p.sink_blocks + -(-c.hot_tokens // c.block_tokens) + 1)
-    warm_blocks = c.model.num_layers * (c.warm_tokens // c.block_tokens)
-    hot_need, warm_need = hot_blocks * layout.fp16_bytes, warm_blocks * layout.int8_bytes
-    pools = c.gpu_bytes - (c.staging_tokens // c.block_tokens) * layout.fp16_bytes
-    if pools < hot_need:
-        raise ValueError(
-            f"gpu_bytes={c.gpu_bytes} is too small: one sequence needs {hot_need} bytes of hot blocks "
-            f"(sinks + hot window + tail for {c.model.num_layers} layers at block_tokens={c.block_tokens}) "
-            f"besides {c.gpu_bytes - pools} bytes of staging for {c.staging_tokens} staging_tokens"
-        )
-    hot_bytes = max(hot_need, pools * hot_need // (hot_need + warm_need))  # huge warm windows never starve hot
-    return hot_bytes, pools - hot_bytes
-
-
-def open_cold_tier(c: Config, layout: BlockLayout, tempdir: str | None) -> Tier:
-    """The coldest tier: the sidecar (remote_url), Redis (redis_url), else local LMDB at ssd_path
-    (or a temporary directory)."""
-    if c.remote_url:
-        from tiers.remote.tier import RemoteTier
-
-        return RemoteTier(layout, c.remote_url, c.ssd_bytes, token=c.remote_token)
-    if c.redis_url:
-        from tiers.redis import RedisTier
-
-        return RedisTier(layout, c.redis_url, c.ssd_bytes, namespace=c.redis_namespace,
-                         compression=c.redis_compression)
-    ssd = SsdTier(layout, c.ssd_path or tempdir, c.ssd_bytes, c.ssd_compression, c.ssd_level, sync=False,
-                  key_prefix=b"kvstore/")
-    stale = list(ssd.sizes)  # blocks of an earlier store on this path: no table points at them
-    if stale:
-        ssd.delete_keys(stale)
-    return ssd
 
 
 def _rows(blocks: Blocks, rows: slice) -> Blocks:

@@ -1,0 +1,70 @@
+"""The tier stack a Config describes: which tiers a store has and how big each one is.
+
+    hot   GPU fp16 pool + staging rows     warm  GPU int8 pool (the GPU budget split between them)
+    cpu   host memory, pinned on CUDA      cold  the sidecar, Redis, or LMDB at ssd_path
+    saved read-only: blocks of opened saved contexts, read where the save put them
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstore.config import Config
+from kvstore.placement import Placement
+from tiers.base import Tier
+from tiers.cpu import CpuTier
+from tiers.hot import HotTier
+from tiers.layout import BlockLayout
+from tiers.saved import SavedTier
+from tiers.ssd import SsdTier
+from tiers.warm import WarmTier
+
+
+def open_tiers(c: Config, layout: BlockLayout, placement: Placement, tempdir: str | None) -> list[Tier]:
+    """[hot, warm, cpu, cold, saved], in the order of the tier indices (kvstore/tierset.py)."""
+    device = torch.device(c.device)
+    hot_bytes, warm_bytes = split_gpu_bytes(c, layout, placement)
+    cold = open_cold_tier(c, layout, tempdir)
+    return [
+        HotTier(layout, hot_bytes, device, staging_blocks=c.staging_tokens // c.block_tokens),
+        WarmTier(layout, warm_bytes, device),
+        CpuTier(layout, c.cpu_bytes, c.cpu_dtype, pin=device.type == "cuda", memory_reserve=c.host_memory_reserve),
+        cold,
+        SavedTier(layout, cold.get_values if isinstance(cold, SsdTier) else None),
+    ]
+
+
+def split_gpu_bytes(c: Config, layout: BlockLayout, p: Placement) -> tuple[int, int]:
+    """(hot, warm) bytes: staging comes first; the rest is split in proportion to one sequence's windows."""
+    hot_blocks = c.model.num_layers * (p.sink_blocks + -(-c.hot_tokens // c.block_tokens) + 1)
+    warm_blocks = c.model.num_layers * (c.warm_tokens // c.block_tokens)
+    hot_need, warm_need = hot_blocks * layout.fp16_bytes, warm_blocks * layout.int8_bytes
+    pools = c.gpu_bytes - (c.staging_tokens // c.block_tokens) * layout.fp16_bytes
+    if pools < hot_need:
+        raise ValueError(
+            f"gpu_bytes={c.gpu_bytes} is too small: one sequence needs {hot_need} bytes of hot blocks "
+            f"(sinks + hot window + tail for {c.model.num_layers} layers at block_tokens={c.block_tokens}) "
+            f"besides {c.gpu_bytes - pools} bytes of staging for {c.staging_tokens} staging_tokens"
+        )
+    hot_bytes = max(hot_need, pools * hot_need // (hot_need + warm_need))  # huge warm windows never starve hot
+    return hot_bytes, pools - hot_bytes
+
+
+def open_cold_tier(c: Config, layout: BlockLayout, tempdir: str | None) -> Tier:
+    """The coldest tier: the sidecar (remote_url), Redis (redis_url), else local LMDB at ssd_path
+    (or a temporary directory)."""
+    if c.remote_url:
+        from tiers.remote.tier import RemoteTier
+
+        return RemoteTier(layout, c.remote_url, c.ssd_bytes, token=c.remote_token)
+    if c.redis_url:
+        from tiers.redis import RedisTier
+
+        return RedisTier(layout, c.redis_url, c.ssd_bytes, namespace=c.redis_namespace,
+                         compression=c.redis_compression)
+    ssd = SsdTier(layout, c.ssd_path or tempdir, c.ssd_bytes, c.ssd_compression, c.ssd_level, sync=False,
+                  key_prefix=b"kvstore/")
+    stale = list(ssd.sizes)  # blocks of an earlier store on this path: no table points at them
+    if stale:
+        ssd.delete_keys(stale)
+    return ssd
