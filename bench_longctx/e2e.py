@@ -25,7 +25,8 @@ import torch
 from bench_longctx.models import model_store, store_bytes
 from bench_longctx.presets import E2EPreset
 from bench_longctx.timing import Deadline, release, time_ms, timed
-from engine_adapter.llama import APPEND_TOKENS, Decoder, Llama, LlamaArgs
+from engine_adapter.llama import Llama, LlamaArgs
+from engine_adapter.decoder import APPEND_TOKENS, Decoder
 from kvstore.config import ModelSpec
 from kvstore.store import KVStore
 from tiers.layout import BlockLayout

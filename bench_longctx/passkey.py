@@ -16,7 +16,7 @@ from bench_longctx.models import Models, model_store
 from bench_longctx.presets import PasskeyPreset
 from bench_longctx.timing import Deadline, release
 from engine_adapter.evaluate import passkey_prompt, read_passkey
-from engine_adapter.llama import Decoder
+from engine_adapter.decoder import Decoder
 
 MAX_NEW_TOKENS = 6
 

@@ -24,7 +24,7 @@ from bench_longctx.presets import QualityPreset
 from bench_longctx.real_qk import capture, real_text
 from bench_longctx.selection_quality import evaluate
 from engine_adapter.evaluate import perplexity
-from engine_adapter.llama import Decoder
+from engine_adapter.decoder import Decoder
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "prose.txt"
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine_adapter.llama import Decoder
+from engine_adapter.decoder import Decoder
 
 Tokenizer = Any  # a transformers tokenizer: __call__(text)["input_ids"] and decode(ids)
 

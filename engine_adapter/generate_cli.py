@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from engine_adapter.llama import Decoder
+from engine_adapter.decoder import Decoder
 from engine_adapter.weights import PACKAGED_MODELS, load_model
 from kvstore.config import Config, ModelSpec
 from kvstore.store import MODES

@@ -11,15 +11,11 @@ On CPU the same forward runs eagerly (no graph).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from engine_adapter.llama import Llama
 from kvstore.step import GraphedSteps
 from kvstore.store import KVStore
-
-if TYPE_CHECKING:  # the Decoder builds these (Decoder.decode_step); annotations only
-    from engine_adapter.llama import Llama
 
 
 class GraphDecoder:

@@ -15,7 +15,7 @@ from bench_longctx.needle import haystack, key_distribution, logits
 from bench_longctx.presets import NeedlePreset
 from engine_adapter.graph_decode import GraphDecoder
 from engine_adapter import weights
-from engine_adapter.llama import Decoder
+from engine_adapter.decoder import Decoder
 from kvstore.cli import main
 from kvstore.config import ModelSpec
 

@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from engine_adapter.llama import Decoder
+from engine_adapter.decoder import Decoder
 from engine_adapter.weights import llama_from_hf, random_llama
 from kvstore import Config, KVStore, ModelSpec
 from tests.engine_adapter import smollm2

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_adapter.llama import Decoder
+from engine_adapter.decoder import Decoder
 from engine_adapter.weights import random_llama
 from kvstore import Config, KVStore, ModelSpec
 

@@ -160,7 +160,7 @@ def test_topk_reads_about_the_budget_per_step_and_fork_shares_a_prefill() -> Non
 
 
 def test_continues_a_context_the_compact_decoder_prefilled_and_saved() -> None:
-    from engine_adapter.llama import Decoder
+    from engine_adapter.decoder import Decoder
     from engine_adapter.weights import llama_from_hf
 
     hf, ids = tiny_hf("llama3", tied=False, seed=3), tiny_prompt(150)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_adapter.llama import Decoder, LlamaArgs
+from engine_adapter.llama import LlamaArgs
+
+from engine_adapter.decoder import Decoder
 from engine_adapter.weights import find_gguf, llama_from_hf, load_model, random_llama
 from kvstore import Config, KVStore, ModelSpec
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine_adapter.evaluate import perplexity
-from engine_adapter.llama import Decoder
+from engine_adapter.decoder import Decoder
 from kvstore import Config, KVStore, ModelSpec
 from tests.engine_adapter import smollm2
 

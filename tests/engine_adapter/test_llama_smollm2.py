@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine_adapter.llama import Decoder
+from engine_adapter.decoder import Decoder
 from kvstore import Config, KVStore, ModelSpec
 from tests.engine_adapter import smollm2
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine_adapter.evaluate import passkey_by_mode, passkey_prompt
-from engine_adapter.llama import Decoder
+from engine_adapter.decoder import Decoder
 from kvstore import Config, KVStore, ModelSpec
 from tests.engine_adapter import smollm2
 

@@ -1,0 +1,207 @@
+"""Decoder: a Llama (engine_adapter/llama.py) run against a KVStore.
+
+A layer-wise prefill (per layer, the prompt's causal attention with SDPA over its K/V on the
+device, the sequence's earlier tokens read from the store once, then the K/V appended to the
+store), decode one token at a time (on CUDA one captured graph per token through
+engine_adapter/graph_decode.py, else store.append + store.attend per layer), greedy `generate`.
+K and V enter the store as fp16 with RoPE already applied to K; compute is in the model's
+dtype (fp32 matches the HF reference best on CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from engine_adapter.graph_decode import GraphDecoder
+from engine_adapter.llama import Llama, chunk_attention
+from kvstore.step import STEP_MODES, StepNotReady
+from kvstore.store import KVStore
+
+TokenIds = Sequence[int] | torch.Tensor
+APPEND_TOKENS = 1 << 16  # prefill appends a layer's K/V to the store this many tokens at a time
+
+
+class Decoder:
+    """Runs a Llama against a KVStore: chunked prefill, per-token decode, greedy generation.
+
+    A step that fails part way (a full store, a bad mode) leaves the sequence with some layers
+    ahead of others: free it. The store's length of a sequence is its next position."""
+
+    def __init__(self, model: Llama, store: KVStore, graphs: bool = True) -> None:
+        if model.args.spec != store.config.model:
+            raise ValueError(f"store geometry {store.config.model} does not match the model's {model.args.spec}")
+        self.model = model
+        self.store = store
+        self.device = model.embed_tokens.weight.device
+        self.dtype = model.embed_tokens.weight.dtype
+        if self.device.type != store.device.type:
+            raise ValueError(f"model on {self.device} but store on {store.device}; put both on one device type")
+        self.graphs = graphs  # on CUDA, decode dense/topk through captured steps (False: always eager)
+        self._graphs: dict[tuple[int, str, int], object] = {}  # (seq, mode, budget) -> GraphDecoder (CUDA)
+
+    def length(self, seq: int) -> int:
+        """Tokens the sequence holds (its next position)."""
+        return self.store.table(seq, 0).num_tokens
+
+    def _tokens(self, token_ids: TokenIds) -> torch.Tensor:
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(-1)  # [T]
+        vocab = self.model.args.vocab_size
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise ValueError(f"token ids must lie in [0, {vocab}), got range [{int(ids.min())}, {int(ids.max())}]")
+        return ids
+
+    @torch.no_grad()
+    def forward_chunk(self, seq: int, token_ids: TokenIds, all_logits: bool = False) -> torch.Tensor:
+        """Append one chunk to the sequence; fp32 logits [T, vocab] for its positions ([1, vocab]: the last)."""
+        ids = self._tokens(token_ids)
+        if ids.numel() == 0:
+            raise ValueError("forward_chunk needs at least one token, got none")
+        x = self._prefill_hidden(seq, ids, ids.numel())
+        return self.model.logits(x if all_logits else x[-1:])
+
+    @torch.no_grad()  # not inference_mode: tensors the store allocates here must stay writable after
+    def _prefill_hidden(self, seq: int, ids: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+        """Layer-wise prefill of ids [T] after the sequence's tokens; returns the last layer's hidden [T, dim].
+
+        Per layer: the layer's K/V of the whole prompt stay on the device (the earlier tokens read from
+        the store once, up front), queries and the MLP run chunk_tokens at a time with causal SDPA over
+        the K/V so far, then the prompt's K/V are appended to the store (placed by tier). K/V are
+        rounded to fp16 before anyone attends to them: exactly what decode later reads back."""
+        a, start, t = self.model.args, self.length(seq), ids.numel()
+        self._record_tokens(seq, ids)
+        cos, sin = self.model.rope(torch.arange(start, start + t, device=self.device), self.dtype)  # [T, D]
+        x = self.model.embed_tokens(ids)  # [T, dim]
+        for i, layer in enumerate(self.model.layers):
+            keys = torch.empty((start + t, a.num_kv_heads, a.head_dim), dtype=self.dtype, device=self.device)
+            values = torch.empty_like(keys)  # [S, Hkv, D] for positions 0..start+T-1
+            if start:
+                keys[:start], values[:start] = self.store.read(seq, i)
+            for lo in range(0, t, chunk_tokens):
+                hi = min(t, lo + chunk_tokens)
+                q, k, v = layer.qkv(x[lo:hi], cos[lo:hi], sin[lo:hi])
+                keys[start + lo: start + hi], values[start + lo: start + hi] = k.half(), v.half()
+                attn = chunk_attention(q, keys[: start + hi], values[: start + hi], start + lo)
+                x[lo:hi] = layer.finish(x[lo:hi], attn)
+            for lo in range(start, start + t, APPEND_TOKENS):  # bounded staging in the store's append
+                hi = min(start + t, lo + APPEND_TOKENS)
+                self.store.append(seq, i, keys[lo:hi].half(), values[lo:hi].half())
+        return x
+
+    def prefill_logits(self, seq: int, token_ids: TokenIds, chunk_tokens: int = 512,
+                       all_logits: bool = True) -> Iterator[torch.Tensor]:
+        """Prefill (layer-wise, chunk_tokens queries at a time), then yield each chunk's logits [t, vocab]
+        (or [1, vocab], its last)."""
+        if chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+        ids = self._tokens(token_ids)
+        if ids.numel() == 0:
+            raise ValueError("prefill needs at least one token, got none")
+        x = self._prefill_hidden(seq, ids, chunk_tokens)
+        for begin in range(0, ids.numel(), chunk_tokens):
+            h = x[begin: begin + chunk_tokens]
+            with torch.no_grad():
+                yield self.model.logits(h if all_logits else h[-1:])
+
+    def prefill(self, seq: int, token_ids: TokenIds, chunk_tokens: int = 512) -> torch.Tensor:
+        """Prefill the prompt; returns the logits [vocab] that predict the next token."""
+        if chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+        ids = self._tokens(token_ids)
+        if ids.numel() == 0:
+            raise ValueError("prefill needs at least one token, got none")
+        with torch.no_grad():
+            return self.model.logits(self._prefill_hidden(seq, ids, chunk_tokens)[-1:])[0]
+
+    def prefill_shared(self, token_ids: TokenIds, chunk_tokens: int = 512) -> tuple[int, torch.Tensor, int]:
+        """A new sequence for the prompt that starts on the longest prefix the store already holds (by
+        token-id hash chain: store.match_prefix) and prefills only the rest (at least the last token, whose
+        logits are returned). Returns (sequence, next-token logits [vocab], tokens reused)."""
+        ids = self._tokens(token_ids)
+        if ids.numel() == 0:
+            raise ValueError("prefill needs at least one token, got none")
+        match = self.store.match_prefix(ids[:-1].tolist())
+        seq = self.store.create_sequence(prefix=match)
+        try:
+            return seq, self.prefill(seq, ids[match.num_tokens:], chunk_tokens), match.num_tokens
+        except BaseException:
+            self.free(seq)
+            raise
+
+    @torch.no_grad()  # not inference_mode: tensors the store allocates here must stay writable after
+    def decode_step(self, seq: int, token_id: int, mode: str = "dense", budget: int = 4096) -> torch.Tensor:
+        """Append one token and attend through the store; returns fp32 logits [vocab].
+
+        On CUDA, dense and topk run the captured step (engine_adapter/graph_decode.py: every layer's
+        append, select and attend in one graph replay) whenever every block is on the GPU; otherwise,
+        and on CPU, the eager path below (store.append + store.attend per layer, same contract)."""
+        graph, recorded = self._graph_decoder(seq, mode, budget), False
+        if graph is not None and graph.ready():
+            if not (isinstance(token_id, int) and 0 <= token_id < self.model.args.vocab_size):
+                raise ValueError(f"token id must be an int in [0, {self.model.args.vocab_size}), got {token_id!r}")
+            self._record_tokens(seq, [token_id])
+            try:
+                return graph(token_id).clone()
+            except StepNotReady:  # nothing of this token's K/V happened: the eager path below runs it
+                recorded = True
+        ids = self._tokens([token_id])
+        if not recorded:
+            self._record_tokens(seq, ids)
+        pos = self.length(seq)
+        cos, sin = self.model.rope(torch.tensor([pos], device=self.device), self.dtype)
+        x = self.model.embed_tokens(ids)  # [1, dim]
+        for i, layer in enumerate(self.model.layers):
+            q, k, v = layer.qkv(x, cos, sin)
+            self.store.append(seq, i, k.half(), v.half())
+            attn = self.store.attend(seq, i, q[0].half(), mode=mode, budget=budget)  # [Hq, D] fp16
+            x = layer.finish(x, attn[None])
+        return self.model.logits(x)[0]
+
+    def _graph_decoder(self, seq: int, mode: str, budget: int):
+        """The cached GraphDecoder of (seq, mode, budget) on CUDA, rebuilt when its capacity runs out."""
+        if not self.graphs or self.device.type != "cuda" or mode not in STEP_MODES:
+            return None
+        key = (seq, mode, budget)
+        graph = self._graphs.get(key)
+        if graph is not None and graph.ready():
+            return graph
+        tables = [self.store.table(seq, i) for i in range(self.model.args.num_layers)]
+        if any(t.num_cold or t.num_dropped for t in tables):
+            return None  # this token goes the eager way
+        self._graphs[key] = graph = GraphDecoder(self.model, self.store, seq, mode, budget)  # new, or more capacity
+        return graph
+
+    def generate(self, seq: int, prompt_ids: TokenIds, max_new_tokens: int, mode: str = "dense", budget: int = 4096,
+                 chunk_tokens: int = 512, eos_id: int | None = None) -> list[int]:
+        """Greedy: prefill the prompt, then decode up to max_new_tokens (stopping after eos_id)."""
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        logits = self.prefill(seq, prompt_ids, chunk_tokens)
+        return self.continue_greedy(seq, logits, max_new_tokens, mode, budget, eos_id)
+
+    def continue_greedy(self, seq: int, logits: torch.Tensor, max_new_tokens: int, mode: str = "dense",
+                        budget: int = 4096, eos_id: int | None = None) -> list[int]:
+        """Greedy tokens from next-token logits [vocab] of an already prefilled sequence."""
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        out = [int(logits.argmax())]
+        while len(out) < max_new_tokens and out[-1] != eos_id:
+            out.append(int(self.decode_step(seq, out[-1], mode, budget).argmax()))
+        return out
+
+    def fork(self, seq: int) -> int:
+        """A new sequence on seq's K/V (store.fork: full blocks shared, the partial tail copied), so several
+        decode modes or questions share one prefill."""
+        return self.store.fork(seq)
+
+    def _record_tokens(self, seq: int, ids: TokenIds) -> None:
+        """Token ids go to the store (content keys for prefix reuse, saved contexts) whenever it knows the
+        sequence's ids from position 0 (not for K/V written without ids, e.g. a random fill)."""
+        if self.store.tracks_tokens(seq):
+            self.store.extend_tokens(seq, ids)
+
+    def free(self, seq: int) -> None:
+        self.store.free(seq)
+        for key in [k for k in self._graphs if k[0] == seq]:
+            del self._graphs[key]
