@@ -1,0 +1,103 @@
+"""Pool-partitioned block table for paged decode when a table mixes fp16 (hot) and int8 (warm) blocks.
+
+Per (row, kv head), the used entries of the table are reordered so that its fp16 blocks come
+first, in table order, and its int8 blocks after them, in reverse table order (one pass: int8
+entries fill from the row's end). Each entry keeps its slot and its position in the original
+table, so the split kernel can run one launch per pool, each a loop specialised to that pool's
+format, and still store per-block mass where the table had the block. Everything stays on the
+device (no count reaches the host): the launch is capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+PARTITION_CHUNK = 2048  # table entries per step of the scan
+
+
+@triton.jit
+def _partition_kernel(
+    table_ptr, is_int8_ptr, num_tokens_ptr, slot_ptr, pos_ptr, num_fp16_ptr,
+    s_tab_batch, s_tab_head, s_tab_blk, s_i8_batch, s_i8_head, s_i8_blk, num_heads, max_blocks,
+    BLOCK_TOKENS: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Program (b, head): stable scan of the row's used entries; fp16 ones to the front, int8 ones to the back."""
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    n_blocks = tl.minimum(tl.cdiv(tl.load(num_tokens_ptr + b), BLOCK_TOKENS), max_blocks)
+    table_row = table_ptr + b * s_tab_batch + head * s_tab_head
+    is_int8_row = is_int8_ptr + b * s_i8_batch + head * s_i8_head
+    out_row = (b * num_heads + head) * max_blocks
+    num_fp16 = 0
+    num_int8 = 0
+    for j0 in range(0, n_blocks, CHUNK):
+        blk = j0 + tl.arange(0, CHUNK)
+        used = blk < n_blocks
+        flags = tl.load(is_int8_row + blk * s_i8_blk, mask=used, other=0)
+        int8 = used & (flags != 0)
+        fp16 = used & (flags == 0)
+        slot = tl.load(table_row + blk * s_tab_blk, mask=used, other=0)
+        dest = tl.where(int8, n_blocks - num_int8 - tl.cumsum(int8.to(tl.int32), 0),
+                        num_fp16 + tl.cumsum(fp16.to(tl.int32), 0) - 1)
+        tl.store(slot_ptr + out_row + dest, slot, mask=used)
+        tl.store(pos_ptr + out_row + dest, blk, mask=used)
+        num_fp16 += tl.sum(fp16.to(tl.int32), 0)
+        num_int8 += tl.sum(int8.to(tl.int32), 0)
+    tl.store(num_fp16_ptr + b * num_heads + head, num_fp16)
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionedTable:
+    """Row (b, h): entries [0, num_fp16[b, h]) are fp16 blocks, [num_fp16, ceil(num_tokens[b] / T)) int8 ones.
+
+    slots and positions are int32 [B, H, max_blocks] (stride 0 over H when the table was shared by the
+    kv heads); entries past a row's used blocks are undefined. num_fp16 is int32 [B, H], same strides.
+    """
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    num_fp16: torch.Tensor
+
+
+def partition_table(block_table: torch.Tensor, block_is_int8: torch.Tensor, num_tokens: torch.Tensor,
+                    block_tokens: int) -> PartitionedTable:
+    """block_table int32 [B, H, M], block_is_int8 int8 [B, H, M] (checked by paged_decode) -> PartitionedTable.
+
+    A table and flags that are one row expanded over the kv heads (stride 0) are partitioned once per row.
+    """
+    batch, heads, max_blocks = block_table.shape
+    shared = heads == 1 or (block_table.stride(1) == 0 and block_is_int8.stride(1) == 0)
+    scan_heads = 1 if shared else heads
+    dev = block_table.device
+    slots = torch.empty((batch, scan_heads, max_blocks), dtype=torch.int32, device=dev)  # [B, H', M]
+    positions = torch.empty_like(slots)  # [B, H', M]
+    num_fp16 = torch.empty((batch, scan_heads), dtype=torch.int32, device=dev)  # [B, H']
+    if max_blocks:
+        _partition_kernel[(batch, scan_heads)](
+            block_table, block_is_int8, num_tokens, slots, positions, num_fp16,
+            *block_table.stride(), *block_is_int8.stride(), scan_heads, max_blocks,
+            BLOCK_TOKENS=block_tokens, CHUNK=PARTITION_CHUNK, num_warps=4,
+        )
+    else:
+        num_fp16.zero_()
+    return PartitionedTable(slots.expand(batch, heads, max_blocks), positions.expand(batch, heads, max_blocks),
+                            num_fp16.expand(batch, heads))
+
+
+def partition_table_ref(block_table: torch.Tensor, block_is_int8: torch.Tensor, num_tokens: torch.Tensor,
+                        block_tokens: int) -> list[list[tuple[int, torch.Tensor, torch.Tensor]]]:
+    """Per (b, h): (num_fp16, slots, positions) of the used entries, in the order partition_table gives."""
+    rows = []
+    for b in range(block_table.shape[0]):
+        n_blocks = min(-(-int(num_tokens[b]) // block_tokens), block_table.shape[2])
+        row = []
+        for h in range(block_table.shape[1]):
+            int8 = block_is_int8[b, h, :n_blocks].bool().cpu()
+            order = torch.cat([torch.nonzero(~int8)[:, 0], torch.nonzero(int8)[:, 0].flip(0)])
+            row.append((int((~int8).sum()), block_table[b, h, :n_blocks].cpu()[order], order.int()))
+        rows.append(row)
+    return rows

@@ -1,0 +1,151 @@
+"""One tile of K/V for the paged decode kernel: table entries -> slots, fp16 rows, int8 rows dequantized.
+
+A row of entries is either the block table itself (direct) or partition.py's list of (slot, position in
+the table) with one pool's blocks in a run. int8 -> fp16 happens in registers, 4 packed int8 per int32
+word, exactly, without I2F (quarter rate on sm_90): fp16 with bits 0x64 | (x + 128) is 1152 + x, so a
+byte becomes fp16 by an xor, a byte permute and one subtraction. USE_ASM does a word with one xor, two
+prmt and two packed subs; the plain-Triton form is for the interpreter, which cannot run PTX.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _byte_to_fp16(words, k: tl.constexpr):
+    """Byte k of each int32 word, read as int8, to fp16: fp16 bits 0x64 | (x + 128) are 1152 + x."""
+    bits = (((words >> (8 * k)) & 0xFF) ^ 0x6480).to(tl.uint16)
+    return bits.to(tl.float16, bitcast=True) - 1152.0
+
+
+@triton.jit
+def words_to_fp16(words, USE_ASM: tl.constexpr):
+    """int32 [..., W] of packed int8 (4 per word, memory order) -> fp16 [..., W, 2, 2], exactly."""
+    if USE_ASM:
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t, c, lo, hi;
+            xor.b32 t, $4, 0x80808080;
+            mov.b32 c, 0x64806480;
+            prmt.b32 lo, t, 0x64646464, 0x4140;
+            prmt.b32 hi, t, 0x64646464, 0x4342;
+            sub.f16x2 lo, lo, c;
+            sub.f16x2 hi, hi, c;
+            mov.b32 {$0, $1}, lo;
+            mov.b32 {$2, $3}, hi;
+            }""",
+            constraints="=h,=h,=h,=h,r", args=[words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=1,
+        )
+    else:
+        b0 = _byte_to_fp16(words, 0)
+        b1 = _byte_to_fp16(words, 1)
+        b2 = _byte_to_fp16(words, 2)
+        b3 = _byte_to_fp16(words, 3)
+    return tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [..., W, 2, 2]: [..., w, i, j] = byte 2 i + j of word w
+
+
+@triton.jit
+def entries(slot_row, pos_row, s_ent, idx, idx_hi, PARTITIONED: tl.constexpr):
+    """Entries idx (any shape) of a row: slot int64, position in the original table, and idx < idx_hi.
+
+    Direct: the row is the block table, position = idx. Partitioned: the row is partition.py's list.
+    """
+    ok = idx < idx_hi
+    slot = tl.load(slot_row + idx * s_ent, mask=ok, other=0).to(tl.int64)
+    if PARTITIONED:
+        pos = tl.load(pos_row + idx * s_ent, mask=ok, other=0)
+    else:
+        pos = idx
+    return slot, pos, ok
+
+
+@triton.jit
+def load_int8_k(
+    warm_ptr, k_scale_ptr, slot_row, pos_row, is_int8_row, s_ent, s_i8_blk, j0, idx_hi, n_tok, head,
+    s_warm_slot, s_warm_head, s_warm_tok, s_ks_slot, s_ks_head,
+    HEAD_DIM: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr,
+    CHECK_FLAGS: tl.constexpr, PARTITIONED: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    """Dequantized K of the int8 blocks among entries j0 .. j0 + BLOCKS_PER_ITER, fp16 [N, D], 0 elsewhere.
+
+    K's scale is per (block, channel), so K is loaded per block and the scale broadcasts over its
+    tokens. It is applied in fp16: exact to rounding unless a channel's absmax is < 2^-7 (scale in
+    fp16's subnormals), where the channel adds next to nothing to q.k anyway.
+    """
+    blk = j0 + tl.arange(0, BLOCKS_PER_ITER)  # [J]
+    slot, pos, is_int8 = entries(slot_row, pos_row, s_ent, blk, idx_hi, PARTITIONED)
+    if CHECK_FLAGS:
+        is_int8 &= tl.load(is_int8_row + blk * s_i8_blk, mask=blk < idx_hi, other=0) != 0
+    offs_t = tl.arange(0, BLOCK_TOKENS)
+    offs_w = tl.arange(0, HEAD_DIM // 4)
+    mask = (pos[:, None] * BLOCK_TOKENS + offs_t[None, :] < n_tok) & is_int8[:, None]  # [J, T]
+    base = slot * s_warm_slot + head * s_warm_head  # [J] int64
+    ptrs = warm_ptr + base[:, None, None] + offs_t[None, :, None] * s_warm_tok + offs_w[None, None, :]
+    k = words_to_fp16(tl.load(ptrs, mask=mask[:, :, None], other=0), USE_ASM)
+    k = tl.reshape(k, [BLOCKS_PER_ITER, BLOCK_TOKENS, HEAD_DIM])
+    ks_ptrs = k_scale_ptr + (slot * s_ks_slot + head * s_ks_head)[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+    k_scale = tl.load(ks_ptrs, mask=is_int8[:, None], other=0.0).to(tl.float16)  # [J, D]
+    return tl.reshape(k * k_scale[:, None, :], [BLOCKS_PER_ITER * BLOCK_TOKENS, HEAD_DIM])
+
+
+@triton.jit
+def load_kv(
+    hot_ptr, warm_ptr, k_scale_ptr, v_scale_ptr, slot_row, pos_row, is_int8_row, s_ent, s_i8_blk,
+    j0, idx_hi, n_tok, head,
+    s_hot_slot, s_hot_kv, s_hot_head, s_hot_tok,
+    s_warm_slot, s_warm_kv, s_warm_head, s_warm_tok,
+    s_ks_slot, s_ks_head, s_vs_slot, s_vs_head,
+    HEAD_DIM: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr,
+    HAS_HOT: tl.constexpr, HAS_WARM: tl.constexpr, PARTITIONED: tl.constexpr, USE_ASM: tl.constexpr,
+    V_BOOST: tl.constexpr,
+):
+    """Entries j0 .. j0 + BLOCKS_PER_ITER of one kv head: k, v fp16 [N, D], v_mul f32 [N], tok_ok [N].
+
+    K = k. V = v * v_mul / V_BOOST: int8 blocks keep their integer values in v and their per-token
+    scale in v_mul, which the caller folds into the probabilities (fp16 blocks: v_mul = V_BOOST).
+    The boost keeps p * v_scale out of fp16's subnormals. Without HAS_WARM v_mul is unused.
+    tok_ok: the token is one of the row's first n_tok (k and v are 0 where it is not).
+    """
+    n: tl.constexpr = BLOCKS_PER_ITER * BLOCK_TOKENS
+    offs_n = tl.arange(0, n)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k = tl.zeros([n, HEAD_DIM], tl.float16)
+    v = tl.zeros([n, HEAD_DIM], tl.float16)
+    v_mul = tl.full([n], V_BOOST, tl.float32)
+    tok_idx = j0 + offs_n // BLOCK_TOKENS
+    tok_in_blk = offs_n % BLOCK_TOKENS
+    tok_slot, tok_pos, tok_ok = entries(slot_row, pos_row, s_ent, tok_idx, idx_hi, PARTITIONED)
+    tok_ok &= tok_pos * BLOCK_TOKENS + tok_in_blk < n_tok  # [N]
+    hot_ok = tok_ok  # a pure build trusts that every flag names its pool
+    warm_ok = tok_ok
+    if HAS_HOT and HAS_WARM:
+        tok_int8 = tl.load(is_int8_row + tok_idx * s_i8_blk, mask=tok_ok, other=0) != 0
+        hot_ok = tok_ok & (tok_int8 == 0)
+        warm_ok = tok_ok & tok_int8
+    if HAS_HOT:
+        rows = tok_slot * s_hot_slot + head * s_hot_head + tok_in_blk * s_hot_tok  # [N] int64
+        ptrs = hot_ptr + rows[:, None] + offs_d[None, :]  # [N, D]
+        k = tl.load(ptrs, mask=hot_ok[:, None], other=0.0)
+        v = tl.load(ptrs + s_hot_kv, mask=hot_ok[:, None], other=0.0)
+    if HAS_WARM:
+        offs_w = tl.arange(0, HEAD_DIM // 4)
+        rows = tok_slot * s_warm_slot + head * s_warm_head + tok_in_blk * s_warm_tok  # [N] int64
+        v8 = tl.load(warm_ptr + s_warm_kv + rows[:, None] + offs_w[None, :], mask=warm_ok[:, None], other=0)
+        v8 = tl.reshape(words_to_fp16(v8, USE_ASM), [n, HEAD_DIM])
+        vs_ptrs = v_scale_ptr + tok_slot * s_vs_slot + head * s_vs_head + tok_in_blk
+        v_mul = tl.where(warm_ok, tl.load(vs_ptrs, mask=warm_ok, other=0.0), tok_ok.to(tl.float32)) * V_BOOST
+        k8 = load_int8_k(
+            warm_ptr, k_scale_ptr, slot_row, pos_row, is_int8_row, s_ent, s_i8_blk, j0, idx_hi, n_tok, head,
+            s_warm_slot, s_warm_head, s_warm_tok, s_ks_slot, s_ks_head,
+            HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER, HAS_HOT, PARTITIONED, USE_ASM,
+        )
+        if HAS_HOT:
+            k += k8  # each element comes from one pool; the other load gave 0
+            v += v8
+        else:
+            k = k8
+            v = v8
+    return k, v, v_mul, tok_ok
