@@ -33,25 +33,18 @@ import struct
 import threading
 import uuid
 import warnings
-from typing import Callable, Sequence
-
-import redis
-import torch
-from redis.backoff import NoBackoff
-from redis.cluster import RedisCluster
-from redis.connection import Connection, Encoder, PythonRespSerializer
-from redis.retry import Retry
+from typing import Callable, Iterator, Sequence
 
 from tiers.base import BlockMissingError, BudgetedTier, IntegrityError, check_ids
-from tiers.codec import HEADER_BYTES, BatchDecoder, Codec
+from tiers.codec import HEADER_BYTES, Codec
 from tiers.layout import BlockLayout, Blocks, num_blocks
+from tiers.redis_batch import InPlaceBatch
+from tiers.redis_wire import FAILURES, SlotsMoved, about_key_or_memory, connect, get_replies
 
 _ENVELOPE = struct.Struct("<4sQH")
 _MAGIC = b"KVRB"
 _NAMESPACE = re.compile(r"[A-Za-z0-9_.:-]{1,200}")  # no braces: no accidental hash tags
 _BATCH_BYTES = 32 << 20  # one pipeline carries at most this much value data (and each thread a buffer this big)
-_FAILURES = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.ClusterError,
-             redis.exceptions.RedisClusterException)
 
 
 class RedisTier(BudgetedTier):
@@ -78,11 +71,12 @@ class RedisTier(BudgetedTier):
         self._orphans: set[bytes] = set()  # keys a failed put may have written (private tiers delete them on close)
         self.integrity_errors = 0
         self.missing_blocks = 0
-        self.value_overhead = _ENVELOPE.size + len(self.key(0)) + HEADER_BYTES
+        self.envelope_bytes = _ENVELOPE.size + len(self.key(0))
+        self.value_overhead = self.envelope_bytes + HEADER_BYTES
         self.max_value_bytes = self.block_bytes + self.value_overhead  # an fp16 block stored raw
         self.chunk_blocks = max(1, _BATCH_BYTES // self.max_value_bytes)  # values per pipeline
         self.url = url
-        self.client, self.cluster = _connect(url, timeout)
+        self.client, self.cluster = connect(url, timeout)
 
     def key(self, block_id: int) -> bytes:
         return f"{self.namespace}:{block_id:016x}".encode()
@@ -154,38 +148,51 @@ class RedisTier(BudgetedTier):
             self._used += self.sizes[block_id]
 
     def get(self, ids: Sequence[int]) -> Blocks:
-        """Verified blocks, in order; a batch mixing fp16 and int8 blocks comes back fp16. Each
-        pipeline's values are copied into the batch and dropped before the next is read."""
+        """Verified blocks, in order; a batch mixing fp16 and int8 blocks comes back fp16. Raw
+        values are received straight into the batch (tiers/redis_batch.py)."""
         unknown = [i for i in ids if i not in self.sizes]
         if unknown:
             raise KeyError(f"redis: blocks not stored: {unknown[:8]}")
         keys = [self.key(i) for i in ids]
-        batch = BatchDecoder(self.codec(), self.layout, len(ids), prefix=_ENVELOPE.size + len(self.key(0)))
-        for start in range(0, len(ids), self.chunk_blocks):
-            chunk = slice(start, start + self.chunk_blocks)
-            values = self._run(keys[chunk], lambda pipe, k, _: pipe.get(k))
-            gone = [i for i, v in zip(ids[chunk], values) if v is None]
-            if gone:
-                self._raise_missing(ids, keys, start, gone)
-            try:
-                for row, (block_id, key, value) in enumerate(zip(ids[chunk], keys[chunk], values), start):
-                    what = f"redis block {block_id} ({key.decode()})"
-                    self._check_envelope(block_id, key, value, what)
-                    batch.add(row, value, what)
-            except IntegrityError:
-                self.integrity_errors += 1
-                raise
+        try:
+            return self._receive(ids, keys, get_replies(self.client, keys, self.chunk_blocks))
+        except SlotsMoved:  # the cluster resharded: redis-py's pipeline follows the redirects
+            return self._receive(ids, keys, self._pipelined_gets(keys))
+
+    def _receive(self, ids: Sequence[int], keys: list[bytes], replies: Iterator) -> Blocks:
+        """Fills a batch from (row, length / None / error answer, reader) replies."""
+        batch = InPlaceBatch(self.codec(), self.layout, len(ids), self.envelope_bytes)
+        gone: list[int] = []
+        try:
+            for row, length, reader in replies:
+                block_id, key = ids[row], keys[row]
+                what = f"redis block {block_id} ({key.decode()})"
+                if length is None:
+                    gone.append(block_id)
+                elif isinstance(length, Exception):  # e.g. WRONGTYPE: something else lives under the key
+                    if not about_key_or_memory(length):
+                        raise ConnectionError(f"redis tier: {self.url} is not serving ({length})")
+                    raise IntegrityError(f"{what}: {length}")
+                else:
+                    batch.receive(row, length, reader.read_into,
+                                  lambda value: self._check_envelope(block_id, key, value, what), what)
+        except IntegrityError:
+            self.integrity_errors += 1
+            raise
+        if gone:
+            self.missing_blocks += len(gone)
+            error = BlockMissingError(f"redis: {len(gone)} blocks are gone from {self.namespace!r} "
+                                      f"(evicted by Redis's maxmemory policy?): {gone[:8]}")
+            error.ids = gone
+            raise error
         return batch.result()
 
-    def _raise_missing(self, ids: Sequence[int], keys: list[bytes], start: int, gone: list[int]) -> None:
-        """BlockMissingError naming every block of the batch Redis no longer holds."""
-        after = slice(start + self.chunk_blocks, None)
-        gone += [i for i, n in zip(ids[after], self._run(keys[after], lambda pipe, k, _: pipe.exists(k))) if not n]
-        self.missing_blocks += len(gone)
-        error = BlockMissingError(f"redis: {len(gone)} blocks are gone from {self.namespace!r} "
-                                  f"(evicted by Redis's maxmemory policy?): {gone[:8]}")
-        error.ids = gone
-        raise error
+    def _pipelined_gets(self, keys: list[bytes]) -> Iterator:
+        """get_replies's answers through redis-py's pipelines, `chunk_blocks` values at a time."""
+        for start in range(0, len(keys), self.chunk_blocks):
+            values = self._run(keys[start: start + self.chunk_blocks], lambda pipe, k, _: pipe.get(k))
+            for row, value in enumerate(values, start):
+                yield row, value if value is None or isinstance(value, Exception) else len(value), _Held(value)
 
     def attach(self, ids: Sequence[int]) -> None:
         """Adopt blocks another process stored under this namespace; all or none."""
@@ -248,10 +255,8 @@ class RedisTier(BudgetedTier):
 
     # -- values and pipelines ------------------------------------------------------------
     @staticmethod
-    def _check_envelope(block_id: int, key: bytes, value: bytes | Exception, what: str) -> None:
+    def _check_envelope(block_id: int, key: bytes, value: memoryview, what: str) -> None:
         """The value names this block and key (the codec's checksum then covers the envelope)."""
-        if isinstance(value, Exception):  # e.g. WRONGTYPE: something else lives under the key
-            raise IntegrityError(f"{what}: {value}")
         end = _ENVELOPE.size + len(key)
         if len(value) < end:
             raise IntegrityError(f"{what}: value of {len(value)} bytes is shorter than its envelope")
@@ -271,10 +276,10 @@ class RedisTier(BudgetedTier):
                 command(pipe, key, value)
             try:
                 answers = pipe.execute(raise_on_error=False)
-            except _FAILURES as exc:
+            except FAILURES as exc:
                 raise ConnectionError(f"redis tier: {self.url} failed mid-batch "
                                       f"({type(exc).__name__}: {exc})") from None
-            refused = [a for a in answers if isinstance(a, Exception) and not _about_key_or_memory(a)]
+            refused = [a for a in answers if isinstance(a, Exception) and not about_key_or_memory(a)]
             if refused:
                 raise ConnectionError(f"redis tier: {self.url} is not serving ({type(refused[0]).__name__}: "
                                       f"{refused[0]})")
@@ -282,36 +287,11 @@ class RedisTier(BudgetedTier):
         return results
 
 
-def _about_key_or_memory(answer: Exception) -> bool:
-    return isinstance(answer, redis.exceptions.OutOfMemoryError) or str(answer).startswith("WRONGTYPE")
+class _Held:
+    """A value redis-py already read, handed over like a ReplyReader hands over a bulk reply."""
 
+    def __init__(self, value: bytes) -> None:
+        self.value = value
 
-class _SendValuesAsIs(Connection):
-    """A TCP connection whose commands are packed by redis-py's Python serializer, which sends a
-    large value (a memoryview into the put buffer) as it is; hiredis's packer, the default when
-    hiredis is installed, copies every value twice. Replies are still parsed by hiredis."""
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(command_packer=PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode), **kwargs)
-
-
-def _connect(url: str, timeout: float) -> tuple[redis.Redis | RedisCluster, bool]:
-    """A client for `url`: a cluster client if the node says it is part of a cluster."""
-    options = dict(socket_timeout=timeout, socket_connect_timeout=min(timeout, 5.0),
-                   socket_read_size=1 << 20)  # large values: fewer recv calls than the 32 KiB default
-    if url.startswith("redis://"):  # TLS and unix sockets keep their own connection classes
-        options["connection_class"] = _SendValuesAsIs
-    try:
-        # No silent retries: a pipeline replayed after a restart would meet its own SET NX keys;
-        # a failure surfaces as ConnectionError and the caller decides.
-        client = redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **options)
-        cluster = client.info("cluster").get("cluster_enabled") == 1
-    except (redis.RedisError, ValueError) as exc:
-        raise ValueError(f"redis tier: no Redis answers at {url!r} ({type(exc).__name__}: {exc})") from None
-    if not cluster:
-        return client, False
-    client.close()
-    try:
-        return RedisCluster.from_url(url, **options), True
-    except redis.RedisError as exc:
-        raise ValueError(f"redis tier: cannot open the cluster at {url!r} ({exc})") from None
+    def read_into(self, dest: memoryview) -> None:
+        dest[:] = self.value
