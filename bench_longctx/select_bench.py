@@ -31,6 +31,7 @@ from eviction.quest_kernel import quest_scores, quest_scores_ref
 from eviction.select import protected_mask, select
 from eviction.summaries import summaries_to_fp8, summarize_keys
 from eviction.topk import topk_select
+from eviction.topk_kernel import topk_sorted
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 CONFIGS = [  # (use_dot, block_n, num_warps)
@@ -126,6 +127,20 @@ def bench_block_size(args, block_tokens: int, q, keys, needle_tokens, knobs: dic
     return row
 
 
+def bench_topk(device: torch.device, ks: tuple[int, ...] = (64, 256)) -> list[dict]:
+    """topk_sorted (one program per row below 2 chunks, two stages above) against torch.topk + sort,
+    [kv_heads, n] float32 scores: 1M tokens at 64/32/16-token blocks (+1/16 capacity) and shorter."""
+    rows = []
+    for n in (2048, 4096, 17408, 34816, 69632):
+        scores = torch.randn(NUM_KV_HEADS, n, device=device)
+        for k in ks:
+            torch_us = 1e3 * time_ms(lambda: torch.sort(torch.topk(scores, k, dim=1, sorted=False).indices, 1),
+                                     device)
+            rows.append({"n": n, "k": k, "kernel_us": 1e3 * time_ms(lambda: topk_sorted(scores, k), device),
+                         "torch_us": torch_us})
+    return rows
+
+
 def print_table(rows: list[dict]) -> None:
     cols = [("block_tokens", "B", "{:d}"), ("summary_MiB", "MiB", "{:.0f}"), ("ceiling_us", "ceil us", "{:.1f}"),
             ("kernel_us", "kern us", "{:.1f}"), ("kernel_GBps", "GB/s", "{:.0f}"),
@@ -161,14 +176,18 @@ def main(argv: list[str] | None = None) -> int:
     best = min(tuning, key=lambda r: r["us"])
     knobs = {k: best[k] for k in ("use_dot", "block_n", "num_warps")}
     rows = [bench_block_size(args, b, q, keys, needle_tokens, knobs, ceiling) for b in args.block_tokens]
+    topk_rows = bench_topk(device)
     result = {"environment": environment(device), "args": vars(args), "copy_ceiling_GBps": ceiling,
               "geometry": {"num_q_heads": NUM_Q_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM},
-              "tuning_block_tokens_32": tuning, "kernel_knobs": knobs, "rows": rows}  # fmt: skip
+              "tuning_block_tokens_32": tuning, "kernel_knobs": knobs, "rows": rows,
+              "topk": topk_rows}  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "select_bench.json"), "w") as f:
         json.dump(result, f, indent=2)
     print(f"copy ceiling {ceiling:.0f} GB/s (read+write); kernel knobs {knobs}")
     print_table(rows)
+    for r in topk_rows:
+        print(f"topk n={r['n']:6d} k={r['k']:4d}: kernel {r['kernel_us']:6.1f} us, torch.topk+sort {r['torch_us']:6.1f} us")
     return 0
 
 

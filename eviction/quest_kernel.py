@@ -28,14 +28,16 @@ import triton.language as tl
 _SUMMARY_DTYPES = (torch.float16, torch.float8_e4m3fn)
 
 
-@triton.jit(do_not_specialize=["num_blocks", "sink_blocks", "recent_start"])  # one compile per decode run
+@triton.jit(do_not_specialize=["num_blocks", "sink_blocks", "recent_start", "block_tokens"])  # one compile per decode run
 def _quest_kernel(
     q_ptr,  # float16 [num_q_heads, HEAD_DIM]
     s_ptr,  # float16 or float8e4nv [num_blocks, 2, kv_heads, HEAD_DIM]
     out_ptr,  # float32 [kv_heads, num_blocks]
+    count_ptr,  # DEVICE_COUNTS: int64 [1], tokens held before the current one
     num_blocks,
     sink_blocks,  # blocks [0, sink_blocks) and [recent_start, num_blocks) score +inf
-    recent_start,
+    recent_start,  # DEVICE_COUNTS: recent tokens protected instead (recent_start computed here)
+    block_tokens,  # DEVICE_COUNTS only
     stride_qh,
     stride_sn,
     stride_sm,
@@ -48,6 +50,7 @@ def _quest_kernel(
     BLOCK_N: tl.constexpr,
     REDUCE_MAX: tl.constexpr,
     USE_DOT: tl.constexpr,
+    DEVICE_COUNTS: tl.constexpr,  # count from count_ptr: blocks past it score -inf, the window from it
 ):
     pid_n = tl.program_id(0)
     head = tl.program_id(1)
@@ -87,8 +90,15 @@ def _quest_kernel(
                 score = score + b
     # Only protected blocks may score +inf, or topk could drop one of them.
     score = tl.where(score != score, float("-inf"), tl.minimum(score, 3.4028234663852886e38))  # NaN -> -inf
-    protected = (offs_n < sink_blocks) | (offs_n >= recent_start)
-    score = tl.where(protected, float("inf"), score)
+    if DEVICE_COUNTS:  # the captured decode step: the sequence grows under a fixed launch
+        n = tl.load(count_ptr) + 1  # tokens once the current one is appended
+        live = (n + block_tokens - 1) // block_tokens
+        start = tl.minimum(tl.maximum(n - recent_start, 0) // block_tokens, live - 1)
+        protected = (offs_n < sink_blocks) | (offs_n >= start)
+        score = tl.where(offs_n < live, tl.where(protected, float("inf"), score), float("-inf"))
+    else:
+        protected = (offs_n < sink_blocks) | (offs_n >= recent_start)
+        score = tl.where(protected, float("inf"), score)
     tl.store(out_ptr + head * stride_oh + offs_n, score, mask=mask_n)
 
 
@@ -129,19 +139,56 @@ def quest_scores(
     use_dot picks tensor-core dot products over an fp32 elementwise loop (same math);
     use_dot, block_n and num_warps are tuning knobs (bench_longctx/select_bench.py sweeps them).
     """
-    num_blocks, num_kv_heads, group = check_inputs(q, summaries, group_reduce)
+    num_blocks = check_inputs(q, summaries, group_reduce)[0]
+    recent_start = num_blocks if recent_start is None else recent_start
+    return _launch(q, summaries, None, sink_blocks, recent_start, 1, group_reduce, use_dot, block_n, num_warps)
+
+
+def quest_scores_live(q: torch.Tensor, summaries: torch.Tensor, count: torch.Tensor, *, block_tokens: int,
+                      sink_blocks: int, recent_tokens: int, group_reduce: str = "max") -> torch.Tensor:
+    """float32 [kv_heads, capacity] scores of a preallocated table whose length lives on the device.
+
+    count: int64 [1], tokens held before the current token (which the table already holds: n = count + 1).
+    Blocks past ceil(n / block_tokens) score -inf; the first sink_blocks and every block holding one of the
+    last recent_tokens tokens (the tail included) score +inf; the rest their Quest bound. One launch, no host
+    sync: what the captured decode step (kvstore/step.py) replays as the sequence grows.
+    """
+    check_inputs(q, summaries, group_reduce)
+    if count.dtype != torch.int64 or count.numel() != 1 or count.device != q.device:
+        raise ValueError(f"count: expected int64 [1] on {q.device}, got {count.dtype} {list(count.shape)} "
+                         f"on {count.device}")
+    return _launch(q, summaries, count, sink_blocks, recent_tokens, block_tokens, group_reduce, True, 64, 8)
+
+
+def quest_scores_live_ref(q: torch.Tensor, summaries: torch.Tensor, count: torch.Tensor, *, block_tokens: int,
+                          sink_blocks: int, recent_tokens: int, group_reduce: str = "max") -> torch.Tensor:
+    """`quest_scores_live` in torch (unwritten capacity may hold anything: non-finite bounds count as 0)."""
+    capacity = summaries.shape[0]
+    bound = quest_scores_ref(q, summaries.nan_to_num(0.0, 0.0, 0.0), group_reduce=group_reduce)
+    bound = bound.nan_to_num(0.0, 0.0, 0.0)  # [H, N]
+    n = count + 1  # [1]
+    live = (n + block_tokens - 1) // block_tokens
+    start = torch.minimum(torch.clamp(n - recent_tokens, min=0) // block_tokens, live - 1)
+    blocks = torch.arange(capacity, device=q.device)  # [N]
+    protected = (blocks < sink_blocks) | (blocks >= start)
+    return bound.masked_fill(protected, float("inf")).masked_fill(blocks >= live, float("-inf"))
+
+
+def _launch(q: torch.Tensor, summaries: torch.Tensor, count: torch.Tensor | None, sink_blocks: int,
+            recent: int, block_tokens: int, group_reduce: str, use_dot: bool, block_n: int,
+            num_warps: int) -> torch.Tensor:
     if summaries.stride(3) != 1 or q.stride(1) != 1:
         raise ValueError(f"q and summaries need a contiguous last dim, got strides {q.stride()} {summaries.stride()}")
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    recent_start = num_blocks if recent_start is None else recent_start
+    num_blocks, _, num_kv_heads, head_dim = summaries.shape
     out = torch.empty(num_kv_heads, num_blocks, dtype=torch.float32, device=q.device)  # [H, N]
     if num_blocks == 0:
         return out
-    head_dim = summaries.shape[3]
+    group = q.shape[0] // num_kv_heads
     grid = (triton.cdiv(num_blocks, block_n), num_kv_heads)
     _quest_kernel[grid](
-        q, summaries, out, num_blocks, sink_blocks, recent_start,
+        q, summaries, out, out if count is None else count, num_blocks, sink_blocks, recent, block_tokens,
         q.stride(0), summaries.stride(0), summaries.stride(1), summaries.stride(2), out.stride(0),
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
@@ -150,6 +197,7 @@ def quest_scores(
         BLOCK_N=block_n,
         REDUCE_MAX=group_reduce == "max",
         USE_DOT=use_dot,
+        DEVICE_COUNTS=count is not None,
         num_warps=num_warps,
     )  # fmt: skip
     return out

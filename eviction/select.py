@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from eviction.topk_kernel import FASTER_THAN_TORCH, topk_sorted
+from eviction.topk_kernel import FASTER_THAN_TORCH, can_select, topk_sorted, two_stage
 
 
 def cdiv(a: int, b: int) -> int:
@@ -94,7 +94,7 @@ def top_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
     num_kv_heads, num_blocks = scores.shape
     if k >= num_blocks:  # the budget covers everything: no top-k launch
         return all_blocks(num_kv_heads, num_blocks, scores.device)
-    if scores.is_cuda and num_blocks <= FASTER_THAN_TORCH:
+    if scores.is_cuda and (num_blocks <= FASTER_THAN_TORCH or two_stage(num_blocks, k)) and can_select(num_blocks, k):
         return topk_sorted(scores, k)  # one launch instead of topk's radix passes + a sort
     chosen = torch.topk(scores, k, dim=1, sorted=False).indices  # [H, k]
     return torch.sort(chosen, dim=1).values

@@ -15,6 +15,9 @@ per layer, inside the step (no host sync):
                  top k (k fixed: budget // B), ascending
     3. attend    the paged kernel over that block table, token count computed on the device
     4. account   the kernel's block mass into the table's H2O scores
+Counts that depend only on the token (tokens the kernel reads, the sketch's live/protected masks) are
+computed once per token, in layer 0. On CUDA the topk select is three launches: Quest scores masked
+from the device count, then top-k in two stages whose second writes the kernel's block table.
 Host work happens before a token and only at block boundaries (`begin_token`): the sketch codes
 of the tail block the last token filled, a new tail block per layer, and cooling of blocks the
 token pushes out of their windows. A sequence with blocks in cpu/ssd tiers cannot be served from
@@ -28,14 +31,14 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from eviction.certify import certified_omitted_mass
-from eviction.quest_kernel import quest_scores, quest_scores_ref
+from eviction.quest_kernel import quest_scores_live, quest_scores_live_ref
 from eviction.select import top_blocks
 from eviction.sketch_topk import SketchTopK
-from eviction.topk_kernel import MAX_BLOCKS, topk_sorted
+from eviction.topk_kernel import can_select, topk_block_table, two_stage
 from kvstore.append_kernel import append_token, append_token_ref
 from kvstore.decode import attended_lse, block_table
 from kvstore.table import DROPPED
-from kvstore.tierset import HOT_TIER
+from kvstore.tierset import HOT_TIER, WARM_TIER
 
 if TYPE_CHECKING:  # the store builds steps (KVStore.decode_step); annotations only
     from kvstore.store import KVStore
@@ -75,7 +78,7 @@ class DecodeStep:
         self.certified = torch.zeros(spec.num_layers, dtype=torch.float32, device=dev)  # [L] this token's bounds
         self.positions = torch.arange(self.capacity, device=dev)  # [N]
         self.all_blocks = self.positions.expand(h, self.capacity)  # [H, N] the dense table
-        self._scores = quest_scores if dev.type == "cuda" else _quest_scores_cpu
+        self._scores = quest_scores_live if dev.type == "cuda" else quest_scores_live_ref
         self._append_token = append_token if dev.type == "cuda" else append_token_ref  # one launch on the GPU
         self.phase = self._phase(length + 1)
         self._sync_tail_slots()
@@ -166,10 +169,10 @@ class DecodeStep:
         """Append k, v [kv_heads, head_dim] of the new token to `layer`, then attend q [num_q_heads, head_dim]
         over the layer's blocks (the new token included); returns [num_q_heads, head_dim] fp16."""
         table = self.tables[layer]
+        if layer == 0:  # what depends only on the token count, once per token for every layer
+            self._count_tokens()
         self._append(layer, table, k, v)
-        n = self.num_tokens + 1  # [1] tokens after this one
-        selected, upper = self._select(table, q, n)  # [H, k] ascending, the tail block last
-        slots, is_int8 = block_table(table, selected)
+        selected, slots, is_int8, upper = self._select(table, q)  # [H, k] ascending, the tail block last
         tiers = self.store.tiers
         warm = tiers.warm.pool  # always both pools: blocks cool into int8 while a capture stays valid
         out, mass = self.store.decode.kernel(q[None], tiers.hot.pool, warm.data, warm.k_scale, warm.v_scale,
@@ -177,36 +180,47 @@ class DecodeStep:
                                              return_block_mass=True)
         table.h2o_scores[:, : self.capacity].scatter_add_(1, selected, mass[0])
         if upper is not None:  # the sketch's certified omitted mass, kept on the device (end_token counts it)
-            lse = attended_lse(q, tiers.hot.pool, warm, slots, is_int8, (n - 1) % self.block_tokens + 1)
+            lse = attended_lse(q, tiers.hot.pool, warm, slots, is_int8, (self._n - 1) % self.block_tokens + 1)
             self.certified[layer] = certified_omitted_mass(upper, selected, lse).mean()
         if layer == len(self.tables) - 1:
             self.num_tokens += 1
         return out[0]
 
+    def _count_tokens(self) -> None:
+        """This token's counts from the device's num_tokens: n (tokens once it is appended), the tokens the
+        kernel reads (dense: n; topk: k - 1 full blocks and the tail) and, for the sketch, the masks of
+        live and protected blocks."""
+        b = self.block_tokens
+        self._n = self.num_tokens + 1  # [1]
+        if self.phase == "dense":
+            self.kernel_tokens.copy_(self._n)
+            return
+        self.kernel_tokens.copy_((self.k - 1) * b + (self._n - 1) % b + 1)
+        if isinstance(self.policy, SketchTopK):
+            num_blocks = (self._n + b - 1) // b  # [1]
+            self._valid = self.positions < num_blocks  # [N]
+            recent_start = torch.minimum(torch.clamp((self._n - self.recent_tokens) // b, min=0), num_blocks - 1)
+            self._protected = (self.positions < self.sink_blocks) | (self.positions >= recent_start)
+
     def _append(self, layer: int, table, k: torch.Tensor, v: torch.Tensor) -> None:
         self._append_token(self.store.tiers.hot.pool, table.summaries, k, v, self.tail_slot[layer: layer + 1],
                            self.num_tokens)
 
-    def _select(self, table, q: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(selected [H, k], the sketch's block upper bounds [Hq, N] or None)."""
-        b = self.block_tokens
-        num_blocks = (n + b - 1) // b  # [1]
+    def _select(self, table, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(selected [H, k], slots int32 [H, k], is_int8 [H, k], the sketch's block upper bounds [Hq, N] or None)."""
         if self.phase == "dense":
-            self.kernel_tokens.copy_(n)
-            return self.all_blocks, None
-        # k blocks of k * B tokens; the tail (always selected, always last) holds (n - 1) % B + 1
-        self.kernel_tokens.copy_((self.k - 1) * b + (n - 1) % b + 1)
-        valid = self.positions < num_blocks  # [N]
-        recent_start = torch.minimum(torch.clamp((n - self.recent_tokens) // b, min=0), num_blocks - 1)
-        protected = (self.positions < self.sink_blocks) | (self.positions >= recent_start)  # the tail included
+            return (self.all_blocks, *block_table(table, self.all_blocks), None)
         if isinstance(self.policy, SketchTopK):
-            return self.policy.select_masked(q, table.summaries[: self.capacity], table.sketch[: self.capacity],
-                                             valid, protected, self.k)
-        scores = self._scores(q, table.summaries[: self.capacity])  # [H, N]
-        scores = scores.masked_fill(~valid, float("-inf")).masked_fill(protected & valid, float("inf"))
-        if scores.is_cuda and self.capacity <= MAX_BLOCKS:  # the one-launch kernel (torch.topk + sort: ~4x)
-            return topk_sorted(scores, self.k), None
-        return top_blocks(scores, self.k), None
+            selected, upper = self.policy.select_masked(q, table.summaries[: self.capacity],
+                                                        table.sketch[: self.capacity], self._valid, self._protected,
+                                                        self.k)
+            return (selected, *block_table(table, selected), upper)
+        scores = self._scores(q, table.summaries[: self.capacity], self.num_tokens, block_tokens=self.block_tokens,
+                              sink_blocks=self.sink_blocks, recent_tokens=self.recent_tokens)  # [H, N]
+        if scores.is_cuda and two_stage(self.capacity, self.k) and can_select(self.capacity, self.k):
+            return (*topk_block_table(scores, self.k, table.slot_map, table.tier_map, WARM_TIER), None)
+        selected = top_blocks(scores, self.k)
+        return (selected, *block_table(table, selected), None)
 
 
 class GraphedSteps:
@@ -245,7 +259,3 @@ class GraphedSteps:
         self.graphs[phase] = (graph, recorded)
         return out
 
-
-def _quest_scores_cpu(q: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
-    """The reference on CPU, with the kernel's treatment of unwritten capacity (garbage -> finite)."""
-    return quest_scores_ref(q, summaries.nan_to_num(0.0, 0.0, 0.0)).nan_to_num(0.0, 0.0, 0.0)

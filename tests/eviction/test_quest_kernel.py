@@ -114,3 +114,31 @@ def test_bound_is_an_upper_bound_of_every_key(
     ):
         per_token = bound[:, None, token_block]  # [H, 1, T]: the bound of each token's block
         assert bool((logits <= per_token + slack + 1e-6).all())
+
+
+@pytest.mark.parametrize("count, block_tokens, sink_blocks, recent_tokens", [
+    (0, 16, 1, 32), (37, 16, 1, 32), (63, 16, 2, 100), (64, 16, 0, 0), (149, 32, 1, 1000), (15, 16, 1, 16),
+])
+def test_live_scores_mask_from_the_device_count(count, block_tokens, sink_blocks, recent_tokens):
+    """A preallocated table: blocks past the device count score -inf, sinks and the recent window +inf,
+    garbage in unwritten capacity never leaks."""
+    from eviction.quest_kernel import quest_scores_live, quest_scores_live_ref
+
+    q, summaries, _ = _inputs(12, 2, 4, 64, block_tokens=16, seed=count)
+    capacity = torch.full((12, 2, 2, 64), float("nan"), dtype=torch.float16, device=DEVICE)
+    live = -(-(count + 1) // block_tokens)
+    capacity[:live] = summaries[:live]
+    capacity[live:, 0] = float("inf")  # a fresh tail's empty box, or whatever the pool held
+    n = torch.tensor([count], dtype=torch.int64, device=DEVICE)
+    kw = dict(block_tokens=block_tokens, sink_blocks=sink_blocks, recent_tokens=recent_tokens)
+    got, want = quest_scores_live(q, capacity, n, **kw), quest_scores_live_ref(q, capacity, n, **kw)
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.equal(got > 0, want > 0)
+    finite = torch.isfinite(want)
+    assert torch.allclose(got[finite], want[finite], rtol=1e-3, atol=1e-2)
+    start = min(max(count + 1 - recent_tokens, 0) // block_tokens, live - 1)
+    assert (want[:, live:] == float("-inf")).all()
+    protected = [i for i in range(live) if i < sink_blocks or i >= start]
+    assert (want[:, protected] == float("inf")).all()
+    assert torch.isfinite(want[:, [i for i in range(live) if i not in protected]]).all()
+    with pytest.raises(ValueError, match="count"):
+        quest_scores_live(q, capacity, n.int(), **kw)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eviction.topk_kernel import topk_sorted, topk_sorted_ref
+from eviction.topk_kernel import topk_block_table, topk_sorted, topk_sorted_ref, two_stage
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -38,3 +38,33 @@ def test_bad_arguments():
         topk_sorted(torch.randn(2, 5, device=DEVICE), 6)
     with pytest.raises(ValueError, match="float"):
         topk_sorted(torch.ones(2, 5, dtype=torch.int64, device=DEVICE), 2)
+
+
+@pytest.mark.parametrize("rows, n, k", [(2, 2049, 1), (3, 5000, 64), (8, 17000, 64), (1, 9999, 256), (2, 3073, 200)])
+def test_two_stage_matches_reference(rows, n, k):
+    """Rows longer than two chunks go through per-chunk candidates; the result is the same."""
+    assert two_stage(n, k)
+    g = torch.Generator().manual_seed(n + k)
+    scores = torch.randn((rows, n), generator=g)
+    scores[:, ::7] = scores[:, 3:4]  # ties across chunks
+    scores[0, n - 5:] = float("inf")  # winners in the padded last chunk
+    scores[-1, :100] = float("-inf")
+    scores = scores.to(DEVICE)
+    assert torch.equal(topk_sorted(scores, k).cpu(), topk_sorted_ref(scores, k).cpu())
+
+
+def test_fused_block_table_gathers_the_winners():
+    g = torch.Generator().manual_seed(3)
+    n, k = 4100, 48
+    scores = torch.randn((4, n), generator=g).to(DEVICE)
+    slot_map = torch.randint(-1, 1 << 20, (n + 64,), generator=g, dtype=torch.int32).to(DEVICE)
+    tier_map = torch.randint(-1, 4, (n + 64,), generator=g, dtype=torch.int8).to(DEVICE)
+    selected, slots, is_int8 = topk_block_table(scores, k, slot_map, tier_map, int8_tier=1)
+    expected = topk_sorted_ref(scores, k)
+    assert torch.equal(selected.cpu(), expected.cpu())
+    assert torch.equal(slots.cpu(), slot_map[expected].cpu())
+    assert torch.equal(is_int8.cpu(), (tier_map[expected] == 1).cpu())
+    with pytest.raises(ValueError, match="two-stage"):
+        topk_block_table(scores[:, :1000], k, slot_map, tier_map, int8_tier=1)
+    with pytest.raises(ValueError, match="int32"):
+        topk_block_table(scores, k, slot_map.long(), tier_map, int8_tier=1)

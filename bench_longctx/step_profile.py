@@ -1,0 +1,86 @@
+"""Where a captured decode token's GPU time goes, kernel by kernel (CUDA only).
+
+    python -m bench_longctx.step_profile --out DIR [--context 1048576] [--mode topk] [--steps 16]
+
+The e2e benchmark's model and store (llama3-8b geometry, random weights, random K/V fill, every
+token appended): a few tokens to compile and capture, `steps` timed tokens through
+Decoder.decode_step, then the same number under torch.profiler. Kernels are grouped by name and
+reported per token: launches, microseconds, share of the token's GPU time. Launch-bound steps show
+up as many short kernels whose count, not their bytes, sets the time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench_longctx.e2e import e2e_store, fill_random, model_args, random_model
+from bench_longctx.presets import get_preset
+from bench_longctx.timing import environment, timed
+from engine_adapter.decoder import Decoder
+
+
+def kernel_table(prof, steps: int) -> list[dict]:
+    """Per kernel name: launches and GPU microseconds per token, largest first."""
+    totals: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            row = totals[event.name[:90]]
+            row[0] += 1
+            row[1] += event.device_time
+    gpu_us = sum(us for _, us in totals.values())
+    rows = [{"kernel": name, "launches_per_token": n / steps, "us_per_token": us / steps, "share": us / gpu_us}
+            for name, (n, us) in totals.items()]
+    return sorted(rows, key=lambda r: -r["us_per_token"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--context", type=int, default=1 << 20)
+    parser.add_argument("--mode", default="topk", choices=("topk", "dense", "sketch"))
+    parser.add_argument("--steps", type=int, default=16)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    p = dataclasses.replace(get_preset("h200").e2e, context=args.context, steps=3 * args.steps + 8)
+    model = random_model(model_args(p.geometry, p.layers), device, torch.float16)
+    store = e2e_store(model.args.spec, p, device)
+    decoder = Decoder(model, store)
+    seq = store.create_sequence()
+    fill_random(store, seq, p.context, seed=0, progress=lambda it, _: it)
+    token = [1]
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            token[0] = int(decoder.decode_step(seq, token[0], args.mode, p.budget).argmax())
+
+    run(4)  # compile, capture
+    _, seconds = timed(lambda: run(args.steps), device)
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        run(args.steps)
+        torch.cuda.synchronize()
+    rows = kernel_table(prof, args.steps)
+    result = {"environment": environment(device), "context": p.context, "mode": args.mode, "budget": p.budget,
+              "block_tokens": p.block_tokens, "layers": model.args.num_layers, "steps": args.steps,
+              "ms_per_token_unprofiled": 1e3 * seconds / args.steps,
+              "gpu_us_per_token": sum(r["us_per_token"] for r in rows),
+              "launches_per_token": sum(r["launches_per_token"] for r in rows), "kernels": rows}
+    store.close()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"step_profile_{args.mode}_{p.context}.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"{args.mode} at {p.context}: {result['ms_per_token_unprofiled']:.2f} ms/token wall, "
+          f"{result['gpu_us_per_token'] / 1e3:.2f} ms GPU, {result['launches_per_token']:.0f} launches/token")
+    for r in rows[:25]:
+        print(f"{r['us_per_token']:9.1f} us {r['launches_per_token']:6.1f}x {100 * r['share']:5.1f}%  {r['kernel']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
