@@ -1,4 +1,8 @@
-"""Per-block statistics from the 4-bit key sketch (eviction/sketch.py), fused: one pass over the codes.
+"""The first fused sketch kernel, kept only as bench_longctx/sketch_bench.py's baseline (6.6 ms per layer at 1M
+on the H200): eviction/sketch_kernel.py replaced it. Its bound omits nothing the new one adds (exact fp32 dots).
+Delete once the new kernel's H200 numbers are in the repo.
+
+Per-block statistics from the 4-bit key sketch (eviction/sketch.py), fused: one pass over the codes.
 
 For q head i, block b (kv head h = i // group) the kernel estimates every token's logit
 from the sketch, l_t = scale * q_i . k_hat_t, and writes per (q head, block):
@@ -31,6 +35,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from eviction.sketch_kernel import check_inputs
 
 LEVELS = 15.0  # 4-bit codes 0..15 (eviction/sketch.py)
 COARSE_MID, COARSE_HALF = 1.5, 2.0  # high plane alone: k_hat = min + step * (4 hi + 1.5), |k - k_hat| <= 2 step
@@ -126,31 +132,7 @@ def _sketch_kernel(
     tl.store(upper_ptr + out, upper, mask=g_ok)
 
 
-def check_inputs(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, num_tokens: int,
-                 planes: int) -> tuple[int, int, int]:
-    """(num_blocks, kv_heads, block_tokens) or ValueError."""
-    if summaries.dim() != 4 or summaries.shape[1] != 2 or summaries.dtype != torch.float16:
-        raise ValueError(f"summaries: expected float16 [N, 2, H, D], got {summaries.dtype} {list(summaries.shape)}")
-    num_blocks, _, num_kv_heads, head_dim = summaries.shape
-    if codes.dtype != torch.uint8 or codes.dim() != 5 or codes.shape[0] < num_blocks \
-            or tuple(codes.shape[1:3]) != (num_kv_heads, 2) or codes.shape[4] * 4 != head_dim:
-        raise ValueError(f"codes: expected uint8 [{num_blocks}, {num_kv_heads}, 2, block_tokens, {head_dim // 4}], "
-                         f"got {codes.dtype} {list(codes.shape)}")
-    block_tokens = codes.shape[3]
-    if q.dim() != 2 or q.shape[1] != head_dim or q.dtype != torch.float16 or q.shape[0] % num_kv_heads:
-        raise ValueError(f"q: expected float16 [a multiple of {num_kv_heads}, {head_dim}], "
-                         f"got {q.dtype} {list(q.shape)}")
-    if not (num_blocks - 1) * block_tokens < num_tokens <= num_blocks * block_tokens:
-        raise ValueError(f"num_tokens {num_tokens} does not fill {num_blocks} blocks of {block_tokens}")
-    if planes not in (1, 2):
-        raise ValueError(f"planes must be 1 (high plane) or 2 (both), got {planes}")
-    if len({q.device, summaries.device, codes.device}) != 1:
-        raise ValueError(f"q, summaries and codes must share a device, "
-                         f"got {q.device}, {summaries.device}, {codes.device}")
-    return num_blocks, num_kv_heads, block_tokens
-
-
-def sketch_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, num_tokens: int, *,
+def sketch_block_stats_v1(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, num_tokens: int, *,
                        planes: int = 2, block_ids: torch.Tensor | None = None, scale: float | None = None,
                        num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """(lse, upper) float32 [Hq, C]: per q head and block (C = num_blocks, or the columns of block_ids
@@ -189,35 +171,3 @@ def sketch_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Te
         num_warps=num_warps,
     )  # fmt: skip
     return lse, upper
-
-
-def sketch_block_stats_ref(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, num_tokens: int, *,
-                           planes: int = 2, block_ids: torch.Tensor | None = None,
-                           scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pure-torch reference of `sketch_block_stats` (same contract); also the CPU path."""
-    num_blocks, num_kv_heads, block_tokens = check_inputs(q, summaries, codes, num_tokens, planes)
-    head_dim = summaries.shape[3]
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    group = q.shape[0] // num_kv_heads
-    if block_ids is None:
-        block_ids = torch.arange(num_blocks, device=q.device).expand(num_kv_heads, num_blocks)
-    s = summaries.float()[block_ids, :, torch.arange(num_kv_heads, device=q.device)[:, None]]  # [H, C, 2, D]
-    low, high = s[:, :, 0], s[:, :, 1]
-    step = (high - low) / LEVELS
-    c = codes[block_ids, torch.arange(num_kv_heads, device=q.device)[:, None]].to(torch.int64)  # [H, C, 2, B, D/4]
-    shifts = torch.arange(0, 8, 2, device=q.device)[:, None]
-    quarters = (c.unsqueeze(-2) >> shifts) & 3  # [H, C, 2, B, 4, D/4]
-    code = quarters[:, :, 0] * 4.0 + (quarters[:, :, 1] if planes == 2 else COARSE_MID)
-    k_hat = low[:, :, None] + step[:, :, None] * code.flatten(-2)  # [H, C, B, D]
-    qg = q.float().view(num_kv_heads, group, head_dim)  # [H, G, D]
-    logit = torch.einsum("hgd,hcbd->hgcb", qg, k_hat) * scale
-    real = block_ids[:, :, None] * block_tokens + torch.arange(block_tokens, device=q.device) < num_tokens  # [H,C,B]
-    lse = torch.logsumexp(logit.masked_fill(~real[:, None], float("-inf")), dim=-1)  # [H, G, C]
-    half = FINE_HALF if planes == 2 else COARSE_HALF
-    size = torch.maximum(low.abs(), high.abs())
-    err = (half * torch.einsum("hgd,hcd->hgc", qg.abs(), step) + ROUNDING_SLACK
-           * torch.einsum("hgd,hcd->hgc", qg.abs(), size)) * scale
-    quest = (torch.einsum("hgd,hcd->hgc", qg.clamp(min=0), high) + torch.einsum("hgd,hcd->hgc", qg.clamp(max=0), low))
-    quest = quest + ROUNDING_SLACK * torch.einsum("hgd,hcd->hgc", qg.abs(), size)
-    upper = torch.minimum(lse + err, real.sum(-1).float().log()[:, None] + quest * scale)
-    return lse.flatten(0, 1), upper.flatten(0, 1)

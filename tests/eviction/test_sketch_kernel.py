@@ -37,8 +37,9 @@ def _true_block_lse(q, keys, block_tokens):
 @pytest.mark.parametrize("num_tokens,block_tokens,num_kv_heads,group,head_dim", [
     (37, 16, 2, 3, 64),  # partial tail, odd group
     (96, 32, 1, 4, 128),  # full blocks, llama3 head size
-    (50, 24, 2, 1, 32),  # block size not a power of two, no GQA
+    (50, 24, 2, 1, 32),  # block size not a power of two, no GQA, a quarter narrower than tl.dot's K
     (9, 64, 3, 2, 64),  # one partial block
+    (5 * 64 - 3, 64, 2, 4, 128),  # llama3-8b's group and blocks, 5 blocks (not a multiple of blocks_per_program)
 ])
 @pytest.mark.parametrize("planes", [1, 2])
 def test_kernel_matches_reference(num_tokens, block_tokens, num_kv_heads, group, head_dim, planes) -> None:
@@ -51,6 +52,21 @@ def test_kernel_matches_reference(num_tokens, block_tokens, num_kv_heads, group,
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
     true = _true_block_lse(q, keys, block_tokens)
     assert (got[1] >= true).all() and (want[1] >= true).all()
+
+
+@pytest.mark.parametrize("blocks_per_program,decode", [(1, 0), (3, 1), (8, 0)])
+@pytest.mark.parametrize("planes", [1, 2])
+def test_tuning_knobs_do_not_change_results(blocks_per_program, decode, planes) -> None:
+    """Every knob setting the benchmark sweeps computes the same thing (here 7 blocks: programs run past the end)."""
+    q, summaries, codes, keys = _case(7 * 64 - 10, 64, 2, 4, 128, seed=11)
+    want = sketch_block_stats_ref(q, summaries, codes, keys.shape[0], planes=planes)
+    ids = torch.tensor([[6, 0, 3, 1, 5], [2, 6, 4, 0, 1]], device=DEVICE)  # candidate mode, unsorted, tail included
+    want_ids = sketch_block_stats_ref(q, summaries, codes, keys.shape[0], planes=planes, block_ids=ids)
+    knobs = dict(blocks_per_program=blocks_per_program, decode=decode)
+    got = sketch_block_stats(q, summaries, codes, keys.shape[0], planes=planes, **knobs)
+    got_ids = sketch_block_stats(q, summaries, codes, keys.shape[0], planes=planes, block_ids=ids, **knobs)
+    for w, g in zip(want + want_ids, got + got_ids):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
 
 
 def test_candidate_columns_and_strided_capacity() -> None:
@@ -90,6 +106,42 @@ def test_upper_bound_holds_for_keys_on_rounding_edges() -> None:
     assert (lse[0] < true[0] - 0.2).all()  # both planes: q head 0's estimate is fooled, its bound is not
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_upper_bound_holds_on_random_keys_with_outliers(seed) -> None:
+    """Outlier channels (x50), outlier tokens (x20) and a large q: the fp16 rounding of q * step is largest
+    next to big steps, and the bound must still cover every block's true log-sum-exp."""
+    g = torch.Generator().manual_seed(seed)
+    num_tokens, block_tokens, num_kv_heads, group, head_dim = 5 * 64 - 17, 64, 2, 4, 128
+    keys = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)
+    keys[..., torch.randint(0, head_dim, (3,), generator=g)] *= 50.0
+    keys[torch.randint(0, num_tokens, (9,), generator=g)] *= 20.0
+    keys = keys.half()
+    q = (torch.randn(num_kv_heads * group, head_dim, generator=g) * 8).half()
+    summaries, codes = sketch_keys(keys, block_tokens)
+    q, summaries, codes, keys = q.to(DEVICE), summaries.to(DEVICE), codes.to(DEVICE), keys.to(DEVICE)
+    true = _true_block_lse(q, keys, block_tokens)
+    for planes in (1, 2):
+        lse, upper = sketch_block_stats(q, summaries, codes, num_tokens, planes=planes)
+        assert (upper >= true).all(), (upper - true).min()
+        want = sketch_block_stats_ref(q, summaries, codes, num_tokens, planes=planes)
+        torch.testing.assert_close(upper, want[1], rtol=1e-5, atol=1e-3)
+
+
+def test_fp16_overflow_falls_back_to_the_min_max_bound() -> None:
+    """|4 q step| past fp16's range: the estimate is not trusted, upper is Quest's bound, still above the truth."""
+    q, summaries, codes, keys = _case(40, 16, 1, 2, 64, seed=3)
+    keys = keys * 400.0  # steps ~ 100
+    summaries, codes = sketch_keys(keys.cpu(), 16)
+    summaries, codes = summaries.to(DEVICE), codes.to(DEVICE)
+    q = (q.float() * 100).half()  # |q step| > 65504 somewhere in every block
+    true = _true_block_lse(q, keys, 16)
+    for planes in (1, 2):
+        lse, upper = sketch_block_stats(q, summaries, codes, 40, planes=planes)
+        want = sketch_block_stats_ref(q, summaries, codes, 40, planes=planes)
+        assert torch.isfinite(upper).all() and (upper >= true).all()
+        torch.testing.assert_close(upper, want[1], rtol=1e-5, atol=1e-2)
+
+
 def test_bad_input_raises() -> None:
     q, summaries, codes, _ = _case(40, 16, 2, 2, 64, seed=1)
     with pytest.raises(ValueError, match="num_tokens"):
@@ -100,5 +152,7 @@ def test_bad_input_raises() -> None:
         sketch_block_stats(q, summaries, codes[:, :1], 40)
     with pytest.raises(ValueError, match="planes"):
         sketch_block_stats_ref(q, summaries, codes, 40, planes=3)
+    with pytest.raises(ValueError, match="knobs"):
+        sketch_block_stats(q, summaries, codes, 40, blocks=4)
     with pytest.raises(ValueError, match="block_ids"):
         sketch_block_stats(q, summaries, codes, 40, block_ids=torch.zeros(3, 2, dtype=torch.int64, device=DEVICE))
