@@ -70,7 +70,8 @@ def _fill_pools(case_shape, table, is_int8, used, k, v):
 
 
 def make_case(lengths: list[int], heads: int, group: int, head_dim: int, block_tokens: int, frac_int8: float,
-              *, seed: int = 0, shared_table: bool = False, pad_blocks: int = 2, empty_pool: str | None = None) -> Case:
+              *, seed: int = 0, shared_table: bool = False, pad_blocks: int = 2, empty_pool: str | None = None,
+              sinks_recent: tuple[int, int] | None = None) -> Case:
     gen = torch.Generator().manual_seed(seed)
     batch = len(lengths)
     n_blocks = [-(-n // block_tokens) for n in lengths]
@@ -82,6 +83,11 @@ def make_case(lengths: list[int], heads: int, group: int, head_dim: int, block_t
     is_int8 = torch.rand((batch, table_heads, max_blocks), generator=gen) < frac_int8
     if empty_pool is not None:
         is_int8[:] = empty_pool == "hot"
+    if sinks_recent is not None:  # the decode step's table: first and last blocks of each row fp16, the rest int8
+        for b, nb in enumerate(n_blocks):
+            is_int8[b] = True
+            is_int8[b, :, : sinks_recent[0]] = False
+            is_int8[b, :, max(0, nb - sinks_recent[1]) : nb] = False
     used = torch.arange(max_blocks)[None, None, :] < torch.tensor(n_blocks)[:, None, None]
     used = used.expand(batch, table_heads, max_blocks)
     table = _assign_slots(used, is_int8, gen)
@@ -161,7 +167,7 @@ CASES = {  # lengths, kv heads, group, head_dim, block_tokens, fraction int8, kw
     "hot_pool_empty": ([77], 2, 4, 32, 16, 1.0, {"empty_pool": "hot"}),
     "block_tokens_128": ([300], 1, 4, 32, 128, 0.5, {"num_splits": 2}),
 }
-CASE_KEYS = ("shared_table", "empty_pool")
+CASE_KEYS = ("shared_table", "empty_pool", "sinks_recent")
 
 
 def _build(name: str) -> tuple[Case, dict]:
@@ -251,3 +257,5 @@ def test_group_must_divide_and_config_must_be_valid() -> None:
         paged_decode(*case.args(), blocks_per_iter=3)
     with pytest.raises(ValueError, match="num_splits"):
         paged_decode(*case.args(), num_splits=0)
+    with pytest.raises(ValueError, match="both_pools"):
+        paged_decode(*case.args(), both_pools="masked")

@@ -1,0 +1,65 @@
+"""Both pools present (what the captured decode step always passes): every both_pools variant of
+paged_decode against the reference over irregular geometries and table mixes, and the partitioned
+table (partition.py) against its reference. Cases come from test_paged_decode.make_case (poisoned
+pools: a stray read shows up as NaN or a wrong answer)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstore.attention.paged_decode import BOTH_POOLS, paged_decode
+from kvstore.attention.partition import partition_table, partition_table_ref
+from kvstore.attention.reference import paged_decode_ref
+from tests.kvstore.attention.test_paged_decode import CASE_KEYS, DEVICE, Case, _build, make_case
+
+VARIANT_CASES = {  # both pools present; lengths, kv heads, group, head_dim, block_tokens, fraction int8, kwargs
+    "gqa1_d64_bt16_mixed": ([150, 37], 2, 1, 64, 16, 0.5, {}),
+    "gqa4_d128_bt32_sinks_recent": ([333], 2, 4, 128, 32, 1.0, {"sinks_recent": (1, 3)}),
+    "gqa8_d128_bt64_mixed_tail": ([200, 64], 1, 8, 128, 64, 0.5, {"num_splits": 2}),
+    "gqa4_d64_bt64_all_int8": ([190], 2, 4, 64, 64, 1.0, {}),
+    "gqa4_d64_bt32_all_fp16": ([97, 0], 2, 4, 64, 32, 0.0, {}),
+    "gqa2_d64_bt16_shared_many_splits": ([260, 31], 2, 2, 64, 16, 0.6, {"shared_table": True, "num_splits": 7}),
+}
+
+
+def _build_variant(name: str) -> tuple[Case, dict]:
+    lengths, heads, group, head_dim, block_tokens, frac, kwargs = VARIANT_CASES[name]
+    build = {k: v for k, v in kwargs.items() if k in CASE_KEYS}
+    run = {k: v for k, v in kwargs.items() if k not in CASE_KEYS}
+    return make_case(lengths, heads, group, head_dim, block_tokens, frac, seed=len(name), **build), run
+
+
+@pytest.mark.parametrize("both_pools", BOTH_POOLS)
+@pytest.mark.parametrize("name", sorted(VARIANT_CASES))
+def test_both_pool_variants_match_reference(name: str, both_pools: str) -> None:
+    case, kwargs = _build_variant(name)
+    assert len(case.hot) > 0 and len(case.warm_data) > 0  # the two-pool path, as the decode step calls it
+    out, mass = paged_decode(*case.args(), return_block_mass=True, both_pools=both_pools, **kwargs)
+    ref_out, ref_mass = paged_decode_ref(*case.args(), return_block_mass=True)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=4e-3, rtol=1e-2)
+    torch.testing.assert_close(mass, ref_mass, atol=1e-3, rtol=1e-2)
+
+
+@pytest.mark.parametrize("name", ["gqa4_mixed", "shared_table_dense_mode", "empty_row", "all_int8_hot_present"])
+def test_partition_matches_reference(name: str) -> None:
+    case, _ = _build(name)
+    block_tokens = case.hot.shape[3]
+    flags = case.is_int8.view(torch.int8)
+    part = partition_table(case.table, flags, case.num_tokens, block_tokens)
+    assert part.slots.shape == case.table.shape and part.num_fp16.shape == case.table.shape[:2]
+    for b, row in enumerate(partition_table_ref(case.table, flags, case.num_tokens, block_tokens)):
+        for h, (num_fp16, slots, positions) in enumerate(row):
+            n = len(slots)
+            assert int(part.num_fp16[b, h]) == num_fp16
+            assert torch.equal(part.slots[b, h, :n].cpu(), slots)
+            assert torch.equal(part.positions[b, h, :n].cpu(), positions)
+
+
+def test_partition_caps_rows_at_the_table() -> None:
+    """num_tokens past the table's end: only the table's entries are partitioned (as the kernel reads them)."""
+    table = torch.arange(6, dtype=torch.int32, device=DEVICE).view(1, 1, 6)
+    flags = torch.tensor([[[1, 0, 1, 0, 0, 1]]], dtype=torch.int8, device=DEVICE)
+    part = partition_table(table, flags, torch.tensor([1000], dtype=torch.int32, device=DEVICE), 16)
+    assert int(part.num_fp16[0, 0]) == 3
+    assert part.positions[0, 0].tolist() == [1, 3, 4, 5, 2, 0]
