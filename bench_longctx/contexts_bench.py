@@ -74,7 +74,7 @@ def run_context(spec: ModelSpec, context: int, directory: str) -> dict:
         for f in forks:
             store.free(f)
         _, save_s = timed(lambda: store.save(seq, "bench"))
-        saved_bytes = sum(len(v) for v in store.tiers.encoded(
+        saved_bytes = sum(len(v) for v in store.saved.encoded(
             [b for layer in range(spec.num_layers) for b in store.table(seq, layer).block_ids]))
         never_saved = first_attends(store, seq)
     with KVStore(bench_config(spec, path)) as store:  # what a new process does: nothing cached in the store

@@ -20,7 +20,7 @@ from typing import Sequence
 from kvstore.config import Config, ModelSpec
 from kvstore.table import DROPPED, LayerTable, TableTensors
 from kvstore.saved import SavedContext, SavedLayer
-from kvstore.tierset import HOT_TIER, TierSet
+from kvstore.tierset import HOT_TIER, WARM_TIER, TierSet
 from tiers import keys
 from tiers.keys import block_key, chain_hashes  # noqa: F401  (also re-exported)
 
@@ -87,6 +87,7 @@ class Contexts:
         self.root = chain_root(config.model_id, config.model, config.block_tokens)
         self.tables, self.tiers, self.tensors = tables, tiers, tensors
         self.records: dict[int, TokenRecord] = {}  # sequences whose token ids are known from position 0
+        self.unloaded_sketch: dict[int, list] = {}  # opened sequence -> per layer (read codes, saved blocks)
 
     def new_record(self) -> TokenRecord:
         return TokenRecord(self.root, self.block_tokens, self.num_layers)
@@ -127,6 +128,8 @@ class Contexts:
         self.tables[new] = [self.tensors.copy(t) for t in self.tables[seq]]
         if seq in self.records:
             self.records[new] = self.records[seq].copy()
+        if seq in self.unloaded_sketch:  # the copy's codes are as unloaded as the original's
+            self.unloaded_sketch[new] = list(self.unloaded_sketch[seq])
         self._share_all(new)
 
     def match(self, token_ids: list[int]) -> PrefixMatch:
@@ -154,11 +157,14 @@ class Contexts:
         self._share_all(new)
 
     def start_saved(self, new: int, saved: SavedContext) -> None:
-        """Sequence `new` is the saved context: tables, summaries and token ids now; each block stays in the
-        saved tier until selected, except tails and the hot window (sinks, recent tokens), loaded here."""
+        """Sequence `new` is the saved context: tables, summaries and token ids now; sketch codes when the
+        sketch policy first needs them (`load_sketch_if_needed`); each block stays in the saved tier until
+        selected, except tails and the hot window (sinks, recent tokens), loaded here."""
         tables = self.tables[new] = [self._table_saved(new, layer, s) for layer, s in enumerate(saved.layers)]
         ids = [b for table in tables for b in table.block_ids if b != DROPPED]
         self.tiers.adopt_saved(ids, [key for s in saved.layers for key in s.keys])  # every block, or none
+        self.unloaded_sketch[new] = [(s.sketch, t.num_blocks, s.num_tokens % self.block_tokens != 0)
+                                     for s, t in zip(saved.layers, tables)]
         try:
             if saved.token_ids is not None:
                 self.records[new] = self.new_record()
@@ -174,6 +180,20 @@ class Contexts:
             self.free(new)
             raise
 
+    def load_sketch_if_needed(self, seq: int) -> None:
+        """Read the sketch codes of an opened sequence's saved blocks (once; the sketch policy reads them).
+        A saved partial tail that has filled since was re-encoded on its final grid and keeps those codes."""
+        unloaded = self.unloaded_sketch.get(seq)
+        if not unloaded:
+            return
+        for layer, (read, n, partial) in enumerate(unloaded):
+            table = self.tables[seq][layer]
+            rows = n - 1 if partial and table.num_tokens >= n * self.block_tokens else n
+            if read is not None and rows:
+                table.sketch[:rows] = read()[:rows].to(self.tensors.device)
+            unloaded[layer] = (None, n, partial)  # this layer done: a failure in a later one keeps it
+        del self.unloaded_sketch[seq]
+
     def _table_saved(self, new: int, layer: int, saved: SavedLayer) -> LayerTable:
         n = saved.summaries.shape[0]
         ids = self.tiers.blocks.new_ids(n, new, layer, 0)
@@ -186,7 +206,6 @@ class Contexts:
             self.tensors.reserve(table, n)
             table.summaries[:n] = saved.summaries.to(self.tensors.device)
             table.h2o_scores[:, :n] = saved.h2o_scores.to(self.tensors.device)
-            table.sketch[:n] = saved.sketch.to(self.tensors.device)
         return table
 
     def _table_on(self, ids: list[int]) -> LayerTable:
@@ -200,6 +219,7 @@ class Contexts:
             dst.append(i)
             src.append(index)
         for (seq, layer), (dst, src) in by_source.items():
+            self.load_sketch_if_needed(seq)
             table.summaries[dst] = self.tables[seq][layer].summaries[src]
             table.sketch[dst] = self.tables[seq][layer].sketch[src]
         return table
@@ -208,12 +228,52 @@ class Contexts:
         tables, done = self.tables[new], 0
         try:
             for layer, table in enumerate(tables):
-                self.tiers.share(new, layer, table, self.block_tokens)
+                self._share(new, layer, table)
                 done += 1
         except BaseException:  # the failing layer's table is empty already; later ones never held anything
             tables[done + 1:] = [LayerTable() for _ in tables[done + 1:]]
             self.free(new)
             raise
+
+    def _share(self, seq: int, layer: int, table: LayerTable) -> None:
+        """`table`, registered as (seq, layer), points at recorded blocks (a fork's copy, or a prefix): its
+        full blocks become held by reference and its maps and counts follow the registry; a partial tail
+        block, which appends write in place, is copied into the hot tier (copy-on-write). On failure the
+        table is left empty and holds nothing."""
+        n = table.num_blocks
+        partial = table.num_tokens % self.block_tokens != 0
+        shared = [i for i in range(n - 1 if partial else n) if table.block_ids[i] != DROPPED]
+        for i in shared:
+            self.tiers.blocks.hold(table.block_ids[i], (seq, layer, i))
+        self._point(table, shared)
+        try:
+            if partial:
+                tail = self.tiers.gather([table.block_ids[n - 1]], self.tiers.device)  # [1, 2, H, B, D] fp16
+                table.block_ids[n - 1] = self.tiers.blocks.new_ids(1, seq, layer, n - 1)[0]
+                try:
+                    self.tiers.place([table.block_ids[n - 1]], tail, HOT_TIER, coldest=HOT_TIER)
+                except BaseException:
+                    self.tiers.blocks.forget_owners([table.block_ids[n - 1]])
+                    raise
+            else:
+                self.tiers.pin_tail(table)
+        except BaseException:
+            for i in shared:
+                self.tiers.blocks.let_go(table.block_ids[i], (seq, layer, i))
+            table.block_ids.clear()
+            table.num_tokens = table.num_warm = table.num_cold = table.num_dropped = 0
+            raise
+
+    def _point(self, table: LayerTable, indices: list[int]) -> None:
+        """Set the table's maps and warm/cold counts for entries `indices` (every live one but a copied tail)."""
+        groups: dict[int, list[int]] = {}
+        for i in indices:
+            groups.setdefault(self.tiers.blocks.tier_of[table.block_ids[i]], []).append(i)
+        table.num_warm = len(groups.get(WARM_TIER, ()))
+        table.num_cold = sum(len(g) for t, g in groups.items() if t > WARM_TIER)
+        for tier, group in groups.items():
+            self.tiers.set_maps(table, group, tier)
+
 
     def free(self, seq: int) -> None:
         """Let go of every block of `seq`; blocks no other sequence holds return to their tiers."""
@@ -221,3 +281,4 @@ class Contexts:
             self.tiers.release(seq, layer, [i for i, b in enumerate(table.block_ids) if b != DROPPED])
         del self.tables[seq]
         self.records.pop(seq, None)
+        self.unloaded_sketch.pop(seq, None)

@@ -1,20 +1,27 @@
-"""Saved contexts: named sequences persisted in the cold ssd tier's LMDB, opened lazily by any process.
+"""Saved contexts: named sequences persisted where the cold tier keeps values (the ssd tier's LMDB, or
+the Redis the redis tier talks to), opened lazily by any process.
 
-Keys, under their own prefix (the ssd tier's sweep of stale blocks touches only b"kvstore/"):
-    ctx/name/<name>                               manifest (JSON), committed last, in one transaction
-    ctx/data/<save id>/b/<layer u16><index u64>   one block value (tiers/codec.py: checksummed, in the
-                                                  format its tier held it: fp16, or int8 from warm/cpu)
-    ctx/data/<save id>/m/<layer u16>              the layer's key summaries fp16 [n, 2, H, D], its H2O
-                                                  scores fp32 [H, n], its key sketch uint8 [n, H, 2, B, D/4]
-    ctx/data/<save id>/t                          token ids, int64 little endian
-    ctx/pending/<save id>                         a save in progress ({pid, host}); deleted in the
-                                                  manifest's transaction
-A save writes everything under a fresh save id, syncs, then commits the manifest (replacing an
-older one, whose data is deleted after). So an acknowledged save is complete and a killed one
-left only data no manifest names; `collect_garbage` deletes that once its writer is dead.
-Opening reads the manifest, summaries, sketches and token ids; blocks stay where they are until selected
-(tiers/saved.py reads them in place). Replacing or deleting a saved context while another store
-has it open makes that store's reads of its blocks fail (BlockMissingError).
+Keys (tiers/saved.py's values stores; Redis puts them under its PREFIX; the ssd tier's sweep of
+stale blocks touches only b"kvstore/"):
+    ctx/name/<name>                         manifest (JSON), committed last, in one write: a save is
+                                            complete or absent
+    ctx/pending/<save id>                   a save in progress ({pid, host}); deleted with the commit
+    ctx/block/<layer u16><chain hash>       Redis: a full block whose token ids are known, under its
+                                            content key (tiers/keys.py), stored once (SET NX) and shared
+                                            by every save naming it; Redis's maxmemory policy removes it
+    ctx/data/<id>/b/<layer u16><index u64>  any other block (LMDB: every block) of that save
+    ctx/data/<id>/m/<layer u16><part u32>   key summaries fp16 [p, 2, H, D] of PART_BYTES-sized parts
+    ctx/data/<id>/h/<layer u16>             H2O scores fp32 [H, n]
+    ctx/data/<id>/k/<layer u16><part u32>   key sketch codes uint8 [p, H, 2, B, D/4]
+    ctx/data/<id>/t                         token ids, int64 little endian
+Block values are tiers/codec.py values (checksummed, in the format their tier held: fp16, or int8
+from warm/cpu); the manifest holds the xxh3-64 of every other value. A save writes under a fresh
+save id, syncs, then commits the manifest (an older one's data is deleted after). `collect_garbage`
+deletes what a killed save left once its writer is dead.
+Opening reads the manifest, summaries, H2O scores and token ids: what a top-K (Quest) decode needs.
+Sketch codes load on first use (SavedLayer.sketch) and blocks stay where they are until selected
+(tiers/saved.py reads them in place). Replacing or deleting a saved context while a store has it
+open makes that store's later reads of its blocks fail (BlockMissingError).
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ import re
 import socket
 import uuid
 from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Sequence
 
 import lmdb
 import numpy as np
@@ -32,13 +41,20 @@ import torch
 import xxhash
 
 from kvstore.table import DROPPED, LayerTable
-from tiers.errors import CapacityError
+from kvstore.tierset import COLD_TIER, SAVED_TIER, TierSet
+from tiers.base import Tier
+from tiers.codec import Codec
+from tiers.errors import BlockMissingError, CapacityError
+from tiers.keys import block_key, chain_hashes
+from tiers.saved import LmdbValues, RedisValues
 from tiers.ssd import SsdTier
 
 NAME = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
-_MANIFEST, _DATA, _PENDING = b"ctx/name/", b"ctx/data/", b"ctx/pending/"
-_BATCH = 256  # blocks per write transaction
-VERSION = 1
+_MANIFEST, _DATA, _PENDING, _BLOCK = b"ctx/name/", b"ctx/data/", b"ctx/pending/", b"ctx/block/"
+_BATCH = 256  # blocks per write
+PART_BYTES = 8 << 20  # sketch codes per value (Redis refuses values over 512 MiB; a 1M-token layer has 512 MiB)
+VERSION = 2
+Values = LmdbValues | RedisValues
 
 
 @dataclass(slots=True)
@@ -47,8 +63,8 @@ class SavedLayer:
     dropped: list[int]  # block indices H2O drop mode had freed
     summaries: torch.Tensor  # fp16 [n, 2, H, D] on the CPU
     h2o_scores: torch.Tensor  # fp32 [H, n]
-    sketch: torch.Tensor  # uint8 [n, H, 2, B, D/4]
     keys: list[bytes]  # the saved value of each block not dropped, in index order
+    sketch: Callable[[], torch.Tensor]  # reads uint8 [n, H, 2, B, D/4] (only the sketch policy needs it)
 
 
 @dataclass(slots=True)
@@ -58,164 +74,196 @@ class SavedContext:
     layers: list[SavedLayer]
 
 
+def values_store(cold: Tier) -> Values | None:
+    """Where saved contexts live beside `cold`: its LMDB, its Redis; None for the sidecar."""
+    if isinstance(cold, SsdTier):
+        return LmdbValues(cold.env)
+    return RedisValues(cold.client) if cold.name == "redis" else None
+
+
 class SavedContexts:
-    def __init__(self, ssd: SsdTier, root: bytes, num_kv_heads: int, head_dim: int, block_tokens: int) -> None:
-        self.env, self.root = ssd.env, root
-        self.num_kv_heads, self.head_dim, self.block_tokens = num_kv_heads, head_dim, block_tokens
+    """Save, load, list and delete saved contexts in `values`; blocks to save are read from `tiers`."""
+
+    def __init__(self, values: Values, tiers: TierSet, root: bytes) -> None:
+        self.values, self.tiers, self.root = values, tiers, root
+        layout = tiers.layout
+        self.num_kv_heads, self.head_dim, self.block_tokens = layout.num_kv_heads, layout.head_dim, layout.block_tokens
+        self.sketch_row = self.num_kv_heads * 2 * self.block_tokens * self.head_dim // 4  # bytes per block
+        self.part_blocks = max(1, PART_BYTES // self.sketch_row)
 
     # -- save ------------------------------------------------------------------------------
-    def save(self, name: str, tables: list[LayerTable], token_ids: list[int] | None, encode) -> None:
-        """Persist `tables` (and the sequence's token ids, if known) as `name`; `encode(block ids)` gives
-        each block's stored value. Returns once the save is durable; on failure nothing of it stays."""
+    def save(self, name: str, tables: list[LayerTable], token_ids: list[int] | None) -> None:
+        """Persist `tables` (and the sequence's token ids, if known) as `name`. Returns once the save is
+        durable; on failure nothing of it stays under the name (content blocks it added may stay, shared)."""
         _check_name(name)
         self.collect_garbage()
         save_id = uuid.uuid4().hex.encode()
-        self._put([(_PENDING + save_id, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())])
+        pending = _PENDING + save_id
+        self.values.put([(pending, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())])
         try:
-            manifest = self._write_data(save_id, tables, token_ids, encode)
+            manifest = self._write_data(save_id, tables, token_ids)
             manifest.update(name=name, root=self.root.hex())
-            self.env.sync(True)  # every block and summary durable before the manifest names them
-            with self.env.begin(write=True) as txn:
-                old = txn.get(_MANIFEST + name.encode())
-                txn.put(_MANIFEST + name.encode(), json.dumps(manifest).encode())
-                txn.delete(_PENDING + save_id)
+            self.values.sync()  # every block and summary durable before the manifest names them
+            old = self.values.commit(_MANIFEST + name.encode(), json.dumps(manifest).encode(), pending)
         except BaseException as exc:
-            self._delete_data(save_id)
-            self._delete_keys([_PENDING + save_id])
+            self.values.delete_prefix(_DATA + save_id + b"/")
+            self.values.delete([pending])
             if isinstance(exc, lmdb.MapFullError):
                 raise CapacityError(f"saving {name!r}: the ssd tier's LMDB map (2 x ssd_bytes) is full") from exc
             raise
-        self.env.sync(True)
+        self.values.sync()
         if old is not None:
-            self._delete_data(json.loads(old)["save_id"].encode())
+            self.values.delete_prefix(_DATA + json.loads(old)["save_id"].encode() + b"/")
 
-    def _write_data(self, save_id: bytes, tables: list[LayerTable], token_ids: list[int] | None, encode) -> dict:
+    def _write_data(self, save_id: bytes, tables: list[LayerTable], token_ids: list[int] | None) -> dict:
         """Blocks, per-layer metadata and token ids under the save id; returns the manifest's other fields."""
         data, layers = _DATA + save_id + b"/", []
+        chain = chain_hashes(self.root, token_ids, self.block_tokens) if token_ids and self.values.content_keyed else []
         for layer, table in enumerate(tables):
+            keyed = min(len(chain), table.num_tokens // self.block_tokens)
+            keys = self._block_keys(data, layer, table.num_blocks, keyed, chain)
             live = [i for i, b in enumerate(table.block_ids) if b != DROPPED]
             for lo in range(0, len(live), _BATCH):
-                batch = live[lo: lo + _BATCH]
-                values = encode([table.block_ids[i] for i in batch])
-                self._put([(_block_key(data, layer, i), v) for i, v in zip(batch, values)])
-            meta = _layer_bytes(table)
-            self._put([(data + b"m/" + layer.to_bytes(2, "big"), meta)])
-            layers.append({"num_tokens": table.num_tokens, "num_blocks": table.num_blocks,
-                           "dropped": [i for i, b in enumerate(table.block_ids) if b == DROPPED],
-                           "meta_xxh3": xxhash.xxh3_64_intdigest(meta)})
+                self._write_blocks(table, live[lo: lo + _BATCH], keys, keyed)
+            layers.append(self._write_meta(data, layer, table, keyed))
         tokens = None if token_ids is None else np.asarray(token_ids, dtype="<i8").tobytes()
         if tokens is not None:
-            self._put([(data + b"t", tokens)])
+            self.values.put([(data + b"t", tokens)])
         return {"version": VERSION, "save_id": save_id.decode(), "layers": layers,
-                "geometry": [self.num_kv_heads, self.head_dim, self.block_tokens],
+                "geometry": [self.num_kv_heads, self.head_dim, self.block_tokens], "part_blocks": self.part_blocks,
                 "tokens_xxh3": None if tokens is None else xxhash.xxh3_64_intdigest(tokens)}
 
-    def _put(self, items: list[tuple[bytes, bytes]]) -> None:
-        with self.env.begin(write=True) as txn:
-            for key, value in items:
-                txn.put(key, value)
+    def _write_blocks(self, table: LayerTable, batch: list[int], keys: list[bytes], keyed: int) -> None:
+        """One batch of a layer's blocks; a content-keyed block already stored is not written again."""
+        keyed_rows = [i for i in batch if i < keyed]
+        held = set()
+        if keyed_rows:
+            held = {i for i, there in zip(keyed_rows, self.values.exists([keys[i] for i in keyed_rows])) if there}
+        todo = [i for i in batch if i not in held]
+        values = self.encoded([table.block_ids[i] for i in todo]) if todo else []
+        self.values.put_new([(keys[i], v) for i, v in zip(todo, values) if i < keyed])
+        self.values.put([(keys[i], v) for i, v in zip(todo, values) if i >= keyed])
 
-    def _delete_keys(self, keys: list[bytes]) -> None:
-        with self.env.begin(write=True) as txn:
-            for key in keys:
-                txn.delete(key)
+    def _write_meta(self, data: bytes, layer: int, table: LayerTable, keyed: int) -> dict:
+        n, lay, p = table.num_blocks, layer.to_bytes(2, "big"), self.part_blocks
+        scores = table.h2o_scores[:, :n].cpu().contiguous().numpy().tobytes() if n else b""
+        items = [(data + b"h/" + lay, scores)]
+        for part, lo in enumerate(range(0, n, p)):
+            hi = min(n, lo + p)
+            items.append((data + b"m/" + lay + part.to_bytes(4, "big"), _bytes(table.summaries[lo:hi])))
+            items.append((data + b"k/" + lay + part.to_bytes(4, "big"), _bytes(table.sketch[lo:hi])))
+        self.values.put(items)
+        return {"num_tokens": table.num_tokens, "num_blocks": n, "keyed": keyed,
+                "dropped": [i for i, b in enumerate(table.block_ids) if b == DROPPED],
+                "h_xxh3": xxhash.xxh3_64_intdigest(scores),
+                "m_xxh3": [xxhash.xxh3_64_intdigest(v) for k, v in items[1::2]],
+                "k_xxh3": [xxhash.xxh3_64_intdigest(v) for k, v in items[2::2]]}
+
+    def _block_keys(self, data: bytes, layer: int, n: int, keyed: int, chain: Sequence[bytes]) -> list[bytes]:
+        """Each block's value key: content keys for the first `keyed`, keys of this save for the rest."""
+        return [_BLOCK + block_key(layer, chain[i]) if i < keyed else
+                data + b"b/" + layer.to_bytes(2, "big") + i.to_bytes(8, "big") for i in range(n)]
+
+    def encoded(self, ids: Sequence[int]) -> list[bytes]:
+        """Each block as one stored value (tiers/codec.py), in its tier's format (fp16 or int8): values the
+        cold ssd tier or the saved tier hold are copied as they are, the others encoded."""
+        tiers, values = self.tiers, {}
+        for tier, group in tiers.blocks.by_tier(ids).items():
+            if tier == SAVED_TIER:
+                got = tiers.saved.get_values([tiers.saved.key_of[i] for i in group])
+            elif tier == COLD_TIER and isinstance(tiers.cold, SsdTier):
+                got = tiers.cold.get_values([tiers.cold.key(i) for i in group])
+            else:
+                blocks = tiers[tier].get(group).to("cpu")
+                codec = Codec(*getattr(tiers.cold, "codec_args", ("zstd", 1)))
+                got = [codec.encode(tiers.layout, blocks, row) for row in range(len(group))]
+            if any(v is None for v in got):
+                raise BlockMissingError(f"{tiers[tier].name}: a block to save is gone")
+            values.update(zip(group, got))
+        return [values[i] for i in ids]
 
     # -- open ------------------------------------------------------------------------------
     def load(self, name: str) -> SavedContext:
-        """The manifest, summaries and token ids of `name` (no block is read)."""
+        """The manifest, summaries, H2O scores and token ids of `name`: no block or sketch code is read."""
         _check_name(name)
-        with self.env.begin(buffers=True) as txn:  # views into the map: each value is copied once, below
-            raw = txn.get(_MANIFEST + name.encode())
-            if raw is None:
-                raise KeyError(f"no saved context named {name!r} (saved: {self.names()[:16]})")
-            m = json.loads(bytes(raw))
-            if m["version"] != VERSION or m["root"] != self.root.hex() or \
-                    m["geometry"] != [self.num_kv_heads, self.head_dim, self.block_tokens]:
-                raise ValueError(f"saved context {name!r} was saved by another model, geometry or block size "
-                                 "(Config.model_id, model, block_tokens must match the saving store's)")
-            data = _DATA + m["save_id"].encode() + b"/"
-            layers = [self._layer(txn, data, layer, entry) for layer, entry in enumerate(m["layers"])]
-            token_ids = None
-            if m["tokens_xxh3"] is not None:
-                tokens = txn.get(data + b"t")
-                if tokens is None or xxhash.xxh3_64_intdigest(tokens) != m["tokens_xxh3"]:
-                    raise ValueError(f"saved context {name!r}: its token ids are damaged")
-                token_ids = np.frombuffer(tokens, dtype="<i8").tolist()
+        raw = self.values.get([_MANIFEST + name.encode()])[0]
+        if raw is None:
+            raise KeyError(f"no saved context named {name!r} (saved: {self.names()[:16]})")
+        m = json.loads(bytes(raw))
+        if m.get("version") != VERSION or m["root"] != self.root.hex() or \
+                m["geometry"] != [self.num_kv_heads, self.head_dim, self.block_tokens]:
+            raise ValueError(f"saved context {name!r} was saved by another model, geometry, block size or kvtier "
+                             "version (Config.model_id, model, block_tokens must match the saving store's)")
+        data = _DATA + m["save_id"].encode() + b"/"
+        token_ids = None
+        if m["tokens_xxh3"] is not None:
+            tokens = self._verified(name, [data + b"t"], [m["tokens_xxh3"]], "token ids")[0]
+            token_ids = np.frombuffer(tokens, dtype="<i8").tolist()
+        chain = chain_hashes(self.root, token_ids, self.block_tokens) if any(e["keyed"] for e in m["layers"]) else []
+        layers = [self._layer(name, data, layer, entry, chain) for layer, entry in enumerate(m["layers"])]
         return SavedContext(name, token_ids, layers)
 
-    def _layer(self, txn: lmdb.Transaction, data: bytes, layer: int, entry: dict) -> SavedLayer:
-        meta = txn.get(data + b"m/" + layer.to_bytes(2, "big"))
-        if meta is None or xxhash.xxh3_64_intdigest(meta) != entry["meta_xxh3"]:
-            raise ValueError(f"saved context: layer {layer}'s summaries are damaged")
-        n, h, d, b = entry["num_blocks"], self.num_kv_heads, self.head_dim, self.block_tokens
-        ends = np.cumsum([n * 2 * h * d * 2, h * n * 4])
-        summaries = torch.from_numpy(np.frombuffer(meta[: ends[0]], dtype=np.float16).copy()).view(n, 2, h, d)
-        scores = torch.from_numpy(np.frombuffer(meta[ends[0]: ends[1]], dtype=np.float32).copy()).view(h, n)
-        sketch = torch.from_numpy(np.frombuffer(meta[ends[1]:], dtype=np.uint8).copy()).view(n, h, 2, b, d // 4)
+    def _layer(self, name: str, data: bytes, layer: int, entry: dict, chain: list[bytes]) -> SavedLayer:
+        n, h, d, lay = entry["num_blocks"], self.num_kv_heads, self.head_dim, layer.to_bytes(2, "big")
+        parts = [data + b"m/" + lay + p.to_bytes(4, "big") for p in range(len(entry["m_xxh3"]))]
+        values = self._verified(name, [data + b"h/" + lay] + parts, [entry["h_xxh3"]] + entry["m_xxh3"],
+                                f"layer {layer}'s summaries")
+        scores = torch.from_numpy(np.frombuffer(values[0], dtype=np.float32).copy()).view(h, n)
+        summaries = torch.from_numpy(np.frombuffer(b"".join(values[1:]), dtype=np.float16).copy()).view(n, 2, h, d)
         dropped = set(entry["dropped"])
-        keys = [_block_key(data, layer, i) for i in range(n) if i not in dropped]
-        return SavedLayer(entry["num_tokens"], sorted(dropped), summaries, scores, sketch, keys)
+        keys = self._block_keys(data, layer, n, entry["keyed"], chain)
+        return SavedLayer(entry["num_tokens"], sorted(dropped), summaries, scores,
+                          [k for i, k in enumerate(keys) if i not in dropped], partial(self._sketch, name, data, layer, entry))
+
+    def _sketch(self, name: str, data: bytes, layer: int, entry: dict) -> torch.Tensor:
+        """uint8 [n, H, 2, B, D/4]: the layer's sketch codes, read now."""
+        lay = layer.to_bytes(2, "big")
+        parts = [data + b"k/" + lay + p.to_bytes(4, "big") for p in range(len(entry["k_xxh3"]))]
+        codes = b"".join(self._verified(name, parts, entry["k_xxh3"], f"layer {layer}'s sketch codes"))
+        shape = (entry["num_blocks"], self.num_kv_heads, 2, self.block_tokens, self.head_dim // 4)
+        return torch.from_numpy(np.frombuffer(codes, dtype=np.uint8).copy()).view(shape)
+
+    def _verified(self, name: str, keys: list[bytes], digests: list[int], what: str) -> list[bytes]:
+        values = self.values.get(keys)
+        if any(v is None for v in values):
+            raise BlockMissingError(f"saved context {name!r}: {what} are gone (deleted or replaced after it was "
+                                    "opened, or evicted by Redis's maxmemory policy)")
+        if any(xxhash.xxh3_64_intdigest(v) != want for v, want in zip(values, digests)):
+            raise ValueError(f"saved context {name!r}: {what} are damaged (checksum mismatch)")
+        return values
 
     # -- listing and deleting --------------------------------------------------------------
     def names(self) -> list[str]:
-        with self.env.begin() as txn:
-            return [k[len(_MANIFEST):].decode() for k, _ in _prefix_items(txn, _MANIFEST)]
+        return sorted(k[len(_MANIFEST):].decode() for k in self.values.keys(_MANIFEST))
 
     def delete(self, name: str) -> None:
+        """The manifest and the save's own values; content-keyed blocks stay for other saves naming them."""
         _check_name(name)
-        with self.env.begin(write=True) as txn:
-            raw = txn.get(_MANIFEST + name.encode())
-            if raw is None:
-                raise KeyError(f"no saved context named {name!r}")
-            txn.delete(_MANIFEST + name.encode())
-        self._delete_data(json.loads(raw)["save_id"].encode())
+        raw = self.values.get([_MANIFEST + name.encode()])[0]
+        if raw is None:
+            raise KeyError(f"no saved context named {name!r}")
+        self.values.delete([_MANIFEST + name.encode()])
+        self.values.delete_prefix(_DATA + json.loads(raw)["save_id"].encode() + b"/")
 
     def collect_garbage(self) -> int:
         """Delete the data of saves whose writer died before its manifest (this host's dead pids only);
         returns how many."""
-        with self.env.begin() as txn:
-            pending = [(k, json.loads(v)) for k, v in _prefix_items(txn, _PENDING)]
-        dead = [k[len(_PENDING):] for k, info in pending
-                if info["host"] == socket.gethostname() and not _alive(info["pid"])]
-        for save_id in dead:
-            self._delete_data(save_id)
-            self._delete_keys([_PENDING + save_id])
+        pending = self.values.keys(_PENDING)
+        infos = self.values.get(pending)
+        dead = [k[len(_PENDING):] for k, info in zip(pending, infos) if info is not None and
+                json.loads(info)["host"] == socket.gethostname() and not _alive(json.loads(info)["pid"])]
+        if dead:  # a writer killed between the manifest's SET and the pending key's delete saved completely
+            manifests = self.values.get(self.values.keys(_MANIFEST))
+            live = {json.loads(m)["save_id"].encode() for m in manifests if m is not None}
+            for save_id in dead:
+                if save_id not in live:
+                    self.values.delete_prefix(_DATA + save_id + b"/")
+                self.values.delete([_PENDING + save_id])
         return len(dead)
 
-    def _delete_data(self, save_id: bytes) -> None:
-        prefix = _DATA + save_id + b"/"
-        while True:
-            with self.env.begin(write=True) as txn:
-                cursor, n = txn.cursor(), 0
-                if not cursor.set_range(prefix):
-                    return
-                while bytes(cursor.key()[: len(prefix)]) == prefix and n < 4 * _BATCH:
-                    cursor.delete()  # moves to the next key
-                    n += 1
-                if n == 0:
-                    return
 
-
-def _prefix_items(txn: lmdb.Transaction, prefix: bytes):
-    cursor = txn.cursor()
-    if not cursor.set_range(prefix):
-        return
-    for key, value in cursor:
-        if not key.startswith(prefix):
-            return
-        yield key, value
-
-
-def _block_key(data: bytes, layer: int, index: int) -> bytes:
-    return data + b"b/" + layer.to_bytes(2, "big") + index.to_bytes(8, "big")
-
-
-def _layer_bytes(table: LayerTable) -> bytes:
-    n = table.num_blocks
-    if not n:
-        return b""
-    return b"".join(t.cpu().contiguous().numpy().tobytes()
-                    for t in (table.summaries[:n], table.h2o_scores[:, :n], table.sketch[:n]))
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.cpu().contiguous().numpy().tobytes()
 
 
 def _check_name(name: object) -> None:

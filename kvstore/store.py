@@ -3,8 +3,8 @@
 The facade users hold. It owns the sequences' block tables, a TierSet (where every block
 lives and how it moves), a DecodePath (select -> stage -> attend -> account), Contexts
 (token ids, content keys, fork and prefix sharing by reference count) and SavedContexts
-(save / open in the ssd tier's LMDB), checks every argument before anything changes, and
-hands each part only what it works on.
+(save / open beside the cold tier: the ssd tier's LMDB or Redis), checks every argument before
+anything changes, and hands each part only what it works on.
 """
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ from kvstore.config import Config
 from kvstore.contexts import Contexts, PrefixMatch, check_token_ids
 from kvstore.decode import DecodePath
 from kvstore.placement import HOT
-from kvstore.saved import SavedContexts
+from kvstore.saved import SavedContexts, values_store
 from kvstore.table import DROPPED, LayerTable, TableTensors
 from kvstore.tierset import HOT_TIER, TierSet
 from tiers.errors import CapacityError
-from tiers.ssd import SsdTier
 from tiers.layout import BlockLayout
 
 MODES = ("dense", "topk", "sketch", "h2o", "window")  # topk: Quest's min/max bound; sketch: the 4-bit key sketch
@@ -39,8 +38,10 @@ class KVStore:
         self.tiers = TierSet(c, self.layout, self.sequences, self.tensors)
         self.decode = DecodePath(c, self.tiers)
         self.contexts = Contexts(c, self.sequences, self.tiers, self.tensors)
-        self.saved = SavedContexts(self.tiers.cold, self.contexts.root, c.model.num_kv_heads, c.model.head_dim,
-                                   c.block_tokens) if isinstance(self.tiers.cold, SsdTier) else None  # local ssd only
+        values = values_store(self.tiers.cold)  # None: the sidecar's cold tier holds no saved contexts
+        self.saved = None if values is None else SavedContexts(values, self.tiers, self.contexts.root)
+        if values is not None:
+            self.tiers.saved.serve_from(values.get)
         self.policies: dict[str, Policy] = {name: cls() for name, cls in POLICIES.items()}  # mode -> default policy
         self._next_sequence = 0
 
@@ -92,17 +93,21 @@ class KVStore:
 
     # -- saved contexts ----------------------------------------------------------------------
     def save(self, seq: int, name: str) -> None:
-        """Persist `seq` as `name` in the ssd tier's LMDB (Config.ssd_path): every block from whichever tier
-        holds it, key summaries, H2O scores and token ids. Returns once durable; an interrupted save leaves
-        nothing under `name` (an earlier save of `name` stays until this one commits, then is replaced)."""
+        """Persist `seq` as `name` beside the cold tier (the ssd tier's LMDB at Config.ssd_path, or Redis at
+        Config.redis_url, where full blocks of known token ids are stored once under their content keys):
+        every block from whichever tier holds it, key summaries, sketch codes, H2O scores and token ids.
+        Returns once durable; an interrupted save leaves nothing under `name` (an earlier save of `name`
+        stays until this one commits, then is replaced)."""
         self.table(seq, 0)
-        self._saved_contexts().save(name, self.sequences[seq], self.token_ids(seq), self.tiers.encoded)
+        self.contexts.load_sketch_if_needed(seq)
+        self._saved_contexts().save(name, self.sequences[seq], self.token_ids(seq))
 
     def open(self, name: str) -> int:
-        """A new sequence on the saved context `name` (saved by any process with this ssd_path, model_id and
-        geometry): summaries, tables and token ids load now, so decoding can start at once; blocks are read
-        from the saved values when selected (or promoted), never copied in bulk. Sinks, the recent window and
-        the tail load now. Outputs equal the saved sequence's."""
+        """A new sequence on the saved context `name` (saved by any process with this ssd_path or redis_url,
+        model_id and geometry): summaries, H2O scores, tables and token ids load now, so a top-K decode can
+        start at once; sketch codes load when mode="sketch" first needs them; blocks are read from the
+        saved values when selected (or promoted), never copied in bulk. Sinks, the recent window and the
+        tail load now. Outputs equal the saved sequence's."""
         saved = self._saved_contexts().load(name)
         seq = self._next_sequence
         self._next_sequence += 1
@@ -110,7 +115,7 @@ class KVStore:
         return seq
 
     def saved_contexts(self) -> list[str]:
-        """Names of the contexts saved at this store's ssd_path."""
+        """Names of the contexts saved at this store's ssd_path (or in its Redis)."""
         return self._saved_contexts().names()
 
     def delete_saved(self, name: str) -> None:
@@ -119,8 +124,8 @@ class KVStore:
 
     def _saved_contexts(self) -> SavedContexts:
         if self.saved is None:
-            raise ValueError("saved contexts live in the local ssd tier (Config.ssd_path); this store's cold tier "
-                             f"is {self.tiers.cold.name}")
+            raise ValueError("saved contexts live beside the local ssd tier (Config.ssd_path) or Redis "
+                             f"(Config.redis_url); this store's cold tier is {self.tiers.cold.name}")
         return self.saved
 
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
@@ -269,6 +274,8 @@ class KVStore:
             raise ValueError(f"sequence {seq} layer {layer} holds no tokens to attend to")
         if table.num_dropped and not isinstance(policy, type(self.policies["h2o"])):
             raise ValueError(f"sequence {seq} layer {layer}: h2o mode dropped blocks; only mode='h2o' can attend it")
+        if isinstance(policy, type(self.policies["sketch"])):
+            self.contexts.load_sketch_if_needed(seq)  # an opened sequence reads its sketch codes now
         return self.decode.attend(table, q, policy, budget, measure_mass, epsilon)
 
     def decode_step(self, seq: int, mode: str = "topk", budget: int = 4096, capacity_tokens: int | None = None):
@@ -277,6 +284,8 @@ class KVStore:
         from kvstore.step import DecodeStep
 
         self.table(seq, 0)
+        if mode == "sketch":
+            self.contexts.load_sketch_if_needed(seq)  # an opened sequence reads its sketch codes now
         return DecodeStep(self, seq, mode, budget, capacity_tokens)
 
     def _policy(self, mode: str | Policy) -> Policy | None:

@@ -26,11 +26,9 @@ from kvstore.registry import BlockRegistry
 from kvstore.table import DROPPED, LayerTable, TableTensors
 from kvstore.tier_stack import open_tiers
 from tiers.base import Tier
-from tiers.codec import Codec
-from tiers.errors import BlockMissingError, CapacityError
+from tiers.errors import CapacityError
 from tiers.layout import BlockLayout, Blocks, Int8Blocks
 from tiers.quant import dequantize
-from tiers.ssd import SsdTier
 
 HOT_TIER, WARM_TIER, CPU_TIER, COLD_TIER, SAVED_TIER = 0, 1, 2, 3, 4
 _FIRST_TIER = {HOT: HOT_TIER, WARM: WARM_TIER, COLD: CPU_TIER}
@@ -218,9 +216,9 @@ class TierSet:
             for seq, layer, index in self.blocks.holders[block_id]:  # every holder's maps follow the block
                 by_table.setdefault((seq, layer), []).append(index)
         for (seq, layer), indices in by_table.items():
-            self._set_maps(self.tables[seq][layer], indices, tier)
+            self.set_maps(self.tables[seq][layer], indices, tier)
 
-    def _set_maps(self, table: LayerTable, indices: list[int], tier: int) -> None:
+    def set_maps(self, table: LayerTable, indices: list[int], tier: int) -> None:
         """Point the table's device maps for entries `indices` at `tier` (slots only in the GPU pools)."""
         slots = self.tiers[tier].slots.lookup([table.block_ids[i] for i in indices]) \
             if tier < CPU_TIER else [-1] * len(indices)
@@ -272,35 +270,6 @@ class TierSet:
                 self._count_in(table, self.blocks.tier_of[block_id], -1)
         self.delete(last)
 
-    def share(self, seq: int, layer: int, table: LayerTable, block_tokens: int) -> None:
-        """`table`, registered as (seq, layer), points at recorded blocks (a fork's copy, or a prefix): its
-        full blocks become held by reference and its maps and counts follow the registry; a partial tail
-        block, which appends write in place, is copied into the hot tier (copy-on-write). On failure the
-        table is left empty and holds nothing."""
-        n = table.num_blocks
-        partial = table.num_tokens % block_tokens != 0
-        shared = [i for i in range(n - 1 if partial else n) if table.block_ids[i] != DROPPED]
-        for i in shared:
-            self.blocks.hold(table.block_ids[i], (seq, layer, i))
-        self._point(table, shared)
-        try:
-            if partial:
-                tail = self.gather([table.block_ids[n - 1]], self.device)  # [1, 2, H, B, D] fp16
-                table.block_ids[n - 1] = self.blocks.new_ids(1, seq, layer, n - 1)[0]
-                try:
-                    self.place([table.block_ids[n - 1]], tail, HOT_TIER, coldest=HOT_TIER)
-                except BaseException:
-                    self.blocks.forget_owners([table.block_ids[n - 1]])
-                    raise
-            else:
-                self.pin_tail(table)
-        except BaseException:
-            for i in shared:
-                self.blocks.let_go(table.block_ids[i], (seq, layer, i))
-            table.block_ids.clear()
-            table.num_tokens = table.num_warm = table.num_cold = table.num_dropped = 0
-            raise
-
     def pin_tail(self, table: LayerTable) -> None:
         """Bring the table's tail block into the hot tier, where tails live (a full one too: DecodeStep
         addresses the tail by its hot slot); CapacityError if the hot pool cannot take it."""
@@ -311,36 +280,6 @@ class TierSet:
         """New block ids (held by their tables) are the saved values under `keys`: nothing is read."""
         self.saved.adopt(ids, keys)
         self._record(ids, SAVED_TIER)
-
-    def encoded(self, ids: Sequence[int]) -> list[bytes]:
-        """Each block as one stored value (tiers/codec.py), in its tier's format (fp16 or int8): values the
-        cold ssd tier or the saved tier hold are copied as they are, the others encoded."""
-        values: dict[int, bytes] = {}
-        for tier, group in self.blocks.by_tier(ids).items():
-            if tier == SAVED_TIER:
-                got = self.saved.get_values([self.saved.key_of[i] for i in group])
-            elif tier == COLD_TIER and isinstance(self.cold, SsdTier):
-                got = self.cold.get_values([self.cold.key(i) for i in group])
-            else:
-                blocks, codec = self.tiers[tier].get(group).to("cpu"), Codec(*self._codec_args())
-                got = [codec.encode(self.layout, blocks, row) for row in range(len(group))]
-            if any(v is None for v in got):
-                raise BlockMissingError(f"{self.tiers[tier].name}: a block to save is gone")
-            values.update(zip(group, got))
-        return [values[i] for i in ids]
-
-    def _codec_args(self) -> tuple[str, int]:
-        return self.cold.codec_args if isinstance(self.cold, SsdTier) else ("zstd", 1)
-
-    def _point(self, table: LayerTable, indices: list[int]) -> None:
-        """Set the table's maps and warm/cold counts for entries `indices` (every live one but a copied tail)."""
-        groups: dict[int, list[int]] = {}
-        for i in indices:
-            groups.setdefault(self.blocks.tier_of[table.block_ids[i]], []).append(i)
-        table.num_warm = len(groups.get(WARM_TIER, ()))
-        table.num_cold = sum(len(g) for t, g in groups.items() if t > WARM_TIER)
-        for tier, group in groups.items():
-            self._set_maps(table, group, tier)
 
     def drop(self, table: LayerTable, indices: list[int]) -> None:
         """Free blocks of `table` for good (H2O drop mode); indices must be validated by the caller.

@@ -1,7 +1,9 @@
-"""Subprocess side of tests/kvstore/test_saved.py: one store in a fresh process on a shared ssd_path.
+"""Subprocess side of tests/kvstore/test_saved.py and test_saved_redis.py: one store in a fresh process.
 
     python -m tests.kvstore.saved_worker open <ssd_path> <name> <out.pt> <warm_tokens>   attend the opened context
     python -m tests.kvstore.saved_worker save <ssd_path> <name> <seed>     fill and save slowly, printing progress
+    python -m tests.kvstore.saved_worker decode <redis_url> <name> <out.pt> <last token>   open the context
+        through Redis, attend it, and decode greedily after <last token> (test_saved_redis.py)
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ from tests.kvstore.test_saved import NUM_TOKENS, attend_all, config, filled, que
 
 def main(argv: list[str]) -> None:
     what, path, name = argv[:3]
+    if what == "decode":
+        from tests.kvstore.test_saved_redis import decode_opened
+
+        torch.save(decode_opened(path, name, int(argv[4])), argv[3])
+        return
     store = KVStore(config(path, warm_tokens=int(argv[4])) if what == "open" else config(path))
     if what == "open":
         started = time.perf_counter()
@@ -27,14 +34,14 @@ def main(argv: list[str]) -> None:
         torch.save({"outs": outs, "open_s": opened, "stats": store.stats()}, argv[3])
     else:
         seq = filled(store, NUM_TOKENS, seed=int(argv[3]))
-        encode = store.tiers.encoded
+        encode = store.saved.encoded
 
         def slow(ids):  # one progress line per batch written, so the parent can kill mid-save
             print("batch", flush=True)
             time.sleep(0.2)
             return encode(ids)
 
-        store.tiers.encoded = slow
+        store.saved.encoded = slow
         store.save(seq, name)
         print("saved", flush=True)
         time.sleep(60)

@@ -58,7 +58,7 @@ def worker(*args: str, **kw) -> subprocess.Popen:
 
 def data_keys(path: Path, store: KVStore | None = None) -> list[bytes]:
     """Every saved-context key at `path` (through `store`'s environment when this process has it open)."""
-    env = store.saved.env if store is not None else lmdb.open(str(path), readonly=True, lock=False)
+    env = store.saved.values.env if store is not None else lmdb.open(str(path), readonly=True, lock=False)
     with env.begin() as txn:
         keys = [bytes(k) for k, _ in txn.cursor() if bytes(k).startswith(b"ctx/")]
     if store is None:
@@ -127,6 +127,34 @@ def test_open_is_lazy_and_the_opened_sequence_lives_on(tmp_path):
     store.delete_saved("doc")
     assert store.saved_contexts() == ["copy"]
     assert all(torch.equal(a, b) for a, b in zip(attend_all(store, store.open("copy"), q), want))
+    store.close()
+
+
+def test_open_reads_summaries_not_sketches_and_the_sketch_loads_on_first_use(tmp_path):
+    store = KVStore(config(tmp_path / "ssd"))
+    seq = filled(store, NUM_TOKENS, seed=11)
+    store.save(seq, "doc")
+    q = query(6)
+    want = [store.attend(seq, layer, q, "sketch", budget=64) for layer in range(SPEC.num_layers)]
+    codes = [store.sequences[seq][layer].sketch[:151].clone() for layer in range(SPEC.num_layers)]
+    store.free(seq)
+    read, get = [], store.saved.values.get
+    store.saved.values.get = lambda keys: read.extend(keys) or get(keys)
+    opened = store.open("doc")
+    sketch_keys = [k for k in read if b"/k/" in k]
+    assert not sketch_keys and any(b"/m/" in k for k in read)  # summaries yes, sketch codes no
+    store.attend(opened, 0, q, "topk", budget=64)
+    assert opened in store.contexts.unloaded_sketch and not [k for k in read if b"/k/" in k]
+    fork = store.fork(opened)  # the fork's codes are unloaded too, and load on their own
+    got = [store.attend(opened, layer, q, "sketch", budget=64) for layer in range(SPEC.num_layers)]
+    assert [k for k in read if b"/k/" in k] and opened not in store.contexts.unloaded_sketch
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for layer in range(SPEC.num_layers):
+        assert torch.equal(store.sequences[opened][layer].sketch[:150], codes[layer][:150])
+    assert fork in store.contexts.unloaded_sketch
+    assert all(torch.equal(store.attend(fork, layer, q, "sketch", budget=64), want[layer])
+               for layer in range(SPEC.num_layers))
+    store.check_integrity()
     store.close()
 
 
@@ -199,7 +227,7 @@ def test_a_failed_save_leaves_nothing_and_the_earlier_save_intact(tmp_path):
     seq = filled(store, 300, seed=9)
     store.save(seq, "doc")
     before = data_keys(path, store)
-    encode, calls = store.tiers.encoded, []
+    encode, calls = store.saved.encoded, []
 
     def failing(ids):
         calls.append(ids)
@@ -207,11 +235,11 @@ def test_a_failed_save_leaves_nothing_and_the_earlier_save_intact(tmp_path):
             raise OSError("disk went away")
         return encode(ids)
 
-    store.tiers.encoded = failing
+    store.saved.encoded = failing
     with pytest.raises(OSError, match="went away"):
         store.save(filled(store, NUM_TOKENS, seed=10), "doc")
     assert data_keys(path, store) == before
-    store.tiers.encoded = encode
+    store.saved.encoded = encode
     q = query(5)
     want = attend_all(store, seq, q)
     assert all(torch.equal(a, b) for a, b in zip(attend_all(store, store.open("doc"), q), want))
