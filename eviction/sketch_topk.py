@@ -22,7 +22,7 @@ kernel's log-sum-exp of the attended blocks into a certified omitted mass.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,10 @@ from eviction.sketch_kernel import sketch_block_stats, sketch_block_stats_ref
 class SketchTopK(Policy):
     coarse_factor: int = 8  # fine-pass candidates per kv head = coarse_factor * k; 0: one full 4-bit pass
     use_kernel: bool | None = None  # None: the Triton kernel on CUDA, the torch reference elsewhere
+    # the kernel's tuning knobs (eviction/sketch_kernel.py DEFAULT_KNOBS when empty) for passes over every block
+    # and over candidates; bench_longctx/sketch_bench.py sweeps them
+    scan_knobs: dict = field(default_factory=dict)
+    candidate_knobs: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.coarse_factor, bool) or not isinstance(self.coarse_factor, int) or self.coarse_factor < 0:
@@ -85,8 +89,7 @@ class SketchTopK(Policy):
         sync (a captured decode step): the same ranking and bounds as `select_with_bounds` over capacity-sized
         summaries [N, 2, H, D] and sketch whose blocks outside `valid` (bool [N]) may hold garbage;
         `protected` (bool [N]) blocks are kept. Needs k <= the number of valid blocks."""
-        use_kernel = summaries.is_cuda if self.use_kernel is None else self.use_kernel
-        stats = sketch_block_stats if use_kernel else sketch_block_stats_ref
+        stats = self._kernel(summaries)
         n, b = summaries.shape[0], sketch.shape[3]
         num_tokens = n * b  # every token of a valid block is real but the tail's, and the tail is protected
         two_pass = bool(self.coarse_factor) and self.coarse_factor * k < n
@@ -126,14 +129,20 @@ class SketchTopK(Policy):
             scores = torch.full_like(scores, float("-inf")).scatter(1, candidates, ranked(lse).gather(1, candidates))
         return top_blocks(scores, k)
 
+    def _kernel(self, summaries: torch.Tensor):
+        """The stats function (q, summaries, codes, num_tokens, planes=, block_ids=) for this device."""
+        if not (summaries.is_cuda if self.use_kernel is None else self.use_kernel):
+            return sketch_block_stats_ref
+        return lambda *args, planes, block_ids=None: sketch_block_stats(
+            *args, planes=planes, block_ids=block_ids,
+            **(self.scan_knobs if block_ids is None else self.candidate_knobs))
+
     def _stats(self, ctx: ScoreContext, planes: int, block_ids: torch.Tensor | None = None):
         if ctx.q is None or ctx.sketch is None:
             raise ValueError("SketchTopK needs ctx.q (float16 [num_q_heads, head_dim]) and ctx.sketch "
                              f"(eviction/sketch.py codes), got q={type(ctx.q).__name__}, "
                              f"sketch={type(ctx.sketch).__name__}")
-        use_kernel = ctx.summaries.is_cuda if self.use_kernel is None else self.use_kernel
-        stats = sketch_block_stats if use_kernel else sketch_block_stats_ref
-        return stats(ctx.q, ctx.summaries, ctx.sketch, ctx.num_tokens, planes=planes, block_ids=block_ids)
+        return self._kernel(ctx.summaries)(ctx.q, ctx.summaries, ctx.sketch, ctx.num_tokens, planes=planes, block_ids=block_ids)
 
 
 def block_mass(lse: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

@@ -106,3 +106,13 @@ def test_masked_selection_over_garbage_capacity_matches(coarse_factor) -> None:
         assert torch.equal(got, want)
         assert bool((upper[:, n:] == float("-inf")).all())
         torch.testing.assert_close(upper[:, : n - 1], want_upper[:, : n - 1])  # the tail (always kept) aside
+
+
+def test_kernel_with_tuning_knobs_selects_what_the_reference_selects() -> None:
+    ctx, _ = _needle_case(2)
+    knobs = dict(scan_knobs=dict(blocks_per_program=3, decode=0), candidate_knobs=dict(blocks_per_program=2))
+    for coarse_factor in (0, 2):
+        want, want_upper = SketchTopK(coarse_factor=coarse_factor, use_kernel=False).select_with_bounds(ctx, 400)
+        got, upper = SketchTopK(coarse_factor=coarse_factor, use_kernel=True, **knobs).select_with_bounds(ctx, 400)
+        assert torch.equal(got, want)
+        torch.testing.assert_close(upper, want_upper, rtol=1e-5, atol=1e-4)
