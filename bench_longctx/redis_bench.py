@@ -6,7 +6,8 @@ Starts its own redis-server and 3-master cluster (bench_longctx.redis_servers) o
 ports and moves `mib` MiB of K-like fp16 blocks through RedisTier as 1 and 4 MiB values
 (8 kv heads x d128 at 256 and 1,024 tokens per block), stored raw and zstd level 1:
   put   RedisTier.put of the whole batch: encode + checksum + pipelined SET NX, acknowledged
-  get   RedisTier.get of the whole batch: pipelined GET + verify + copy into one new batch
+  get   RedisTier.get of the whole batch: pipelined GETs whose replies are received straight
+        into one new batch, each value verified where it landed
 on one instance, one with `appendonly yes` + `appendfsync always` (durable puts) and the cluster.
 Ceilings, measured in the same run:
   memcpy (same pieces)  host copy of the same values into touched memory
@@ -16,7 +17,9 @@ Ceilings, measured in the same run:
                         512 MiB in 4 MiB sends
   C client              redis-benchmark SET/GET of the same value size (what the server gives here)
   redis-py              the client library alone: pipelined SET/GET of ready-made bytes
-`kvtier bench tiers` calls run_redis; its rows land beside the other tiers' moves.
+Each row gives the median GB/s of `repeat` runs and the slowest and fastest (`GBps_range`): the
+2-core box is shared, so the spread is part of the result. `kvtier bench tiers` calls run_redis;
+its rows land beside the other tiers' moves.
 """
 
 from __future__ import annotations
@@ -85,12 +88,17 @@ def bench_tier(url: str, value_mib: int, total_mib: int, compression: str, repea
         tier.put(ids, x)
         ratio = nbytes / tier.used_bytes
         assert torch.equal(tier.get(ids), x), "redis round trip returned other data"
-        get_ms = time_ms(lambda: tier.get(ids), _CPU, repeat)
+        get_s = [timed(lambda: tier.get(ids))[1] for _ in range(repeat)]
     finally:
         tier.close()
     row = {"value_bytes": layout.fp16_bytes, "values": n, "compression": compression, "ratio": ratio}
-    return [{**row, "op": "put", "GBps": nbytes / statistics.median(put_s) / 1e9},
-            {**row, "op": "get", "GBps": nbytes / get_ms / 1e6}]
+    return [{**row, "op": op, **_rates(nbytes, seconds)} for op, seconds in (("put", put_s), ("get", get_s))]
+
+
+def _rates(nbytes: int, seconds: list[float]) -> dict:
+    """Median GB/s of the runs, and the slowest and fastest."""
+    return {"GBps": nbytes / statistics.median(seconds) / 1e9,
+            "GBps_range": [nbytes / max(seconds) / 1e9, nbytes / min(seconds) / 1e9]}
 
 
 def run_redis(total_mib: int = 256, sizes_mib: tuple[int, ...] = (1, 4), repeat: int = 3,
