@@ -6,6 +6,8 @@ appended to the store. A graph is captured once per DecodeStep phase ("dense" wh
 sequence has at most k blocks, then "topk") and replayed for every later token; between
 tokens the host only does the block-boundary work DecodeStep.begin_token names. The RoPE
 position is the step's device token count, so nothing is re-captured as the sequence grows.
+Each layer's last residual add is deferred into the next layer's input norm (one fused
+add+RMSNorm launch on CUDA, as vLLM does).
 On CPU the same forward runs eagerly (no graph).
 """
 
@@ -36,12 +38,12 @@ class GraphDecoder:
     def _forward(self) -> torch.Tensor:
         """fp32 logits [vocab] of one token at position step.num_tokens, appending its K/V in every layer."""
         cos, sin = self.model.rope(self.step.num_tokens, self.dtype)  # [1, D] each, from device state
-        x = self.model.embed_tokens(self.token)  # [1, dim]
+        x, delta = self.model.embed_tokens(self.token), None  # [1, dim]; delta: the MLP output not yet in x
         for i, layer in enumerate(self.model.layers):
-            q, k, v = layer.qkv(x, cos, sin)  # [1, Hq, D], [1, H, D], [1, H, D]
+            q, k, v = layer.qkv(x, cos, sin, delta)  # [1, Hq, D], [1, H, D], [1, H, D]; x += delta first
             attn = self.step.attend(i, q[0].half(), k[0].half(), v[0].half())  # [Hq, D]
-            x = layer.finish(x, attn[None])
-        return self.model.logits(x)[0]
+            x, delta = layer.finish_deferred(x, attn[None])
+        return self.model.logits(x, delta)[0]
 
     def __call__(self, token_id: int) -> torch.Tensor:
         """Append `token_id` at the sequence's next position; returns fp32 logits [vocab] (a buffer the next

@@ -3,6 +3,12 @@
 RMSNorm, RoPE, GQA attention projections, the SwiGLU MLP and chunk attention, with
 parameter names that mirror Hugging Face's so an HF state dict loads after stripping
 prefixes (see engine_adapter.weights). engine_adapter/decoder.py runs it against a KVStore.
+
+On CUDA the per-token math runs as the fused Triton kernels of engine_adapter/fused_ops.py
+(residual add + RMSNorm, RoPE of q and k, SiLU(gate) * up: one launch each), and q/k/v and
+gate/up each as one matmul over weights that are row slices of one tensor (no second copy;
+parameter names stay HF's). Elsewhere it runs the kernels' torch references: CPU results are
+plain torch's, bit for bit.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
+from engine_adapter.fused_ops import add_rmsnorm, add_rmsnorm_ref, rope, rotate_ref, silu_mul
 from kvstore.config import ModelSpec
 
 
@@ -61,22 +68,54 @@ def default_inv_freq(args: LlamaArgs) -> torch.Tensor:
     return 1.0 / args.rope_theta ** exponents
 
 
+def use_kernels(fused: bool | None, x: torch.Tensor) -> bool:
+    """fused None (the default): the Triton kernels on CUDA, the torch references elsewhere; True or False
+    forces one side (True on the CPU runs the kernels under TRITON_INTERPRET=1, for tests)."""
+    return x.is_cuda if fused is None else fused
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.fused: bool | None = None  # see use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)  # same rounding order as HF's LlamaRMSNorm
+        return self.add(x, None)[1]
+
+    def add(self, x: torch.Tensor, delta: torch.Tensor | None,
+            residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, its norm), each [T, dim], in one launch on the kernel path (HF LlamaRMSNorm's rounding
+        order); the sum goes into residual_out when given (x itself: an in-place residual stream)."""
+        norm = add_rmsnorm if use_kernels(self.fused, x) else add_rmsnorm_ref
+        return norm(x, delta, self.weight, self.eps, residual_out)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE, half-split convention: x [T, H, D], cos/sin [T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+def merge_rows(*linears: nn.Linear) -> torch.Tensor:
+    """One [sum of out_features, in_features] tensor whose consecutive row slices become the linears' weights:
+    one matmul computes all of them, while the parameters, their names and state-dict loading stay as they
+    were (no second copy of the weights)."""
+    with torch.no_grad():
+        merged = torch.cat([linear.weight.detach() for linear in linears])
+    row = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight.data = merged[row: row + rows]
+        row += rows
+    return merged
+
+
+def is_merged(merged: torch.Tensor, *linears: nn.Linear) -> bool:
+    """True while the linears' weights are consecutive row slices of `merged` (a deepcopy or a reassigned
+    weight unties them; the projections then run one by one)."""
+    ptr, row_bytes = merged.data_ptr(), merged.stride(0) * merged.element_size()
+    for linear in linears:
+        w = linear.weight
+        if w.data_ptr() != ptr or w.dtype != merged.dtype or w.device != merged.device or w.stride() != merged.stride():
+            return False
+        ptr += w.shape[0] * row_bytes
+    return True
 
 
 class Layer(nn.Module):
@@ -95,20 +134,57 @@ class Layer(nn.Module):
         self.gate_proj = nn.Linear(args.dim, args.hidden_dim, bias=False)
         self.up_proj = nn.Linear(args.dim, args.hidden_dim, bias=False)
         self.down_proj = nn.Linear(args.hidden_dim, args.dim, bias=False)
+        self.fused: bool | None = None  # see use_kernels
+        self._merge_projections()
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x [T, dim] -> q [T, Hq, D], k [T, Hkv, D] (both rotated), v [T, Hkv, D]."""
-        a, h = self.args, self.input_layernorm(x)
-        q = self.q_proj(h).view(-1, a.num_q_heads, a.head_dim)
-        k = self.k_proj(h).view(-1, a.num_kv_heads, a.head_dim)
-        v = self.v_proj(h).view(-1, a.num_kv_heads, a.head_dim)
-        return rotate(q, cos, sin), rotate(k, cos, sin), v
+    def _merge_projections(self) -> None:
+        self.qkv_weight = merge_rows(self.q_proj, self.k_proj, self.v_proj)  # [q_dim + 2 kv_dim, dim]
+        self.gate_up_weight = merge_rows(self.gate_proj, self.up_proj)  # [2 hidden_dim, dim]
+
+    def _apply(self, fn, recurse: bool = True) -> Layer:  # .to(), .half(), .to_empty() move each weight apart
+        super()._apply(fn, recurse)
+        if not (is_merged(self.qkv_weight, self.q_proj, self.k_proj, self.v_proj)
+                and is_merged(self.gate_up_weight, self.gate_proj, self.up_proj)):
+            self._merge_projections()
+        return self
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            delta: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """x [T, dim] -> q [T, Hq, D], k [T, Hkv, D] (both rotated), v [T, Hkv, D].
+
+        delta [T, dim]: the previous layer's MLP output not yet added to x (finish_deferred); it is added
+        into x in place, in the norm's launch."""
+        a = self.args
+        h = self.input_layernorm.add(x, delta, None if delta is None else x)[1]
+        if not use_kernels(self.fused, x):
+            q = self.q_proj(h).view(-1, a.num_q_heads, a.head_dim)
+            k = self.k_proj(h).view(-1, a.num_kv_heads, a.head_dim)
+            v = self.v_proj(h).view(-1, a.num_kv_heads, a.head_dim)
+            return rotate_ref(q, cos, sin), rotate_ref(k, cos, sin), v
+        if is_merged(self.qkv_weight, self.q_proj, self.k_proj, self.v_proj):
+            q_dim, kv_dim = a.num_q_heads * a.head_dim, a.num_kv_heads * a.head_dim
+            q, k, v = F.linear(h, self.qkv_weight).split([q_dim, kv_dim, kv_dim], dim=-1)  # column slices
+        else:
+            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        q, k = rope(q.view(-1, a.num_q_heads, a.head_dim), k.view(-1, a.num_kv_heads, a.head_dim), cos, sin)
+        return q, k, v.view(-1, a.num_kv_heads, a.head_dim).contiguous()  # a copy only when T > 1
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual + output projection of attn [T, Hq, D], then the SwiGLU MLP."""
-        x = x + self.o_proj(attn.reshape(x.shape[0], -1).to(x.dtype))
-        h = self.post_attention_layernorm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        x, delta = self.finish_deferred(x, attn)
+        return x + delta
+
+    def finish_deferred(self, x: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """finish without its last residual add: (x + o_proj(attn), the MLP's output), each [T, dim]; the next
+        layer's qkv (or logits) adds the second in its norm's launch."""
+        x, h = self.post_attention_layernorm.add(x, self.o_proj(attn.reshape(x.shape[0], -1).to(x.dtype)))
+        if not use_kernels(self.fused, x):
+            return x, self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        if is_merged(self.gate_up_weight, self.gate_proj, self.up_proj):
+            gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)  # column slices
+        else:
+            gate, up = self.gate_proj(h), self.up_proj(h)
+        return x, self.down_proj(silu_mul(gate, up))
 
 
 class Llama(nn.Module):
@@ -136,9 +212,16 @@ class Llama(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final hidden [T, dim] -> fp32 logits [T, vocab]."""
-        h = self.norm(h)
+    def use_kernels(self, fused: bool | None) -> Llama:
+        """The fused Triton kernels (True), the torch references (False), or by device (None, the default)."""
+        for module in self.modules():
+            if isinstance(module, (Layer, RMSNorm)):
+                module.fused = fused
+        return self
+
+    def logits(self, h: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden [T, dim] (plus the last layer's deferred MLP output delta) -> fp32 logits [T, vocab]."""
+        h = self.norm.add(h, delta)[1]
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, weight).float()
 

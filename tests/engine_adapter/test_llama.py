@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
-from engine_adapter.llama import LlamaArgs
+from engine_adapter.llama import LlamaArgs, is_merged
 
 from engine_adapter.decoder import Decoder
 from engine_adapter.weights import find_gguf, llama_from_hf, load_model, random_llama
@@ -198,6 +200,35 @@ def test_random_weights_are_seeded_and_keep_fp32_rope() -> None:
     assert c.layers[0].q_proj.weight.dtype == torch.float16 and c.inv_freq.dtype == torch.float32
     assert load_model("smollm2-135m", random_weights=True, num_layers=2)[0].args.spec == \
         ModelSpec.preset("smollm2-135m", num_layers=2)
+
+
+def test_merged_projections_are_views_that_survive_moves_and_loading() -> None:
+    """q/k/v and gate/up weights are row slices of one tensor per layer (one matmul each on the kernel path, no
+    second copy), through dtype moves and HF-named state-dict loading; a deepcopy unties them and the kernel
+    path then runs the projections one by one, with the same result."""
+    model = random_llama(TINY, seed=5, vocab_size=50)
+    for dtype in (torch.float32, torch.float16, torch.float32):  # each .to() copies every parameter apart
+        layer = model.to(dtype).layers[1]
+        assert layer.qkv_weight.dtype == layer.q_proj.weight.dtype == dtype
+        assert is_merged(layer.qkv_weight, layer.q_proj, layer.k_proj, layer.v_proj)
+        assert is_merged(layer.gate_up_weight, layer.gate_proj, layer.up_proj)
+        assert layer.qkv_weight.untyped_storage().data_ptr() == layer.v_proj.weight.untyped_storage().data_ptr()
+        assert layer.qkv_weight.untyped_storage().nbytes() == layer.qkv_weight.numel() * layer.qkv_weight.element_size()
+    assert not any("qkv" in key or "gate_up" in key for key in model.state_dict())
+    state = {key: value + 1 if key.endswith("k_proj.weight") else value for key, value in model.state_dict().items()}
+    before = model.layers[0].qkv_weight.clone()
+    model.load_state_dict(state, strict=True)
+    q_dim = TINY.num_q_heads * TINY.head_dim
+    kv_rows = slice(q_dim, q_dim + TINY.num_kv_heads * TINY.head_dim)
+    assert torch.equal(model.layers[0].qkv_weight[kv_rows], before[kv_rows] + 1)
+    x = torch.randn(3, model.args.dim, generator=torch.Generator().manual_seed(0))
+    cos, sin = model.rope(torch.arange(3), torch.float32)
+    untied = copy.deepcopy(model).use_kernels(True)
+    layer = untied.layers[0]
+    assert not is_merged(layer.qkv_weight, layer.q_proj, layer.k_proj, layer.v_proj)
+    for got, want in zip(layer.qkv(x, cos, sin), model.use_kernels(True).layers[0].qkv(x, cos, sin)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    model.use_kernels(None)
 
 
 def test_preset_geometry_derives_a_llama_shape() -> None:
