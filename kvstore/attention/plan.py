@@ -17,7 +17,9 @@ _TILE_ELEMENTS = 16384  # K elements per iteration: 128 tokens at head_dim 128 (
 # 16-token tiles compute wrong results compiled on the H200 (triton 3.6; right in the interpreter): refused.
 _MIN_TOKENS_PER_ITER = 32
 _MAX_TOKENS_PER_ITER = 128  # the score tile [16, tokens] in fp32 must stay in registers too
-_PROGRAMS_PER_SM = 6  # programs per SM the split count aims at (H200 sweep: half of 12 won in every case)
+# programs per SM the split count aims at: in results/kernel_h200.json half of the old 6 won every 1M sweep
+# (fp16 and int8, block_tokens 32 and 64; int8 1.0 ms vs 1.41 ms at the old default)
+_PROGRAMS_PER_SM = 3
 _MIN_ITERS_PER_SPLIT = 4  # below this, a split's fixed cost (q load, partial store) dominates
 
 
