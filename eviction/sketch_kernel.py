@@ -121,27 +121,29 @@ def _sketch_kernel(
         if PLANES == 2:
             lo = tl.load(c_tile + stride_cp, mask=tile_ok, other=0)
         est = tl.zeros((BLOCK_T, GROUP_PAD), tl.float32)  # per token and q head: code . fp16(CODE_SCALE qs)
-        base = tl.zeros((GROUP_PAD,), tl.float32)  # q . min (+ MID sum_d qs_d)
-        spread = tl.zeros((GROUP_PAD,), tl.float32)  # S = sum_d |qs_d|
-        size = tl.zeros((GROUP_PAD,), tl.float32)  # |q| . (|min| + |max|)
-        quest = tl.zeros((GROUP_PAD,), tl.float32)  # q+ . max + q- . min
-        big = tl.zeros((GROUP_PAD,), tl.float32)  # max_d |CODE_SCALE qs_d|
+        # per q head and channel of a quarter, summed over the quarters, then over channels once (fewer shuffles)
+        base = tl.zeros((GROUP_PAD, QUARTER_PAD), tl.float32)  # q . min (+ MID sum_d qs_d)
+        spread = tl.zeros((GROUP_PAD, QUARTER_PAD), tl.float32)  # S = sum_d |qs_d|
+        size = tl.zeros((GROUP_PAD, QUARTER_PAD), tl.float32)  # |q| . (|min| + |max|)
+        quest = tl.zeros((GROUP_PAD, QUARTER_PAD), tl.float32)  # q+ . max + q- . min
+        big = tl.zeros((GROUP_PAD, QUARTER_PAD), tl.float32)  # max_d |CODE_SCALE qs_d|
         for quarter in tl.static_range(4):  # channel quarter: bits 2 quarter, 2 quarter + 1 of every code byte
             q = q0 if quarter == 0 else (q1 if quarter == 1 else (q2 if quarter == 2 else q3))
             k_min = tl.load(s_row + quarter * QUARTER, mask=s_ok, other=0.0).to(tl.float32)  # [QUARTER_PAD]
             k_max = tl.load(s_row + stride_sm + quarter * QUARTER, mask=s_ok, other=0.0).to(tl.float32)
             qs = q * ((k_max - k_min) / _LEVELS)[None, :]  # [GROUP_PAD, QUARTER_PAD]
             scaled = qs * CODE_SCALE
-            big = tl.maximum(big, tl.max(tl.abs(scaled), axis=1))
+            big = tl.maximum(big, tl.abs(scaled))
             operand = tl.minimum(tl.maximum(scaled, -_FP16_MAX), _FP16_MAX).to(tl.float16)
             code = _field(hi, 2 * quarter, DECODE)
             if PLANES == 2:
                 code = code * 4.0 + _field(lo, 2 * quarter, DECODE)  # 0..15, exact
             est = tl.dot(code, tl.trans(operand), est)  # [BLOCK_T, GROUP_PAD], fp16 in, fp32 accumulation
-            base += tl.sum(q * k_min[None, :] + MID * qs, axis=1)
-            spread += tl.sum(tl.abs(qs), axis=1)
-            size += tl.sum(tl.abs(q) * (tl.abs(k_min) + tl.abs(k_max))[None, :], axis=1)
-            quest += tl.sum(tl.maximum(q * k_max[None, :], q * k_min[None, :]), axis=1)
+            base += q * k_min[None, :] + MID * qs
+            spread += tl.abs(qs)
+            size += tl.abs(q) * (tl.abs(k_min) + tl.abs(k_max))[None, :]
+            quest += tl.maximum(q * k_max[None, :], q * k_min[None, :])
+        base, spread, size, quest = tl.sum(base, 1), tl.sum(spread, 1), tl.sum(size, 1), tl.sum(quest, 1)
         logit = tl.where(valid_t[:, None], (est + base[None, :]) * scale, float("-inf"))  # [BLOCK_T, GROUP_PAD]
         top = tl.max(logit, axis=0)  # [GROUP_PAD]
         lse = top + tl.log(tl.sum(tl.exp(logit - top[None, :]), axis=0))
@@ -149,7 +151,7 @@ def _sketch_kernel(
         err = (HALF * spread + fp16_err + _ROUNDING_SLACK * size) * scale
         n_real = tl.sum(valid_t.to(tl.float32), axis=0)
         quest_upper = tl.log(n_real) + (quest + _ROUNDING_SLACK * size) * scale
-        upper = tl.where(big < _FP16_MAX, tl.minimum(lse + err, quest_upper), quest_upper)
+        upper = tl.where(tl.max(big, 1) < _FP16_MAX, tl.minimum(lse + err, quest_upper), quest_upper)
         out = (head * GROUP + offs_g) * stride_oh + col
         out_ok = g_ok & (offs_g * 0 + col < num_cols)
         tl.store(lse_ptr + out, lse, mask=out_ok)
