@@ -6,10 +6,10 @@ One layer of Llama-3-8B attention (32 q / 8 kv heads, head_dim 128), batch 1, bl
 32 and 64. Per context and block size: torch SDPA (enable_gqa) over contiguous fp16 K/V, and
 paged_decode over
     fp16           every block fp16, only the hot pool (the kernel's pure fp16 build)
-    fp16+warm      the same table with a warm pool present (per-split dispatch picks fp16)
+    fp16+warm      the same table with a warm pool present (table partitioned per pool: one launch each)
     int8           every block int8, only the warm pool
-    int8+hot       the same with a hot pool present (dispatch picks int8)
-    mixed          blocks alternate fp16/int8 (the loop that loads from both pools)
+    int8+hot       the same with a hot pool present (partitioned)
+    mixed          blocks alternate fp16/int8 (partitioned; int8_bench.py compares both_pools variants)
     fp16+mass      fp16 with return_block_mass=True (the H2O scores)
 The table is a random permutation of the blocks, one row expanded over the kv heads (dense
 mode). Times are medians of triton.testing.do_bench, which flushes L2 before every run;
