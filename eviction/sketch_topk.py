@@ -142,7 +142,8 @@ class SketchTopK(Policy):
             raise ValueError("SketchTopK needs ctx.q (float16 [num_q_heads, head_dim]) and ctx.sketch "
                              f"(eviction/sketch.py codes), got q={type(ctx.q).__name__}, "
                              f"sketch={type(ctx.sketch).__name__}")
-        return self._kernel(ctx.summaries)(ctx.q, ctx.summaries, ctx.sketch, ctx.num_tokens, planes=planes, block_ids=block_ids)
+        stats = self._kernel(ctx.summaries)
+        return stats(ctx.q, ctx.summaries, ctx.sketch, ctx.num_tokens, planes=planes, block_ids=block_ids)
 
 
 def block_mass(lse: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
