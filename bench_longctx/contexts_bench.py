@@ -1,16 +1,19 @@
-"""Contexts as objects: what fork shares and what opening a saved context costs.
+"""Contexts as objects: what fork shares and what opening a saved context costs (issue 12).
 
-    python -m bench_longctx.contexts_bench [--contexts 8K,32K,128K] [--layers 4] [--out FILE]
+    python -m bench_longctx.contexts_bench --preset cpu  [--out FILE]      # 2-core CPU, tiny geometry, ~1 min
+    python -m bench_longctx.contexts_bench --preset h200 --open-tokens 1M [--out FILE]
 
-Per context length (random K/V of a named geometry, token ids recorded, the store's default
-windows: hot and warm on the "GPU" pools, the rest in cpu and ssd):
-  forks        blocks stored for one sequence and for it plus 10 forks (references vs stored)
-  save         seconds and bytes of store.save (every block, summaries, sketches, token ids)
-  open         in a fresh store on the same ssd_path (a new process sees the same work): seconds of
-               store.open, then of the first attend in every layer per mode and how many cold blocks
-               it read, beside the same attend on the never-saved sequence in the writer's store.
-               Lazy means: open stays flat as the context grows (summaries and sketches only) and an
-               opened sequence's first sparse attend reads only what it selects; dense reads all
+Random K/V of a named geometry with token ids recorded, the store's windows (hot and warm on the
+"GPU" pools, the rest in cpu int8 and ssd):
+  contexts     per length: save seconds and bytes, then store.open in a fresh store on the same
+               ssd_path: seconds, bytes read (summaries, H2O scores, token ids; sketch codes are not
+               read until mode="sketch"), and the first attend per mode beside the never-saved one's
+  new_process  a context of --open-tokens saved, then opened in a NEW process (python -m ... open)
+               that decodes one token with a random-weight Llama of the geometry (topk, the
+               default): seconds to open and to the first token, and its logits against the
+               never-saved sequence's in the writer
+  forks        10 sequences forked from one --fork-tokens prefix: blocks and bytes stored against
+               the prefix alone (~1x: full blocks shared, one partial tail copied per fork)
 """
 
 from __future__ import annotations
@@ -18,44 +21,57 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 from bench_longctx.presets import parse_tokens
 from bench_longctx.timing import environment, timed
+from engine_adapter.decoder import Decoder
+from engine_adapter.weights import random_llama
 from kvstore.config import Config, ModelSpec
 from kvstore.store import KVStore
 
 BLOCK_TOKENS = 32
 CHUNK = 8192
+VOCAB = 32000
+MODES = ("topk", "sketch", "dense")  # topk: min/max summaries (Quest); sketch: the 4-bit key sketch (eviction/)
+PRESETS = {  # the cpu preset is what CI runs (tests/bench_longctx); h200 keeps 1M on a 235 GiB disk
+    "cpu": dict(geometry="smollm2-135m", layers=4, contexts="8K,32K", open_tokens="32K", fork_tokens="32K",
+                device="cpu", gpu_bytes=256 << 20, cpu_bytes=256 << 20, ssd_bytes=16 << 30),
+    "h200": dict(geometry="llama3-8b", layers=32, contexts="", open_tokens="1M", fork_tokens="128K",
+                 device="cuda", gpu_bytes=16 << 30, cpu_bytes=48 << 30, ssd_bytes=96 << 30),
+}
 
 
-def bench_config(spec: ModelSpec, path: str) -> Config:
-    return Config(model=spec, block_tokens=BLOCK_TOKENS, hot_tokens=1024, warm_tokens=2048, gpu_bytes=256 << 20,
-                  cpu_bytes=256 << 20, ssd_path=path, ssd_bytes=16 << 30, device="cpu", model_id="contexts-bench")
+def bench_config(args: argparse.Namespace, path: str) -> Config:
+    spec = ModelSpec.preset(args.geometry, num_layers=args.layers)
+    return Config(model=spec, block_tokens=BLOCK_TOKENS, hot_tokens=1024, warm_tokens=2048, gpu_bytes=args.gpu_bytes,
+                  cpu_bytes=args.cpu_bytes, cpu_dtype="int8", ssd_path=path, ssd_bytes=args.ssd_bytes,
+                  ssd_compression="none", device=args.device, host_memory_reserve=0, model_id="contexts-bench")
 
 
-def fill(store: KVStore, context: int) -> int:
-    spec, g = store.spec, torch.Generator().manual_seed(0)
+def fill(store: KVStore, context: int) -> tuple[int, list[int]]:
+    spec, g = store.spec, torch.Generator(device=store.device).manual_seed(0)
     seq = store.create_sequence()
-    store.extend_tokens(seq, torch.randint(0, 50000, (context,), generator=g).tolist())
+    ids = torch.randint(0, VOCAB, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    store.extend_tokens(seq, ids)
     for layer in range(spec.num_layers):
         for lo in range(0, context, CHUNK):
             n = min(CHUNK, context - lo)
-            k = torch.randn((n, spec.num_kv_heads, spec.head_dim), generator=g)
+            k = torch.randn((n, spec.num_kv_heads, spec.head_dim), generator=g, device=store.device)
             k[..., :8] *= 6  # outlier channels, as real keys have
-            store.append(seq, layer, k.half(), torch.randn(k.shape, generator=g).half())
-    return seq
-
-
-MODES = ("topk", "sketch", "dense")  # topk: min/max summaries (Quest); sketch: the 4-bit key sketch (eviction/)
+            store.append(seq, layer, k.half(), torch.randn(k.shape, generator=g, device=store.device).half())
+    return seq, ids
 
 
 def first_attends(store: KVStore, seq: int) -> dict:
-    q = torch.randn((store.spec.num_q_heads, store.spec.head_dim), generator=torch.Generator().manual_seed(1)).half()
-    out = {}
+    q = torch.randn((store.spec.num_q_heads, store.spec.head_dim), generator=torch.Generator().manual_seed(1))
+    q, out = q.half().to(store.device), {}
     for mode in MODES:
         before = store.stats()["attend"]["cold_blocks_fetched"]
         _, seconds = timed(lambda: [store.attend(seq, layer, q, mode, budget=2048)
@@ -64,52 +80,137 @@ def first_attends(store: KVStore, seq: int) -> dict:
     return out
 
 
-def run_context(spec: ModelSpec, context: int, directory: str) -> dict:
+def counting_reads(store: KVStore) -> list[int]:
+    """Bytes each values-store read returns, appended to the list handed back (open's reads)."""
+    sizes, get = [], store.saved.values.get
+
+    def counted(keys):
+        values = get(keys)
+        sizes.extend(len(v) for v in values if v is not None)
+        return values
+
+    store.saved.values.get = counted
+    return sizes
+
+
+def run_context(args: argparse.Namespace, context: int, directory: str) -> dict:
     path = str(Path(directory) / f"ctx-{context}")
-    with KVStore(bench_config(spec, path)) as store:
-        seq = fill(store, context)
-        alone = store.stats()["blocks"]
-        forks = [store.fork(seq) for _ in range(10)]
-        shared = store.stats()["blocks"]
-        for f in forks:
-            store.free(f)
+    with KVStore(bench_config(args, path)) as store:
+        seq, _ = fill(store, context)
         _, save_s = timed(lambda: store.save(seq, "bench"))
-        saved_bytes = sum(len(v) for v in store.saved.encoded(
-            [b for layer in range(spec.num_layers) for b in store.table(seq, layer).block_ids]))
         never_saved = first_attends(store, seq)
-    with KVStore(bench_config(spec, path)) as store:  # what a new process does: nothing cached in the store
+    with KVStore(bench_config(args, path)) as store:  # what a new process does: nothing cached in the store
+        reads = counting_reads(store)
         opened, open_s = timed(lambda: store.open("bench"))
-        loaded = store.stats()["blocks"]["stored"] - store.stats()["tiers"]["saved"]["blocks"]
-        attends = first_attends(store, opened)
+        read_bytes = sum(reads)
+        attends = first_attends(store, opened)  # sketch mode reads the codes now
+        sketch_bytes = sum(reads) - read_bytes
     shutil.rmtree(path, ignore_errors=True)
-    return {"context": context, "blocks_per_layer": -(-context // BLOCK_TOKENS),
-            "one_sequence": alone, "with_10_forks": shared,
-            "fork_blocks_ratio": shared["stored"] / alone["stored"],
-            "save_s": save_s, "saved_block_bytes": saved_bytes, "open_s": open_s, "blocks_loaded_at_open": loaded,
+    return {"context": context, "blocks_per_layer": -(-context // BLOCK_TOKENS), "save_s": save_s, "open_s": open_s,
+            "open_read_bytes": read_bytes, "bytes_read_by_first_attends": sketch_bytes,
             "first_attend": attends, "first_attend_never_saved": never_saved}
 
 
-def main() -> None:
+def first_token(store: KVStore, seq: int, last: int, args: argparse.Namespace) -> tuple[torch.Tensor, float]:
+    """fp32 logits [vocab] of one topk decode step after `last`, and its seconds (synchronized)."""
+    dtype = torch.float16 if args.device == "cuda" else torch.float32
+    dec = Decoder(random_llama(store.spec, seed=0, vocab_size=VOCAB, dtype=dtype, device=args.device), store)
+    logits, seconds = timed(lambda: dec.decode_step(seq, last, "topk", 4096), args.device)
+    return logits.float().cpu(), seconds
+
+
+def run_new_process(args: argparse.Namespace, context: int, directory: str) -> dict:
+    path, out = str(Path(directory) / "open"), Path(directory) / "child.json"
+    with KVStore(bench_config(args, path)) as store:
+        (seq, ids), fill_s = timed(lambda: fill(store, context))
+        _, save_s = timed(lambda: store.save(seq, "bench"))
+        saved_bytes = sum(store.stats()["tiers"][t]["bytes"] for t in ("hot", "warm", "cpu", "ssd"))
+        want, writer_s = first_token(store, seq, ids[-1] % VOCAB, args)
+    argv = [sys.executable, "-m", "bench_longctx.contexts_bench", "open", "--path", path, "--out", str(out),
+            "--last", str(ids[-1] % VOCAB)] + [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
+                                                ("geometry", "layers", "device", "gpu_bytes", "cpu_bytes", "ssd_bytes")]
+    started = time.perf_counter()
+    subprocess.run(argv, check=True, cwd=Path(__file__).resolve().parents[1])
+    child = json.loads(out.read_text())
+    got = torch.tensor(child.pop("logits"))
+    shutil.rmtree(path, ignore_errors=True)
+    return {"context": context, "fill_s": fill_s, "save_s": save_s, "stored_bytes_before_save": saved_bytes,
+            "writer_first_token_s": writer_s, "child_wall_s": time.perf_counter() - started, **child,
+            "token_equal": int(got.argmax()) == int(want.argmax()),
+            "max_abs_logit_diff": float((got - want).abs().max())}
+
+
+def open_in_this_process(args: argparse.Namespace) -> None:
+    """The child of run_new_process: open, decode one token, write seconds and logits as JSON."""
+    started = time.perf_counter()
+    with KVStore(bench_config(args, args.path)) as store:
+        init_s = time.perf_counter() - started
+        reads = counting_reads(store)
+        seq, open_s = timed(lambda: store.open("bench"), args.device)
+        open_bytes = sum(reads)
+        logits, token_s = first_token(store, seq, args.last, args)
+        result = {"store_init_s": init_s, "open_s": open_s, "open_read_bytes": open_bytes,
+                  "first_token_s": token_s, "open_to_first_token_s": open_s + token_s,
+                  "blocks_read_for_first_token": store.stats()["attend"]["cold_blocks_fetched"],
+                  "logits": logits.tolist()}
+    Path(args.out).write_text(json.dumps(result))
+
+
+def run_forks(args: argparse.Namespace, context: int, directory: str) -> dict:
+    with KVStore(bench_config(args, str(Path(directory) / "forks"))) as store:
+        seq, _ = fill(store, context)
+
+        def held() -> dict:
+            blocks = store.stats()["blocks"]
+            return {**blocks, "bytes": sum(t["bytes"] for t in store.stats()["tiers"].values())}
+
+        alone = held()
+        forks = [store.fork(seq) for _ in range(10)]
+        shared = held()
+        store.check_integrity()
+    return {"prefix_tokens": context, "forks": len(forks), "prefix_alone": alone, "with_10_forks": shared,
+            "blocks_ratio": shared["stored"] / alone["stored"], "bytes_ratio": shared["bytes"] / alone["bytes"]}
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--geometry", default="smollm2-135m")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--contexts", default="8K,32K,128K")
+    parser.add_argument("what", nargs="?", default="bench", choices=("bench", "open"))  # open: the child
+    parser.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
+    for name, value in PRESETS["cpu"].items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None)
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    spec = ModelSpec.preset(args.geometry, num_layers=args.layers)
-    directory = tempfile.mkdtemp(prefix="kvtier-contexts-")
+    parser.add_argument("--path", default=None)
+    parser.add_argument("--last", type=int, default=0)
+    args = parser.parse_args(argv)
+    for name, value in PRESETS[args.preset].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    if args.what == "open":
+        return open_in_this_process(args)
+    directory = tempfile.mkdtemp(prefix="kvtier-contexts-", dir=Path(args.out).parent if args.out else None)
     try:
-        rows = [run_context(spec, parse_tokens(c), directory) for c in args.contexts.split(",")]
+        rows = [run_context(args, parse_tokens(c), directory) for c in args.contexts.split(",") if c]
+        for r in rows:
+            print(f"{r['context']:>8} tokens: save {r['save_s']:.2f} s; open {r['open_s'] * 1e3:.0f} ms reading "
+                  f"{r['open_read_bytes'] / 2**20:.1f} MiB (sketch codes on first sketch attend: "
+                  f"{r['bytes_read_by_first_attends'] / 2**20:.1f} MiB)")
+        opened = run_new_process(args, parse_tokens(args.open_tokens), directory)
+        print(f"new process, {opened['context']} tokens: open {opened['open_s']:.2f} s + first token "
+              f"{opened['first_token_s']:.2f} s (store init {opened['store_init_s']:.2f} s); token equal "
+              f"{opened['token_equal']}, max |logit diff| {opened['max_abs_logit_diff']:.2e}")
+        forks = run_forks(args, parse_tokens(args.fork_tokens), directory)
+        print(f"10 forks of {forks['prefix_tokens']} tokens: {forks['blocks_ratio']:.4f}x blocks, "
+              f"{forks['bytes_ratio']:.4f}x bytes of the prefix alone")
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    result = {"geometry": args.geometry, "layers": args.layers, "block_tokens": BLOCK_TOKENS,
-              "environment": environment(torch.device("cpu")), "rows": rows}
-    for r in rows:
-        attends = ", ".join(f"{m} {r['first_attend'][m]['s'] * 1e3:.0f} ms / {r['first_attend'][m]['blocks_read']} "
-                            f"blocks (never saved: {r['first_attend_never_saved'][m]['s'] * 1e3:.0f} ms)" for m in MODES)
-        print(f"{r['context']:>8} tokens: 10 forks hold {r['fork_blocks_ratio']:.3f}x the blocks; save "
-              f"{r['save_s']:.2f} s; open {r['open_s'] * 1e3:.0f} ms ({r['blocks_loaded_at_open']} blocks loaded); "
-              f"first attend, all layers: {attends}")
+    result = {**{k: getattr(args, k) for k in PRESETS["cpu"]}, "preset": args.preset, "block_tokens": BLOCK_TOKENS,
+              "environment": environment(torch.device(args.device)), "contexts": rows, "new_process": opened,
+              "forks": forks}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 
