@@ -153,23 +153,29 @@ def _split_kernel(
         s_warm_slot, s_warm_kv, s_warm_head, s_warm_tok,
         s_ks_slot, s_ks_head, s_vs_slot, s_vs_head,
     )
-    cfg = (GROUP_PAD, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER)
+    # constexprs spelled out at each call: a tuple of them compiles to tensors (the interpreter does not mind)
     if HAS_HOT and HAS_WARM:
         if PARTITIONED:
             if is_warm:
-                m_i, l_i, acc = _attend(*args, *cfg, False, True, True, RETURN_MASS, USE_ASM)
+                m_i, l_i, acc = _attend(*args, GROUP_PAD, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER,
+                                        False, True, True, RETURN_MASS, USE_ASM)
             else:
-                m_i, l_i, acc = _attend(*args, *cfg, True, False, True, RETURN_MASS, USE_ASM)
+                m_i, l_i, acc = _attend(*args, GROUP_PAD, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER,
+                                        True, False, True, RETURN_MASS, USE_ASM)
         else:
             n_int8 = _count_int8(is_int8_row, s_i8_blk, lo, hi, 256)
             if n_int8 == 0:
-                m_i, l_i, acc = _attend(*args, *cfg, True, False, False, RETURN_MASS, USE_ASM)
+                m_i, l_i, acc = _attend(*args, GROUP_PAD, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER,
+                                        True, False, False, RETURN_MASS, USE_ASM)
             elif n_int8 == hi - lo:
-                m_i, l_i, acc = _attend(*args, *cfg, False, True, False, RETURN_MASS, USE_ASM)
+                m_i, l_i, acc = _attend(*args, GROUP_PAD, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER,
+                                        False, True, False, RETURN_MASS, USE_ASM)
             else:
-                m_i, l_i, acc = _attend(*args, *cfg, True, True, False, RETURN_MASS, USE_ASM)
+                m_i, l_i, acc = _attend(*args, GROUP_PAD, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER,
+                                        True, True, False, RETURN_MASS, USE_ASM)
     else:
-        m_i, l_i, acc = _attend(*args, *cfg, HAS_HOT, HAS_WARM, PARTITIONED, RETURN_MASS, USE_ASM)
+        m_i, l_i, acc = _attend(*args, GROUP_PAD, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER,
+                                HAS_HOT, HAS_WARM, PARTITIONED, RETURN_MASS, USE_ASM)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # 0 only for a split with no entries
     part = (b * num_q_heads + q_head) * num_splits + split  # [M]
