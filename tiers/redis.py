@@ -45,6 +45,7 @@ _ENVELOPE = struct.Struct("<4sQH")
 _MAGIC = b"KVRB"
 _NAMESPACE = re.compile(r"[A-Za-z0-9_.:-]{1,200}")  # no braces: no accidental hash tags
 _BATCH_BYTES = 32 << 20  # one pipeline carries at most this much value data (and each thread a buffer this big)
+_GET_WINDOW_BYTES = 8 << 20  # GET replies read per master between sends: 8 beat 32 MiB (BENCHMARKS.md, Redis)
 
 
 class RedisTier(BudgetedTier):
@@ -75,6 +76,7 @@ class RedisTier(BudgetedTier):
         self.value_overhead = self.envelope_bytes + HEADER_BYTES
         self.max_value_bytes = self.block_bytes + self.value_overhead  # an fp16 block stored raw
         self.chunk_blocks = max(1, _BATCH_BYTES // self.max_value_bytes)  # values per pipeline
+        self.get_window_blocks = max(1, _GET_WINDOW_BYTES // self.max_value_bytes)
         self.url = url
         self.client, self.cluster = connect(url, timeout)
 
@@ -155,7 +157,7 @@ class RedisTier(BudgetedTier):
             raise KeyError(f"redis: blocks not stored: {unknown[:8]}")
         keys = [self.key(i) for i in ids]
         try:
-            return self._receive(ids, keys, get_replies(self.client, keys, self.chunk_blocks))
+            return self._receive(ids, keys, get_replies(self.client, keys, self.get_window_blocks))
         except SlotsMoved:  # the cluster resharded: redis-py's pipeline follows the redirects
             return self._receive(ids, keys, self._pipelined_gets(keys))
 

@@ -26,7 +26,7 @@ def kv_like(n: int, seed: int) -> torch.Tensor:
 
 def test_an_error_mid_batch_leaves_the_connection_clean(redis_url):
     tier = RedisTier(LAYOUT, redis_url, 1 << 26)
-    tier.chunk_blocks = 2  # several windows in flight: the error comes before most replies are read
+    tier.get_window_blocks = 2  # several windows in flight: the error comes before most replies are read
     x = kv_like(9, seed=1)
     ids = list(range(9))
     tier.put(ids, x)
@@ -67,7 +67,7 @@ def test_raw_and_compressed_values_mix_in_one_batch(redis_url):
 
 def test_a_cluster_get_in_any_order(redis_cluster):
     tier = RedisTier(LAYOUT, redis_cluster.url, 1 << 26)
-    tier.chunk_blocks = 3
+    tier.get_window_blocks = 3
     x = kv_like(40, seed=3)
     tier.put(list(range(40)), x)
     order = torch.randperm(40, generator=torch.Generator().manual_seed(0)).tolist()
