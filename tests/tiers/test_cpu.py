@@ -1,13 +1,19 @@
-"""The cpu tier: checksums on every read, chunked parallel gathers, the host-memory guard."""
+"""The cpu tier: checksums on every read (xxh3 on the host; block sums on the checksum device: the kernels under
+TRITON_INTERPRET=1 on CPU, the GPU on CUDA), chunked parallel gathers, the host-memory guard."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import tiers.cpu
 from tiers.base import IntegrityError
+from tiers.block_checksum import block_sums_ref
 from tiers.cpu import CpuTier
-from tiers.layout import BlockLayout
+from tiers.layout import BlockLayout, Int8Blocks
+from tiers.quant import quantize
+
+CUDA = torch.cuda.is_available()
 
 LAYOUT = BlockLayout(num_kv_heads=2, block_tokens=64, head_dim=64)  # 32 KiB blocks
 
@@ -18,7 +24,7 @@ def blocks(n: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", ["float16", "int8"])
 def test_corrupted_host_memory_is_detected(dtype):
-    tier = CpuTier(LAYOUT, 64 * LAYOUT.fp16_bytes, dtype=dtype, memory_reserve=0)
+    tier = CpuTier(LAYOUT, 64 * LAYOUT.fp16_bytes, dtype=dtype, memory_reserve=0, checksums="host")
     tier.put([1, 2, 3], blocks(3, seed=1))
     slab = tier.slabs[0] if dtype == "float16" else tier.slabs[0].data
     row_bytes = slab[0].numel() * slab.element_size()
@@ -51,3 +57,81 @@ def test_host_memory_guard_refuses_instead_of_oom():
     with pytest.raises(MemoryError, match="host memory"):
         tier.put([1], blocks(1, seed=4))
     assert tier.num_blocks == 0
+
+
+def same(a, b) -> bool:
+    if isinstance(a, Int8Blocks):
+        return all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(a.tensors(), b.tensors()))
+    return torch.equal(a.cpu(), b.cpu())
+
+
+def damage(tier: CpuTier, block_id: int, byte: int) -> None:
+    """Flip one bit of the block's pinned (or pageable) slab row, in place."""
+    slot = tier.slots.lookup([block_id])[0]
+    slab = tier.slabs[slot // tier.slab_blocks]
+    field = slab if isinstance(slab, torch.Tensor) else slab.tensors()[byte % 3]
+    field[slot % tier.slab_blocks].view(-1).view(torch.uint8)[byte % (field[0].numel() * field.element_size())] ^= 4
+
+
+SUM_DEVICE = "cuda" if CUDA else "cpu"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_block_sums_across_slabs_verify_every_read(dtype, monkeypatch):
+    monkeypatch.setattr(tiers.cpu, "_SLAB_BYTES", 5 * LAYOUT.bytes_for(dtype))  # 5 blocks a slab: 4 slabs
+    tier = CpuTier(LAYOUT, 20 * LAYOUT.bytes_for(dtype), dtype=dtype, memory_reserve=0, checksums=SUM_DEVICE)
+    x = blocks(18, seed=5)
+    from_device = x[:6].to(SUM_DEVICE)  # on CUDA: summed on the GPU before it leaves
+    tier.put(list(range(6)), from_device if dtype == "float16" else quantize(from_device))
+    tier.put(list(range(6, 18)), x[6:])  # host blocks: summed in their slab rows
+    assert len(tier.slabs) == 4
+    stored = tier.get(list(range(18)))
+    want = x if dtype == "float16" else quantize(x)
+    assert same(stored, want)
+    fields = stored.tensors() if dtype == "int8" else (stored,)
+    assert torch.equal(tier.sums[torch.tensor(tier.slots.lookup(list(range(18))), device=SUM_DEVICE)].cpu(),
+                       block_sums_ref(fields))
+    order = [17, 2, 9, 0, 11, 16, 4]  # every slab, out of order
+    assert same(tier.fetch(order, SUM_DEVICE), want[order] if dtype == "float16" else want.index(torch.tensor(order)))
+    tier.delete([2, 9])
+    tier.put([40, 41], x[[0, 1]])  # reused slots get fresh sums
+    assert same(tier.fetch([41, 40], SUM_DEVICE), tier.get([1, 0]))
+    tier.check_integrity()
+    tier.close()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+@pytest.mark.parametrize("byte", [0, 4, 1001])  # int8: data, k_scale, v_scale
+def test_a_damaged_pinned_row_fails_fetch_and_get_and_serves_nothing(dtype, byte):
+    tier = CpuTier(LAYOUT, 8 * LAYOUT.bytes_for(dtype), dtype=dtype, memory_reserve=0, checksums=SUM_DEVICE)
+    x = blocks(4, seed=6)
+    tier.put([10, 11, 12, 13], x.to(SUM_DEVICE))
+    damage(tier, 12, byte)
+    served = []
+    for read in (lambda: tier.fetch([13, 12, 10], SUM_DEVICE), lambda: tier.get([12]), lambda: tier.fetch([12], "cpu")):
+        with pytest.raises(IntegrityError, match="block 12 failed"):
+            served.append(read())
+    assert served == [] and tier.integrity_errors == 3
+    assert same(tier.fetch([13, 10, 11], SUM_DEVICE), tier.get([13, 10, 11]))  # the others still read
+    assert 12 in tier and tier.num_blocks == 4  # kept for the store to decide; never returned as data
+    tier.check_integrity()
+
+
+def test_several_damaged_blocks_are_all_counted_and_named():
+    tier = CpuTier(LAYOUT, 8 * LAYOUT.fp16_bytes, memory_reserve=0, checksums=SUM_DEVICE)
+    tier.put(list(range(6)), blocks(6, seed=7))
+    for block_id in (1, 4):
+        damage(tier, block_id, 77)
+    with pytest.raises(IntegrityError, match=r"block 4 failed its checksum \(and 1 more: \[1\]\)"):
+        tier.fetch([4, 0, 1], SUM_DEVICE)
+    assert tier.integrity_errors == 2
+
+
+def test_checksum_choice():
+    auto = CpuTier(LAYOUT, LAYOUT.fp16_bytes)
+    assert auto.sum_device == (torch.device("cuda", torch.cuda.current_device()) if CUDA else None)
+    assert CpuTier(LAYOUT, LAYOUT.fp16_bytes, checksums="host").sum_device is None
+    with pytest.raises(ValueError, match="checksums"):
+        CpuTier(LAYOUT, LAYOUT.fp16_bytes, checksums="nonsense")
+    with pytest.raises(ValueError, match="pinned"):
+        CpuTier(LAYOUT, LAYOUT.fp16_bytes, pin=False, checksums="cuda")
