@@ -88,7 +88,8 @@ class RMSNorm(nn.Module):
             residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, its norm), each [T, dim], in one launch on the kernel path (HF LlamaRMSNorm's rounding
         order); the sum goes into residual_out when given (x itself: an in-place residual stream)."""
-        norm = add_rmsnorm if use_kernels(self.fused, x) else add_rmsnorm_ref
+        kernel = use_kernels(self.fused, x) and x.dtype == self.weight.dtype  # else torch's type promotion
+        norm = add_rmsnorm if kernel else add_rmsnorm_ref
         return norm(x, delta, self.weight, self.eps, residual_out)
 
 
@@ -166,7 +167,11 @@ class Layer(nn.Module):
             q, k, v = F.linear(h, self.qkv_weight).split([q_dim, kv_dim, kv_dim], dim=-1)  # column slices
         else:
             q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
-        q, k = rope(q.view(-1, a.num_q_heads, a.head_dim), k.view(-1, a.num_kv_heads, a.head_dim), cos, sin)
+        q, k = q.view(-1, a.num_q_heads, a.head_dim), k.view(-1, a.num_kv_heads, a.head_dim)
+        if cos.dtype == q.dtype:
+            q, k = rope(q, k, cos, sin)
+        else:  # torch's type promotion (e.g. fp32 tables for an fp16 model)
+            q, k = rotate_ref(q, cos, sin), rotate_ref(k, cos, sin)
         return q, k, v.view(-1, a.num_kv_heads, a.head_dim).contiguous()  # a copy only when T > 1
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
