@@ -81,6 +81,8 @@ def block_sums(fields: Sequence[torch.Tensor], rows: torch.Tensor | None = None,
     memory that the device reads itself. `device` defaults to that of rows, else of fields[0]."""
     words = _checked_words(fields)
     device = torch.device(device) if device is not None else rows.device if rows is not None else fields[0].device
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     for i, w in enumerate(words):
         if w.device != device and not (w.device.type == "cpu" and device.type == "cuda" and w.is_pinned()):
             raise ValueError(f"fields[{i}]: expected on {device} or pinned host memory, "

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 import psutil
@@ -131,10 +131,9 @@ class CpuTier(PooledTier):
     def get(self, ids: Sequence[int]) -> Blocks:
         """Gathers `ids` into one (pinned) batch, verifying every block's checksum."""
         out = self._empty(len(ids))
-        for _ in self._gather_chunks(ids, out, verify=self.sum_device is None):
-            pass
+        slots = self._gather(ids, out, verify=self.sum_device is None)
         if self.sum_device is not None:
-            self._check(ids, out, _to(torch.tensor(self.slots.lookup(ids), dtype=torch.int64), self.sum_device))
+            self._check(ids, out, _to(torch.tensor(slots, dtype=torch.int64), self.sum_device))
         return out
 
     def fetch(self, ids: Sequence[int], device: torch.device | str) -> Blocks:
@@ -146,15 +145,10 @@ class CpuTier(PooledTier):
             out = self._empty(len(ids), device)
             self._check(ids, out, self._gather_to(self.slots.lookup(ids), out))
             return out
-        if device.type == "cpu" or self.sum_device is not None:
+        if device.type == "cpu" or self.sum_device is not None or not self.pin:
             blocks = self.get(ids)
-            return blocks if device.type == "cpu" else blocks.to(device)
+            return blocks if device.type == "cpu" else blocks.to(device, non_blocking=True)
         out = self._empty(len(ids), device)
-        if not self.pin:  # pageable host memory: gather and verify on the host, then copy
-            staging = self._empty(len(ids))
-            for lo, hi in self._gather_chunks(ids, staging, verify=True):
-                _copy_slice(staging, out, lo, hi)
-            return out
         slots = self.slots.lookup(ids)
         checks = [self._pool().submit(self._verify, ids, slots, lo, hi) for lo, hi in self._chunks(len(ids))]
         self._gather_to(slots, out)
@@ -224,20 +218,19 @@ class CpuTier(PooledTier):
         empty = self.layout.empty_fp16 if self.dtype == "float16" else self.layout.empty_int8
         return empty(n, device, pin=self.pin and torch.device(device).type == "cpu")
 
-    def _gather_chunks(self, ids: Sequence[int], out: Blocks, verify: bool) -> Iterator[tuple[int, int]]:
-        """Fill `out` with `ids` in chunks on a thread pool (with `verify`, each checked by xxh3); yields
-        each (lo, hi) done, in order."""
+    def _gather(self, ids: Sequence[int], out: Blocks, verify: bool) -> list[int]:
+        """Fill host batch `out` with `ids`, in chunks on a thread pool (with `verify`, each checked by
+        xxh3); returns their slots."""
         slots = self.slots.lookup(ids)
         chunks = self._chunks(len(ids))
-        if len(chunks) <= 1:
+        if len(chunks) <= 1:  # no thread hand-off for one chunk
             for lo, hi in chunks:
                 self._gather_chunk(ids, slots, out, lo, hi, verify)
-                yield lo, hi
-            return
+            return slots
         futures = [self._pool().submit(self._gather_chunk, ids, slots, out, lo, hi, verify) for lo, hi in chunks]
-        for (lo, hi), future in zip(chunks, futures):
+        for future in futures:
             future.result()
-            yield lo, hi
+        return slots
 
     def _gather_chunk(self, ids: Sequence[int], slots: list[int], out: Blocks, lo: int, hi: int,
                       verify: bool) -> None:
@@ -333,8 +326,3 @@ def _flat(t: torch.Tensor):
 
 def _slice(blocks: Blocks, lo: int, hi: int) -> Blocks:
     return blocks.index(slice(lo, hi)) if isinstance(blocks, Int8Blocks) else blocks[lo:hi]
-
-
-def _copy_slice(src: Blocks, dst: Blocks, lo: int, hi: int) -> None:
-    for d, s in zip(_fields(dst), _fields(src)):
-        d[lo:hi].copy_(s[lo:hi], non_blocking=True)

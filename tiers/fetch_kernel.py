@@ -61,7 +61,8 @@ def gather_rows(src: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor, dst_ro
                                   SCATTER=dst_rows is not None, BLOCK=_BLOCK, num_warps=4)
 
 
-def gather_rows_ref(src: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor | None = None) -> None:
+def gather_rows_ref(src: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor,
+                    dst_rows: torch.Tensor | None = None) -> None:
     picked = src.index_select(0, rows.to(src.device)).to(dst.device)
     if dst_rows is None:
         dst.copy_(picked)
