@@ -12,7 +12,7 @@ Every block is verified on every read, against one checksum per slot kept in `su
   rows in one launch per slab, sums the gathered rows in one launch and compares them on the
   GPU: one host sync. get() copies rows on the host, then the GPU sums the pinned result.
 - host only: xxh3 on the host, (digest, 0) per slot, checked by worker threads; xxh3 runs
-  at ~29 GB/s a core where block sums in torch run at 0.2-0.4 GB/s (block_checksum.py).
+  at ~29 GB/s a core where block sums in torch run at 0.2-0.5 GB/s (block_checksum.py).
 """
 
 from __future__ import annotations

@@ -100,10 +100,11 @@ def test_block_sums_across_slabs_verify_every_read(dtype, monkeypatch):
     tier.close()
 
 
+@pytest.mark.parametrize("checksums", [SUM_DEVICE, "host"])
 @pytest.mark.parametrize("dtype", ["float16", "int8"])
 @pytest.mark.parametrize("byte", [0, 4, 1001])  # int8: data, k_scale, v_scale
-def test_a_damaged_pinned_row_fails_fetch_and_get_and_serves_nothing(dtype, byte):
-    tier = CpuTier(LAYOUT, 8 * LAYOUT.bytes_for(dtype), dtype=dtype, memory_reserve=0, checksums=SUM_DEVICE)
+def test_a_damaged_pinned_row_fails_fetch_and_get_and_serves_nothing(checksums, dtype, byte):
+    tier = CpuTier(LAYOUT, 8 * LAYOUT.bytes_for(dtype), dtype=dtype, memory_reserve=0, checksums=checksums)
     x = blocks(4, seed=6)
     tier.put([10, 11, 12, 13], x.to(SUM_DEVICE))
     damage(tier, 12, byte)
