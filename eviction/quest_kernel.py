@@ -59,7 +59,12 @@ def _quest_kernel(
     mask_n = offs_n < num_blocks
     mask_d = offs_d < HEAD_DIM
     tile = s_ptr + offs_n[:, None].to(tl.int64) * stride_sn + head * stride_sh + offs_d[None, :]
-    tile_mask = mask_n[:, None] & mask_d[None, :]
+    if DEVICE_COUNTS:  # the captured decode step: the sequence grows under a fixed launch over its capacity
+        n = tl.load(count_ptr) + 1  # tokens once the current one is appended
+        live = (n + block_tokens - 1) // block_tokens
+        tile_mask = (offs_n < live)[:, None] & mask_d[None, :]  # capacity past the sequence is never read
+    else:
+        tile_mask = mask_n[:, None] & mask_d[None, :]
     k_min = tl.load(tile, mask=tile_mask, other=0.0).to(tl.float16)  # [BLOCK_N, BLOCK_D]
     k_max = tl.load(tile + stride_sm, mask=tile_mask, other=0.0).to(tl.float16)
     q_row = head * GROUP
@@ -90,9 +95,7 @@ def _quest_kernel(
                 score = score + b
     # Only protected blocks may score +inf, or topk could drop one of them.
     score = tl.where(score != score, float("-inf"), tl.minimum(score, 3.4028234663852886e38))  # NaN -> -inf
-    if DEVICE_COUNTS:  # the captured decode step: the sequence grows under a fixed launch
-        n = tl.load(count_ptr) + 1  # tokens once the current one is appended
-        live = (n + block_tokens - 1) // block_tokens
+    if DEVICE_COUNTS:
         start = tl.minimum(tl.maximum(n - recent_start, 0) // block_tokens, live - 1)
         protected = (offs_n < sink_blocks) | (offs_n >= start)
         score = tl.where(offs_n < live, tl.where(protected, float("inf"), score), float("-inf"))
