@@ -61,7 +61,7 @@ def _radix(key, k):
     prefix = tl.full((), 0, tl.int64)
     remaining = k
     for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
+        shift = 24 - 8 * p  # p is a compile-time constant: so is shift
         digit = (u >> shift) & 255
         if p == 0:
             slot = digit
