@@ -128,8 +128,7 @@ def bench_block_size(args, block_tokens: int, q, keys, needle_tokens, knobs: dic
 
 
 def bench_topk(device: torch.device, ks: tuple[int, ...] = (64, 256)) -> list[dict]:
-    """topk_sorted (one program per row below 2 chunks, two stages above; radix select or bisection for the
-    threshold) against torch.topk + sort,
+    """topk_sorted (one program per row below 2 chunks, two stages above) against torch.topk + sort,
     [kv_heads, n] float32 scores: 1M tokens at 64/32/16-token blocks (+1/16 capacity) and shorter."""
     rows = []
     for n in (2048, 4096, 17408, 34816, 69632):
@@ -137,8 +136,7 @@ def bench_topk(device: torch.device, ks: tuple[int, ...] = (64, 256)) -> list[di
         for k in ks:
             torch_us = 1e3 * time_ms(lambda: torch.sort(torch.topk(scores, k, dim=1, sorted=False).indices, 1),
                                      device)
-            rows.append({"n": n, "k": k, "radix_us": 1e3 * time_ms(lambda: topk_sorted(scores, k), device),
-                         "bisect_us": 1e3 * time_ms(lambda: topk_sorted(scores, k, radix=False), device),
+            rows.append({"n": n, "k": k, "kernel_us": 1e3 * time_ms(lambda: topk_sorted(scores, k), device),
                          "torch_us": torch_us})
     return rows
 
@@ -189,8 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"copy ceiling {ceiling:.0f} GB/s (read+write); kernel knobs {knobs}")
     print_table(rows)
     for r in topk_rows:
-        print(f"topk n={r['n']:6d} k={r['k']:4d}: radix {r['radix_us']:6.1f} us, bisect {r['bisect_us']:6.1f} us, "
-              f"torch.topk+sort {r['torch_us']:6.1f} us")
+        print(f"topk n={r['n']:6d} k={r['k']:4d}: kernel {r['kernel_us']:6.1f} us, torch.topk+sort {r['torch_us']:6.1f} us")
     return 0
 
 

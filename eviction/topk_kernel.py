@@ -37,7 +37,8 @@ def _keys(x, valid):
 
 @triton.jit
 def _bisect(key, k):
-    """The k-th largest key: bisection on the int32 range, 32 counting passes."""
+    """The k-th largest key: bisection on the int32 range, 32 counting passes. (A radix select, four
+    8-bit histogram passes, was 3x slower in the merge stage on the H200: results/h200-profile.)"""
     lo = tl.full((), -2147483648, tl.int64)  # invariant: count(key >= lo) >= k
     hi = tl.full((), 2147483647, tl.int64)  # invariant: count(key > hi) < k
     for _ in range(32):
@@ -49,39 +50,9 @@ def _bisect(key, k):
 
 
 @triton.jit
-def _radix(key, k):
-    """The k-th largest key: radix select, one 8-bit digit per pass from the top (4 histograms).
-
-    Keys shifted to [0, 2^32) keep their order. Per pass, among the keys that share the threshold's digits
-    so far, count each digit's keys (keys that do not share them go to bins 256..511, a histogram without a
-    mask); the threshold's digit is the largest d with count(digit >= d) >= remaining, and the keys above it
-    leave `remaining`."""
-    u = key.to(tl.int64) + 2147483648
-    bins = tl.arange(0, 512)
-    prefix = tl.full((), 0, tl.int64)
-    remaining = k
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p  # p is a compile-time constant: so is shift
-        digit = (u >> shift) & 255
-        if p == 0:
-            slot = digit
-        else:
-            slot = tl.where((u >> (shift + 8)) == (prefix >> (shift + 8)), digit, digit + 256)
-        hist = tl.where(bins < 256, tl.histogram(slot.to(tl.int32), 512), 0)  # [512]
-        at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # keys with digit >= bin
-        d = tl.max(tl.where((bins < 256) & (at_least >= remaining), bins, -1), axis=0)
-        remaining -= tl.sum(tl.where(bins == d, at_least - hist, 0), axis=0)  # keys with digit > d
-        prefix = prefix | (d.to(tl.int64) << shift)
-    return (prefix - 2147483648).to(tl.int32)
-
-
-@triton.jit
-def _winners(key, k, RADIX: tl.constexpr):
+def _winners(key, k):
     """bool mask of the k largest keys (ties: the first in order), for a block holding >= k entries."""
-    if RADIX:
-        t = _radix(key, k)
-    else:
-        t = _bisect(key, k)
+    t = _bisect(key, k)
     above = key > t
     tied = key == t
     need = k - tl.sum(above.to(tl.int32), axis=0)
@@ -89,20 +60,19 @@ def _winners(key, k, RADIX: tl.constexpr):
 
 
 @triton.jit
-def _row_topk_kernel(scores_ptr, s_row, n, k, out_ptr, s_out, BLOCK: tl.constexpr, RADIX: tl.constexpr):
+def _row_topk_kernel(scores_ptr, s_row, n, k, out_ptr, s_out, BLOCK: tl.constexpr):
     """One program per row: the row's k winners, ascending."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     valid = offs < n
     x = tl.load(scores_ptr + row * s_row + offs, mask=valid, other=float("-inf")).to(tl.float32)
-    take = _winners(_keys(x, valid), k, RADIX) & valid
+    take = _winners(_keys(x, valid), k) & valid
     pos = tl.cumsum(take.to(tl.int32), axis=0) - 1
     tl.store(out_ptr + row * s_out + pos, offs.to(tl.int64), mask=take)
 
 
 @triton.jit
-def _chunk_topk_kernel(scores_ptr, s_row, n, k_local, cand_key_ptr, cand_idx_ptr, s_cand, CHUNK: tl.constexpr,
-                       RADIX: tl.constexpr):
+def _chunk_topk_kernel(scores_ptr, s_row, n, k_local, cand_key_ptr, cand_idx_ptr, s_cand, CHUNK: tl.constexpr):
     """Stage one, program (chunk, row): the chunk's k_local winners (padding past n included, keyed lowest)."""
     chunk = tl.program_id(0)
     row = tl.program_id(1)
@@ -110,7 +80,7 @@ def _chunk_topk_kernel(scores_ptr, s_row, n, k_local, cand_key_ptr, cand_idx_ptr
     valid = offs < n
     x = tl.load(scores_ptr + row * s_row + offs, mask=valid, other=float("-inf")).to(tl.float32)
     key = _keys(x, valid)
-    take = _winners(key, k_local, RADIX)  # exactly k_local entries: the chunk always holds CHUNK >= k_local
+    take = _winners(key, k_local)  # exactly k_local entries: the chunk always holds CHUNK >= k_local
     pos = chunk * k_local + tl.cumsum(take.to(tl.int32), axis=0) - 1
     tl.store(cand_key_ptr + row * s_cand + pos, key, mask=take)
     tl.store(cand_idx_ptr + row * s_cand + pos, offs, mask=take)
@@ -119,14 +89,14 @@ def _chunk_topk_kernel(scores_ptr, s_row, n, k_local, cand_key_ptr, cand_idx_ptr
 @triton.jit
 def _merge_topk_kernel(cand_key_ptr, cand_idx_ptr, s_cand, num_cand, k, out_ptr, s_out,
                        slot_map_ptr, tier_map_ptr, slots_ptr, is_int8_ptr, s_table, int8_tier,
-                       BLOCK: tl.constexpr, TABLE: tl.constexpr, RADIX: tl.constexpr):
+                       BLOCK: tl.constexpr, TABLE: tl.constexpr):
     """Stage two, one program per row: k winners of the candidates, ascending; with TABLE their block table."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     valid = offs < num_cand
     key = tl.load(cand_key_ptr + row * s_cand + offs, mask=valid, other=-2147483647 - 1)
     idx = tl.load(cand_idx_ptr + row * s_cand + offs, mask=valid, other=0)
-    take = _winners(key, k, RADIX) & valid
+    take = _winners(key, k) & valid
     pos = tl.cumsum(take.to(tl.int32), axis=0) - 1
     tl.store(out_ptr + row * s_out + pos, idx.to(tl.int64), mask=take)
     if TABLE:
@@ -155,25 +125,23 @@ def can_select(n: int, k: int) -> bool:
     return triton.cdiv(n, CHUNK) * k <= MAX_BLOCKS if two_stage(n, k) else n <= MAX_BLOCKS
 
 
-def topk_sorted(scores: torch.Tensor, k: int, radix: bool = True) -> torch.Tensor:
-    """int64 [rows, k]: per row the indices of the k largest scores, ascending (ties: lower index wins).
-    radix: find the k-th largest by radix select (4 histogram passes) rather than bisection (32 counting
-    passes); a tuning knob, same result (bench_longctx/select_bench.py times both)."""
+def topk_sorted(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """int64 [rows, k]: per row the indices of the k largest scores, ascending (ties: lower index wins)."""
     rows, n = _check(scores, k)
     if not can_select(n, k):
         raise ValueError(f"threshold top-k holds at most {MAX_BLOCKS} scores per program, got rows of {n} with k {k}")
     out = torch.empty((rows, k), dtype=torch.int64, device=scores.device)
     if two_stage(n, k):
-        _two_stage(scores, k, out, radix=radix)
+        _two_stage(scores, k, out)
         return out
     block = max(triton.next_power_of_2(n), 128)
-    _row_topk_kernel[(rows,)](scores, scores.stride(0), n, k, out, out.stride(0), BLOCK=block, RADIX=radix,
+    _row_topk_kernel[(rows,)](scores, scores.stride(0), n, k, out, out.stride(0), BLOCK=block,
                               num_warps=_warps(block))
     return out
 
 
 def topk_block_table(scores: torch.Tensor, k: int, slot_map: torch.Tensor, tier_map: torch.Tensor,
-                     int8_tier: int, radix: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     int8_tier: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`topk_sorted` plus the winners' kernel block table, in the same launches:
     (selected int64 [rows, k], slots int32 [rows, k] = slot_map[selected],
     is_int8 bool [rows, k] = tier_map[selected] == int8_tier). slot_map int32 and tier_map int8, both [>= n]."""
@@ -187,23 +155,22 @@ def topk_block_table(scores: torch.Tensor, k: int, slot_map: torch.Tensor, tier_
     out = torch.empty((rows, k), dtype=torch.int64, device=scores.device)
     slots = torch.empty((rows, k), dtype=torch.int32, device=scores.device)
     is_int8 = torch.empty((rows, k), dtype=torch.bool, device=scores.device)
-    _two_stage(scores, k, out, (slot_map, tier_map, slots, is_int8, int8_tier), radix)
+    _two_stage(scores, k, out, (slot_map, tier_map, slots, is_int8, int8_tier))
     return out, slots, is_int8
 
 
-def _two_stage(scores: torch.Tensor, k: int, out: torch.Tensor, table: tuple | None = None,
-               radix: bool = True) -> None:
+def _two_stage(scores: torch.Tensor, k: int, out: torch.Tensor, table: tuple | None = None) -> None:
     rows, n = scores.shape
     chunks = triton.cdiv(n, CHUNK)
     cand_key = torch.empty((rows, chunks * k), dtype=torch.int32, device=scores.device)  # [rows, chunks * k]
     cand_idx = torch.empty_like(cand_key)
     _chunk_topk_kernel[(chunks, rows)](scores, scores.stride(0), n, k, cand_key, cand_idx, cand_key.stride(0),
-                                       CHUNK=CHUNK, RADIX=radix, num_warps=4)
+                                       CHUNK=CHUNK, num_warps=4)
     block = max(triton.next_power_of_2(chunks * k), 128)
     slot_map, tier_map, slots, is_int8, int8_tier = table or (out, out, out, out, 0)  # unused pointers without
     _merge_topk_kernel[(rows,)](cand_key, cand_idx, cand_key.stride(0), chunks * k, k, out, out.stride(0),
                                 slot_map, tier_map, slots, is_int8, slots.stride(0), int8_tier,
-                                BLOCK=block, TABLE=table is not None, RADIX=radix, num_warps=_warps(block))
+                                BLOCK=block, TABLE=table is not None, num_warps=_warps(block))
 
 
 def _warps(block: int) -> int:

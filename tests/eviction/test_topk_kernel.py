@@ -41,8 +41,7 @@ def test_bad_arguments():
 
 
 @pytest.mark.parametrize("rows, n, k", [(2, 2049, 1), (3, 5000, 64), (8, 17000, 64), (1, 9999, 256), (2, 3073, 200)])
-@pytest.mark.parametrize("radix", [True, False])
-def test_two_stage_matches_reference(rows, n, k, radix):
+def test_two_stage_matches_reference(rows, n, k):
     """Rows longer than two chunks go through per-chunk candidates; the result is the same."""
     assert two_stage(n, k)
     g = torch.Generator().manual_seed(n + k)
@@ -51,20 +50,19 @@ def test_two_stage_matches_reference(rows, n, k, radix):
     scores[0, n - 5:] = float("inf")  # winners in the padded last chunk
     scores[-1, :100] = float("-inf")
     scores = scores.to(DEVICE)
-    assert torch.equal(topk_sorted(scores, k, radix=radix).cpu(), topk_sorted_ref(scores, k).cpu())
+    assert torch.equal(topk_sorted(scores, k).cpu(), topk_sorted_ref(scores, k).cpu())
 
 
-@pytest.mark.parametrize("radix", [True, False])
-def test_threshold_search_finds_the_kth_key_across_every_digit(radix):
-    """Scores that agree in their top bytes and differ only in the lowest (and negatives, zeros, infinities):
-    each radix pass must narrow the right group."""
+def test_threshold_search_finds_the_kth_key_across_every_bit():
+    """Scores that agree in their top bits and differ only in the lowest (and negatives, zeros, infinities):
+    the threshold search must resolve every bit."""
     base = torch.tensor([1.0, 1.0000001, 1.0000002, -1.0, -1.0000001, 0.0, -0.0, 3e38, -3e38, float("inf"),
                          float("-inf"), 1e-30, -1e-30, 2.0, 1.5, 1.25])
     scores = base.repeat(3, 9)[:, :130]
     scores[1] = scores[1].flip(0)
     scores[2, 5:40] = 1.0000001  # a long tie at the threshold
     for k in (1, 2, 3, 7, 16, 64, 129, 130):
-        got = topk_sorted(scores.to(DEVICE), k, radix=radix).cpu()
+        got = topk_sorted(scores.to(DEVICE), k).cpu()
         assert torch.equal(got, topk_sorted_ref(scores, k)), k
 
 

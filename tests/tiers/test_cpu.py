@@ -86,7 +86,11 @@ def test_block_sums_across_slabs_verify_every_read(dtype, monkeypatch):
     tier.put(list(range(6, 18)), x[6:])  # host blocks: summed in their slab rows
     assert len(tier.slabs) == 4
     stored = tier.get(list(range(18)))
-    want = x if dtype == "float16" else quantize(x)
+    if dtype == "float16":
+        want = x
+    else:  # quantized where each batch was: a GPU may round a scale differently from the CPU
+        parts = quantize(from_device).to("cpu"), quantize(x[6:])
+        want = Int8Blocks(*(torch.cat(fields) for fields in zip(*(p.tensors() for p in parts))))
     assert same(stored, want)
     fields = stored.tensors() if dtype == "int8" else (stored,)
     assert torch.equal(tier.sums[torch.tensor(tier.slots.lookup(list(range(18))), device=SUM_DEVICE)].cpu(),
