@@ -55,16 +55,16 @@ def topk_cases(store: KVStore, seq: int, q: torch.Tensor, p: DecodePreset, base:
         ms = time_ms(lambda b=budget: store.attend(seq, 0, q, mode="topk", budget=b), dev, repeat)
         out[f"topk_{budget}"] = rate(ms, nbytes, *base)
         if dev.type == "cuda":
-            steps = appending_layer_step(store, seq, q, budget)
+            steps = appending_layer_step(store, seq, q, "topk", budget)
             out[f"topk_{budget}_graphed"] = rate(time_ms(steps, dev), nbytes, *base)
             del steps
     return out
 
 
-def appending_layer_step(store: KVStore, seq: int, q: torch.Tensor, budget: int) -> GraphedSteps:
+def appending_layer_step(store: KVStore, seq: int, q: torch.Tensor, mode: str, budget: int) -> GraphedSteps:
     """Layer 0's decode step as users run it (kvstore/step.py): every call appends a token's K/V, selects,
     attends and accounts, one graph replay plus the host work between tokens."""
-    step = store.decode_step(seq, mode="topk", budget=budget)
+    step = store.decode_step(seq, mode=mode, budget=budget)
     k = torch.randn((store.spec.num_kv_heads, store.spec.head_dim), device=q.device).half()  # [H, D]
     return GraphedSteps(step, lambda: step.attend(0, q, k, k))
 
@@ -85,6 +85,9 @@ def measure_context(spec: ModelSpec, ctx: int, p: DecodePreset, device: torch.de
         modes["kvtier_dense"] = rate(dense, stored_bytes(store, seq), *base)
         if device.type == "cuda":
             modes["kernel_fp16"] = rate(decode_bench.kernel_only(store, seq, q), stored_bytes(store, seq), *base)
+            steps = appending_layer_step(store, seq, q, "dense", 0)  # what 8K-32K contexts run: every block
+            modes["kvtier_dense_graphed"] = rate(time_ms(steps, device), stored_bytes(store, seq), *base)
+            del steps
         modes.update(topk_cases(store, seq, q, p, base, repeat))
         blocks = store.table(seq, 0).num_blocks
     finally:
