@@ -19,8 +19,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from eviction.h2o import H2O
 from kvstore.config import Config
+from kvstore.demotion import Demotion
 from kvstore.placement import COLD, HOT, WARM, Placement
 from kvstore.registry import BlockRegistry
 from kvstore.table import DROPPED, LayerTable, TableTensors
@@ -32,7 +32,6 @@ from tiers.quant import dequantize
 
 HOT_TIER, WARM_TIER, CPU_TIER, COLD_TIER, SAVED_TIER = 0, 1, 2, 3, 4
 _FIRST_TIER = {HOT: HOT_TIER, WARM: WARM_TIER, COLD: CPU_TIER}
-_VICTIM_POOL = 4  # demote mode: look at this many times more old blocks than needed, keep the least attended
 
 
 class TierSet:
@@ -47,8 +46,8 @@ class TierSet:
         self.hot, self.warm, self.cpu, self.cold, self.saved = self.tiers
         self.blocks = BlockRegistry(len(self.tiers))
         self.tables, self.tensors = tables, tensors
-        self.ranking = H2O()  # demote mode: the least attended of the oldest blocks cool first
         self._in_flight: set[int] = set()  # blocks being moved: in two tiers for a moment, never victims
+        self.demotion = Demotion(tables, self.blocks, self.placement, self._in_flight)  # who cools first
         self.cooling_failures = 0  # cooling moves a full or failing colder tier refused
 
     def __iter__(self) -> Iterator[Tier]:
@@ -62,7 +61,7 @@ class TierSet:
         """Raise CapacityError, before anything changes, if `num_new` more blocks cannot be held."""
         if num_new > sum(t.free_blocks() for t in self.tiers):
             raise CapacityError(f"no room for {num_new} more blocks in any tier (stats: {self.stats()})")
-        if not self.hot.free_blocks() and all(self._is_pinned(b) for b in self.blocks.oldest(HOT_TIER)):
+        if not self.hot.free_blocks() and all(self.demotion.is_pinned(b) for b in self.blocks.oldest(HOT_TIER)):
             raise CapacityError(
                 f"the hot pool's {self.hot.slots.num_slots} slots all hold tail blocks of live sequences; "
                 "free a sequence or give the store more gpu_bytes"
@@ -72,33 +71,11 @@ class TierSet:
         """Cool victims out of `tier` until n blocks fit (as far as colder tiers allow); returns how many fit."""
         deficit = n - self.tiers[tier].free_blocks()
         if deficit > 0 and tier < COLD_TIER:
-            victims = self._victims(tier, deficit)
+            victims = self.demotion.victims(tier, deficit)
             with suppress(CapacityError):  # colder tiers full too: fewer fit here, the caller spills or refuses
                 if victims:
                     self.move(victims, tier, tier + 1)
         return min(n, self.tiers[tier].free_blocks())
-
-    def _victims(self, tier: int, n: int) -> list[int]:
-        """H2O demote mode: among the oldest candidates, the least attended cool first."""
-        candidates = self.placement.victims(self.blocks.oldest(tier), n * _VICTIM_POOL,
-                                            self._is_pinned, self._is_protected)
-        if len(candidates) <= n:
-            return candidates
-        return sorted(candidates, key=self._worth)[:n]
-
-    def _worth(self, block_id: int) -> float:
-        """A shared block is worth what its most attending holder gives it."""
-        return max(float(self.ranking.block_worth(self.tables[seq][layer].h2o_scores[:, index: index + 1])[0])
-                   for seq, layer, index in self.blocks.holders[block_id])
-
-    def _is_pinned(self, block_id: int) -> bool:
-        """Tail blocks are written in place, so they never leave the hot tier; moving blocks stay put."""
-        return block_id in self._in_flight or any(
-            index == self.tables[seq][layer].num_blocks - 1 for seq, layer, index in self.blocks.holders[block_id])
-
-    def _is_protected(self, block_id: int) -> bool:
-        return any(self.placement.is_protected(index, t.num_blocks, t.num_tokens)
-                   for t, index in self._holding_tables(block_id))
 
     def _holding_tables(self, block_id: int) -> Iterator[tuple[LayerTable, int]]:
         for seq, layer, index in self.blocks.holders[block_id]:
