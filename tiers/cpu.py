@@ -28,6 +28,7 @@ import xxhash
 
 from tiers.base import IntegrityError, PooledTier, SlotPool, block_checksums, check_ids
 from tiers.block_checksum import block_sums
+from tiers.block_rows import byte_rows, copy_rows, device_of, fields, int32_words, row_slice, to_device
 from tiers.fetch_kernel import gather_rows
 from tiers.layout import BlockLayout, Blocks, Int8Blocks
 from tiers.quant import dequantize, quantize
@@ -85,7 +86,7 @@ class CpuTier(PooledTier):
     def _grow_to(self, slot: int) -> None:
         while len(self.slabs) <= slot // self.slab_blocks:
             self.slabs.append(self._empty(self.slab_blocks))
-            self._byte_views.append([_flat(t) for t in _fields(self.slabs[-1])])  # [rows, bytes] numpy views
+            self._byte_views.append([byte_rows(t) for t in fields(self.slabs[-1])])  # [rows, bytes] numpy views
         if len(self.sums) < len(self.slabs) * self.slab_blocks:  # doubling: a huge tier copies it O(n) in all
             grown = self.sums.new_zeros((max(len(self.slabs) * self.slab_blocks, 2 * len(self.sums)), 2))
             grown[:len(self.sums)] = self.sums
@@ -101,15 +102,15 @@ class CpuTier(PooledTier):
             return
         blocks = self._convert(blocks)
         sums = None
-        if self.sum_device is not None and self.sum_device.type == "cuda" and _device_of(blocks) == self.sum_device:
-            sums = block_sums([f.contiguous() for f in _fields(blocks)])  # on the GPU, before the block leaves it
+        if self.sum_device is not None and self.sum_device.type == "cuda" and device_of(blocks) == self.sum_device:
+            sums = block_sums([f.contiguous() for f in fields(blocks)])  # on the GPU, before the block leaves it
         host = blocks.to("cpu")
         slots = self.slots.allocate(ids)
         try:
             self._grow_to(max(slots))
             index, groups = self._plan(slots)
             for slab, cols in groups:
-                _copy_rows(host, index[2, cols], self.slabs[slab], index[1, cols])
+                copy_rows(host, index[2, cols], self.slabs[slab], index[1, cols])
             self._record_sums(host, slots, index, groups, sums)
         except BaseException:
             self.slots.release(ids)
@@ -121,19 +122,19 @@ class CpuTier(PooledTier):
             self._digests()[slots] = block_checksums(host)
             return
         if sums is not None:
-            self.sums[_to(index[0], self.sum_device)] = sums
+            self.sums[to_device(index[0], self.sum_device)] = sums
             return
-        index = _to(index, self.sum_device)  # host blocks: summed where they now are, in the pinned slabs
+        index = to_device(index, self.sum_device)  # host blocks: summed where they now are, in the pinned slabs
         for slab, cols in groups:
             rows = index[1, cols]
-            self.sums[rows + slab * self.slab_blocks] = block_sums(_fields(self.slabs[slab]), rows)
+            self.sums[rows + slab * self.slab_blocks] = block_sums(fields(self.slabs[slab]), rows)
 
     def get(self, ids: Sequence[int]) -> Blocks:
         """Gathers `ids` into one (pinned) batch, verifying every block's checksum."""
         out = self._empty(len(ids))
         slots = self._gather(ids, out, verify=self.sum_device is None)
         if self.sum_device is not None:
-            self._check(ids, out, _to(torch.tensor(slots, dtype=torch.int64), self.sum_device))
+            self._check(ids, out, to_device(torch.tensor(slots, dtype=torch.int64), self.sum_device))
         return out
 
     def fetch(self, ids: Sequence[int], device: torch.device | str) -> Blocks:
@@ -159,7 +160,7 @@ class CpuTier(PooledTier):
     def _check(self, ids: Sequence[int], batch: Blocks, slots: torch.Tensor) -> None:
         """Block sums of `batch` (on the checksum device, or pinned host memory) against those recorded
         for `slots` (int64 on the checksum device); one host sync."""
-        got = block_sums(_fields(batch), device=self.sum_device)
+        got = block_sums(fields(batch), device=self.sum_device)
         bad = (got != self.sums[slots]).any(dim=1).nonzero().flatten().tolist()
         if bad:
             self.integrity_errors += len(bad)
@@ -170,11 +171,11 @@ class CpuTier(PooledTier):
         """out[i] = the block in slots[i], out's device reading the slab rows itself (one launch per slab
         and field); returns the slots, int64 on out's device."""
         index, groups = self._plan(slots)
-        index = _to(index, _device_of(out))
+        index = to_device(index, device_of(out))
         for slab, cols in groups:
-            for dst, src in zip(_fields(out), _fields(self.slabs[slab])):
+            for dst, src in zip(fields(out), fields(self.slabs[slab])):
                 dst_rows = index[2, cols] if len(groups) > 1 else None
-                gather_rows(_words(src), index[1, cols], _words(dst), dst_rows)
+                gather_rows(int32_words(src), index[1, cols], int32_words(dst), dst_rows)
         return index[0]
 
     def _plan(self, slots: list[int]) -> tuple[torch.Tensor, list[tuple[int, slice]]]:
@@ -236,11 +237,11 @@ class CpuTier(PooledTier):
                       verify: bool) -> None:
         index, groups = self._plan(slots[lo:hi])
         for slab, cols in groups:
-            _copy_rows(self.slabs[slab], index[1, cols], out, index[2, cols] + lo)
+            copy_rows(self.slabs[slab], index[1, cols], out, index[2, cols] + lo)
         if not verify:
             return
         digests = self._digests()
-        for block_id, slot, got in zip(ids[lo:hi], slots[lo:hi], block_checksums(_slice(out, lo, hi))):
+        for block_id, slot, got in zip(ids[lo:hi], slots[lo:hi], block_checksums(row_slice(out, lo, hi))):
             if got != digests[slot]:
                 self.integrity_errors += 1
                 raise IntegrityError(f"cpu tier: block {block_id} failed its checksum")
@@ -290,39 +291,3 @@ def _normal(device: torch.device) -> torch.device:
     """cuda -> cuda:<current>, so that devices compare equal however they were named."""
     return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None \
         else device
-
-
-def _fields(blocks: Blocks) -> tuple[torch.Tensor, ...]:
-    return blocks.tensors() if isinstance(blocks, Int8Blocks) else (blocks,)
-
-
-def _device_of(blocks: Blocks) -> torch.device:
-    return _fields(blocks)[0].device
-
-
-def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on `device`, without a host sync (pinned first) when that is a GPU."""
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
-
-
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """An int32 [rows, words] view of a block field."""
-    return t.view(t.shape[0], -1).view(torch.int32)
-
-
-def _copy_rows(src: Blocks, src_rows: torch.Tensor, dst: Blocks, dst_rows: torch.Tensor) -> None:
-    """dst[dst_rows] = src[src_rows] for either block format. Row copies through numpy: torch's
-    5-D indexing on CPU is ~50x slower and its thread pool stalls when cores are contended."""
-    s_idx, d_idx = src_rows.numpy(), dst_rows.numpy()
-    for d, s in zip(_fields(dst), _fields(src)):
-        d2, s2 = _flat(d), _flat(s)
-        d2[d_idx] = s2[s_idx]
-
-
-def _flat(t: torch.Tensor):
-    """A [rows, bytes] uint8 numpy view of a CPU tensor."""
-    return t.view(t.shape[0], -1).view(torch.uint8).numpy()
-
-
-def _slice(blocks: Blocks, lo: int, hi: int) -> Blocks:
-    return blocks.index(slice(lo, hi)) if isinstance(blocks, Int8Blocks) else blocks[lo:hi]

@@ -1,0 +1,47 @@
+"""Row views and row copies of block batches (fp16 tensors or Int8Blocks), for host-memory tiers.
+
+A batch's first dimension is its blocks; these helpers treat each field of a batch (the fp16
+tensor, or int8 data and both scales) as rows of bytes or 32-bit words.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tiers.layout import Blocks, Int8Blocks
+
+
+def fields(blocks: Blocks) -> tuple[torch.Tensor, ...]:
+    return blocks.tensors() if isinstance(blocks, Int8Blocks) else (blocks,)
+
+
+def device_of(blocks: Blocks) -> torch.device:
+    return fields(blocks)[0].device
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device`, without a host sync (pinned first) when that is a GPU."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+def int32_words(t: torch.Tensor) -> torch.Tensor:
+    """An int32 [rows, words] view of a block field."""
+    return t.view(t.shape[0], -1).view(torch.int32)
+
+
+def copy_rows(src: Blocks, src_rows: torch.Tensor, dst: Blocks, dst_rows: torch.Tensor) -> None:
+    """dst[dst_rows] = src[src_rows] for either block format. Row copies through numpy: torch's
+    5-D indexing on CPU is ~50x slower and its thread pool stalls when cores are contended."""
+    s_idx, d_idx = src_rows.numpy(), dst_rows.numpy()
+    for d, s in zip(fields(dst), fields(src)):
+        d2, s2 = byte_rows(d), byte_rows(s)
+        d2[d_idx] = s2[s_idx]
+
+
+def byte_rows(t: torch.Tensor):
+    """A [rows, bytes] uint8 numpy view of a CPU tensor."""
+    return t.view(t.shape[0], -1).view(torch.uint8).numpy()
+
+
+def row_slice(blocks: Blocks, lo: int, hi: int) -> Blocks:
+    return blocks.index(slice(lo, hi)) if isinstance(blocks, Int8Blocks) else blocks[lo:hi]
