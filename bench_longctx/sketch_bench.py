@@ -1,4 +1,4 @@
-"""Sketch top-K selection at 1M tokens: the scan kernel's tuning sweep, old vs new, against the copy ceiling (one run).
+"""Sketch top-K selection at 1M tokens: the scan kernel's tuning sweep against the copy ceiling (one run).
 
     python -m bench_longctx.sketch_bench --out DIR [--tokens 1048576] [--budget 4096] [--blocks 64]
 
@@ -10,7 +10,6 @@ SmolLM2's key distribution (bench_longctx/needle.py). Per block size:
            setting's us and GB/s (bytes it must read / time; the copy ceiling is measured in the
            same run), whether its upper bound held on every block against the true keys, and its
            largest difference from the first 2048 blocks' torch reference
-  v1       the first kernel (eviction/sketch_kernel_v1.py) on the same passes
   select   SketchTopK.select_masked with the fastest knobs, eager and replayed from a CUDA graph,
            and Quest's fused selection (eviction/topk.py) for scale
 Writes DIR/sketch_h200.json. CUDA only (the kernels are far too slow interpreted). ~2-3 minutes on an H200.
@@ -32,7 +31,6 @@ from bench_longctx.timing import copy_ceiling_GBps, environment, time_ms
 from eviction.select import protected_mask
 from eviction.sketch import sketch_keys
 from eviction.sketch_kernel import sketch_block_stats, sketch_block_stats_ref
-from eviction.sketch_kernel_v1 import sketch_block_stats_v1
 from eviction.sketch_topk import SketchTopK
 from eviction.topk import topk_select
 from kvstore.config import ModelSpec
@@ -110,10 +108,6 @@ def bench_block_size(args, block_tokens: int, q: torch.Tensor, keys: torch.Tenso
     row["fine_sweep"] = sweep(FINE_SWEEP, fixed, fine, fine_bytes, dev, true_fine, None, None)
     best_fine = fastest(row["fine_sweep"])
     row["fine_best"] = best_fine
-    row["v1_coarse"] = measure(lambda: sketch_block_stats_v1(q, summaries, codes, t, planes=1, num_warps=2),
-                               coarse_bytes, dev, true, ref_coarse, slice(0, m))
-    row["v1_fine"] = measure(lambda: sketch_block_stats_v1(q, summaries, codes, t, planes=2, block_ids=candidates),
-                             fine_bytes, dev, true_fine, None, None)
     protected = protected_mask(num_tokens=t, block_tokens=block_tokens, sink_tokens=64, recent_tokens=1024,
                                device=dev)
     valid = torch.ones(n, dtype=torch.bool, device=dev)
@@ -155,7 +149,6 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(json.dumps({"block_tokens": r["block_tokens"], "coarse_ceiling_us": round(r["coarse_ceiling_us"], 1),
                           "coarse_best": r["coarse_best"], "fine_best": r["fine_best"],
-                          "v1_coarse_us": r["v1_coarse"].get("us"), "v1_fine_us": r["v1_fine"].get("us"),
                           **{key: round(v, 1) for key, v in r.items() if key.startswith(("select", "quest"))}}))
     return 0
 

@@ -30,8 +30,9 @@ rows once and loops over its blocks, each reading two summary rows and planes * 
 bytes. DECODE picks how a 2-bit field becomes fp16: 0 converts the integer, 1 ORs it into the
 mantissa of 1024.0 and subtracts (no int->float conversion unit). Tuning knobs (blocks per
 program, DECODE, num_warps, num_stages) are swept by bench_longctx/sketch_bench.py; the defaults
-point there. eviction/sketch_kernel_v1.py is the first kernel (fp32 "ieee" dots, one block per
-program: 6.6 ms per layer at 1M on the H200), kept as the benchmark's baseline.
+point there. The first kernel (fp32 "ieee" dots, one block per program, git history before 9f2490c)
+took 4.1 ms for the coarse pass and 6.6 ms per layer to select at 1M on the H200; this one 0.49 ms
+and 0.69 ms (graph): results/h200-sketch-scan.
 
 Layout: kernel -> launcher -> pure-torch reference. Imports only torch and triton.
 """
@@ -49,9 +50,10 @@ COARSE_MID, COARSE_HALF = 1.5, 2.0  # high plane alone: k_hat = min + step * (4 
 FINE_HALF = 0.5  # both planes: |k - k_hat| <= step / 2
 ROUNDING_SLACK = 1e-4  # relative slack on sum_d |q_d| (|min_d| + |max_d|): fp32 arithmetic in the bounds
 FP16_REL, FP16_TINY, FP16_MAX = 2.0**-11, 2.0**-25, 65504.0  # fp16 rounding: relative, subnormal, largest
-# (tuning knobs) -> defaults per pass; bench_longctx/sketch_bench.py sweeps them (results/*/sketch_h200.json)
-DEFAULT_KNOBS = {1: dict(blocks_per_program=4, decode=1, num_warps=4, num_stages=2),
-                 2: dict(blocks_per_program=1, decode=1, num_warps=4, num_stages=2)}
+# (tuning knobs) -> defaults per pass: the fastest of bench_longctx/sketch_bench.py's sweep at 1M tokens,
+# 64-token blocks on the H200 (results/h200-sketch-scan/sketch_h200.json: coarse 495 us, fine 33 us)
+DEFAULT_KNOBS = {1: dict(blocks_per_program=16, decode=1, num_warps=2, num_stages=3),
+                 2: dict(blocks_per_program=1, decode=1, num_warps=2, num_stages=3)}
 # The constants as the compiled kernel sees them (a compiled kernel reads only constexpr globals)
 _LEVELS, _COARSE_MID, _COARSE_HALF = tl.constexpr(LEVELS), tl.constexpr(COARSE_MID), tl.constexpr(COARSE_HALF)
 _FINE_HALF, _ROUNDING_SLACK = tl.constexpr(FINE_HALF), tl.constexpr(ROUNDING_SLACK)
