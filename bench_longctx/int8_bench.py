@@ -17,11 +17,6 @@ count; each case then also runs with the fastest config of its pool ("best"; mix
 GB/s counts the bytes a case needs (fp16 blocks 4 T D, int8 blocks 2 T D + 4 (D + T) per kv head);
 of_ceiling divides by the device copy rate measured in the same run. Ends with each variant checked
 against paged_decode_ref. Needs ~12 GB of GPU memory; ~3 minutes on an H200.
-
---quick (<= 40 s): 1M tokens, block_tokens 64, default configs only: SDPA, fp16, int8, int8+hot (partition),
-and a top-k-like table of 64 blocks (4096 tokens: 4 sink and 8 recent blocks fp16, the rest
-int8, slots scattered over both full pools) partitioned and dispatched (what "auto" picks); the correctness
-check (default and partition); one summary line.
 """
 
 from __future__ import annotations
@@ -177,66 +172,14 @@ def print_rows(rows: list[dict]) -> None:
               f"{str(r['mass']):<5} {r['ms']:>8.4f} {r['GBps']:>6.0f} {r['of_ceiling']:>5.2f} {r['speed_vs_sdpa']:>6.2f}x")
 
 
-TOPK_BLOCKS, TOPK_HOT = 64, (4, 8)  # the captured step's table at budget 4096: sinks and recent blocks fp16
-
-
-def topk_args(pools: dict, q: torch.Tensor) -> tuple:
-    """A 64-block table drawn from the 1M pools: (args of paged_decode, bytes it needs)."""
-    n, t, dev = pools["n"], pools["block_tokens"], q.device
-    table = torch.randperm(n, device=dev)[:TOPK_BLOCKS].int()[None, None].expand(1, NUM_KV_HEADS, TOPK_BLOCKS)
-    blk = torch.arange(TOPK_BLOCKS, device=dev)
-    flags = ((blk >= TOPK_HOT[0]) & (blk < TOPK_BLOCKS - TOPK_HOT[1]))[None, None].expand(1, NUM_KV_HEADS, -1)
-    n_int8 = int(flags[0, 0].sum())
-    nbytes = NUM_KV_HEADS * ((TOPK_BLOCKS - n_int8) * 4 * t * HEAD_DIM + n_int8 * (2 * t * HEAD_DIM + 4 * (HEAD_DIM + t)))
-    num_tokens = torch.tensor([TOPK_BLOCKS * t], dtype=torch.int32, device=dev)
-    return (q, pools["hot"], *pools["warm"], table, flags, num_tokens), nbytes
-
-
-def quick(opts: argparse.Namespace, device: torch.device) -> None:
-    """The headline cases at 1M, block_tokens 64, default configs, and the 64-block top-k table (in us)."""
-    start = time.time()
-    ceiling = copy_ceiling_GBps(device)
-    q = torch.randn((1, NUM_Q_HEADS, HEAD_DIM), dtype=torch.float16, device=device)  # [1, Hq, D]
-    num_tokens = CONTEXTS[-1]
-    sdpa = sdpa_ms(num_tokens, q)
-    pools = make_pools(num_tokens, 64, device)
-    rows = [row(pools, "sdpa", "torch", sdpa, sdpa, ceiling, config="torch", mass=False)]
-    for case, variants in (("fp16", ("one_pool",)), ("int8", ("one_pool",)), ("int8+hot", ("partition",))):
-        args = case_args(pools, case, q)
-        for variant in variants:
-            kwargs = {} if variant == "one_pool" else {"both_pools": variant}
-            ms = time_ms(lambda: paged_decode(*args, return_block_mass=True, **kwargs), device)
-            rows.append(row(pools, case, variant, ms, sdpa, ceiling, config="default", mass=True))
-    args, nbytes = topk_args(pools, q)
-    topk = {}
-    for variant in ("partition", "dispatch"):  # "auto" picks dispatch here (plan.SMALL_TABLE_TOKENS)
-        topk[variant] = 1e3 * time_ms(lambda: paged_decode(*args, return_block_mass=True, both_pools=variant), device)
-    correctness = check_correctness(device, [{"both_pools": "partition"}])  # default: auto (dispatch) at 9.6K tokens
-    print_rows(rows)
-    ms = {f"{r['case']}/{r['variant']}": r["ms"] for r in rows}
-    ok = all(c["ok"] for c in correctness.values())
-    print(f"quick 1M bt64: sdpa {sdpa:.3f} ms | fp16 {ms['fp16/one_pool']:.3f} | int8 {ms['int8/one_pool']:.3f} "
-          f"({sdpa / ms['int8/one_pool']:.2f}x sdpa, target {TARGET_INT8_VS_SDPA}) | int8+hot partition "
-          f"{ms['int8+hot/partition']:.3f} | topk64 us "
-          + " ".join(f"{v} {us:.1f}" for v, us in topk.items())
-          + f" ({nbytes / 1e6:.1f} MB) | correct {ok} | {time.time() - start:.0f} s")
-    result = {**environment(device), "quick": True, "copy_ceiling_GBps": ceiling, "rows": rows, "topk64_us": topk,
-              "topk64_bytes": nbytes, "correctness": correctness, "seconds": time.time() - start}
-    os.makedirs(opts.out, exist_ok=True)
-    with open(os.path.join(opts.out, "int8_bench_quick.json"), "w") as f:
-        json.dump(result, f, indent=1)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="directory for int8_bench.json (--quick: int8_bench_quick.json)")
-    parser.add_argument("--quick", action="store_true", help="1M, block_tokens 64, default configs, top-k table")
+    parser.add_argument("--out", required=True, help="directory for int8_bench.json")
+    parser.add_argument("--quick", action="store_true", help="default configs only, no sweep")
     parser.add_argument("--sweep-seconds", type=float, default=40.0, help="time budget of the 1M sweeps")
     opts = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
-    if opts.quick:
-        return quick(opts, device)
     start = time.time()
     ceiling = copy_ceiling_GBps(device)
     q = torch.randn((1, NUM_Q_HEADS, HEAD_DIM), dtype=torch.float16, device=device)  # [1, Hq, D]
@@ -246,7 +189,7 @@ def main() -> None:
         for num_tokens in CONTEXTS:
             pools = make_pools(num_tokens, block_tokens, device)
             best = {}
-            if num_tokens == CONTEXTS[-1]:
+            if num_tokens == CONTEXTS[-1] and not opts.quick:
                 best, swept = sweep(pools, q, time.time() + opts.sweep_seconds / len(BLOCK_SIZES))
                 sweep_rows += swept
                 best_configs[f"bt{block_tokens}"] = best

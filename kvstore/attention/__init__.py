@@ -1,7 +1,7 @@
 """The paged decode attention kernel the store's decode path runs.
 
     paged_decode.py  Triton split-K kernel over fp16 (hot) and int8 (warm) blocks, GQA; its launcher
-    tiles.py         one tile of K/V: table entries -> slots, fp16 rows, int8 rows as fp16 integers (scales folded)
+    tiles.py         one tile of K/V: table entries -> slots, fp16 rows, int8 rows dequantized in registers
     partition.py     a mixed table reordered per row on the device, fp16 entries then int8 ones (one launch each)
     merge.py         merges the splits; per-block attention mass for H2O
     plan.py          input checks and the launch configuration per geometry

@@ -3,17 +3,15 @@
 Flash-decoding split-K (Dao, Haziza, Massa, Sizov: "Flash-Decoding for long-context
 inference", 2023). Grid (batch, kv_heads, num_splits): each program packs the q heads of
 one GQA group into the M dimension of tl.dot (padded to >= 16) and walks a contiguous
-range of its row of entries, BLOCKS_PER_ITER blocks per iteration. int8 blocks (KIVI: K scaled
-per channel, V per token) are never dequantized: their integers go to tl.dot as fp16 and the scales
-into q (per block) and the probabilities (per token), tiles.py. The splits are
+range of its row of entries, BLOCKS_PER_ITER blocks per iteration, dequantizing int8
+blocks in registers (tiles.py; KIVI: K scaled per channel, V per token). The splits are
 merged, and per-block log-sums turned into block mass for H2O, in merge.py.
 
 With one pool, the row is the block table and the loop is specialised to that pool. With
-both (what the captured decode step always passes) and a long table, the table is first partitioned per row
+both (what the captured decode step always passes), the table is first partitioned per row
 on the device (partition.py) and each pool's entries get a launch of their own, so int8
 blocks are read at int8 cost and fp16 ones at fp16 cost, whatever the mix; the older
-per-split dispatch (both_pools="dispatch") is what a short table gets (plan.SMALL_TABLE_TOKENS: one
-launch, no partition scan).
+per-split dispatch stays selectable (both_pools="dispatch") for the benchmark.
 
 Memory read: tiers/layout.py. Reference: reference.py. Config: plan.py.
 All log-sum-exps here are base 2 (scores are pre-multiplied by log2(e)).

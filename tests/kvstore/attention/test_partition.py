@@ -10,7 +10,6 @@ import torch
 
 from kvstore.attention.paged_decode import BOTH_POOLS, paged_decode
 from kvstore.attention.partition import partition_table, partition_table_ref
-from kvstore.attention.plan import DecodeGeometry, decode_config
 from kvstore.attention.reference import paged_decode_ref
 from tests.kvstore.attention.test_paged_decode import CASE_KEYS, DEVICE, Case, _build, make_case
 
@@ -64,29 +63,3 @@ def test_partition_caps_rows_at_the_table() -> None:
     part = partition_table(table, flags, torch.tensor([1000], dtype=torch.int32, device=DEVICE), 16)
     assert int(part.num_fp16[0, 0]) == 3
     assert part.positions[0, 0].tolist() == [1, 3, 4, 5, 2, 0]
-
-
-def test_int8_tile_is_one_block_and_small_tables_split_finer() -> None:
-    """The int8 loop's tile is one block (or the fewest making 32 tokens) and divides the fp16 tile; a
-    64-block table (the decode step's top-k table) gets splits of one int8 tile or more, never empty."""
-    for block_tokens, warm_bpi in ((64, 1), (32, 1), (16, 2), (8, 4)):
-        geom = DecodeGeometry(1, 32, 8, 128, block_tokens, 64)
-        cfg = decode_config(geom, torch.device(DEVICE))
-        assert cfg.warm_blocks_per_iter == warm_bpi and cfg.blocks_per_iter % warm_bpi == 0
-        assert cfg.blocks_per_split % cfg.blocks_per_iter == 0
-        assert (cfg.num_splits - 1) * cfg.blocks_per_split < geom.max_blocks
-    forced = decode_config(DecodeGeometry(1, 32, 8, 128, 64, 64), torch.device(DEVICE), blocks_per_iter=2)
-    assert forced.warm_blocks_per_iter == forced.blocks_per_iter == 2
-
-
-@pytest.mark.parametrize("name", ["gqa4_d128_bt32_sinks_recent", "gqa1_d64_bt16_mixed"])
-def test_auto_picks_a_way_that_matches_reference(name: str) -> None:
-    """both_pools="auto" (the default) on a small table: one dispatching launch, same answer."""
-    case, kwargs = _build_variant(name)
-    out, mass = paged_decode(*case.args(), return_block_mass=True, **kwargs)
-    part_out, part_mass = paged_decode(*case.args(), return_block_mass=True, both_pools="partition", **kwargs)
-    ref_out, ref_mass = paged_decode_ref(*case.args(), return_block_mass=True)
-    torch.testing.assert_close(out.float(), ref_out.float(), atol=4e-3, rtol=1e-2)
-    torch.testing.assert_close(mass, ref_mass, atol=1e-3, rtol=1e-2)
-    torch.testing.assert_close(out.float(), part_out.float(), atol=2e-3, rtol=1e-2)
-    torch.testing.assert_close(mass, part_mass, atol=1e-4, rtol=1e-3)
