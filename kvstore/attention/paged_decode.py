@@ -27,10 +27,8 @@ import triton.language as tl
 
 from kvstore.attention.merge import merge_splits
 from kvstore.attention.partition import partition_table
-from kvstore.attention.plan import (
-    SMALL_TABLE_TOKENS, WARM_MAX_REGISTERS, check_decode_inputs, check_kernel_layout, decode_config,
-)
-from kvstore.attention.tiles import entries, load_hot, load_warm, tile_tokens, warm_scores
+from kvstore.attention.plan import check_decode_inputs, check_kernel_layout, decode_config
+from kvstore.attention.tiles import entries, load_kv
 
 LOG2E = 1.4426950408889634
 BOTH_POOLS = ("partition", "fused", "dispatch")  # how paged_decode walks a table over two non-empty pools
@@ -52,33 +50,20 @@ def _attend(
     Scores are in the log2 domain. With RETURN_MASS, stores each block's log2-sum-exp2 at lse_rows + its
     position in the original table.
     """
-    V_BOOST: tl.constexpr = 256.0  # int8: p * v_scale * 256 out of fp16's subnormals (tiles.load_warm)
+    V_BOOST: tl.constexpr = 256.0  # p * v_scale * 256: out of fp16's subnormals, finite for v_scale < 256
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     for j0 in range(lo, hi, BLOCKS_PER_ITER):
-        tok_slot, tok_in_blk, tok_ok, hot_ok, warm_ok = tile_tokens(
-            slot_row, pos_row, is_int8_row, s_ent, s_i8_blk, j0, hi, n_tok,
-            BLOCK_TOKENS, BLOCKS_PER_ITER, HAS_HOT, HAS_WARM, PARTITIONED,
+        k, v, v_mul, tok_ok = load_kv(
+            hot_ptr, warm_ptr, k_scale_ptr, v_scale_ptr, slot_row, pos_row, is_int8_row, s_ent, s_i8_blk,
+            j0, hi, n_tok, head,
+            s_hot_slot, s_hot_kv, s_hot_head, s_hot_tok,
+            s_warm_slot, s_warm_kv, s_warm_head, s_warm_tok,
+            s_ks_slot, s_ks_head, s_vs_slot, s_vs_head,
+            HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER, HAS_HOT, HAS_WARM, PARTITIONED, USE_ASM, V_BOOST,
         )
-        if HAS_HOT:
-            k, v = load_hot(hot_ptr, tok_slot, tok_in_blk, hot_ok, head, s_hot_slot, s_hot_kv, s_hot_head, s_hot_tok,
-                            HEAD_DIM)
-        if HAS_WARM:
-            kt8, v8, v_mul = load_warm(
-                warm_ptr, v_scale_ptr, tok_slot, tok_in_blk, tok_ok, warm_ok, head,
-                s_warm_slot, s_warm_kv, s_warm_head, s_warm_tok, s_vs_slot, s_vs_head, HEAD_DIM, USE_ASM, V_BOOST,
-            )
-            s = warm_scores(q, kt8, k_scale_ptr, slot_row, pos_row, is_int8_row, s_ent, s_i8_blk, j0, hi, head,
-                            s_ks_slot, s_ks_head, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER, HAS_HOT, PARTITIONED)
-            if HAS_HOT:
-                s += tl.dot(q, tl.trans(k))  # each token is in one pool; the other pool's load gave 0
-                v += v8
-            else:
-                v = v8
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s *= qk_scale  # [M, N]
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N]
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -208,7 +193,7 @@ def paged_decode(
     warm_v_scale: torch.Tensor, block_table: torch.Tensor, block_is_int8: torch.Tensor, num_tokens: torch.Tensor,
     *, sm_scale: float | None = None, return_block_mass: bool = False, num_splits: int | None = None,
     blocks_per_iter: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-    both_pools: str = "auto",
+    both_pools: str = "partition",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decode step of attention over paged KV: returns (out fp16 [B, Hq, D], block_mass f32 [B, H, max_blocks]).
 
@@ -219,18 +204,15 @@ def paged_decode(
     gets zeros. block_mass (if asked): softmax mass per block averaged over each group's q heads.
     num_splits, blocks_per_iter, num_warps, num_stages override the config (see decode_config); with both
     pools num_splits is per pool. both_pools: how a table over two non-empty pools is walked, one of
-    BOTH_POOLS or "auto" (default: "dispatch" for tables of <= plan.SMALL_TABLE_TOKENS tokens, where launches
-    cost more than mixed tiles, else "partition"). "partition" partitions it per row on the device (partition.py) and runs one launch
+    BOTH_POOLS: "partition" (default) partitions it per row on the device (partition.py) and runs one launch
     specialised to each pool; "fused" runs both over the partition in one launch; "dispatch" (the old way)
     walks the table and picks a loop per split (mixed splits load both formats).
     """
     geom = check_decode_inputs(q, hot_pool, warm_data, warm_k_scale, warm_v_scale, block_table, block_is_int8,
                                num_tokens)
     check_kernel_layout(q, hot_pool, warm_data, warm_k_scale, warm_v_scale)
-    if both_pools not in BOTH_POOLS + ("auto",):
-        raise ValueError(f"both_pools: expected one of {BOTH_POOLS + ('auto',)}, got {both_pools!r}")
-    if both_pools == "auto":
-        both_pools = "dispatch" if geom.max_blocks * geom.block_tokens <= SMALL_TABLE_TOKENS else "partition"
+    if both_pools not in BOTH_POOLS:
+        raise ValueError(f"both_pools: expected one of {BOTH_POOLS}, got {both_pools!r}")
     has_hot, has_warm = hot_pool.shape[0] > 0, warm_data.shape[0] > 0
     cfg = decode_config(geom, q.device, num_splits=num_splits, blocks_per_iter=blocks_per_iter,
                         num_warps=num_warps, num_stages=num_stages)
@@ -244,30 +226,26 @@ def paged_decode(
     lse_part = torch.empty((b, nq, total_splits), dtype=f32, device=dev)  # [B, Hq, S]
     lse_block = torch.empty((b, nq, max_blocks) if return_block_mass else (1,), dtype=f32, device=dev)
     scale = (sm_scale if sm_scale is not None else d**-0.5) * LOG2E
+    warm_words = warm_data.view(torch.int32)  # [n_warm, 2, H, T, D / 4]: 4 int8 per word
     table, positions, num_fp16 = block_table, block_table, num_tokens[:, None].expand(b, h)  # direct: last 2 unused
     if partitioned:
         part = partition_table(block_table, block_is_int8, num_tokens, geom.block_tokens)
         table, positions, num_fp16 = part.slots, part.positions, part.num_fp16
 
-    use_asm = _use_asm(q.device)
-
     def launch(split_base: int, grid_splits: int, hot: bool, warm: bool) -> None:
-        # int8 loops take their own tile (and a register cap when int8-only); partitioned splits round their range to it in the kernel, direct
-        # ones start at multiples of blocks_per_split, a multiple of both tiles
-        extra = {"maxnreg": WARM_MAX_REGISTERS} if warm and not hot and use_asm and cfg.num_warps == 4 else {}
         _split_kernel[(b, h, grid_splits)](
-            q, hot_pool, warm_data, warm_k_scale, warm_v_scale, table, positions, block_is_int8, num_tokens,
+            q, hot_pool, warm_words, warm_k_scale, warm_v_scale, table, positions, block_is_int8, num_tokens,
             num_fp16, o_part, lse_part, lse_block,
             q.stride(0), q.stride(1),
             hot_pool.stride(0), hot_pool.stride(1), hot_pool.stride(2), hot_pool.stride(3),
-            warm_data.stride(0), warm_data.stride(1), warm_data.stride(2), warm_data.stride(3),
+            warm_words.stride(0), warm_words.stride(1), warm_words.stride(2), warm_words.stride(3),
             warm_k_scale.stride(0), warm_k_scale.stride(1), warm_v_scale.stride(0), warm_v_scale.stride(1),
             *table.stride(), *block_is_int8.stride(), *num_fp16.stride(),
             scale, cfg.blocks_per_split, cfg.num_splits, split_base, total_splits, max_blocks, nq,
             GROUP=geom.group, GROUP_PAD=max(16, triton.next_power_of_2(geom.group)), HEAD_DIM=d,
-            BLOCK_TOKENS=geom.block_tokens, BLOCKS_PER_ITER=cfg.warm_blocks_per_iter if warm else cfg.blocks_per_iter,
+            BLOCK_TOKENS=geom.block_tokens, BLOCKS_PER_ITER=cfg.blocks_per_iter,
             HAS_HOT=hot, HAS_WARM=warm, PARTITIONED=partitioned, RETURN_MASS=return_block_mass,
-            USE_ASM=use_asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+            USE_ASM=_use_asm(q.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
     if partitioned and both_pools == "partition":

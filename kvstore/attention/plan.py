@@ -21,15 +21,6 @@ _MAX_TOKENS_PER_ITER = 128  # the score tile [16, tokens] in fp32 must stay in r
 # (fp16 and int8, block_tokens 32 and 64; int8 1.0 ms vs 1.41 ms at the old default)
 _PROGRAMS_PER_SM = 3
 _MIN_ITERS_PER_SPLIT = 4  # below this, a split's fixed cost (q load, partial store) dominates
-# int8 tiles: one block (or the fewest making _MIN_TOKENS_PER_ITER): each block of a tile costs a q * k_scale dot
-# over the whole tile (tiles.warm_scores). results/kernel_h200.json: bt64 at 64 tokens was the fastest int8 tile.
-# Registers of a 4-warp int8 build, capped so 3 programs fit an SM (65536 / 384 threads, to a multiple of 8):
-# compiled offline for sm_90 (triton 3.6) it takes 251 uncapped, 168 without spills.
-WARM_MAX_REGISTERS = 168
-# Tables of at most this many tokens per row with both pools take one launch that picks a loop per split
-# (both_pools="dispatch") under both_pools="auto": the partition scan and a second launch cost more than
-# the mixed tiles (a top-k table of 64 blocks at 1M; bench_longctx/int8_bench.py --quick times all ways).
-SMALL_TABLE_TOKENS = 16384
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +41,7 @@ class DecodeGeometry:
 class DecodeConfig:
     """How the split kernel walks the table; every field can be forced through paged_decode's kwargs."""
 
-    blocks_per_iter: int  # fp16 launches
-    warm_blocks_per_iter: int  # launches with int8 blocks; divides blocks_per_iter
+    blocks_per_iter: int
     num_splits: int
     blocks_per_split: int
     num_warps: int
@@ -132,26 +122,24 @@ def decode_config(
     geom: DecodeGeometry, device: torch.device, *, num_splits: int | None = None,
     blocks_per_iter: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
 ) -> DecodeConfig:
-    """Defaults: ~_TILE_ELEMENTS of K per fp16 iteration, one block (>= _MIN_TOKENS_PER_ITER tokens) per int8
-    one; enough splits for _PROGRAMS_PER_SM programs on every SM. A forced blocks_per_iter is used by both."""
-    warm_blocks_per_iter = blocks_per_iter or max(1, _MIN_TOKENS_PER_ITER // geom.block_tokens)
+    """Defaults: ~_TILE_ELEMENTS of K per iteration; enough splits for _PROGRAMS_PER_SM programs on every SM."""
     if blocks_per_iter is None:
         tokens = min(_MAX_TOKENS_PER_ITER, max(_MIN_TOKENS_PER_ITER, _TILE_ELEMENTS // geom.head_dim))
         blocks_per_iter = max(1, tokens // geom.block_tokens)
     if not _is_pow2(blocks_per_iter) or blocks_per_iter * geom.block_tokens < _MIN_TOKENS_PER_ITER:
         raise ValueError(f"blocks_per_iter: expected a power of two with >= {_MIN_TOKENS_PER_ITER} tokens per "
                          f"iteration at block_tokens={geom.block_tokens}, got {blocks_per_iter}")
-    iters = max(1, triton.cdiv(geom.max_blocks, warm_blocks_per_iter))  # the finer loop: short tables split more
+    iters = max(1, triton.cdiv(geom.max_blocks, blocks_per_iter))
     if num_splits is None:
         wanted = triton.cdiv(_PROGRAMS_PER_SM * _sm_count(device), max(1, geom.batch * geom.num_kv_heads))
         num_splits = min(wanted, max(1, iters // _MIN_ITERS_PER_SPLIT))
     if num_splits < 1:
         raise ValueError(f"num_splits: expected >= 1, got {num_splits}")
-    blocks_per_split = triton.cdiv(triton.cdiv(geom.max_blocks, min(num_splits, iters)), blocks_per_iter) * blocks_per_iter
+    blocks_per_split = triton.cdiv(iters, min(num_splits, iters)) * blocks_per_iter
     num_splits = max(1, triton.cdiv(geom.max_blocks, blocks_per_split))  # no split left empty by rounding
     tile = blocks_per_iter * geom.block_tokens * geom.head_dim
     num_warps = num_warps or (8 if tile > _TILE_ELEMENTS else 4)  # 8 costs the int8 loop ~20% more issue slots
     num_stages = num_stages or 2
     if num_warps not in (1, 2, 4, 8, 16) or num_stages < 1:
         raise ValueError(f"num_warps: expected 1/2/4/8/16, num_stages: >= 1; got {num_warps} and {num_stages}")
-    return DecodeConfig(blocks_per_iter, warm_blocks_per_iter, num_splits, blocks_per_split, num_warps, num_stages)
+    return DecodeConfig(blocks_per_iter, num_splits, blocks_per_split, num_warps, num_stages)

@@ -1,15 +1,10 @@
-"""One tile of K/V for the paged decode kernel: table entries -> slots, fp16 rows, int8 rows as integers.
+"""One tile of K/V for the paged decode kernel: table entries -> slots, fp16 rows, int8 rows dequantized.
 
 A row of entries is either the block table itself (direct) or partition.py's list of (slot, position in
-the table) with one pool's blocks in a run. int8 tiles are never dequantized: they are converted to
-fp16 integers (exact for -128..127) in the layout tl.dot wants (K loaded transposed, [D, N], straight
-from memory) and the scales go into the small operands instead: K's per-channel scale into q
-(q . (k * s) = (q * s) . k, one [G, D] product per block) and V's per-token scale into the
-probabilities (sum_t p_t (v_t s_t) = sum_t (p_t s_t) v_t), both done by the caller (paged_decode._attend).
-
-int8 -> fp16 without I2F (quarter rate on sm_90): fp16 with bits 0x64 | (x + 128) is 1152 + x, so 4
-packed bytes become 4 fp16 by one xor, two byte permutes and two packed subtractions (USE_ASM, pack=4);
-the plain-Triton cast is for the interpreter, which cannot run PTX.
+the table) with one pool's blocks in a run. int8 -> fp16 happens in registers, 4 packed int8 per int32
+word, exactly, without I2F (quarter rate on sm_90): fp16 with bits 0x64 | (x + 128) is 1152 + x, so a
+byte becomes fp16 by an xor, a byte permute and one subtraction. USE_ASM does a word with one xor, two
+prmt and two packed subs; the plain-Triton form is for the interpreter, which cannot run PTX.
 """
 
 from __future__ import annotations
@@ -19,22 +14,37 @@ import triton.language as tl
 
 
 @triton.jit
-def int8_to_fp16(x, USE_ASM: tl.constexpr):
-    """int8 tensor (any shape) -> fp16, exactly."""
+def _byte_to_fp16(words, k: tl.constexpr):
+    """Byte k of each int32 word, read as int8, to fp16: fp16 bits 0x64 | (x + 128) are 1152 + x."""
+    bits = (((words >> (8 * k)) & 0xFF) ^ 0x6480).to(tl.uint16)
+    return bits.to(tl.float16, bitcast=True) - 1152.0
+
+
+@triton.jit
+def words_to_fp16(words, USE_ASM: tl.constexpr):
+    """int32 [..., W] of packed int8 (4 per word, memory order) -> fp16 [..., W, 2, 2], exactly."""
     if USE_ASM:
-        return tl.inline_asm_elementwise(
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(
             asm="""{
-            .reg .b32 t, c;
-            xor.b32 t, $2, 0x80808080;
+            .reg .b32 t, c, lo, hi;
+            xor.b32 t, $4, 0x80808080;
             mov.b32 c, 0x64806480;
-            prmt.b32 $0, t, 0x64646464, 0x4140;
-            prmt.b32 $1, t, 0x64646464, 0x4342;
-            sub.f16x2 $0, $0, c;
-            sub.f16x2 $1, $1, c;
+            prmt.b32 lo, t, 0x64646464, 0x4140;
+            prmt.b32 hi, t, 0x64646464, 0x4342;
+            sub.f16x2 lo, lo, c;
+            sub.f16x2 hi, hi, c;
+            mov.b32 {$0, $1}, lo;
+            mov.b32 {$2, $3}, hi;
             }""",
-            constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=True, pack=4,
+            constraints="=h,=h,=h,=h,r", args=[words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=1,
         )
-    return x.to(tl.float16)
+    else:
+        b0 = _byte_to_fp16(words, 0)
+        b1 = _byte_to_fp16(words, 1)
+        b2 = _byte_to_fp16(words, 2)
+        b3 = _byte_to_fp16(words, 3)
+    return tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [..., W, 2, 2]: [..., w, i, j] = byte 2 i + j of word w
 
 
 @triton.jit
@@ -53,83 +63,89 @@ def entries(slot_row, pos_row, s_ent, idx, idx_hi, PARTITIONED: tl.constexpr):
 
 
 @triton.jit
-def tile_tokens(slot_row, pos_row, is_int8_row, s_ent, s_i8_blk, j0, idx_hi, n_tok,
-                BLOCK_TOKENS: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr,
-                HAS_HOT: tl.constexpr, HAS_WARM: tl.constexpr, PARTITIONED: tl.constexpr):
-    """Per token of entries j0 .. j0 + BLOCKS_PER_ITER: slot, index in its block, and which pool holds it.
+def load_int8_k(
+    warm_ptr, k_scale_ptr, slot_row, pos_row, is_int8_row, s_ent, s_i8_blk, j0, idx_hi, n_tok, head,
+    s_warm_slot, s_warm_head, s_warm_tok, s_ks_slot, s_ks_head,
+    HEAD_DIM: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr,
+    CHECK_FLAGS: tl.constexpr, PARTITIONED: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    """Dequantized K of the int8 blocks among entries j0 .. j0 + BLOCKS_PER_ITER, fp16 [N, D], 0 elsewhere.
 
-    tok_ok: the token is one of the row's first n_tok. hot_ok / warm_ok: tok_ok and its block is in that
-    pool (a one-pool build trusts that every flag names its pool).
+    K's scale is per (block, channel), so K is loaded per block and the scale broadcasts over its
+    tokens. It is applied in fp16: exact to rounding unless a channel's absmax is < 2^-7 (scale in
+    fp16's subnormals), where the channel adds next to nothing to q.k anyway.
     """
-    offs_n = tl.arange(0, BLOCKS_PER_ITER * BLOCK_TOKENS)
+    blk = j0 + tl.arange(0, BLOCKS_PER_ITER)  # [J]
+    slot, pos, is_int8 = entries(slot_row, pos_row, s_ent, blk, idx_hi, PARTITIONED)
+    if CHECK_FLAGS:
+        is_int8 &= tl.load(is_int8_row + blk * s_i8_blk, mask=blk < idx_hi, other=0) != 0
+    offs_t = tl.arange(0, BLOCK_TOKENS)
+    offs_w = tl.arange(0, HEAD_DIM // 4)
+    mask = (pos[:, None] * BLOCK_TOKENS + offs_t[None, :] < n_tok) & is_int8[:, None]  # [J, T]
+    base = slot * s_warm_slot + head * s_warm_head  # [J] int64
+    ptrs = warm_ptr + base[:, None, None] + offs_t[None, :, None] * s_warm_tok + offs_w[None, None, :]
+    k = words_to_fp16(tl.load(ptrs, mask=mask[:, :, None], other=0), USE_ASM)
+    k = tl.reshape(k, [BLOCKS_PER_ITER, BLOCK_TOKENS, HEAD_DIM])
+    ks_ptrs = k_scale_ptr + (slot * s_ks_slot + head * s_ks_head)[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+    k_scale = tl.load(ks_ptrs, mask=is_int8[:, None], other=0.0).to(tl.float16)  # [J, D]
+    return tl.reshape(k * k_scale[:, None, :], [BLOCKS_PER_ITER * BLOCK_TOKENS, HEAD_DIM])
+
+
+@triton.jit
+def load_kv(
+    hot_ptr, warm_ptr, k_scale_ptr, v_scale_ptr, slot_row, pos_row, is_int8_row, s_ent, s_i8_blk,
+    j0, idx_hi, n_tok, head,
+    s_hot_slot, s_hot_kv, s_hot_head, s_hot_tok,
+    s_warm_slot, s_warm_kv, s_warm_head, s_warm_tok,
+    s_ks_slot, s_ks_head, s_vs_slot, s_vs_head,
+    HEAD_DIM: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr,
+    HAS_HOT: tl.constexpr, HAS_WARM: tl.constexpr, PARTITIONED: tl.constexpr, USE_ASM: tl.constexpr,
+    V_BOOST: tl.constexpr,
+):
+    """Entries j0 .. j0 + BLOCKS_PER_ITER of one kv head: k, v fp16 [N, D], v_mul f32 [N], tok_ok [N].
+
+    K = k. V = v * v_mul / V_BOOST: int8 blocks keep their integer values in v and their per-token
+    scale in v_mul, which the caller folds into the probabilities (fp16 blocks: v_mul = V_BOOST).
+    The boost keeps p * v_scale out of fp16's subnormals. Without HAS_WARM v_mul is unused.
+    tok_ok: the token is one of the row's first n_tok (k and v are 0 where it is not).
+    """
+    n: tl.constexpr = BLOCKS_PER_ITER * BLOCK_TOKENS
+    offs_n = tl.arange(0, n)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k = tl.zeros([n, HEAD_DIM], tl.float16)
+    v = tl.zeros([n, HEAD_DIM], tl.float16)
+    v_mul = tl.full([n], V_BOOST, tl.float32)
     tok_idx = j0 + offs_n // BLOCK_TOKENS
     tok_in_blk = offs_n % BLOCK_TOKENS
     tok_slot, tok_pos, tok_ok = entries(slot_row, pos_row, s_ent, tok_idx, idx_hi, PARTITIONED)
     tok_ok &= tok_pos * BLOCK_TOKENS + tok_in_blk < n_tok  # [N]
-    hot_ok = tok_ok
+    hot_ok = tok_ok  # a pure build trusts that every flag names its pool
     warm_ok = tok_ok
     if HAS_HOT and HAS_WARM:
         tok_int8 = tl.load(is_int8_row + tok_idx * s_i8_blk, mask=tok_ok, other=0) != 0
         hot_ok = tok_ok & (tok_int8 == 0)
         warm_ok = tok_ok & tok_int8
-    return tok_slot, tok_in_blk, tok_ok, hot_ok, warm_ok
-
-
-@triton.jit
-def load_hot(hot_ptr, tok_slot, tok_in_blk, hot_ok, head, s_hot_slot, s_hot_kv, s_hot_head, s_hot_tok,
-             HEAD_DIM: tl.constexpr):
-    """fp16 K and V [N, D] of the tile's hot tokens, 0 elsewhere."""
-    rows = tok_slot * s_hot_slot + head * s_hot_head + tok_in_blk * s_hot_tok  # [N] int64
-    ptrs = hot_ptr + rows[:, None] + tl.arange(0, HEAD_DIM)[None, :]  # [N, D]
-    k = tl.load(ptrs, mask=hot_ok[:, None], other=0.0)
-    v = tl.load(ptrs + s_hot_kv, mask=hot_ok[:, None], other=0.0)
-    return k, v
-
-
-@triton.jit
-def load_warm(warm_ptr, v_scale_ptr, tok_slot, tok_in_blk, tok_ok, warm_ok, head,
-              s_warm_slot, s_warm_kv, s_warm_head, s_warm_tok, s_vs_slot, s_vs_head,
-              HEAD_DIM: tl.constexpr, USE_ASM: tl.constexpr, V_BOOST: tl.constexpr):
-    """The tile's int8 tokens as fp16 integers, 0 elsewhere: K transposed [D, N], V [N, D]; v_mul f32 [N].
-
-    v_mul: the token's v_scale * V_BOOST (int8), V_BOOST (hot), 0 (past the row). The boost keeps
-    p * v_scale out of fp16's subnormals (finite while v_scale < 65504 / V_BOOST).
-    """
-    offs_d = tl.arange(0, HEAD_DIM)
-    rows = tok_slot * s_warm_slot + head * s_warm_head + tok_in_blk * s_warm_tok  # [N] int64
-    kt = tl.load(warm_ptr + rows[None, :] + offs_d[:, None], mask=warm_ok[None, :], other=0)  # [D, N] int8
-    v = tl.load(warm_ptr + s_warm_kv + rows[:, None] + offs_d[None, :], mask=warm_ok[:, None], other=0)  # [N, D]
-    v_scale = tl.load(v_scale_ptr + tok_slot * s_vs_slot + head * s_vs_head + tok_in_blk, mask=warm_ok, other=0.0)
-    v_mul = tl.where(warm_ok, v_scale, tok_ok.to(tl.float32)) * V_BOOST
-    return int8_to_fp16(kt, USE_ASM), int8_to_fp16(v, USE_ASM), v_mul
-
-
-@triton.jit
-def warm_scores(q, kt, k_scale_ptr, slot_row, pos_row, is_int8_row, s_ent, s_i8_blk, j0, idx_hi, head,
-                s_ks_slot, s_ks_head,
-                HEAD_DIM: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr,
-                CHECK_FLAGS: tl.constexpr, PARTITIONED: tl.constexpr):
-    """q . k over the tile's int8 tokens, f32 [M, N] (0 at other tokens): per block, (q * k_scale) . kt.
-
-    k_scale is per (block, channel), so each block of the tile takes its own scaled q; with several
-    blocks per tile each dot covers the whole tile and keeps its block's columns (extra tensor-core
-    work, not extra bytes: the int8 default is one block per tile, see plan.py). q * k_scale is
-    rounded to fp16, saturating at +-65504 (a channel with |q| * absmax(K) above 8.3e6; the score is
-    then huge either way) and losing precision below 2^-14 (|q| * absmax(K) < 7.8e-3: contributes
-    < 2^-25 * 127 per channel to the score).
-    """
-    offs_d = tl.arange(0, HEAD_DIM)
-    s = tl.zeros([q.shape[0], BLOCKS_PER_ITER * BLOCK_TOKENS], tl.float32)
-    for j in tl.static_range(BLOCKS_PER_ITER):
-        slot, _, is_int8 = entries(slot_row, pos_row, s_ent, j0 + j, idx_hi, PARTITIONED)
-        if CHECK_FLAGS:
-            is_int8 &= tl.load(is_int8_row + (j0 + j) * s_i8_blk, mask=is_int8, other=0) != 0
-        k_scale = tl.load(k_scale_ptr + slot * s_ks_slot + head * s_ks_head + offs_d, mask=(offs_d * 0 + is_int8.to(tl.int32)) != 0,
-                          other=0.0)  # [D]
-        q_scaled = tl.clamp(q.to(tl.float32) * k_scale[None, :], -65504.0, 65504.0).to(tl.float16)  # [M, D]
-        if BLOCKS_PER_ITER == 1:
-            s = tl.dot(q_scaled, kt)
+    if HAS_HOT:
+        rows = tok_slot * s_hot_slot + head * s_hot_head + tok_in_blk * s_hot_tok  # [N] int64
+        ptrs = hot_ptr + rows[:, None] + offs_d[None, :]  # [N, D]
+        k = tl.load(ptrs, mask=hot_ok[:, None], other=0.0)
+        v = tl.load(ptrs + s_hot_kv, mask=hot_ok[:, None], other=0.0)
+    if HAS_WARM:
+        offs_w = tl.arange(0, HEAD_DIM // 4)
+        rows = tok_slot * s_warm_slot + head * s_warm_head + tok_in_blk * s_warm_tok  # [N] int64
+        v8 = tl.load(warm_ptr + s_warm_kv + rows[:, None] + offs_w[None, :], mask=warm_ok[:, None], other=0)
+        v8 = tl.reshape(words_to_fp16(v8, USE_ASM), [n, HEAD_DIM])
+        vs_ptrs = v_scale_ptr + tok_slot * s_vs_slot + head * s_vs_head + tok_in_blk
+        v_mul = tl.where(warm_ok, tl.load(vs_ptrs, mask=warm_ok, other=0.0), tok_ok.to(tl.float32)) * V_BOOST
+        k8 = load_int8_k(
+            warm_ptr, k_scale_ptr, slot_row, pos_row, is_int8_row, s_ent, s_i8_blk, j0, idx_hi, n_tok, head,
+            s_warm_slot, s_warm_head, s_warm_tok, s_ks_slot, s_ks_head,
+            HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER, HAS_HOT, PARTITIONED, USE_ASM,
+        )
+        if HAS_HOT:
+            k += k8  # each element comes from one pool; the other load gave 0
+            v += v8
         else:
-            in_block = tl.arange(0, BLOCKS_PER_ITER * BLOCK_TOKENS) // BLOCK_TOKENS == j  # [N]
-            s += tl.where(in_block[None, :], tl.dot(q_scaled, kt), 0.0)
-    return s
+            k = k8
+            v = v8
+    return k, v, v_mul, tok_ok
