@@ -102,7 +102,7 @@ def bench_block_size(args, block_tokens: int, q: torch.Tensor, keys: torch.Tenso
     row["coarse_sweep"] = sweep(COARSE_SWEEP, {}, coarse, coarse_bytes, dev, true, ref_coarse, slice(0, m))
     best = fastest(row["coarse_sweep"])
     row["coarse_best"] = best
-    fixed = {"decode": best["knobs"].get("decode", 1), "num_stages": best["knobs"].get("num_stages", 2)}
+    fixed = {"decode": best["knobs"].get("decode", 1), "num_stages": best["knobs"].get("num_stages", 3)}
     fine = lambda knobs: sketch_block_stats(q, summaries, codes, t, planes=2, block_ids=candidates,  # noqa: E731
                                             **knobs)
     row["fine_sweep"] = sweep(FINE_SWEEP, fixed, fine, fine_bytes, dev, true_fine, None, None)

@@ -4,8 +4,9 @@ inside a CUDA graph; bench_longctx/step_profile.py counts them).
 
 Each kernel rounds where torch rounds: products and sums are formed in fp32 and cast to the tensors'
 dtype at the same points as the reference below it (engine_adapter/llama.py's math, HF's rounding
-order), so fp16/bf16 results differ from torch only where fp32 reduction order or the GPU's approximate
-rsqrt/exp differ, by at most one ulp of the output. Launchers take any row stride (q/k/v and gate/up may be
+order), so fp16/bf16 results differ from torch only where fp32 reduction order, the GPU's approximate
+rsqrt/exp or a multiply-add the compiler contracts into one fma differ, by at most one ulp of the output
+(bit for bit on the CPU, under the interpreter; one ulp on the H200: tests/engine_adapter/test_fused_ops.py). Launchers take any row stride (q/k/v and gate/up may be
 column slices of one merged projection) and do no host syncs, so everything here can be captured in
 a CUDA graph.
 

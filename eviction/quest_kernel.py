@@ -28,15 +28,15 @@ import triton.language as tl
 _SUMMARY_DTYPES = (torch.float16, torch.float8_e4m3fn)
 
 
-@triton.jit(do_not_specialize=["num_blocks", "sink_blocks", "recent_start", "block_tokens"])  # one compile per decode run
+@triton.jit(do_not_specialize=["num_blocks", "sink_blocks", "recent", "block_tokens"])  # one compile per decode run
 def _quest_kernel(
     q_ptr,  # float16 [num_q_heads, HEAD_DIM]
     s_ptr,  # float16 or float8e4nv [num_blocks, 2, kv_heads, HEAD_DIM]
     out_ptr,  # float32 [kv_heads, num_blocks]
     count_ptr,  # DEVICE_COUNTS: int64 [1], tokens held before the current one
     num_blocks,
-    sink_blocks,  # blocks [0, sink_blocks) and [recent_start, num_blocks) score +inf
-    recent_start,  # DEVICE_COUNTS: recent tokens protected instead (recent_start computed here)
+    sink_blocks,  # blocks [0, sink_blocks) score +inf, and the recent ones:
+    recent,  # [recent, num_blocks) (the first block of the window); DEVICE_COUNTS: the window's tokens
     block_tokens,  # DEVICE_COUNTS only
     stride_qh,
     stride_sn,
@@ -62,7 +62,7 @@ def _quest_kernel(
     if DEVICE_COUNTS:  # the captured decode step: the sequence grows under a fixed launch over its capacity
         n = tl.load(count_ptr) + 1  # tokens once the current one is appended
         live = (n + block_tokens - 1) // block_tokens
-        tile_mask = (offs_n < live)[:, None] & mask_d[None, :]  # capacity past the sequence is never read
+        tile_mask = ((offs_n < live) & mask_n)[:, None] & mask_d[None, :]  # capacity past the sequence: unread
     else:
         tile_mask = mask_n[:, None] & mask_d[None, :]
     k_min = tl.load(tile, mask=tile_mask, other=0.0).to(tl.float16)  # [BLOCK_N, BLOCK_D]
@@ -96,11 +96,11 @@ def _quest_kernel(
     # Only protected blocks may score +inf, or topk could drop one of them.
     score = tl.where(score != score, float("-inf"), tl.minimum(score, 3.4028234663852886e38))  # NaN -> -inf
     if DEVICE_COUNTS:
-        start = tl.minimum(tl.maximum(n - recent_start, 0) // block_tokens, live - 1)
+        start = tl.minimum(tl.maximum(n - recent, 0) // block_tokens, live - 1)
         protected = (offs_n < sink_blocks) | (offs_n >= start)
         score = tl.where(offs_n < live, tl.where(protected, float("inf"), score), float("-inf"))
     else:
-        protected = (offs_n < sink_blocks) | (offs_n >= recent_start)
+        protected = (offs_n < sink_blocks) | (offs_n >= recent)
         score = tl.where(protected, float("inf"), score)
     tl.store(out_ptr + head * stride_oh + offs_n, score, mask=mask_n)
 
@@ -166,15 +166,24 @@ def quest_scores_live(q: torch.Tensor, summaries: torch.Tensor, count: torch.Ten
 def quest_scores_live_ref(q: torch.Tensor, summaries: torch.Tensor, count: torch.Tensor, *, block_tokens: int,
                           sink_blocks: int, recent_tokens: int, group_reduce: str = "max") -> torch.Tensor:
     """`quest_scores_live` in torch (unwritten capacity may hold anything: non-finite bounds count as 0)."""
-    capacity = summaries.shape[0]
     bound = quest_scores_ref(q, summaries.nan_to_num(0.0, 0.0, 0.0), group_reduce=group_reduce)
     bound = bound.nan_to_num(0.0, 0.0, 0.0)  # [H, N]
+    live, protected = live_and_protected(count, summaries.shape[0], block_tokens=block_tokens,
+                                         sink_blocks=sink_blocks, recent_tokens=recent_tokens)
+    return bound.masked_fill(protected, float("inf")).masked_fill(~live, float("-inf"))
+
+
+def live_and_protected(count: torch.Tensor, capacity: int, *, block_tokens: int, sink_blocks: int,
+                       recent_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool [capacity] each, from the device count (tokens before the current one; no host sync): the
+    blocks the sequence holds once the current token is in, and among them the protected ones (the first
+    sink_blocks and every block holding one of the last recent_tokens tokens, the tail included).
+    The same arithmetic as the kernel's DEVICE_COUNTS branch."""
     n = count + 1  # [1]
     live = (n + block_tokens - 1) // block_tokens
     start = torch.minimum(torch.clamp(n - recent_tokens, min=0) // block_tokens, live - 1)
-    blocks = torch.arange(capacity, device=q.device)  # [N]
-    protected = (blocks < sink_blocks) | (blocks >= start)
-    return bound.masked_fill(protected, float("inf")).masked_fill(blocks >= live, float("-inf"))
+    blocks = torch.arange(capacity, device=count.device)  # [N]
+    return blocks < live, ((blocks < sink_blocks) | (blocks >= start)) & (blocks < live)
 
 
 def _launch(q: torch.Tensor, summaries: torch.Tensor, count: torch.Tensor | None, sink_blocks: int,

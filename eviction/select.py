@@ -95,7 +95,7 @@ def top_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
     if k >= num_blocks:  # the budget covers everything: no top-k launch
         return all_blocks(num_kv_heads, num_blocks, scores.device)
     if scores.is_cuda and (num_blocks <= FASTER_THAN_TORCH or two_stage(num_blocks, k)) and can_select(num_blocks, k):
-        return topk_sorted(scores, k)  # one launch instead of topk's radix passes + a sort
+        return topk_sorted(scores, k)  # one or two launches instead of topk's radix passes + a sort
     chosen = torch.topk(scores, k, dim=1, sorted=False).indices  # [H, k]
     return torch.sort(chosen, dim=1).values
 

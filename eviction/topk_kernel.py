@@ -8,7 +8,7 @@ out already ascending, ties broken by the lower index (torch's stable sort order
 
 One program per row holding the whole row used only kv_heads SMs and took 95 us per layer at
 1M tokens (17K blocks; bench_longctx/results/h200-profile). Long rows therefore go in two
-stages: every CHUNK scores of a row keep their own top k (`min(k, CHUNK)` candidates, the
+stages: every CHUNK scores of a row keep their own top k (two-stage rows have k <= CHUNK / 4; the
 global top k is always among them), then one program per row selects k of the
 ceil(n / CHUNK) * k candidates, which sit in ascending index order, so the same compaction
 gives ascending indices. Stage two can also write the kernel block table of the winners
@@ -73,16 +73,16 @@ def _row_topk_kernel(scores_ptr, s_row, n, k, out_ptr, s_out, BLOCK: tl.constexp
 
 
 @triton.jit
-def _chunk_topk_kernel(scores_ptr, s_row, n, k_local, cand_key_ptr, cand_idx_ptr, s_cand, CHUNK: tl.constexpr):
-    """Stage one, program (chunk, row): the chunk's k_local winners (padding past n included, keyed lowest)."""
+def _chunk_topk_kernel(scores_ptr, s_row, n, k, cand_key_ptr, cand_idx_ptr, s_cand, CHUNK: tl.constexpr):
+    """Stage one, program (chunk, row): the chunk's k winners (padding past n included, keyed lowest)."""
     chunk = tl.program_id(0)
     row = tl.program_id(1)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     valid = offs < n
     x = tl.load(scores_ptr + row * s_row + offs, mask=valid, other=float("-inf")).to(tl.float32)
     key = _keys(x, valid)
-    take = _winners(key, k_local)  # exactly k_local entries: the chunk always holds CHUNK >= k_local
-    pos = chunk * k_local + tl.cumsum(take.to(tl.int32), axis=0) - 1
+    take = _winners(key, k)  # exactly k entries: the chunk always holds CHUNK >= k
+    pos = chunk * k + tl.cumsum(take.to(tl.int32), axis=0) - 1
     tl.store(cand_key_ptr + row * s_cand + pos, key, mask=take)
     tl.store(cand_idx_ptr + row * s_cand + pos, offs, mask=take)
 

@@ -43,18 +43,19 @@ class AttendStats:
     true_omitted: float = 0.0  # summed over calls both certified and measured: 1 - captured mass
     certified_measured: int = 0
     certificate_violations: int = 0  # measured calls where some head's bound fell below its true omitted mass
-    _certified: list = field(default_factory=list, repr=False)  # device scalars: summed when read, not per step
+    _certified: torch.Tensor | None = field(default=None, repr=False)  # device sum of bounds not yet read
 
     def add_certified(self, bounds: torch.Tensor) -> None:
         """Count calls' certified omitted masses (bounds [calls], each a mean over kv heads, on the device)
-        without a host sync."""
+        without a host sync: added into one device scalar, read when the stats are."""
         self.certified_calls += bounds.numel()
-        self._certified.append(bounds.sum())
+        total = bounds.sum()
+        self._certified = total if self._certified is None else self._certified + total
 
     def as_dict(self) -> dict:
-        if self._certified:
-            self.certified_omitted += float(torch.stack(self._certified).sum())
-            self._certified.clear()
+        pending, self._certified = self._certified, None  # one swap: a bound added meanwhile is kept for later
+        if pending is not None:
+            self.certified_omitted += float(pending)
         d = {name: value for name, value in self.__dict__.items() if not name.startswith("_")}
         d["read_fraction"] = self.attended_tokens / self.context_tokens if self.context_tokens else None
         d["mean_mass_captured"] = self.mass_captured / self.mass_measured if self.mass_measured else None

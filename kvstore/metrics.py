@@ -1,10 +1,13 @@
-"""Prometheus metrics of an in-process KVStore, read from `store.stats()` at scrape time.
+"""Prometheus metrics of an in-process KVStore, from snapshots of `store.stats()`.
 
 The sidecar (`kvtier serve`) exports its own storage metrics; an engine that runs a KVStore in its
-process registers this collector on the registry its /metrics endpoint serves:
+process registers this collector on the registry its /metrics endpoint serves. stats() walks tables the
+engine thread changes, so the engine takes the snapshots (`refresh()`, e.g. every few hundred tokens)
+and the scraping thread only reads the last one:
 
     from prometheus_client import REGISTRY, start_http_server
-    REGISTRY.register(StoreCollector(store)); start_http_server(9400)
+    metrics = StoreCollector(store); REGISTRY.register(metrics); start_http_server(9400)
+    ... in the decode loop: metrics.refresh()
 
     kvtier_store_tier_bytes{tier}, kvtier_store_tier_blocks{tier}   gauges per tier (hot, warm, cpu, ssd, ...)
     kvtier_store_sequences, kvtier_store_sequence_tokens            live sequences and the tokens they hold
@@ -42,13 +45,18 @@ ATTEND_COUNTERS = (  # stats()["attend"] key -> (metric name, help)
 
 
 class StoreCollector:
-    """A prometheus_client collector over one KVStore (register it once; it reads stats() per scrape)."""
+    """A prometheus_client collector over one KVStore: serves the snapshot the last `refresh()` took."""
 
     def __init__(self, store) -> None:
         self.store = store
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Snapshot the store's stats; call it from the thread that uses the store."""
+        self._stats = self.store.stats()  # one reference swap: a scrape sees the old or the new snapshot
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.store.stats()
+        stats = self._stats
         tier_bytes = GaugeMetricFamily(f"{PREFIX}_tier_bytes", "Bytes stored per tier", labels=["tier"])
         tier_blocks = GaugeMetricFamily(f"{PREFIX}_tier_blocks", "Blocks stored per tier", labels=["tier"])
         for name, tier in stats["tiers"].items():

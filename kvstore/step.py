@@ -16,8 +16,9 @@ per layer, inside the step (no host sync):
     3. attend    the paged kernel over that block table, token count computed on the device
     4. account   the kernel's block mass into the table's H2O scores
 Counts that depend only on the token (tokens the kernel reads, the sketch's live/protected masks) are
-computed once per token, in layer 0. On CUDA the topk select is three launches: Quest scores masked
-from the device count, then top-k in two stages whose second writes the kernel's block table.
+computed once per token, in layer 0 (so a token's layers run in order). On CUDA the topk select is
+Quest scores masked from the device count in one launch, then (k <= 256 blocks of a long table) top-k
+in two stages whose second writes the kernel's block table.
 Host work happens before a token and only at block boundaries (`begin_token`): the sketch codes
 of the tail block the last token filled, a new tail block per layer, and cooling of blocks the
 token pushes out of their windows. A sequence with blocks in cpu/ssd tiers cannot be served from
@@ -31,7 +32,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from eviction.certify import certified_omitted_mass
-from eviction.quest_kernel import quest_scores_live, quest_scores_live_ref
+from eviction.quest_kernel import live_and_protected, quest_scores_live, quest_scores_live_ref
 from eviction.select import top_blocks
 from eviction.sketch_topk import SketchTopK
 from eviction.topk_kernel import can_select, topk_block_table, two_stage
@@ -81,6 +82,7 @@ class DecodeStep:
         self._scores = quest_scores_live if dev.type == "cuda" else quest_scores_live_ref
         self._append_token = append_token if dev.type == "cuda" else append_token_ref  # one launch on the GPU
         self.phase = self._phase(length + 1)
+        self._next_layer = 0
         self._sync_tail_slots()
 
     # -- host side, between tokens -----------------------------------------------------------
@@ -106,6 +108,7 @@ class DecodeStep:
                                "are full; use store.append and store.attend for this token")
         if self._synced_length != self.length:  # tokens were appended eagerly since the last step
             self._sync_tail_slots()
+        self._next_layer = 0  # a token that failed part way left nothing on the device count: start over
         self.phase = self._phase(self.length + 1)
         if self._crosses_window(self.length):  # as store.append does: cool, then the token attends
             for table in self.tables:
@@ -168,6 +171,10 @@ class DecodeStep:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Append k, v [kv_heads, head_dim] of the new token to `layer`, then attend q [num_q_heads, head_dim]
         over the layer's blocks (the new token included); returns [num_q_heads, head_dim] fp16."""
+        if layer != self._next_layer:  # layer 0 computes the token's counts that every later layer reads
+            raise ValueError(f"DecodeStep.attend: a token runs layers 0..{len(self.tables) - 1} in order; "
+                             f"expected layer {self._next_layer}, got {layer}")
+        self._next_layer = (layer + 1) % len(self.tables)
         table = self.tables[layer]
         if layer == 0:  # what depends only on the token count, once per token for every layer
             self._count_tokens()
@@ -197,10 +204,9 @@ class DecodeStep:
             return
         self.kernel_tokens.copy_((self.k - 1) * b + (self._n - 1) % b + 1)
         if isinstance(self.policy, SketchTopK):
-            num_blocks = (self._n + b - 1) // b  # [1]
-            self._valid = self.positions < num_blocks  # [N]
-            recent_start = torch.minimum(torch.clamp((self._n - self.recent_tokens) // b, min=0), num_blocks - 1)
-            self._protected = (self.positions < self.sink_blocks) | (self.positions >= recent_start)
+            self._valid, self._protected = live_and_protected(self.num_tokens, self.capacity, block_tokens=b,
+                                                              sink_blocks=self.sink_blocks,
+                                                              recent_tokens=self.recent_tokens)
 
     def _append(self, layer: int, table, k: torch.Tensor, v: torch.Tensor) -> None:
         self._append_token(self.store.tiers.hot.pool, table.summaries, k, v, self.tail_slot[layer: layer + 1],

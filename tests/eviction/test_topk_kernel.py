@@ -81,3 +81,17 @@ def test_fused_block_table_gathers_the_winners():
         topk_block_table(scores[:, :1000], k, slot_map, tier_map, int8_tier=1)
     with pytest.raises(ValueError, match="int32"):
         topk_block_table(scores, k, slot_map.long(), tier_map, int8_tier=1)
+
+
+@pytest.mark.parametrize("n, k", [(3000, 100), (5000, 64), (4100, 256)])
+def test_two_stage_ties_at_the_threshold_in_every_chunk(n, k):
+    """The k-th score tied in every chunk (and a constant row): the first k tied indices win, as in
+    torch's stable order, although each chunk keeps its own first tied ones."""
+    scores = torch.randn((3, n), generator=torch.Generator().manual_seed(n))
+    scores[0, ::7] = 10.0  # n / 7 > k tied maxima spread over every chunk
+    scores[1] = 1.5  # all tied
+    scores[2, ::5] = 10.0
+    scores[2, 3::11] = 20.0  # fewer than k above, then ties
+    assert two_stage(n, k)
+    assert torch.equal(topk_sorted(scores.to(DEVICE), k).cpu(), topk_sorted_ref(scores, k))
+    assert topk_sorted(scores.to(DEVICE), k).cpu()[1].tolist() == list(range(k))

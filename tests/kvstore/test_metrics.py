@@ -10,9 +10,9 @@ from kvstore import Config, KVStore, ModelSpec
 from kvstore.metrics import StoreCollector
 
 
-def scrape(store: KVStore) -> dict[tuple[str, tuple], float]:
+def scrape(collector: StoreCollector) -> dict[tuple[str, tuple], float]:
     registry = CollectorRegistry()
-    registry.register(StoreCollector(store))
+    registry.register(collector)
     text = generate_latest(registry).decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
@@ -24,13 +24,16 @@ def test_scrape_follows_the_store(tmp_path):
                     gpu_bytes=8 << 20, cpu_bytes=8 << 20, ssd_path=str(tmp_path / "ssd"), device="cpu")
     g = torch.Generator().manual_seed(0)
     with KVStore(config) as store:
-        before = scrape(store)
+        collector = StoreCollector(store)
+        before = scrape(collector)
         assert before[("kvtier_store_attend_calls_total", ())] == 0
         seq = store.create_sequence()
         store.append(seq, 0, torch.randn(400, 2, 16, generator=g).half(), torch.randn(400, 2, 16, generator=g).half())
         for _ in range(3):
             store.attend(seq, 0, torch.randn(4, 16, generator=g).half(), mode="sketch", budget=64, measure_mass=True)
-        got, stats = scrape(store), store.stats()
+        assert scrape(collector) == before  # the scraping thread serves the last snapshot
+        collector.refresh()  # the engine's thread takes a new one
+        got, stats = scrape(collector), store.stats()
         attend = stats["attend"]
         assert got[("kvtier_store_attend_calls_total", ())] == 3
         assert got[("kvtier_store_certified_calls_total", ())] == 3 == attend["certified_calls"]
