@@ -106,14 +106,24 @@ class SavedContexts:
             self.values.sync()  # every block and summary durable before the manifest names them
             old = self.values.commit(_MANIFEST + name.encode(), json.dumps(manifest).encode(), pending)
         except BaseException as exc:
-            self.values.delete_prefix(_DATA + save_id + b"/")
-            self.values.delete([pending])
+            if not self._committed(name, save_id):  # a commit whose reply was lost did land: keep its data
+                self.values.delete_prefix(_DATA + save_id + b"/")
+                self.values.delete([pending])
             if isinstance(exc, lmdb.MapFullError):
                 raise CapacityError(f"saving {name!r}: the ssd tier's LMDB map (2 x ssd_bytes) is full") from exc
             raise
         self.values.sync()
         if old is not None:
             self.values.delete_prefix(_DATA + json.loads(old)["save_id"].encode() + b"/")
+
+    def _committed(self, name: str, save_id: bytes) -> bool:
+        """Whether the manifest of `name` names this save; True when that cannot be read (keeping data that
+        turns out unreferenced costs space, deleting data a manifest names loses the context)."""
+        try:
+            raw = self.values.get([_MANIFEST + name.encode()])[0]
+        except Exception:  # noqa: BLE001 -- the save's own error is the one to report
+            return True
+        return raw is not None and json.loads(raw)["save_id"].encode() == save_id
 
     def _write_data(self, save_id: bytes, tables: list[LayerTable], token_ids: list[int] | None) -> dict:
         """Blocks, per-layer metadata and token ids under the save id; returns the manifest's other fields."""
@@ -239,10 +249,9 @@ class SavedContexts:
     def delete(self, name: str) -> None:
         """The manifest and the save's own values; content-keyed blocks stay for other saves naming them."""
         _check_name(name)
-        raw = self.values.get([_MANIFEST + name.encode()])[0]
+        raw = self.values.pop(_MANIFEST + name.encode())  # one step: a save of the name meanwhile is kept whole
         if raw is None:
             raise KeyError(f"no saved context named {name!r}")
-        self.values.delete([_MANIFEST + name.encode()])
         self.values.delete_prefix(_DATA + json.loads(raw)["save_id"].encode() + b"/")
 
     def collect_garbage(self) -> int:

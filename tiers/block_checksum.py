@@ -114,7 +114,10 @@ def _checked_words(fields: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if f.dim() < 2 or not f.is_contiguous() or f.shape[0] != fields[0].shape[0] or row_bytes % 4:
             raise ValueError(f"fields[{i}]: expected contiguous [{fields[0].shape[0]}, ...] rows of whole 32-bit "
                              f"words, got {f.dtype} {list(f.shape)}{'' if f.is_contiguous() else ' (strided)'}")
-        out.append(f.reshape(f.shape[0], -1).view(torch.uint8).view(torch.int32))
+        row_elements = 1
+        for size in f.shape[1:]:
+            row_elements *= size
+        out.append(f.reshape(f.shape[0], row_elements).view(torch.uint8).view(torch.int32))  # 0 rows too
     if sum(w.shape[1] for w in out) >= 2**31:
         raise ValueError("fields: a block of 2^31 words or more (the proofs need fewer)")
     return out

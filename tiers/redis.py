@@ -33,6 +33,7 @@ import struct
 import threading
 import uuid
 import warnings
+from contextlib import closing
 from typing import Callable, Iterator, Sequence
 
 from tiers.base import BlockMissingError, BudgetedTier, IntegrityError, check_ids
@@ -157,7 +158,8 @@ class RedisTier(BudgetedTier):
             raise KeyError(f"redis: blocks not stored: {unknown[:8]}")
         keys = [self.key(i) for i in ids]
         try:
-            return self._receive(ids, keys, get_replies(self.client, keys, self.get_window_blocks))
+            with closing(get_replies(self.client, keys, self.get_window_blocks)) as replies:  # failed: conns back
+                return self._receive(ids, keys, replies)
         except SlotsMoved:  # the cluster resharded: redis-py's pipeline follows the redirects
             return self._receive(ids, keys, self._pipelined_gets(keys))
 

@@ -165,6 +165,11 @@ class LmdbValues:
             txn.delete(done)
         return old
 
+    def pop(self, key: bytes) -> bytes | None:
+        """Delete `key` and return its value (None if absent), in one transaction."""
+        with self.env.begin(write=True) as txn:
+            return txn.pop(key)
+
 
 def _lmdb_prefix_items(txn: lmdb.Transaction, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
     cursor = txn.cursor()
@@ -225,7 +230,16 @@ class RedisValues:
         """Every write above was acknowledged; persistence is the server's (appendfsync)."""
 
     def commit(self, key: bytes, value: bytes, done: bytes) -> bytes | None:
-        """SET `key` (one command: whole or absent; returns the old value), then delete `done`."""
+        """SET `key` (one command: whole or absent; returns the old value), then delete `done` as far as the
+        server answers: the save is committed once the SET is, and a `done` key left behind is harmless
+        (collect_garbage skips a pending key whose save has a manifest)."""
         old = self.client.set(self.PREFIX + key, value, get=True)
-        self.client.delete(self.PREFIX + done)
+        try:
+            self.client.delete(self.PREFIX + done)
+        except (redis.RedisError, OSError):
+            pass
         return old
+
+    def pop(self, key: bytes) -> bytes | None:
+        """Delete `key` and return its value (None if absent), in one command (GETDEL)."""
+        return self.client.getdel(self.PREFIX + key)

@@ -113,3 +113,38 @@ def test_a_key_redis_lost_is_a_clear_error_and_the_store_stays_whole(redis_serve
     assert not store.sequences
     store.check_integrity()
     store.close(), raw.close()
+
+
+def test_a_commit_whose_reply_was_lost_keeps_the_save_and_deleting_is_one_step(redis_server, monkeypatch):
+    """The manifest SET landed but its reply never came (or deleting the pending key failed): the save is
+    committed, so its data must stay and the context must open; delete() takes the manifest in one GETDEL."""
+    url = redis_server().url
+    with KVStore(redis_config(url)) as store:
+        seq = filled(store, 300, seed=3)
+        want = attend_all(store, seq, query(2))
+        client = store.saved.values.client
+        real_set, real_delete = client.set, client.delete
+
+        def set_then_lose_the_reply(*args, **kw):
+            real_set(*args, **kw)
+            raise ConnectionError("reply lost")
+
+        monkeypatch.setattr(client, "set", set_then_lose_the_reply)
+        with pytest.raises(ConnectionError, match="reply lost"):
+            store.save(seq, "doc")
+        monkeypatch.setattr(client, "set", real_set)
+
+        def delete_fails_once(*keys):
+            monkeypatch.setattr(client, "delete", real_delete)
+            raise TimeoutError("pending key delete timed out")
+
+        monkeypatch.setattr(client, "delete", delete_fails_once)
+        store.save(seq, "other")  # committed: the failed cleanup of its pending key is not a failed save
+        for name in ("doc", "other"):
+            opened = store.open(name)
+            assert all(torch.equal(a, b) for a, b in zip(attend_all(store, opened, query(2)), want)), name
+            store.free(opened)
+        store.delete_saved("doc")
+        assert store.saved_contexts() == ["other"]
+        with pytest.raises(KeyError, match="no saved context"):
+            store.delete_saved("doc")

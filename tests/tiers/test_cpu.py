@@ -140,3 +140,11 @@ def test_checksum_choice():
         CpuTier(LAYOUT, LAYOUT.fp16_bytes, checksums="nonsense")
     with pytest.raises(ValueError, match="pinned"):
         CpuTier(LAYOUT, LAYOUT.fp16_bytes, pin=False, checksums="cuda")
+
+
+@pytest.mark.parametrize("checksums", ["host", SUM_DEVICE])
+def test_empty_get_and_fetch(checksums):
+    tier = CpuTier(LAYOUT, 4 * LAYOUT.bytes_for("float16"), memory_reserve=0, checksums=checksums)
+    tier.put([1], blocks(1, seed=2))
+    assert len(tier.get([])) == 0 and len(tier.fetch([], SUM_DEVICE)) == 0
+    tier.check_integrity()
