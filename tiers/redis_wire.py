@@ -61,6 +61,8 @@ class ReplyReader:
         head = self.line()
         kind = head[:1]
         if kind == b"$":
+            if not head[1:].lstrip(b"-").isdigit():
+                raise ConnectionError(f"expected a bulk length after '$' in a GET reply, got {head[:40]!r}")
             length = int(head[1:])
             return None if length < 0 else length
         if kind == b"_":  # RESP3 nil
@@ -73,8 +75,9 @@ class ReplyReader:
         raise ConnectionError(f"expected a bulk string or an error reply to GET, got {head[:40]!r}")
 
     def end_bulk(self) -> None:
-        if self.line():
-            raise ConnectionError("expected CRLF after a bulk string")
+        rest = self.line()
+        if rest:
+            raise ConnectionError(f"expected CRLF right after a bulk string's bytes, got {bytes(rest[:40])!r}")
 
     def _fill(self) -> None:
         if self.start == self.end:
