@@ -44,7 +44,7 @@ from kvstore.table import DROPPED, LayerTable
 from kvstore.tierset import COLD_TIER, SAVED_TIER, TierSet
 from tiers.base import Tier
 from tiers.codec import Codec
-from tiers.errors import BlockMissingError, CapacityError
+from tiers.errors import BlockMissingError, CapacityError, IntegrityError
 from tiers.keys import block_key, chain_hashes
 from tiers.saved import LmdbValues, RedisValues
 from tiers.ssd import SsdTier
@@ -239,7 +239,7 @@ class SavedContexts:
             raise BlockMissingError(f"saved context {name!r}: {what} are gone (deleted or replaced after it was "
                                     "opened, or evicted by Redis's maxmemory policy)")
         if any(xxhash.xxh3_64_intdigest(v) != want for v, want in zip(values, digests)):
-            raise ValueError(f"saved context {name!r}: {what} are damaged (checksum mismatch)")
+            raise IntegrityError(f"saved context {name!r}: {what} are damaged (checksum mismatch)")
         return values
 
     # -- listing and deleting --------------------------------------------------------------
