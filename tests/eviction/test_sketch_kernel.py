@@ -3,11 +3,10 @@ and its upper bound against the true keys."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
+from bench_longctx.sketch_bench import true_block_lse  # the exact per-block log-sum-exp the bound must cover
 from eviction.sketch import sketch_keys
 from eviction.sketch_kernel import sketch_block_stats, sketch_block_stats_ref
 
@@ -22,16 +21,6 @@ def _case(num_tokens, block_tokens, num_kv_heads, group, head_dim, seed):
     q = (torch.randn(num_kv_heads * group, head_dim, generator=g) * 2).half()
     summaries, codes = sketch_keys(keys, block_tokens)
     return q.to(DEVICE), summaries.to(DEVICE), codes.to(DEVICE), keys.to(DEVICE)
-
-
-def _true_block_lse(q, keys, block_tokens):
-    """[Hq, N]: log-sum-exp of the exact scaled logits per block."""
-    num_tokens, num_kv_heads, head_dim = keys.shape
-    logits = torch.einsum("hgd,thd->hgt", q.float().view(num_kv_heads, -1, head_dim), keys.float()).flatten(0, 1)
-    n = -(-num_tokens // block_tokens)
-    padded = torch.nn.functional.pad(logits / math.sqrt(head_dim), (0, n * block_tokens - num_tokens),
-                                     value=float("-inf"))
-    return padded.view(q.shape[0], n, block_tokens).logsumexp(-1)
 
 
 @pytest.mark.parametrize("num_tokens,block_tokens,num_kv_heads,group,head_dim", [
@@ -50,7 +39,7 @@ def test_kernel_matches_reference(num_tokens, block_tokens, num_kv_heads, group,
     for w, g in zip(want, got):
         assert g.shape == (num_kv_heads * group, num_blocks) and g.dtype == torch.float32
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
-    true = _true_block_lse(q, keys, block_tokens)
+    true = true_block_lse(q, keys, block_tokens)
     assert (got[1] >= true).all() and (want[1] >= true).all()
 
 
@@ -99,7 +88,7 @@ def test_upper_bound_holds_for_keys_on_rounding_edges() -> None:
     keys[16], keys[17], keys[32], keys[33] = low, high, low, high
     keys = keys.half()[:, None]  # [T, 1, D]
     summaries, codes = sketch_keys(keys, block_tokens)
-    true = _true_block_lse(q.to(DEVICE), keys.to(DEVICE), block_tokens)
+    true = true_block_lse(q.to(DEVICE), keys.to(DEVICE), block_tokens)
     for planes in (1, 2):
         lse, upper = sketch_block_stats(q.to(DEVICE), summaries.to(DEVICE), codes.to(DEVICE), 48, planes=planes)
         assert (upper >= true).all()
@@ -119,7 +108,7 @@ def test_upper_bound_holds_on_random_keys_with_outliers(seed) -> None:
     q = (torch.randn(num_kv_heads * group, head_dim, generator=g) * 8).half()
     summaries, codes = sketch_keys(keys, block_tokens)
     q, summaries, codes, keys = q.to(DEVICE), summaries.to(DEVICE), codes.to(DEVICE), keys.to(DEVICE)
-    true = _true_block_lse(q, keys, block_tokens)
+    true = true_block_lse(q, keys, block_tokens)
     for planes in (1, 2):
         lse, upper = sketch_block_stats(q, summaries, codes, num_tokens, planes=planes)
         assert (upper >= true).all(), (upper - true).min()
@@ -134,7 +123,7 @@ def test_fp16_overflow_falls_back_to_the_min_max_bound() -> None:
     summaries, codes = sketch_keys(keys.cpu(), 16)
     summaries, codes = summaries.to(DEVICE), codes.to(DEVICE)
     q = (q.float() * 100).half()  # |q step| > 65504 somewhere in every block
-    true = _true_block_lse(q, keys, 16)
+    true = true_block_lse(q, keys, 16)
     for planes in (1, 2):
         lse, upper = sketch_block_stats(q, summaries, codes, 40, planes=planes)
         want = sketch_block_stats_ref(q, summaries, codes, 40, planes=planes)
