@@ -20,7 +20,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from bench_longctx.timing import copy_ceiling_GBps, environment, time_ms
+from bench_longctx.timing import copy_ceiling_GBps, environment, time_ms, write_json
 from kvstore.attention.paged_decode import paged_decode
 from eviction.topk import topk_select
 from kvstore.config import Config, ModelSpec
@@ -141,9 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ceiling = copy_ceiling_GBps(device)
     rows = [run_context(int(c), int(b), ceiling) for b in args.block_tokens.split(",") for c in args.contexts.split(",")]
     result = {"environment": environment(device), "copy_ceiling_GBps": ceiling, "budget": BUDGET, "rows": rows}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "decode_h200.json"), "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(args.out, "decode_h200.json", result)
     keys = ["context", "block_tokens", "sdpa_ms", "fp16_kernel_ms", "int8_kernel_ms", "dense_graphed_ms", "topk_graphed_ms",
             "topk_attend_eager_ms", "fp16_kernel_speedup_vs_sdpa", "int8_kernel_speedup_vs_sdpa",
             "dense_graphed_speedup_vs_sdpa", "topk_graphed_speedup_vs_sdpa", "needle_found_heads"]

@@ -24,14 +24,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import time
 
 import torch
 import torch.nn.functional as F
 
 from bench_longctx.kernel_bench import check_correctness
-from bench_longctx.timing import copy_ceiling_GBps, environment, time_ms
+from bench_longctx.timing import copy_ceiling_GBps, environment, time_ms, write_json
 from kvstore.attention.paged_decode import BOTH_POOLS, paged_decode
 from kvstore.attention.partition import partition_table
 from kvstore.attention.plan import DecodeGeometry, decode_config
@@ -208,10 +207,7 @@ def main() -> None:
     result = {**environment(device), "copy_ceiling_GBps": ceiling, "summary_at_1M": summary, "rows": rows,
               "sweep": sweep_rows, "best_configs": best_configs, "correctness": correctness,
               "seconds": time.time() - start}
-    os.makedirs(opts.out, exist_ok=True)
-    path = os.path.join(opts.out, "int8_bench.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    path = write_json(opts.out, "int8_bench.json", result)
     print("wrote", path)
 
 

@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import time
 
 import torch
 import torch.nn.functional as F
 
-from bench_longctx.timing import copy_ceiling_GBps, environment, time_ms
+from bench_longctx.timing import copy_ceiling_GBps, environment, time_ms, write_json
 from kvstore.attention.paged_decode import paged_decode
 from kvstore.attention.plan import DecodeGeometry, decode_config
 from kvstore.attention.reference import paged_decode_ref
@@ -231,10 +230,7 @@ def main() -> None:
     result = {**environment(device), "copy_ceiling_GBps": ceiling, "summary_at_1M": summary, "rows": rows,
               "sweep": sweep_rows, "best_configs": {f"{k[0]}/bt{k[1]}": v for k, v in best.items()},
               "correctness": correctness}
-    os.makedirs(opts.out, exist_ok=True)
-    path = os.path.join(opts.out, "kernel_bench.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    path = write_json(opts.out, "kernel_bench.json", result)
     print("wrote", path)
 
 

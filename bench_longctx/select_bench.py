@@ -21,12 +21,10 @@ fp8_bound_inflation_median = median relative growth of the bound with fp8 summar
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import torch
 
-from bench_longctx.timing import copy_ceiling_GBps, environment, time_ms
+from bench_longctx.timing import copy_ceiling_GBps, environment, time_ms, write_json
 from eviction.quest_kernel import quest_scores, quest_scores_ref
 from eviction.select import protected_mask, select
 from eviction.summaries import summaries_to_fp8, summarize_keys
@@ -181,9 +179,7 @@ def main(argv: list[str] | None = None) -> int:
               "geometry": {"num_q_heads": NUM_Q_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM},
               "tuning_block_tokens_32": tuning, "kernel_knobs": knobs, "rows": rows,
               "topk": topk_rows}  # fmt: skip
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "select_bench.json"), "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(args.out, "select_bench.json", result)
     print(f"copy ceiling {ceiling:.0f} GB/s (read+write); kernel knobs {knobs}")
     print_table(rows)
     for r in topk_rows:

@@ -21,13 +21,12 @@ import argparse
 import itertools
 import json
 import math
-import os
 
 import torch
 
 from bench_longctx.needle import background, key_distribution
 from bench_longctx.select_bench import graph_us
-from bench_longctx.timing import copy_ceiling_GBps, environment, time_ms
+from bench_longctx.timing import copy_ceiling_GBps, environment, time_ms, write_json
 from eviction.select import protected_mask
 from eviction.sketch import sketch_keys
 from eviction.sketch_kernel import sketch_block_stats, sketch_block_stats_ref
@@ -143,9 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [bench_block_size(args, int(b), q, keys, ceiling) for b in args.blocks.split(",")]
     result = {"environment": environment(dev), "tokens": args.tokens, "budget": args.budget,
               "copy_ceiling_GBps": ceiling, "rows": rows}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "sketch_h200.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, "sketch_h200.json", result)
     for r in rows:
         print(json.dumps({"block_tokens": r["block_tokens"], "coarse_ceiling_us": round(r["coarse_ceiling_us"], 1),
                           "coarse_best": r["coarse_best"], "fine_best": r["fine_best"],

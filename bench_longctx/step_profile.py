@@ -14,15 +14,13 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import json
-import os
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench_longctx.e2e import e2e_store, fill_random, model_args, random_model
 from bench_longctx.presets import get_preset
-from bench_longctx.timing import environment, timed
+from bench_longctx.timing import environment, timed, write_json
 from engine_adapter.decoder import Decoder
 
 
@@ -72,9 +70,7 @@ def main(argv: list[str] | None = None) -> int:
               "gpu_us_per_token": sum(r["us_per_token"] for r in rows),
               "launches_per_token": sum(r["launches_per_token"] for r in rows), "kernels": rows}
     store.close()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"step_profile_{args.mode}_{p.context}.json"), "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(args.out, f"step_profile_{args.mode}_{p.context}.json", result)
     print(f"{args.mode} at {p.context}: {result['ms_per_token_unprofiled']:.2f} ms/token wall, "
           f"{result['gpu_us_per_token'] / 1e3:.2f} ms GPU, {result['launches_per_token']:.0f} launches/token")
     for r in rows[:25]:

@@ -9,12 +9,14 @@
                host copy into fresh memory, loopback TCP socket
     rate       one case's time read against the copy ceiling and a baseline
     Deadline, release, environment   a run's time budget, memory between cases, provenance
+    write_json     a standalone script's result file
 """
 
 from __future__ import annotations
 
 import datetime
 import gc
+import json
 import os
 import platform
 import socket
@@ -190,3 +192,12 @@ def environment(device: torch.device) -> dict:
     else:
         env["device_name"] = platform.processor() or platform.machine()
     return env
+
+
+def write_json(directory: str, name: str, result: dict) -> str:
+    """Write `result` to directory/name (creating the directory); returns the path."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, name)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    return path
