@@ -7,9 +7,10 @@ import random
 import pytest
 import torch
 
-from kvstore import CapacityError, Config, KVStore, ModelSpec
+from kvstore import CapacityError, Config, KVStore
+from tests.kvstore.test_saved import query
+from tests.kvstore.test_store import SPEC, kv
 
-SPEC = ModelSpec(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16)
 
 
 def small_config(tmp_path, **overrides) -> Config:
@@ -19,21 +20,12 @@ def small_config(tmp_path, **overrides) -> Config:
     return Config(**{**base, **overrides})
 
 
-def kv(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn((t, 2, 16), generator=g).half(), torch.randn((t, 2, 16), generator=g).half())
-
-
 def filled(store: KVStore, token_ids: list[int], seed: int) -> int:
     seq = store.create_sequence()
     store.extend_tokens(seq, token_ids)
     for layer in range(SPEC.num_layers):
         store.append(seq, layer, *kv(len(token_ids), seed + layer))
     return seq
-
-
-def query(seed: int) -> torch.Tensor:
-    return torch.randn((SPEC.num_q_heads, SPEC.head_dim), generator=torch.Generator().manual_seed(seed)).half()
 
 
 def attend_all(store: KVStore, seq: int, q: torch.Tensor) -> list[torch.Tensor]:
