@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Iterator, Sequence
 
+from kvstore.table import DROPPED, LayerTable
+
 Holder = tuple[int, int, int]  # (sequence, layer, block index): one table entry pointing at a block
 
 
@@ -108,3 +110,38 @@ class BlockRegistry:
         keyed = {(b, k) for k, same in self.by_key.items() for b in same}
         if keyed != {(b, k) for b, k in self.key_of.items()}:
             raise AssertionError("content keys disagree with the blocks that carry them")
+
+    # -- invariants ------------------------------------------------------------------------
+    def check_tables(self, tables: dict[int, list[LayerTable]], block_tokens: int, hot_tier: int) -> None:
+        """Raise AssertionError unless the registry and the block tables agree: every holder's table points
+        back at the block, and every table's blocks, counts and device tier map match what is recorded."""
+        for block_id, holders in self.holders.items():
+            for seq, layer, i in holders:
+                layers = tables.get(seq)
+                if layers is None or i >= layers[layer].num_blocks or layers[layer].block_ids[i] != block_id:
+                    raise AssertionError(f"block {block_id}: holder {(seq, layer, i)} does not point at it")
+        for seq, layers in tables.items():
+            for layer, table in enumerate(layers):
+                self._check_table(f"seq {seq} layer {layer}", (seq, layer), table, block_tokens, hot_tier)
+
+    def _check_table(self, where: str, owner: tuple[int, int], table: LayerTable, block_tokens: int,
+                     hot_tier: int) -> None:
+        if table.num_blocks != -(-table.num_tokens // block_tokens):
+            raise AssertionError(f"{where}: {table.num_blocks} blocks for {table.num_tokens} tokens")
+        live = [(i, b) for i, b in enumerate(table.block_ids) if b != DROPPED]
+        if any((*owner, i) not in self.holders.get(b, ()) for i, b in live):
+            raise AssertionError(f"{where}: a block does not count its table among its holders")
+        if any(b not in self.tier_of for _, b in live):
+            raise AssertionError(f"{where}: a table points at a block no tier holds")
+        tiers = [self.tier_of[b] for _, b in live]
+        counts = (sum(t == 1 for t in tiers), sum(t >= 2 for t in tiers), table.block_ids.count(DROPPED))
+        if counts != (table.num_warm, table.num_cold, table.num_dropped):  # tiers: 1 warm, 2+ cpu and colder
+            raise AssertionError(f"{where}: warm/cold/dropped counts {counts} are stale")
+        if table.block_ids and tiers and self.tier_of.get(table.block_ids[-1]) != hot_tier:
+            raise AssertionError(f"{where}: the tail block left the hot tier")
+        if table.num_blocks:
+            want = [-1] * table.num_blocks
+            for (i, _), t in zip(live, tiers):
+                want[i] = t
+            if table.tier_map[: table.num_blocks].tolist() != want:
+                raise AssertionError(f"{where}: the device tier map disagrees with the registry")

@@ -17,7 +17,6 @@ from eviction import POLICIES, Policy
 from kvstore.config import Config
 from kvstore.contexts import Contexts, PrefixMatch, check_token_ids
 from kvstore.decode import DecodePath
-from kvstore.placement import HOT
 from kvstore.saved import SavedContexts, values_store
 from kvstore.table import DROPPED, LayerTable, TableTensors
 from kvstore.tierset import HOT_TIER, TierSet
@@ -322,36 +321,7 @@ class KVStore:
     def check_integrity(self) -> None:
         """Raise AssertionError if any invariant is broken."""
         self.tiers.check_integrity()
-        for block_id, holders in self.tiers.blocks.holders.items():  # every holder's table points back
-            for seq, layer, i in holders:
-                tables = self.sequences.get(seq)
-                if tables is None or i >= tables[layer].num_blocks or tables[layer].block_ids[i] != block_id:
-                    raise AssertionError(f"block {block_id}: holder {(seq, layer, i)} does not point at it")
-        for seq, tables in self.sequences.items():
-            for layer, table in enumerate(tables):
-                self._check_table(seq, layer, table)
-
-    def _check_table(self, seq: int, layer: int, table: LayerTable) -> None:
-        where, registry = f"seq {seq} layer {layer}", self.tiers.blocks
-        if table.num_blocks != -(-table.num_tokens // self.config.block_tokens):
-            raise AssertionError(f"{where}: {table.num_blocks} blocks for {table.num_tokens} tokens")
-        live = [(i, b) for i, b in enumerate(table.block_ids) if b != DROPPED]
-        if any((seq, layer, i) not in registry.holders.get(b, ()) for i, b in live):
-            raise AssertionError(f"{where}: a block does not count its table among its holders")
-        if any(b not in registry.tier_of for _, b in live):
-            raise AssertionError(f"{where}: a table points at a block no tier holds")
-        tiers = [registry.tier_of[b] for _, b in live]
-        counts = (sum(t == 1 for t in tiers), sum(t >= 2 for t in tiers), table.block_ids.count(DROPPED))
-        if counts != (table.num_warm, table.num_cold, table.num_dropped):
-            raise AssertionError(f"{where}: warm/cold/dropped counts {counts} are stale")
-        if table.block_ids and tiers and registry.tier_of.get(table.block_ids[-1]) != HOT_TIER:
-            raise AssertionError(f"{where}: the tail block left the hot tier")
-        if table.num_blocks:
-            want = [-1] * table.num_blocks
-            for (i, _), t in zip(live, tiers):
-                want[i] = t
-            if table.tier_map[: table.num_blocks].tolist() != want:
-                raise AssertionError(f"{where}: the device tier map disagrees with the registry")
+        self.tiers.blocks.check_tables(self.sequences, self.config.block_tokens, HOT_TIER)
 
     def close(self) -> None:
         self.tiers.close()
