@@ -11,9 +11,11 @@ decode step reads the same bytes either way, so its speed is measured fairly).
 
 Paths timed, each `steps` greedy tokens, every one appended to the store (`appends: true`) and
 checked afterwards by reading layer 0's K/V of the generated tokens back from the store:
-  graph topk / graph dense     Decoder.decode_step on CUDA: engine_adapter/graph_decode.py, each
-                               token one CUDA graph replay (append, select, attend in every layer);
-                               dense reads every block (the int8 floor)
+  graph topk / graph dense     Decoder.continue_greedy on CUDA (the `kvtier generate` loop): each token
+                               one CUDA graph replay (engine_adapter/graph_decode.py: append, select,
+                               attend in every layer), queued before the last token's id reaches the
+                               host; dense reads every block (the int8 floor)
+  graph topk per token         Decoder.decode_step per token with its id synced to the host each time
   eager topk / eager dense     the same Decoder with graphs off: store.append + store.attend per layer
 """
 
@@ -114,22 +116,28 @@ def tokens_per_s(run, steps: int, device: torch.device) -> dict:
     return {"steps": steps, "ms_per_token": 1e3 * seconds / steps, "tokens_per_s": steps / seconds}
 
 
-def decode_path(decoder: Decoder, seq: int, mode: str, p: E2EPreset, steps: int) -> dict:
-    """Greedy tokens through Decoder.decode_step (graphs or eager, as the decoder is set), timed after one
-    warm-up token (which compiles kernels and captures graphs), then every generated token's K/V checked."""
+def decode_path(decoder: Decoder, seq: int, mode: str, p: E2EPreset, steps: int, per_token: bool = False) -> dict:
+    """`steps` greedy tokens, timed after one warm-up token (which compiles kernels and captures graphs), then
+    every generated token's K/V checked. The tokens come from Decoder.continue_greedy, what `kvtier
+    generate` runs (no eos: the captured path queues each token before the last one's id reaches the
+    host), or with per_token from one Decoder.decode_step per token and its id synced to the host each
+    time (what an engine stepping token by token gets)."""
     start = decoder.length(seq)
+    logits, setup = timed(lambda: decoder.decode_step(seq, 1, mode, p.budget), decoder.store.device)
     tokens = [1]
-    first, setup = timed(lambda: int(decoder.decode_step(seq, tokens[-1], mode, p.budget).argmax()),
-                         decoder.store.device)
-    tokens.append(first)
 
     def run() -> None:
-        for _ in range(steps):
-            tokens.append(int(decoder.decode_step(seq, tokens[-1], mode, p.budget).argmax()))
+        if per_token:
+            tokens.append(int(logits.argmax()))
+            for _ in range(steps):
+                tokens.append(int(decoder.decode_step(seq, tokens[-1], mode, p.budget).argmax()))
+        else:
+            tokens.extend(decoder.continue_greedy(seq, logits, steps + 1, mode, p.budget))
 
     out = tokens_per_s(run, steps, decoder.store.device)
     return {**out, "appends": True, "appended_verified": appended_kv_matches(decoder, seq, start, tokens[:-1]),
-            "first_token_s": setup, "graphs": bool(decoder.graphs and decoder.store.device.type == "cuda")}
+            "first_token_s": setup, "graphs": bool(decoder.graphs and decoder.store.device.type == "cuda"),
+            "loop": "decode_step per token, id synced" if per_token else "continue_greedy"}
 
 
 def appended_kv_matches(decoder: Decoder, seq: int, start: int, token_ids: list[int]) -> bool:
@@ -209,6 +217,8 @@ def timed_paths(decoder: Decoder, seq: int, p: E2EPreset, deadline: Deadline) ->
                 continue
             steps = p.steps if kind == "graph" else max(2, p.steps // 4)
             paths[f"{kind}_{mode}"] = decode_path(dec, seq, mode, p, steps)
+            if kind == "graph" and mode == "topk" and not deadline.expired():
+                paths["graph_topk_per_token"] = decode_path(dec, seq, mode, p, steps, per_token=True)
     if store.device.type != "cuda":
         notes.append("graph paths need CUDA: on CPU Decoder.decode_step is the eager path")
     return paths, notes

@@ -186,9 +186,47 @@ class Decoder:
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
         out = [int(logits.argmax())]
+        if eos_id is None:  # nothing to stop on: no token's id is needed on the host before the end
+            return out + self._run_ahead(seq, out[0], max_new_tokens - 1, mode, budget)
         while len(out) < max_new_tokens and out[-1] != eos_id:
             out.append(int(self.decode_step(seq, out[-1], mode, budget).argmax()))
         return out
+
+    @torch.no_grad()
+    def _run_ahead(self, seq: int, first: int, num_new: int, mode: str, budget: int) -> list[int]:
+        """num_new greedy tokens after `first`, each token's input the last one's argmax on the device: on the
+        captured path the host queues token t + 1 (its block-boundary work included) while the GPU runs
+        token t and syncs once at the end, where a per-token loop pays its host work and a sync every token.
+        A token that cannot run captured (cold blocks, capacity) goes through decode_step with its id synced.
+        Token ids reach the store (content keys) when the host learns them: before an eager token and at the
+        end (store.extend_tokens accepts ids that catch up with K/V already appended)."""
+        ids = torch.empty(num_new + 1, dtype=torch.long, device=self.device)  # [1 + num_new]: inputs, last output
+        ids[0] = first
+        track, recorded = self.store.tracks_tokens(seq), 0  # ids[:recorded] are in the store's token record
+
+        def record(upto: int) -> list[int]:
+            nonlocal recorded
+            new = ids[recorded:upto].tolist() if upto > recorded else []
+            if track and new:
+                self.store.extend_tokens(seq, new)
+            recorded = max(recorded, upto)
+            return new
+
+        for i in range(num_new):  # token i appends ids[i] and writes ids[i + 1]
+            graph, logits = self._graph_decoder(seq, mode, budget), None
+            if graph is not None and graph.ready():
+                try:
+                    logits = graph(ids[i: i + 1])
+                except StepNotReady:  # nothing of this token happened: the eager path below runs it
+                    pass
+            if logits is None:
+                record(i)
+                token = int(ids[i])
+                logits = self.decode_step(seq, token, mode, budget)  # records the token's id itself
+                recorded = i + 1
+            ids[i + 1] = logits.argmax()
+        record(num_new)
+        return ids[1:].tolist()
 
     def fork(self, seq: int) -> int:
         """A new sequence on seq's K/V (store.fork: full blocks shared, the partial tail copied), so several

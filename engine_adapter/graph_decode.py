@@ -45,8 +45,12 @@ class GraphDecoder:
             x, delta = layer.finish_deferred(x, attn[None])
         return self.model.logits(x, delta)[0]
 
-    def __call__(self, token_id: int) -> torch.Tensor:
-        """Append `token_id` at the sequence's next position; returns fp32 logits [vocab] (a buffer the next
-        call overwrites on CUDA: clone to keep)."""
-        self.token.fill_(token_id)
+    def __call__(self, token: int | torch.Tensor) -> torch.Tensor:
+        """Append `token` (an int, or an int64 [1] tensor on the device: no host sync, so the host can queue
+        the next token before this one ran) at the sequence's next position; returns fp32 logits [vocab] (a
+        buffer the next call overwrites on CUDA: clone or consume it first)."""
+        if isinstance(token, torch.Tensor):
+            self.token.copy_(token)
+        else:
+            self.token.fill_(token)
         return self.steps()

@@ -101,9 +101,9 @@ class Contexts:
                 raise ValueError(f"sequence {seq} holds {held} tokens of K/V whose ids were never given: "
                                  "token ids must cover a sequence from position 0")
             record = self.records[seq] = self.new_record()
-        elif len(record.token_ids) < held:
+        elif len(record.token_ids) + len(token_ids) < held:  # ids may catch up with K/V appended ahead of them
             raise ValueError(f"sequence {seq} holds {held} tokens of K/V but only {len(record.token_ids)} "
-                             "token ids: give each token's id before or when its K/V are appended")
+                             f"+ {len(token_ids)} token ids: every held token's id must be given")
         record.extend(token_ids)
         for layer in range(self.num_layers):
             self.key_blocks(seq, layer)

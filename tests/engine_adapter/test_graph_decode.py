@@ -48,3 +48,30 @@ def test_captured_decode_generates_what_eager_decode_does(mode):
     assert agree >= 0.97  # random weights: near-ties in the logits may flip an argmax, nothing more
     assert torch.equal(graph_k, eager_k)  # every generated token's K stored, the same bytes
     assert stats["tiers"]["warm"]["blocks"] > 0 and stats["attend"]["calls"] == SPEC.num_layers * NEW
+
+
+def test_greedy_run_ahead_equals_the_per_token_captured_loop():
+    """continue_greedy with no eos_id queues token t + 1 before token t's id reaches the host; it must
+    generate, store and record exactly what one synced decode_step per token does (both captured)."""
+    model = random_llama(SPEC, seed=0, dtype=torch.float16, device="cuda")
+    config = Config(model=SPEC, block_tokens=64, sink_tokens=64, hot_tokens=1024, warm_tokens=65536,
+                    recent_tokens=256, gpu_bytes=4 << 30, cpu_bytes=1 << 30, device="cuda")
+    ids = torch.randint(0, model.args.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
+    runs = []
+    for ahead in (True, False):
+        with KVStore(config) as store:
+            decoder = Decoder(model, store)
+            seq = store.create_sequence()
+            logits = decoder.prefill(seq, ids, chunk_tokens=1024)
+            if ahead:
+                out = decoder.continue_greedy(seq, logits, NEW, "topk", 1024)
+            else:
+                out = [int(logits.argmax())]
+                while len(out) < NEW:
+                    out.append(int(decoder.decode_step(seq, out[-1], "topk", 1024).argmax()))
+            store.check_integrity()
+            assert store.token_ids(seq) == ids + out[:-1]
+            runs.append((out, store.read(seq, SPEC.num_layers - 1, PROMPT, PROMPT + NEW - 1)))
+    (out_a, (k_a, v_a)), (out_b, (k_b, v_b)) = runs
+    assert out_a == out_b
+    assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
