@@ -40,6 +40,7 @@ from kvstore.append_kernel import append_token, append_token_ref
 from kvstore.decode import attended_lse, block_table
 from kvstore.table import DROPPED
 from kvstore.tierset import HOT_TIER, WARM_TIER
+from tiers.base import device_ints
 
 if TYPE_CHECKING:  # the store builds steps (KVStore.decode_step); annotations only
     from kvstore.store import KVStore
@@ -119,9 +120,9 @@ class DecodeStep:
             tiers, b, spec = self.store.tiers, self.block_tokens, self.store.spec
             tiers.check_room(len(self.tables))
             for table in self.tables:  # the tail the last tokens filled (in the graph): codes on its final grid
-                if table.block_ids:
-                    keys = tiers.gather([table.block_ids[-1]], self.store.device)[0, 0].transpose(0, 1)
-                    self.store.tensors.encode_block(table, table.num_blocks - 1, keys)
+                if table.block_ids:  # a step's tail is always hot: read the pool row (no gather, no sync)
+                    keys = tiers.hot.pool[tiers.hot.slots.slot_of[table.block_ids[-1]], 0]  # [H, B, D]
+                    self.store.tensors.encode_block(table, table.num_blocks - 1, keys.transpose(0, 1))
             empty = torch.zeros((1, 2, spec.num_kv_heads, b, spec.head_dim), dtype=torch.float16,
                                 device=self.store.device)
             for layer, table in enumerate(self.tables):
@@ -163,7 +164,7 @@ class DecodeStep:
     def _sync_tail_slots(self) -> None:
         hot = self.store.tiers.hot
         slots = [hot.slots.slot_of[t.block_ids[-1]] if t.block_ids else 0 for t in self.tables]
-        self.tail_slot.copy_(torch.tensor(slots, dtype=torch.int64))
+        self.tail_slot.copy_(device_ints(slots, self.tail_slot.device))  # queued: tokens may still be running
         self.num_tokens.fill_(self.length)
         self._synced_length = self.length
 

@@ -18,6 +18,7 @@ import torch
 
 from eviction.sketch import encode_blocks
 from eviction.summaries import summarize_keys
+from tiers.base import device_ints
 
 DROPPED = -1  # block id of a block H2O drop-mode evicted for good
 
@@ -111,6 +112,6 @@ class TableTensors:
 
     def set_location(self, table: LayerTable, indices: list[int], slots: list[int], tier: int) -> None:
         """Blocks `indices` of `table` now live in `tier` at `slots` (-1 for tiers without slots)."""
-        idx = torch.tensor(indices, dtype=torch.int64).to(self.device, non_blocking=True)
-        table.slot_map[idx] = torch.tensor(slots, dtype=torch.int32).to(self.device, non_blocking=True)
+        idx = device_ints(indices, self.device)
+        table.slot_map[idx] = device_ints(slots, self.device, torch.int32)
         table.tier_map[idx] = tier

@@ -25,7 +25,7 @@ from kvstore.placement import COLD, HOT, WARM, Placement
 from kvstore.registry import BlockRegistry
 from kvstore.table import DROPPED, LayerTable, TableTensors
 from kvstore.tier_stack import open_tiers
-from tiers.base import Tier
+from tiers.base import Tier, device_ints
 from tiers.errors import CapacityError
 from tiers.layout import BlockLayout, Blocks, Int8Blocks
 from tiers.quant import dequantize
@@ -225,7 +225,7 @@ class TierSet:
             blocks = self.tiers[tier].fetch(group, device)
             if isinstance(blocks, Int8Blocks):
                 blocks = dequantize(blocks)
-            out[torch.tensor([position[i] for i in group], device=device)] = blocks
+            out[device_ints([position[i] for i in group], device)] = blocks
         return out
 
     def delete(self, ids: Sequence[int]) -> None:

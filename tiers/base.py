@@ -12,6 +12,18 @@ from tiers.errors import BlockMissingError, CapacityError, IntegrityError  # noq
 from tiers.layout import Blocks, Int8Blocks
 
 
+def device_ints(values: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Host ints as a tensor on `device`, queued without waiting for the device. torch.tensor(...,
+    device="cuda") copies from pageable memory and then synchronizes the stream, draining every queued
+    kernel; greedy decode queues tokens ahead of the host (Decoder.continue_greedy), so the index tensors
+    of block-boundary work are staged in pinned memory instead (the caching host allocator keeps the
+    buffer until the copy ran)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class Tier(Protocol):
     """What every tier offers. Block ids are global ints chosen by the store."""
 
@@ -136,7 +148,7 @@ class PooledTier:
 
     def slot_tensor(self, ids: Sequence[int]) -> torch.Tensor:
         """Slots of `ids` as an int64 tensor on the tier's device (what kernels index with)."""
-        return torch.tensor(self.slots.lookup(ids), dtype=torch.int64, device=self.device)
+        return device_ints(self.slots.lookup(ids), self.device)
 
     def delete(self, ids: Sequence[int]) -> None:
         self.slots.release(ids)

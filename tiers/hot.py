@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from tiers.base import PooledTier, SlotPool, check_ids
+from tiers.base import PooledTier, SlotPool, check_ids, device_ints
 from tiers.layout import BlockLayout, Blocks, Int8Blocks
 from tiers.quant import dequantize
 
@@ -31,7 +31,7 @@ class HotTier(PooledTier):
         if isinstance(blocks, Int8Blocks):
             blocks = dequantize(blocks.to(self.device))
         slots = self.slots.allocate(ids)
-        self.pool[torch.tensor(slots, device=self.device)] = blocks.to(self.device, non_blocking=True)
+        self.pool[device_ints(slots, self.device)] = blocks.to(self.device, non_blocking=True)
 
     def write_tokens(self, block_id: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v [t, H, D] at token offset `start` of a stored block (appends to a tail block).

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from tiers.base import PooledTier, SlotPool, check_ids
+from tiers.base import PooledTier, SlotPool, check_ids, device_ints
 from tiers.layout import BlockLayout, Blocks, Int8Blocks
 from tiers.quant import quantize
 
@@ -26,7 +26,7 @@ class WarmTier(PooledTier):
         check_ids(ids, len(blocks), self.name)
         if not isinstance(blocks, Int8Blocks):
             blocks = quantize(blocks.to(self.device))
-        slots = torch.tensor(self.slots.allocate(ids), device=self.device)
+        slots = device_ints(self.slots.allocate(ids), self.device)
         for dst, src in zip(self.pool.tensors(), blocks.tensors()):
             dst[slots] = src.to(self.device, non_blocking=True)
 
