@@ -4,7 +4,9 @@
 
 The e2e benchmark's model and store (llama3-8b geometry, random weights, random K/V fill, every
 token appended): a few tokens to compile and capture, `steps` timed tokens through
-Decoder.decode_step, then the same number under torch.profiler. Kernels are grouped by name and
+Decoder.decode_step (one synced token at a time), two blocks' worth through Decoder.continue_greedy
+(queued ahead of the host; the lines where it still synchronizes are listed), then `steps` tokens
+under torch.profiler. Kernels are grouped by name and
 reported per token: launches, microseconds, share of the token's GPU time. Launch-bound steps show
 up as many short kernels whose count, not their bytes, sets the time.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import warnings
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -38,6 +41,21 @@ def kernel_table(prof, steps: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["us_per_token"])
 
 
+def host_syncs(run) -> dict[str, int]:
+    """Where `run` synchronizes the host with the GPU (torch's sync debug mode): 'file:line' -> count."""
+    found: collections.Counter = collections.Counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        found[f"{w.filename}:{w.lineno}"] += 1
+    return dict(found)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
@@ -60,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
 
     run(4)  # compile, capture
     _, seconds = timed(lambda: run(args.steps), device)
+    logits = decoder.decode_step(seq, token[0], args.mode, p.budget)
+    ahead = 2 * p.block_tokens  # crosses block boundaries: their host work overlaps the queued tokens
+    _, ahead_s = timed(lambda: decoder.continue_greedy(seq, logits, ahead + 1, args.mode, p.budget), device)
+    syncs = host_syncs(lambda: decoder.continue_greedy(seq, logits, ahead + 1, args.mode, p.budget))
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         run(args.steps)
         torch.cuda.synchronize()
@@ -67,12 +89,16 @@ def main(argv: list[str] | None = None) -> int:
     result = {"environment": environment(device), "context": p.context, "mode": args.mode, "budget": p.budget,
               "block_tokens": p.block_tokens, "layers": model.args.num_layers, "steps": args.steps,
               "ms_per_token_unprofiled": 1e3 * seconds / args.steps,
+              "ms_per_token_run_ahead": 1e3 * ahead_s / ahead, "run_ahead_tokens": ahead,
+              "host_syncs_in_run_ahead": syncs,
               "gpu_us_per_token": sum(r["us_per_token"] for r in rows),
               "launches_per_token": sum(r["launches_per_token"] for r in rows), "kernels": rows}
     store.close()
     write_json(args.out, f"step_profile_{args.mode}_{p.context}.json", result)
     print(f"{args.mode} at {p.context}: {result['ms_per_token_unprofiled']:.2f} ms/token wall, "
           f"{result['gpu_us_per_token'] / 1e3:.2f} ms GPU, {result['launches_per_token']:.0f} launches/token")
+    print(f"continue_greedy (run ahead, {ahead} tokens over block boundaries): "
+          f"{result['ms_per_token_run_ahead']:.2f} ms/token; host syncs: {syncs or 'none but the last'}")
     for r in rows[:25]:
         print(f"{r['us_per_token']:9.1f} us {r['launches_per_token']:6.1f}x {100 * r['share']:5.1f}%  {r['kernel']}")
     return 0
