@@ -15,7 +15,7 @@ Connections are kept alive and reused, and a Client is safe to share between thr
 httpx for every call but get/get_many, whose bodies tiers.remote.reader reads straight
 into the result tensor (see there why). Every value carries an xxh3-64 checksum both ways:
 the service rejects a put whose bytes changed on the way, the client rejects a get whose
-bytes did. Errors raise a ServiceError subclass carrying the server's status, code and message.
+bytes did. Errors raise a ServiceError subclass (tiers/remote/errors.py).
 """
 
 from __future__ import annotations
@@ -31,12 +31,15 @@ import torch
 import xxhash
 
 from tiers.keys import ChunkKeys
+from tiers.remote.errors import (  # noqa: F401  (callers import the errors from here too)
+    AuthError, BadRequestError, CorruptValueError, NotFoundError, ServiceError, StorageFullError, UnreachableError,
+    error_of,
+)
 from tiers.remote.reader import BinaryReader
 from tiers.remote.wire import (
     DTYPES, H_CHECKSUM, H_DTYPE, H_LAYOUT, H_SHAPE, Descriptor, check_chunk_hash, check_key, check_namespace,
     format_checksum, pack_batch, parse_checksum, unpack_batch,
 )
-from tiers.base import IntegrityError
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -46,41 +49,6 @@ _NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 assert set(TORCH_DTYPES) == set(DTYPES)
 
 
-class ServiceError(RuntimeError):
-    """The sidecar refused a request (status 0: it could not be reached)."""
-
-    def __init__(self, status: int, code: str, detail: str) -> None:
-        super().__init__(status, code, detail)
-        self.status, self.code, self.detail = status, code, detail
-
-    def __str__(self) -> str:
-        return f"kvtier service {self.status} {self.code}: {self.detail}"
-
-
-class BadRequestError(ServiceError, ValueError):
-    """400 or 413: the request was malformed or too large; nothing was stored."""
-
-
-class AuthError(ServiceError, PermissionError):
-    """401: missing or wrong token."""
-
-
-class NotFoundError(ServiceError, KeyError):
-    """404: the named keys are not stored."""
-
-
-class StorageFullError(ServiceError, MemoryError):
-    """507: the service's ssd budget is full; nothing was stored."""
-
-
-class CorruptValueError(ServiceError, IntegrityError):
-    """A stored value, or the bytes that came back, failed a checksum."""
-
-
-class UnreachableError(ServiceError, ConnectionError):
-    """The service could not be reached."""
-
-
 @dataclass(frozen=True, slots=True)
 class HeldPrefix:
     """The leading chunks of a prompt that the sidecar holds."""
@@ -88,9 +56,6 @@ class HeldPrefix:
     num_tokens: int  # num_chunks x block_tokens
     num_chunks: int
     chunk_hashes: tuple[str, ...]  # the held chunks' hashes, in order: what retrieve_chunks takes
-
-
-_ERRORS = {400: BadRequestError, 401: AuthError, 404: NotFoundError, 413: BadRequestError, 507: StorageFullError}
 
 
 class Client:
@@ -239,7 +204,7 @@ class Client:
         except httpx.TransportError as exc:
             raise UnreachableError(0, "unreachable", f"{method} {self.base_url}{path}: {exc!r}") from exc
         if response.status_code >= 300:
-            raise _error(response.status_code, response.content)
+            raise error_of(response.status_code, response.content)
         return response
 
     def _download(self, method: str, path: str, body: bytes | None = None,
@@ -251,7 +216,7 @@ class Client:
         except (OSError, http.client.HTTPException) as exc:
             raise UnreachableError(0, "unreachable", f"{method} {self.base_url}{path}: {exc!r}") from exc
         if status >= 300:
-            raise _error(status, content)
+            raise error_of(status, content)
         return content, headers
 
 
@@ -271,17 +236,6 @@ def _tensor(buf: torch.Tensor, desc: Descriptor, checksum: int | None, what: str
     if checksum is not None and xxhash.xxh3_64_intdigest(memoryview(buf.numpy())) != checksum:
         raise CorruptValueError(200, "bad_response", f"{what}: bytes changed on the way (checksum mismatch)")
     return buf.view(TORCH_DTYPES[desc.dtype]).reshape(desc.shape)
-
-
-def _error(status: int, body: bytes) -> ServiceError:
-    try:
-        content = json.loads(body)
-        code, detail = str(content["error"]), str(content["detail"])
-    except (ValueError, KeyError, TypeError):
-        code, detail = "error", body[:500].decode(errors="replace")
-    if code == "integrity_error":
-        return CorruptValueError(status, code, detail)
-    return _ERRORS.get(status, ServiceError)(status, code, detail)
 
 
 def _hexes(chunk_hashes: Sequence[str | bytes]) -> list[str]:
