@@ -40,7 +40,7 @@ from tiers.base import BlockMissingError, BudgetedTier, IntegrityError, check_id
 from tiers.codec import HEADER_BYTES, Codec
 from tiers.layout import BlockLayout, Blocks, num_blocks
 from tiers.redis_batch import InPlaceBatch
-from tiers.redis_wire import FAILURES, SlotsMoved, about_key_or_memory, connect, get_replies
+from tiers.redis_wire import SlotsMoved, about_key_or_memory, connect, get_replies, pipelined, pipelined_gets
 
 _ENVELOPE = struct.Struct("<4sQH")
 _MAGIC = b"KVRB"
@@ -161,7 +161,7 @@ class RedisTier(BudgetedTier):
             with closing(get_replies(self.client, keys, self.get_window_blocks)) as replies:  # failed: conns back
                 return self._receive(ids, keys, replies)
         except SlotsMoved:  # the cluster resharded: redis-py's pipeline follows the redirects
-            return self._receive(ids, keys, self._pipelined_gets(keys))
+            return self._receive(ids, keys, pipelined_gets(self.client, self.url, keys, self.chunk_blocks))
 
     def _receive(self, ids: Sequence[int], keys: list[bytes], replies: Iterator) -> Blocks:
         """Fills a batch from (row, length / None / error answer, reader) replies."""
@@ -190,13 +190,6 @@ class RedisTier(BudgetedTier):
             error.ids = gone
             raise error
         return batch.result()
-
-    def _pipelined_gets(self, keys: list[bytes]) -> Iterator:
-        """get_replies's answers through redis-py's pipelines, `chunk_blocks` values at a time."""
-        for start in range(0, len(keys), self.chunk_blocks):
-            values = self._run(keys[start: start + self.chunk_blocks], lambda pipe, k, _: pipe.get(k))
-            for row, value in enumerate(values, start):
-                yield row, value if value is None or isinstance(value, Exception) else len(value), _Held(value)
 
     def attach(self, ids: Sequence[int]) -> None:
         """Adopt blocks another process stored under this namespace; all or none."""
@@ -269,33 +262,5 @@ class RedisTier(BudgetedTier):
             raise IntegrityError(f"{what}: the value names another block or key")
 
     def _run(self, keys: list[bytes], command: Callable, values: Sequence | None = None) -> list:
-        """command(pipe, key, value) per key, `chunk_blocks` keys per pipeline. WRONGTYPE and OOM
-        answers come back in the results (they are about a key or memory); a dead connection or
-        any other error answer (CLUSTERDOWN, LOADING, ...) raises ConnectionError: Redis is not serving."""
-        values = values if values is not None else [None] * len(keys)
-        results: list = []
-        for start in range(0, len(keys), self.chunk_blocks):
-            pipe = self.client.pipeline(transaction=False)
-            for key, value in zip(keys[start: start + self.chunk_blocks], values[start: start + self.chunk_blocks]):
-                command(pipe, key, value)
-            try:
-                answers = pipe.execute(raise_on_error=False)
-            except FAILURES as exc:
-                raise ConnectionError(f"redis tier: {self.url} failed mid-batch "
-                                      f"({type(exc).__name__}: {exc})") from None
-            refused = [a for a in answers if isinstance(a, Exception) and not about_key_or_memory(a)]
-            if refused:
-                raise ConnectionError(f"redis tier: {self.url} is not serving ({type(refused[0]).__name__}: "
-                                      f"{refused[0]})")
-            results.extend(answers)
-        return results
-
-
-class _Held:
-    """A value redis-py already read, handed over like a ReplyReader hands over a bulk reply."""
-
-    def __init__(self, value: bytes) -> None:
-        self.value = value
-
-    def read_into(self, dest: memoryview) -> None:
-        dest[:] = self.value
+        """command(pipe, key, value) per key, `chunk_blocks` keys per pipeline (redis_wire.pipelined)."""
+        return pipelined(self.client, self.url, keys, command, values, self.chunk_blocks)

@@ -1,5 +1,6 @@
-"""The redis tier's connections: opening a server or cluster, sending values as they are, and
-reading GET replies straight into a caller's memory.
+"""The redis tier's connections: opening a server or cluster, sending values as they are, pipelines
+of single-key commands (which answers mean Redis is not serving), and reading GET replies straight
+into a caller's memory.
 
 redis-py's reply path copies a large value twice (hiredis's read buffer, then a new bytes
 object) before the tier copies it into the batch; `get_replies` sends pipelined GETs on the
@@ -11,7 +12,7 @@ hands over each bulk reply's length, so the caller receives the value where it b
 from __future__ import annotations
 
 import socket
-from typing import Iterator
+from typing import Callable, Iterator, Sequence
 
 import redis
 from redis.backoff import NoBackoff
@@ -146,6 +147,47 @@ def get_replies(client: redis.Redis | RedisCluster, keys: list[bytes], window: i
     finally:
         for s in streams.values():
             s.close()
+
+
+def pipelined(client: redis.Redis | RedisCluster, url: str, keys: list[bytes], command: Callable,
+              values: Sequence | None, chunk: int) -> list:
+    """command(pipe, key, value) per key, `chunk` keys per redis-py pipeline; the answers in order. WRONGTYPE
+    and OOM answers come back in them (they are about a key or memory); a dead connection or any other error
+    answer (CLUSTERDOWN, LOADING, ...) raises ConnectionError: Redis is not serving."""
+    values = values if values is not None else [None] * len(keys)
+    results: list = []
+    for start in range(0, len(keys), chunk):
+        pipe = client.pipeline(transaction=False)
+        for key, value in zip(keys[start: start + chunk], values[start: start + chunk]):
+            command(pipe, key, value)
+        try:
+            answers = pipe.execute(raise_on_error=False)
+        except FAILURES as exc:
+            raise ConnectionError(f"redis tier: {url} failed mid-batch ({type(exc).__name__}: {exc})") from None
+        refused = [a for a in answers if isinstance(a, Exception) and not about_key_or_memory(a)]
+        if refused:
+            raise ConnectionError(f"redis tier: {url} is not serving ({type(refused[0]).__name__}: {refused[0]})")
+        results.extend(answers)
+    return results
+
+
+def pipelined_gets(client: redis.Redis | RedisCluster, url: str, keys: list[bytes], chunk: int) -> Iterator:
+    """get_replies's answers through redis-py's pipelines (which follow a cluster's MOVED and ASK),
+    `chunk` values at a time."""
+    for start in range(0, len(keys), chunk):
+        values = pipelined(client, url, keys[start: start + chunk], lambda pipe, k, _: pipe.get(k), None, chunk)
+        for row, value in enumerate(values, start):
+            yield row, value if value is None or isinstance(value, Exception) else len(value), _Held(value)
+
+
+class _Held:
+    """A value redis-py already read, handed over like a ReplyReader hands over a bulk reply."""
+
+    def __init__(self, value: bytes) -> None:
+        self.value = value
+
+    def read_into(self, dest: memoryview) -> None:
+        dest[:] = self.value
 
 
 def _pool_of(client: redis.Redis | RedisCluster, key: bytes) -> tuple[redis.ConnectionPool, str]:
