@@ -20,7 +20,7 @@ from typing import Sequence
 from kvstore.config import Config, ModelSpec
 from kvstore.table import DROPPED, LayerTable, TableTensors
 from kvstore.saved import SavedContext, SavedLayer
-from kvstore.tierset import HOT_TIER, WARM_TIER, TierSet
+from kvstore.tierset import HOT_TIER, TierSet
 from tiers import keys
 from tiers.keys import block_key, chain_hashes  # noqa: F401  (also re-exported)
 
@@ -147,7 +147,7 @@ class Contexts:
         registry, b = self.tiers.blocks, self.block_tokens
         chain = chain_hashes(self.root, match.token_ids, b)
         if len(match.block_ids) != self.num_layers or match.num_tokens != len(chain) * b or any(
-                len(ids) != len(chain) or any(registry.key_of.get(i) != block_key(layer, h) for i, h in zip(ids, chain))
+                len(ids) != len(chain) or any(registry.key(i) != block_key(layer, h) for i, h in zip(ids, chain))
                 for layer, ids in enumerate(match.block_ids)):
             raise ValueError("prefix match is stale or not from this store: its blocks were freed; match again")
         self.tables[new] = [self._table_on(list(ids)) for ids in match.block_ids]
@@ -214,7 +214,7 @@ class Contexts:
         self.tensors.reserve(table, len(ids))
         by_source: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
         for i, block_id in enumerate(ids):
-            seq, layer, index = next(iter(self.tiers.blocks.holders[block_id]))
+            seq, layer, index = self.tiers.blocks.any_holder(block_id)
             dst, src = by_source.setdefault((seq, layer), ([], []))
             dst.append(i)
             src.append(index)
@@ -243,9 +243,7 @@ class Contexts:
         n = table.num_blocks
         partial = table.num_tokens % self.block_tokens != 0
         shared = [i for i in range(n - 1 if partial else n) if table.block_ids[i] != DROPPED]
-        for i in shared:
-            self.tiers.blocks.hold(table.block_ids[i], (seq, layer, i))
-        self._point(table, shared)
+        self.tiers.holders.share(seq, layer, table, shared)
         try:
             if partial:
                 tail = self.tiers.gather([table.block_ids[n - 1]], self.tiers.device)  # [1, 2, H, B, D] fp16
@@ -258,22 +256,10 @@ class Contexts:
             else:
                 self.tiers.pin_tail(table)
         except BaseException:
-            for i in shared:
-                self.tiers.blocks.let_go(table.block_ids[i], (seq, layer, i))
+            self.tiers.holders.unshare(seq, layer, table, shared)
             table.block_ids.clear()
             table.num_tokens = table.num_warm = table.num_cold = table.num_dropped = 0
             raise
-
-    def _point(self, table: LayerTable, indices: list[int]) -> None:
-        """Set the table's maps and warm/cold counts for entries `indices` (every live one but a copied tail)."""
-        groups: dict[int, list[int]] = {}
-        for i in indices:
-            groups.setdefault(self.tiers.blocks.tier_of[table.block_ids[i]], []).append(i)
-        table.num_warm = len(groups.get(WARM_TIER, ()))
-        table.num_cold = sum(len(g) for t, g in groups.items() if t > WARM_TIER)
-        for tier, group in groups.items():
-            self.tiers.set_maps(table, group, tier)
-
 
     def free(self, seq: int) -> None:
         """Let go of every block of `seq`; blocks no other sequence holds return to their tiers."""

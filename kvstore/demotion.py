@@ -9,20 +9,17 @@ sinks and the recent window are protected, cooled only when nothing else is left
 
 from __future__ import annotations
 
-from typing import Iterator
-
 from eviction.h2o import H2O
+from kvstore.holders import Holders
 from kvstore.placement import Placement
 from kvstore.registry import BlockRegistry
-from kvstore.table import LayerTable
 
 DEMOTION_POOL = 4  # look at this many times more old blocks than needed, keep the least attended
 
 
 class Demotion:
-    def __init__(self, tables: dict[int, list[LayerTable]], blocks: BlockRegistry, placement: Placement,
-                 in_flight: set[int]) -> None:
-        self.tables, self.blocks, self.placement, self.in_flight = tables, blocks, placement, in_flight
+    def __init__(self, holders: Holders, blocks: BlockRegistry, placement: Placement, in_flight: set[int]) -> None:
+        self.holders, self.blocks, self.placement, self.in_flight = holders, blocks, placement, in_flight
         self.ranking = H2O()
 
     def victims(self, tier: int, n: int) -> list[int]:
@@ -35,17 +32,13 @@ class Demotion:
 
     def worth(self, block_id: int) -> float:
         return max(float(self.ranking.block_worth(table.h2o_scores[:, index: index + 1])[0])
-                   for table, index in self._holding_tables(block_id))
+                   for table, index in self.holders.tables_of(block_id))
 
     def is_pinned(self, block_id: int) -> bool:
         """Tail blocks are written in place, so they never leave the hot tier; moving blocks stay put."""
         return block_id in self.in_flight or any(index == table.num_blocks - 1
-                                                 for table, index in self._holding_tables(block_id))
+                                                 for table, index in self.holders.tables_of(block_id))
 
     def is_protected(self, block_id: int) -> bool:
         return any(self.placement.is_protected(index, t.num_blocks, t.num_tokens)
-                   for t, index in self._holding_tables(block_id))
-
-    def _holding_tables(self, block_id: int) -> Iterator[tuple[LayerTable, int]]:
-        for seq, layer, index in self.blocks.holders[block_id]:
-            yield self.tables[seq][layer], index
+                   for t, index in self.holders.tables_of(block_id))

@@ -48,6 +48,10 @@ class BlockRegistry:
     def refcount(self, block_id: int) -> int:
         return len(self.holders.get(block_id, ()))
 
+    def any_holder(self, block_id: int) -> Holder:
+        """One table entry holding the block (each holds the same content)."""
+        return next(iter(self.holders[block_id]))
+
     def record(self, ids: Sequence[int], tier: int) -> None:
         """`ids` now live in `tier` (leaving the tier they were in, if any)."""
         for block_id in ids:
@@ -87,6 +91,9 @@ class BlockRegistry:
         same = self.by_key.get(key)
         return next(iter(same)) if same else None
 
+    def key(self, block_id: int) -> bytes | None:
+        return self.key_of.get(block_id)
+
     # -- queries ---------------------------------------------------------------------------
     def by_tier(self, ids: Sequence[int]) -> dict[int, list[int]]:
         groups: dict[int, list[int]] = {}
@@ -96,6 +103,11 @@ class BlockRegistry:
 
     def oldest(self, tier: int) -> Iterator[int]:
         return iter(self.order[tier])
+
+    def sharing(self) -> dict[str, int]:
+        """Blocks stored, table entries pointing at them, and blocks more than one entry holds."""
+        return {"stored": len(self.holders), "references": sum(map(len, self.holders.values())),
+                "shared": sum(len(h) > 1 for h in self.holders.values())}
 
     def check(self, tiers: Sequence) -> None:
         for index, tier in enumerate(tiers):

@@ -41,9 +41,8 @@ import torch
 import xxhash
 
 from kvstore.table import DROPPED, LayerTable
-from kvstore.tierset import COLD_TIER, SAVED_TIER, TierSet
+from kvstore.tierset import TierSet
 from tiers.base import Tier
-from tiers.codec import Codec
 from tiers.errors import BlockMissingError, CapacityError, IntegrityError
 from tiers.keys import block_key, chain_hashes
 from tiers.saved import LmdbValues, RedisValues
@@ -150,7 +149,7 @@ class SavedContexts:
         if keyed_rows:
             held = {i for i, there in zip(keyed_rows, self.values.exists([keys[i] for i in keyed_rows])) if there}
         todo = [i for i in batch if i not in held]
-        values = self.encoded([table.block_ids[i] for i in todo]) if todo else []
+        values = self.tiers.stored_values([table.block_ids[i] for i in todo]) if todo else []
         self.values.put_new([(keys[i], v) for i, v in zip(todo, values) if i < keyed])
         self.values.put([(keys[i], v) for i, v in zip(todo, values) if i >= keyed])
 
@@ -173,24 +172,6 @@ class SavedContexts:
         """Each block's value key: content keys for the first `keyed`, keys of this save for the rest."""
         return [_BLOCK + block_key(layer, chain[i]) if i < keyed else
                 data + b"b/" + layer.to_bytes(2, "big") + i.to_bytes(8, "big") for i in range(n)]
-
-    def encoded(self, ids: Sequence[int]) -> list[bytes]:
-        """Each block as one stored value (tiers/codec.py), in its tier's format (fp16 or int8): values the
-        cold ssd tier or the saved tier hold are copied as they are, the others encoded."""
-        tiers, values = self.tiers, {}
-        for tier, group in tiers.blocks.by_tier(ids).items():
-            if tier == SAVED_TIER:
-                got = tiers.saved.get_values([tiers.saved.key_of[i] for i in group])
-            elif tier == COLD_TIER and isinstance(tiers.cold, SsdTier):
-                got = tiers.cold.get_values([tiers.cold.key(i) for i in group])
-            else:
-                blocks = tiers[tier].get(group).to("cpu")
-                codec = Codec(*getattr(tiers.cold, "codec_args", ("zstd", 1)))
-                got = [codec.encode(tiers.layout, blocks, row) for row in range(len(group))]
-            if any(v is None for v in got):
-                raise BlockMissingError(f"{tiers[tier].name}: a block to save is gone")
-            values.update(zip(group, got))
-        return [values[i] for i in ids]
 
     # -- open ------------------------------------------------------------------------------
     def load(self, name: str) -> SavedContext:

@@ -306,17 +306,10 @@ class KVStore:
     # -- introspection -----------------------------------------------------------------------
     def stats(self) -> dict:
         tokens = sum(tables[0].num_tokens for tables in self.sequences.values())
-        holders = self.tiers.blocks.holders
-        return {
-            "tiers": self.tiers.stats(),
-            "blocks": {"stored": len(holders), "references": sum(map(len, holders.values())),
-                       "shared": sum(len(h) > 1 for h in holders.values())},
-            "sequences": {"count": len(self.sequences), "tokens": tokens},
-            "integrity_errors": self.tiers.integrity_errors,
-            "missing_blocks": self.tiers.missing_blocks,
-            "cooling_failures": self.tiers.cooling_failures,
-            "attend": self.decode.stats.as_dict(),
-        }
+        tiers = self.tiers.stats()  # its tiers, then integrity_errors, missing_blocks, cooling_failures
+        return {"tiers": tiers.pop("tiers"), "blocks": self.tiers.blocks.sharing(),
+                "sequences": {"count": len(self.sequences), "tokens": tokens}, **tiers,
+                "attend": self.decode.stats.as_dict()}
 
     def check_integrity(self) -> None:
         """Raise AssertionError if any invariant is broken."""

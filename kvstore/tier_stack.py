@@ -1,11 +1,15 @@
-"""The tier stack a Config describes: which tiers a store has and how big each one is.
+"""The tier stack a Config describes: which tiers a store has, how big each one is, and their lifetime.
 
-    hot   GPU fp16 pool + staging rows     warm  GPU int8 pool (the GPU budget split between them)
-    cpu   host memory, pinned on CUDA      cold  the sidecar, Redis, or LMDB at ssd_path
-    saved read-only: blocks of opened saved contexts, read where the save put them
+    0 hot   GPU fp16 pool + staging rows     1 warm  GPU int8 pool (the GPU budget split between them)
+    2 cpu   host memory, pinned on CUDA      3 cold  the sidecar, Redis, or LMDB at ssd_path
+    4 saved read-only: blocks of opened saved contexts, read where the save put them
 """
 
 from __future__ import annotations
+
+import shutil
+import tempfile
+from typing import Iterator
 
 import torch
 
@@ -19,9 +23,55 @@ from tiers.saved import SavedTier
 from tiers.ssd import SsdTier
 from tiers.warm import WarmTier
 
+HOT_TIER, WARM_TIER, CPU_TIER, COLD_TIER, SAVED_TIER = 0, 1, 2, 3, 4
+
+
+class TierStack:
+    """The tiers in index order, what they report together, and the temporary directory an ssd tier
+    without an ssd_path lives in (removed on close)."""
+
+    def __init__(self, c: Config, layout: BlockLayout, placement: Placement) -> None:
+        self._tempdir = None if c.ssd_path or c.remote_url or c.redis_url else tempfile.mkdtemp(prefix="kvtier-ssd-")
+        self.tiers: list[Tier] = open_tiers(c, layout, placement, self._tempdir)
+
+    def __iter__(self) -> Iterator[Tier]:
+        return iter(self.tiers)
+
+    def __getitem__(self, index: int) -> Tier:
+        return self.tiers[index]
+
+    def __len__(self) -> int:
+        return len(self.tiers)
+
+    def free_blocks(self) -> int:
+        return sum(t.free_blocks() for t in self.tiers)
+
+    def stats(self) -> dict:
+        return {t.name: {"blocks": t.num_blocks, "bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes}
+                for t in self.tiers}
+
+    @property
+    def integrity_errors(self) -> int:
+        return sum(getattr(t, "integrity_errors", 0) for t in self.tiers)
+
+    @property
+    def missing_blocks(self) -> int:
+        """Blocks a shared tier no longer held when asked (a Redis eviction): BlockMissingError each time."""
+        return sum(getattr(t, "missing_blocks", 0) for t in self.tiers)
+
+    def check_integrity(self) -> None:
+        for tier in self.tiers:
+            tier.check_integrity()
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
+        if self._tempdir:
+            shutil.rmtree(self._tempdir, ignore_errors=True)
+
 
 def open_tiers(c: Config, layout: BlockLayout, placement: Placement, tempdir: str | None) -> list[Tier]:
-    """[hot, warm, cpu, cold, saved], in the order of the tier indices (kvstore/tierset.py)."""
+    """[hot, warm, cpu, cold, saved], in the order of the tier indices."""
     device = torch.device(c.device)
     hot_bytes, warm_bytes = split_gpu_bytes(c, layout, placement)
     cold = open_cold_tier(c, layout, tempdir)

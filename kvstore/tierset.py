@@ -1,19 +1,18 @@
 """The tier set: the store's tiers and where every block lives (nano-vllm's BlockManager, for tiers).
 
 It is asked to place, cool, promote, gather, drop and free blocks, and edits the block
-tables it is handed (device slot and tier maps, warm/cold counts); it never imports the
-store. Tiers by index: 0 hot (GPU fp16), 1 warm (GPU int8), 2 cpu, 3 cold (ssd, the sidecar
-or redis), 4 saved (read-only: blocks of opened saved contexts, read where the save put them;
-never placed into). Placement levels (HOT, WARM, COLD) map onto the first three; a COLD block
-starts in cpu and spills colder. A block may be held by several tables (forks, prefixes): its
-moves update every holder's maps and counts, and it is deleted when the last holder lets go. Every move is put-then-delete and every placement all-or-nothing:
-a failed put leaves each block where it was, so no failure loses a block.
+tables it is handed (device slot and tier maps, warm/cold counts, through holders.py); it never
+imports the store. Tiers by index (tier_stack.py): 0 hot (GPU fp16), 1 warm (GPU int8), 2 cpu,
+3 cold (ssd, the sidecar or redis), 4 saved (read-only: blocks of opened saved contexts, read where
+the save put them; never placed into). Placement levels (HOT, WARM, COLD) map onto the first three;
+a COLD block starts in cpu and spills colder. A block may be held by several tables (forks,
+prefixes): its moves update every holder's maps and counts, and it is deleted when the last holder
+lets go. Every move is put-then-delete and every placement all-or-nothing: a failed put leaves each
+block where it was, so no failure loses a block.
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from contextlib import contextmanager, suppress
 from typing import Iterator, Sequence
 
@@ -21,16 +20,19 @@ import torch
 
 from kvstore.config import Config
 from kvstore.demotion import Demotion
+from kvstore.holders import Holders
 from kvstore.placement import COLD, HOT, WARM, Placement
 from kvstore.registry import BlockRegistry
 from kvstore.table import DROPPED, LayerTable, TableTensors
-from kvstore.tier_stack import open_tiers
+from kvstore.tier_stack import COLD_TIER, CPU_TIER, HOT_TIER, SAVED_TIER, WARM_TIER, TierStack
 from tiers.base import Tier, device_ints
-from tiers.errors import CapacityError
+from tiers.codec import Codec
+from tiers.errors import BlockMissingError, CapacityError
 from tiers.layout import BlockLayout, Blocks, Int8Blocks
 from tiers.quant import dequantize
+from tiers.ssd import SsdTier
 
-HOT_TIER, WARM_TIER, CPU_TIER, COLD_TIER, SAVED_TIER = 0, 1, 2, 3, 4
+__all__ = ["COLD_TIER", "CPU_TIER", "HOT_TIER", "SAVED_TIER", "WARM_TIER", "TierSet"]  # indices: tier_stack.py
 _FIRST_TIER = {HOT: HOT_TIER, WARM: WARM_TIER, COLD: CPU_TIER}
 
 
@@ -40,27 +42,25 @@ class TierSet:
         c = config
         self.layout, self.device = layout, torch.device(c.device)
         self.placement = Placement(c.block_tokens, c.sink_tokens, c.hot_tokens, c.warm_tokens)
-        self._tempdir = None if c.ssd_path or c.remote_url or c.redis_url \
-            else tempfile.mkdtemp(prefix="kvtier-ssd-")
-        self.tiers: list[Tier] = open_tiers(c, layout, self.placement, self._tempdir)
+        self.tiers = TierStack(c, layout, self.placement)
         self.hot, self.warm, self.cpu, self.cold, self.saved = self.tiers
         self.blocks = BlockRegistry(len(self.tiers))
-        self.tables, self.tensors = tables, tensors
+        self.holders = Holders(tables, self.blocks, tensors, self.tiers)  # the tables' side of every move
         self._in_flight: set[int] = set()  # blocks being moved: in two tiers for a moment, never victims
-        self.demotion = Demotion(tables, self.blocks, self.placement, self._in_flight)  # who cools first
+        self.demotion = Demotion(self.holders, self.blocks, self.placement, self._in_flight)  # who cools first
         self.cooling_failures = 0  # cooling moves a full or failing colder tier refused
 
     def __iter__(self) -> Iterator[Tier]:
         return iter(self.tiers)
 
-    def __getitem__(self, index: int | slice) -> Tier | list[Tier]:
+    def __getitem__(self, index: int) -> Tier:
         return self.tiers[index]
 
     # -- room ----------------------------------------------------------------------------
     def check_room(self, num_new: int) -> None:
         """Raise CapacityError, before anything changes, if `num_new` more blocks cannot be held."""
-        if num_new > sum(t.free_blocks() for t in self.tiers):
-            raise CapacityError(f"no room for {num_new} more blocks in any tier (stats: {self.stats()})")
+        if num_new > self.tiers.free_blocks():
+            raise CapacityError(f"no room for {num_new} more blocks in any tier (stats: {self.tiers.stats()})")
         if not self.hot.free_blocks() and all(self.demotion.is_pinned(b) for b in self.blocks.oldest(HOT_TIER)):
             raise CapacityError(
                 f"the hot pool's {self.hot.slots.num_slots} slots all hold tail blocks of live sequences; "
@@ -76,10 +76,6 @@ class TierSet:
                 if victims:
                     self.move(victims, tier, tier + 1)
         return min(n, self.tiers[tier].free_blocks())
-
-    def _holding_tables(self, block_id: int) -> Iterator[tuple[LayerTable, int]]:
-        for seq, layer, index in self.blocks.holders[block_id]:
-            yield self.tables[seq][layer], index
 
     # -- moves ---------------------------------------------------------------------------
     def place(self, ids: list[int], blocks: Blocks, tier: int, coldest: int | None = None) -> None:
@@ -131,7 +127,7 @@ class TierSet:
         with self._moving(ids):
             self.place(ids, blocks, dst, coldest=coldest if coldest is not None else src - 1 if dst < src else None)
         self.tiers[src].delete(ids)
-        self._count(ids, src, -1)
+        self.holders.count(ids, src, -1)
 
     @contextmanager
     def _moving(self, ids: Sequence[int]) -> Iterator[None]:
@@ -168,7 +164,7 @@ class TierSet:
             if block_id == DROPPED:
                 continue
             want = min(self.first_tier(i, new_tokens if t is table else t.num_tokens)
-                       for t, i in self._holding_tables(block_id))  # a shared block: its hottest holder's tier
+                       for t, i in self.holders.tables_of(block_id))  # a shared block: its hottest holder's tier
             current = self.blocks.tier_of[block_id]
             if current < want:
                 wanted.setdefault((current, want), []).append(block_id)
@@ -183,38 +179,11 @@ class TierSet:
         """The tier block `index` of a `num_tokens`-token sequence belongs in (cold blocks start in cpu)."""
         return _FIRST_TIER[self.placement.level(index, num_tokens)]
 
-    # -- bookkeeping ---------------------------------------------------------------------
     def _record(self, ids: Sequence[int], tier: int) -> None:
-        """Book `ids` into `tier` and point their tables' device maps at them."""
+        """Book `ids` into `tier`; their holders' device maps and counts follow."""
         self.blocks.record(ids, tier)
-        self._count(ids, tier, +1)
-        by_table: dict[tuple[int, int], list[int]] = {}
-        for block_id in ids:
-            for seq, layer, index in self.blocks.holders[block_id]:  # every holder's maps follow the block
-                by_table.setdefault((seq, layer), []).append(index)
-        for (seq, layer), indices in by_table.items():
-            self.set_maps(self.tables[seq][layer], indices, tier)
-
-    def set_maps(self, table: LayerTable, indices: list[int], tier: int) -> None:
-        """Point the table's device maps for entries `indices` at `tier` (slots only in the GPU pools)."""
-        slots = self.tiers[tier].slots.lookup([table.block_ids[i] for i in indices]) \
-            if tier < CPU_TIER else [-1] * len(indices)
-        self.tensors.set_location(table, indices, slots, tier)
-
-    def _count(self, ids: Sequence[int], tier: int, sign: int) -> None:
-        """Keep each table's count of warm and of cold blocks (the decode path branches on them)."""
-        if tier == HOT_TIER:
-            return
-        for block_id in ids:
-            for table, _ in self._holding_tables(block_id):
-                self._count_in(table, tier, sign)
-
-    @staticmethod
-    def _count_in(table: LayerTable, tier: int, sign: int) -> None:
-        if tier == WARM_TIER:
-            table.num_warm += sign
-        elif tier != HOT_TIER:
-            table.num_cold += sign
+        self.holders.count(ids, tier, +1)
+        self.holders.point(ids, tier)
 
     # -- reads and frees -----------------------------------------------------------------
     def gather(self, ids: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -228,24 +197,34 @@ class TierSet:
             out[device_ints([position[i] for i in group], device)] = blocks
         return out
 
+    def stored_values(self, ids: Sequence[int]) -> list[bytes]:
+        """Each block as one stored value (tiers/codec.py), in its tier's format (fp16 or int8): values the
+        saved tier or an ssd cold tier hold are handed over as they are, the others encoded."""
+        values: dict[int, bytes] = {}
+        for tier, group in self.blocks.by_tier(ids).items():
+            if tier == SAVED_TIER:
+                got = self.saved.values(group)
+            elif tier == COLD_TIER and isinstance(self.cold, SsdTier):
+                got = self.cold.get_values([self.cold.key(i) for i in group])
+            else:
+                blocks = self.tiers[tier].get(group).to("cpu")
+                codec = Codec(*getattr(self.cold, "codec_args", ("zstd", 1)))
+                got = [codec.encode(self.layout, blocks, row) for row in range(len(group))]
+            if any(v is None for v in got):
+                raise BlockMissingError(f"{self.tiers[tier].name}: a block to save is gone")
+            values.update(zip(group, got))
+        return [values[i] for i in ids]
+
     def delete(self, ids: Sequence[int]) -> None:
         for tier, group in self.blocks.by_tier(ids).items():
             self.tiers[tier].delete(group)
-            self._count(group, tier, -1)
+            self.holders.count(group, tier, -1)
         self.blocks.remove(ids)
 
     def release(self, seq: int, layer: int, indices: Sequence[int]) -> None:
         """Entries `indices` of the table (seq, layer) let go of their blocks; a block no other table holds
         is deleted from its tier. The table's counts follow; its block ids and maps are the caller's."""
-        table, last = self.tables[seq][layer], []
-        for i in indices:
-            block_id = table.block_ids[i]
-            if self.blocks.refcount(block_id) == 1:
-                last.append(block_id)
-            else:
-                self.blocks.let_go(block_id, (seq, layer, i))
-                self._count_in(table, self.blocks.tier_of[block_id], -1)
-        self.delete(last)
+        self.delete(self.holders.let_go(seq, layer, indices))
 
     def pin_tail(self, table: LayerTable) -> None:
         """Bring the table's tail block into the hot tier, where tails live (a full one too: DecodeStep
@@ -263,41 +242,26 @@ class TierSet:
         A block another sequence shares stays stored for it."""
         if not indices:
             return
-        block_id = table.block_ids[indices[0]]
-        seq, layer = next((s, l) for s, l, i in self.blocks.holders[block_id]
-                          if i == indices[0] and self.tables[s][l] is table)
-        self.release(seq, layer, indices)
+        self.release(*self.holders.owner(table, indices[0]), indices)
         for i in indices:
             table.block_ids[i] = DROPPED
         table.num_dropped += len(indices)
-        self.tensors.set_location(table, indices, [-1] * len(indices), DROPPED)
+        self.holders.set_maps(table, indices, DROPPED)
 
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict:
-        return {t.name: {"blocks": t.num_blocks, "bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes}
-                for t in self.tiers}
-
-    @property
-    def integrity_errors(self) -> int:
-        return sum(getattr(t, "integrity_errors", 0) for t in self.tiers)
-
-    @property
-    def missing_blocks(self) -> int:
-        """Blocks a shared tier no longer held when asked (a Redis eviction): BlockMissingError each time."""
-        return sum(getattr(t, "missing_blocks", 0) for t in self.tiers)
+        """KVStore.stats's tier entries: blocks and bytes per tier, and the failures the tiers counted."""
+        return {"tiers": self.tiers.stats(), "integrity_errors": self.tiers.integrity_errors,
+                "missing_blocks": self.tiers.missing_blocks, "cooling_failures": self.cooling_failures}
 
     def check_integrity(self) -> None:
-        for tier in self.tiers:
-            tier.check_integrity()
+        self.tiers.check_integrity()
         self.blocks.check(self.tiers)
         if self._in_flight:
             raise AssertionError(f"blocks left in flight between tiers: {sorted(self._in_flight)[:8]}")
 
     def close(self) -> None:
-        for tier in self.tiers:
-            tier.close()
-        if self._tempdir:
-            shutil.rmtree(self._tempdir, ignore_errors=True)
+        self.tiers.close()
 
 
 def _rows(blocks: Blocks, rows: slice) -> Blocks:

@@ -14,7 +14,6 @@ from typing import Callable
 
 import torch
 
-from tiers.base import IntegrityError
 from tiers.codec import HEADER_BYTES, BatchDecoder, Codec
 from tiers.layout import BlockLayout, Blocks
 

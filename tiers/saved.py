@@ -53,6 +53,10 @@ class SavedTier:
             raise ValueError(f"saved tier: {len(ids)} ids for {len(keys)} keys, or ids already adopted: {clash[:8]}")
         self.key_of.update(zip(ids, keys))
 
+    def values(self, ids: Sequence[int]) -> list[bytes | None]:
+        """The saved values of adopted blocks as they are stored (None: gone)."""
+        return self.get_values([self.key_of[i] for i in ids])
+
     # -- protocol ------------------------------------------------------------------------
     def put(self, ids: Sequence[int], blocks: Blocks) -> None:
         raise MemoryError("the saved tier is read-only")
@@ -60,7 +64,7 @@ class SavedTier:
     def get(self, ids: Sequence[int]) -> Blocks:
         if not hasattr(self._local, "codec"):
             self._local.codec = Codec()  # decode reads the compression from each value's header
-        values = self.get_values([self.key_of[i] for i in ids])
+        values = self.values(ids)
         missing = [i for i, v in zip(ids, values) if v is None]
         if missing:
             raise BlockMissingError(f"saved tier: the saved values of blocks {missing[:8]} are gone "

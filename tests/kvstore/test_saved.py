@@ -227,7 +227,7 @@ def test_a_failed_save_leaves_nothing_and_the_earlier_save_intact(tmp_path):
     seq = filled(store, 300, seed=9)
     store.save(seq, "doc")
     before = data_keys(path, store)
-    encode, calls = store.saved.encoded, []
+    encode, calls = store.tiers.stored_values, []
 
     def failing(ids):
         calls.append(ids)
@@ -235,11 +235,11 @@ def test_a_failed_save_leaves_nothing_and_the_earlier_save_intact(tmp_path):
             raise OSError("disk went away")
         return encode(ids)
 
-    store.saved.encoded = failing
+    store.tiers.stored_values = failing  # the blocks a save reads
     with pytest.raises(OSError, match="went away"):
         store.save(filled(store, NUM_TOKENS, seed=10), "doc")
     assert data_keys(path, store) == before
-    store.saved.encoded = encode
+    store.tiers.stored_values = encode
     q = query(5)
     want = attend_all(store, seq, q)
     assert all(torch.equal(a, b) for a, b in zip(attend_all(store, store.open("doc"), q), want))
