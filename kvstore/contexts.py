@@ -87,10 +87,35 @@ class Contexts:
         self.root = chain_root(config.model_id, config.model, config.block_tokens)
         self.tables, self.tiers, self.tensors = tables, tiers, tensors
         self.records: dict[int, TokenRecord] = {}  # sequences whose token ids are known from position 0
+        self._next_sequence = 0
         self.unloaded_sketch: dict[int, list] = {}  # opened sequence -> per layer (read codes, saved blocks)
 
     def new_record(self) -> TokenRecord:
         return TokenRecord(self.root, self.block_tokens, self.num_layers)
+
+    def _new_sequence(self) -> int:
+        self._next_sequence += 1
+        return self._next_sequence - 1
+
+    def create(self, prefix: PrefixMatch | None) -> int:
+        """A new sequence: empty (token ids tracked from 0 when a prefix, even an empty one, was asked for),
+        or started on the blocks of `prefix`."""
+        seq = self._new_sequence()
+        if prefix is not None and prefix.num_tokens:
+            self.start_on(seq, prefix)
+            return seq
+        self.tables[seq] = [LayerTable() for _ in range(self.num_layers)]
+        if prefix is not None:
+            self.records[seq] = self.new_record()
+        return seq
+
+    def tracks_tokens(self, seq: int) -> bool:
+        record, held = self.records.get(seq), max(t.num_tokens for t in self.tables[seq])
+        return len(record.token_ids) >= held if record is not None else held == 0
+
+    def token_ids(self, seq: int) -> list[int] | None:
+        record = self.records.get(seq)
+        return None if record is None else list(record.token_ids)
 
     # -- token ids and keys ---------------------------------------------------------------
     def extend(self, seq: int, token_ids: list[int]) -> None:
@@ -121,16 +146,18 @@ class Contexts:
         record.keyed[layer] = max(record.keyed[layer], upto)
 
     # -- sharing ----------------------------------------------------------------------------
-    def fork(self, seq: int, new: int) -> None:
-        """Sequence `new` holds what `seq` holds: full blocks by reference, partial tails copied."""
+    def fork(self, seq: int) -> int:
+        """A new sequence holding what `seq` holds: full blocks by reference, partial tails copied."""
         partial = sum(t.num_tokens % self.block_tokens != 0 for t in self.tables[seq])
         self.tiers.check_room(partial)
+        new = self._new_sequence()
         self.tables[new] = [self.tensors.copy(t) for t in self.tables[seq]]
         if seq in self.records:
             self.records[new] = self.records[seq].copy()
         if seq in self.unloaded_sketch:  # the copy's codes are as unloaded as the original's
             self.unloaded_sketch[new] = list(self.unloaded_sketch[seq])
         self._share_all(new)
+        return new
 
     def match(self, token_ids: list[int]) -> PrefixMatch:
         registry, found = self.tiers.blocks, []
@@ -156,10 +183,11 @@ class Contexts:
         record.keyed = [len(chain)] * self.num_layers
         self._share_all(new)
 
-    def start_saved(self, new: int, saved: SavedContext) -> None:
-        """Sequence `new` is the saved context: tables, summaries and token ids now; sketch codes when the
+    def start_saved(self, saved: SavedContext) -> int:
+        """A new sequence on the saved context: tables, summaries and token ids now; sketch codes when the
         sketch policy first needs them (`load_sketch_if_needed`); each block stays in the saved tier until
         selected, except tails and the hot window (sinks, recent tokens), loaded here."""
+        new = self._new_sequence()
         tables = self.tables[new] = [self._table_saved(new, layer, s) for layer, s in enumerate(saved.layers)]
         ids = [b for table in tables for b in table.block_ids if b != DROPPED]
         self.tiers.adopt_saved(ids, [key for s in saved.layers for key in s.keys])  # every block, or none
@@ -179,6 +207,7 @@ class Contexts:
         except BaseException:
             self.free(new)
             raise
+        return new
 
     def load_sketch_if_needed(self, seq: int) -> None:
         """Read the sketch codes of an opened sequence's saved blocks (once; the sketch policy reads them).

@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 from eviction import POLICIES, Policy
+from kvstore.append import AppendPath
 from kvstore.config import Config
 from kvstore.contexts import Contexts, PrefixMatch, check_token_ids
 from kvstore.decode import DecodePath
@@ -36,13 +37,13 @@ class KVStore:
         self.tensors = TableTensors(c.model.num_kv_heads, c.model.head_dim, c.block_tokens, self.device)
         self.tiers = TierSet(c, self.layout, self.sequences, self.tensors)
         self.decode = DecodePath(c, self.tiers)
+        self.appends = AppendPath(c, self.tiers, self.tensors)
         self.contexts = Contexts(c, self.sequences, self.tiers, self.tensors)
         values = values_store(self.tiers.cold)  # None: the sidecar's cold tier holds no saved contexts
         self.saved = None if values is None else SavedContexts(values, self.tiers, self.contexts.root)
         if values is not None:
             self.tiers.saved.serve_from(values.get)
         self.policies: dict[str, Policy] = {name: cls() for name, cls in POLICIES.items()}  # mode -> default policy
-        self._next_sequence = 0
 
     # -- sequences ---------------------------------------------------------------------------
     def create_sequence(self, prefix: PrefixMatch | None = None) -> int:
@@ -50,25 +51,14 @@ class KVStore:
         blocks shared by reference, its token ids known, nothing copied."""
         if prefix is not None and not isinstance(prefix, PrefixMatch):
             raise ValueError(f"prefix must be a PrefixMatch from match_prefix, got {type(prefix).__name__}")
-        seq = self._next_sequence
-        self._next_sequence += 1
-        if prefix is None or not prefix.num_tokens:
-            self.sequences[seq] = [LayerTable() for _ in range(self.spec.num_layers)]
-            if prefix is not None:
-                self.contexts.records[seq] = self.contexts.new_record()
-        else:
-            self.contexts.start_on(seq, prefix)
-        return seq
+        return self.contexts.create(prefix)
 
     def fork(self, seq: int) -> int:
         """A new sequence holding what `seq` holds, without copying K/V: full blocks are shared by reference
         count, the partial tail block (appends write it in place) is copied. Both then grow independently;
         `free` of either leaves the other intact."""
         self.table(seq, 0)
-        new = self._next_sequence
-        self._next_sequence += 1
-        self.contexts.fork(seq, new)
-        return new
+        return self.contexts.fork(seq)
 
     def extend_tokens(self, seq: int, token_ids: Sequence[int]) -> None:
         """Record the token ids at the sequence's next positions (before or with their K/V; ids must cover
@@ -80,15 +70,12 @@ class KVStore:
     def tracks_tokens(self, seq: int) -> bool:
         """Whether extend_tokens may be called: the sequence is empty or its ids are known from position 0."""
         self.table(seq, 0)
-        record = self.contexts.records.get(seq)
-        held = max(t.num_tokens for t in self.sequences[seq])
-        return len(record.token_ids) >= held if record is not None else held == 0
+        return self.contexts.tracks_tokens(seq)
 
     def token_ids(self, seq: int) -> list[int] | None:
         """The recorded token ids of `seq` (None: its K/V came without ids)."""
         self.table(seq, 0)
-        record = self.contexts.records.get(seq)
-        return None if record is None else list(record.token_ids)
+        return self.contexts.token_ids(seq)
 
     # -- saved contexts ----------------------------------------------------------------------
     def save(self, seq: int, name: str) -> None:
@@ -107,11 +94,7 @@ class KVStore:
         start at once; sketch codes load when mode="sketch" first needs them; blocks are read from the
         saved values when selected (or promoted), never copied in bulk. Sinks, the recent window and the
         tail load now. Outputs equal the saved sequence's."""
-        saved = self._saved_contexts().load(name)
-        seq = self._next_sequence
-        self._next_sequence += 1
-        self.contexts.start_saved(seq, saved)
-        return seq
+        return self.contexts.start_saved(self._saved_contexts().load(name))
 
     def saved_contexts(self) -> list[str]:
         """Names of the contexts saved at this store's ssd_path (or in its Redis)."""
@@ -166,32 +149,8 @@ class KVStore:
         Raises CapacityError, leaving the store unchanged, when the tiers cannot hold them."""
         table = self.table(seq, layer)
         self._check_kv(k, v)
-        b = self.config.block_tokens
-        fill = (-table.num_tokens) % b if table.block_ids else 0  # room left in the tail block
-        head = min(fill, k.shape[0])
-        num_new = -(-(k.shape[0] - head) // b)
-        old_tokens = table.num_tokens
-        if num_new:
-            self.tiers.check_room(num_new)
-        if head:  # fill the tail block in place; undone below if the new blocks are refused
-            tail = table.num_blocks - 1
-            tail_summary = table.summaries[tail].clone()
-            self.tiers.hot.write_tokens(table.block_ids[tail], b - fill, k[:head], v[:head])
-            self.tensors.extend_tail(table, tail, k[:head])
-            table.num_tokens += head
-            if head == fill:  # the tail block is full: its sketch codes on the final grid
-                keys = self.tiers.gather([table.block_ids[tail]], self.device)[0, 0].transpose(0, 1)  # [B, H, D]
-                self.tensors.encode_block(table, tail, keys)
-        if num_new:
-            try:
-                self._append_blocks(seq, layer, table, k[head:], v[head:])
-            except BaseException:
-                if head:  # the bytes past num_tokens are never read
-                    table.num_tokens -= head
-                    table.summaries[tail] = tail_summary
-                raise
+        self.appends.append(seq, layer, table, k, v)
         self.contexts.key_blocks(seq, layer)
-        self.tiers.cool(table, old_tokens)
 
     def _check_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         h, d = self.spec.num_kv_heads, self.spec.head_dim
@@ -208,35 +167,6 @@ class KVStore:
             raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
         if not bool(torch.isfinite(k).all() & torch.isfinite(v).all()):  # int8 scales would spread a NaN/Inf
             raise ValueError("k and v must be finite: NaN or Inf found (nothing was stored)")
-
-    def _append_blocks(self, seq: int, layer: int, table: LayerTable, k: torch.Tensor, v: torch.Tensor) -> None:
-        """New blocks for k, v [t, H, D] after the table's full blocks; all placed, or none and nothing changed."""
-        b, t = self.config.block_tokens, k.shape[0]
-        n, full = -(-t // b), t // b
-        blocks = torch.zeros((n, 2, self.spec.num_kv_heads, b, self.spec.head_dim),
-                             dtype=torch.float16, device=self.device)  # [n, 2, H, B, D]
-        kv = torch.stack([k, v])  # [2, T, H, D]
-        blocks[:full] = kv[:, :full * b].reshape(2, full, b, *k.shape[1:]).permute(1, 0, 3, 2, 4)
-        if full < n:
-            blocks[-1, :, :, : t - full * b] = kv[:, full * b:].transpose(1, 2)
-        first = table.num_blocks
-        ids = self.tiers.blocks.new_ids(n, seq, layer, first)
-        self.tensors.write_new(table, first, k)
-        table.block_ids.extend(ids)
-        table.num_tokens += t
-        tiers = [self.tiers.first_tier(first + i, table.num_tokens) for i in range(n)]
-        placed: list[int] = []
-        try:
-            for tier in sorted(set(tiers)):
-                group = [i for i, lv in enumerate(tiers) if lv == tier]
-                self.tiers.place([ids[i] for i in group], blocks[group], tier)
-                placed += [ids[i] for i in group]
-        except BaseException:
-            self.tiers.delete(placed)
-            self.tiers.blocks.forget_owners([i for i in ids if i not in set(placed)])
-            del table.block_ids[first:]
-            table.num_tokens -= t
-            raise
 
     # -- read --------------------------------------------------------------------------------
     def read(self, seq: int, layer: int, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
