@@ -114,4 +114,4 @@ class TableTensors:
         """Blocks `indices` of `table` now live in `tier` at `slots` (-1 for tiers without slots)."""
         idx = device_ints(indices, self.device)
         table.slot_map[idx] = device_ints(slots, self.device, torch.int32)
-        table.tier_map[idx] = tier
+        table.tier_map.index_fill_(0, idx, tier)  # `tier_map[idx] = tier` would copy the scalar over and sync
