@@ -1,11 +1,12 @@
 """The paged decode attention kernel the store's decode path runs.
 
-    paged_decode.py  Triton split-K kernel over fp16 (hot) and int8 (warm) blocks, GQA; its launcher
+    paged_decode.py  Triton split-K kernel over fp16 (hot) and int8 (warm) blocks, GQA; the launcher of every walk
+    one_tile.py      short tables (a top-k budget): one program per tile, each in its own pool's format, one launch
     tiles.py         one tile of K/V: table entries -> slots, fp16 rows, int8 rows dequantized in registers
-    partition.py     a mixed table reordered per row on the device, fp16 entries then int8 ones (one launch each)
-    merge.py         merges the splits; per-block attention mass for H2O
-    plan.py          input checks and the launch configuration per geometry
-    reference.py     the pure-torch reference with the same contract (what CPU runs)
+    partition.py     a mixed long table reordered per row on the device, fp16 entries then int8 ones (one launch each)
+    merge.py         merges the splits and turns per-block log-sums into attention mass for H2O (one launch)
+    plan.py          input checks and the launch configuration per geometry (which walk, tiles, splits)
+    reference.py     the pure-torch references with the same contracts (what CPU runs)
 """
 
 from __future__ import annotations

@@ -5,13 +5,16 @@ inference", 2023). Grid (batch, kv_heads, num_splits): each program packs the q 
 one GQA group into the M dimension of tl.dot (padded to >= 16) and walks a contiguous
 range of its row of entries, BLOCKS_PER_ITER blocks per iteration, dequantizing int8
 blocks in registers (tiles.py; KIVI: K scaled per channel, V per token). The splits are
-merged, and per-block log-sums turned into block mass for H2O, in merge.py.
+merged, and per-block log-sums turned into block mass for H2O, in merge.py (one launch).
 
-With one pool, the row is the block table and the loop is specialised to that pool. With
-both (what the captured decode step always passes), the table is first partitioned per row
-on the device (partition.py) and each pool's entries get a launch of their own, so int8
-blocks are read at int8 cost and fp16 ones at fp16 cost, whatever the mix; the older
-per-split dispatch stays selectable (both_pools="dispatch") for the benchmark.
+A short table (a top-k budget) takes the one-tile walk (one_tile.py): one launch in which
+every program reads one tile in its own pool's format, then the merge; two launches in all.
+A long one takes the split walk here. With one pool, the row is the block table and the loop
+is specialised to that pool. With both (what the captured decode step always passes), the
+table is first partitioned per row on the device (partition.py) and each pool's entries get
+a launch of their own, so int8 blocks are read at int8 cost and fp16 ones at fp16 cost,
+whatever the mix; the older per-split dispatch stays selectable (walk="dispatch") for the
+benchmark.
 
 Memory read: tiers/layout.py. Reference: reference.py. Config: plan.py.
 All log-sum-exps here are base 2 (scores are pre-multiplied by log2(e)).
@@ -26,12 +29,17 @@ import triton
 import triton.language as tl
 
 from kvstore.attention.merge import merge_splits
+from kvstore.attention.one_tile import one_tile_partials
 from kvstore.attention.partition import partition_table
-from kvstore.attention.plan import check_decode_inputs, check_kernel_layout, decode_config
+from kvstore.attention.plan import (DecodeConfig, DecodeGeometry, check_decode_inputs, check_kernel_layout,
+                                   decode_config)
 from kvstore.attention.tiles import entries, load_kv
 
 LOG2E = 1.4426950408889634
-BOTH_POOLS = ("partition", "fused", "dispatch")  # how paged_decode walks a table over two non-empty pools
+# how paged_decode walks a table: "auto" (one_tile for a short table, else partition), one tile per program,
+# or the split walk, which over two non-empty pools partitions the table, or fuses both pools' launches, or
+# dispatches per split (over one pool the last three are the same direct walk)
+WALKS = ("auto", "one_tile", "partition", "fused", "dispatch")
 
 
 @triton.jit
@@ -193,7 +201,7 @@ def paged_decode(
     warm_v_scale: torch.Tensor, block_table: torch.Tensor, block_is_int8: torch.Tensor, num_tokens: torch.Tensor,
     *, sm_scale: float | None = None, return_block_mass: bool = False, num_splits: int | None = None,
     blocks_per_iter: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-    both_pools: str = "partition",
+    walk: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decode step of attention over paged KV: returns (out fp16 [B, Hq, D], block_mass f32 [B, H, max_blocks]).
 
@@ -202,31 +210,43 @@ def paged_decode(
     slot ids per kv head (stride 0 over H is fine); block_is_int8: bool/int8, same shape, True -> warm pool.
     num_tokens: int32 [B]; row b uses its first ceil(num_tokens[b] / T) table entries. A row with no tokens
     gets zeros. block_mass (if asked): softmax mass per block averaged over each group's q heads.
-    num_splits, blocks_per_iter, num_warps, num_stages override the config (see decode_config); with both
-    pools num_splits is per pool. both_pools: how a table over two non-empty pools is walked, one of
-    BOTH_POOLS: "partition" (default) partitions it per row on the device (partition.py) and runs one launch
-    specialised to each pool; "fused" runs both over the partition in one launch; "dispatch" (the old way)
-    walks the table and picks a loop per split (mixed splits load both formats).
+    num_splits, blocks_per_iter, num_warps, num_stages override the config (see decode_config; a forced
+    num_splits takes the split walk); with both pools num_splits is per pool. walk: one of WALKS.
     """
     geom = check_decode_inputs(q, hot_pool, warm_data, warm_k_scale, warm_v_scale, block_table, block_is_int8,
                                num_tokens)
     check_kernel_layout(q, hot_pool, warm_data, warm_k_scale, warm_v_scale)
-    if both_pools not in BOTH_POOLS:
-        raise ValueError(f"both_pools: expected one of {BOTH_POOLS}, got {both_pools!r}")
-    has_hot, has_warm = hot_pool.shape[0] > 0, warm_data.shape[0] > 0
+    if walk not in WALKS:
+        raise ValueError(f"walk: expected one of {WALKS}, got {walk!r}")
     cfg = decode_config(geom, q.device, num_splits=num_splits, blocks_per_iter=blocks_per_iter,
-                        num_warps=num_warps, num_stages=num_stages)
+                        num_warps=num_warps, num_stages=num_stages,
+                        one_tile=None if walk == "auto" else walk == "one_tile")
     if block_is_int8.dtype == torch.bool:
         block_is_int8 = block_is_int8.view(torch.int8)  # same bytes; keeps expanded strides
-    partitioned = has_hot and has_warm and both_pools != "dispatch"
+    scale = (sm_scale if sm_scale is not None else geom.head_dim**-0.5) * LOG2E
+    warm_words = warm_data.view(torch.int32)  # [n_warm, 2, H, T, D / 4]: 4 int8 per word
+    args = (q, hot_pool, warm_words, warm_k_scale, warm_v_scale, block_table, block_is_int8, num_tokens)
+    if cfg.one_tile:
+        parts = one_tile_partials(*args, geom, cfg, scale, return_block_mass, _use_asm(q.device))
+    else:
+        parts = _split_partials(*args, geom, cfg, scale, return_block_mass, "partition" if walk == "auto" else walk)
+    return merge_splits(*parts, num_tokens, geom, return_block_mass)
+
+
+def _split_partials(
+    q: torch.Tensor, hot_pool: torch.Tensor, warm_words: torch.Tensor, warm_k_scale: torch.Tensor,
+    warm_v_scale: torch.Tensor, block_table: torch.Tensor, block_is_int8: torch.Tensor, num_tokens: torch.Tensor,
+    geom: DecodeGeometry, cfg: DecodeConfig, scale: float, return_block_mass: bool, walk: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The split walk: (o_part, lse_part, lse_block) as merge_splits reads them."""
+    has_hot, has_warm = hot_pool.shape[0] > 0, warm_words.shape[0] > 0
+    partitioned = has_hot and has_warm and walk != "dispatch"
     total_splits = 2 * cfg.num_splits if partitioned else cfg.num_splits
     b, nq, h, d, max_blocks = geom.batch, geom.num_q_heads, geom.num_kv_heads, geom.head_dim, geom.max_blocks
     dev, f32 = q.device, torch.float32
     o_part = torch.empty((b, nq, total_splits, d), dtype=f32, device=dev)  # [B, Hq, S, D]
     lse_part = torch.empty((b, nq, total_splits), dtype=f32, device=dev)  # [B, Hq, S]
     lse_block = torch.empty((b, nq, max_blocks) if return_block_mass else (1,), dtype=f32, device=dev)
-    scale = (sm_scale if sm_scale is not None else d**-0.5) * LOG2E
-    warm_words = warm_data.view(torch.int32)  # [n_warm, 2, H, T, D / 4]: 4 int8 per word
     table, positions, num_fp16 = block_table, block_table, num_tokens[:, None].expand(b, h)  # direct: last 2 unused
     if partitioned:
         part = partition_table(block_table, block_is_int8, num_tokens, geom.block_tokens)
@@ -248,9 +268,9 @@ def paged_decode(
             USE_ASM=_use_asm(q.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    if partitioned and both_pools == "partition":
+    if partitioned and walk == "partition":
         launch(0, cfg.num_splits, True, False)  # the fp16 entries
         launch(cfg.num_splits, cfg.num_splits, False, True)  # the int8 entries
     else:
         launch(0, total_splits, has_hot, has_warm)
-    return merge_splits(o_part, lse_part, lse_block, num_tokens, geom, return_block_mass)
+    return o_part, lse_part, lse_block

@@ -21,6 +21,13 @@ _MAX_TOKENS_PER_ITER = 128  # the score tile [16, tokens] in fp32 must stay in r
 # (fp16 and int8, block_tokens 32 and 64; int8 1.0 ms vs 1.41 ms at the old default)
 _PROGRAMS_PER_SM = 3
 _MIN_ITERS_PER_SPLIT = 4  # below this, a split's fixed cost (q load, partial store) dominates
+# The one-tile walk (one_tile.py): tokens per program (64 at head_dim 128: 95 registers at 4 warps with
+# both pools, 5 programs per SM, so a 4096-token budget's 512 programs run in one wave; offline sm_90
+# compile, triton 3.6), and the most table tokens (summed over rows and kv heads) per SM it is chosen
+# for: 8 kv heads x 8K tokens on 132 SMs; past that the split walk's loops. To be checked against
+# bench_longctx/attention_variants.py on the H200.
+_ONE_TILE_TOKENS = 64
+_ONE_TILE_MAX_TOKENS_PER_SM = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,13 +46,18 @@ class DecodeGeometry:
 
 @dataclass(frozen=True, slots=True)
 class DecodeConfig:
-    """How the split kernel walks the table; every field can be forced through paged_decode's kwargs."""
+    """How the kernel walks the table; every field can be forced through paged_decode's kwargs.
+
+    one_tile: one program per tile of blocks_per_iter entries (one_tile.py; num_splits = the tiles of a row,
+    blocks_per_split = blocks_per_iter), else the split kernel's loops (paged_decode.py).
+    """
 
     blocks_per_iter: int
     num_splits: int
     blocks_per_split: int
     num_warps: int
     num_stages: int
+    one_tile: bool = False
 
 
 def _is_pow2(n: int) -> bool:
@@ -118,17 +130,48 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def decode_config(
-    geom: DecodeGeometry, device: torch.device, *, num_splits: int | None = None,
-    blocks_per_iter: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-) -> DecodeConfig:
-    """Defaults: ~_TILE_ELEMENTS of K per iteration; enough splits for _PROGRAMS_PER_SM programs on every SM."""
+def one_tile_fits(geom: DecodeGeometry, device: torch.device) -> bool:
+    """Whether the table is short enough for the one-tile walk (_ONE_TILE_MAX_TOKENS_PER_SM)."""
+    tokens = geom.batch * geom.num_kv_heads * geom.max_blocks * geom.block_tokens
+    return tokens <= _ONE_TILE_MAX_TOKENS_PER_SM * _sm_count(device)
+
+
+def _tile_blocks(geom: DecodeGeometry, blocks_per_iter: int | None, tokens: int = _ONE_TILE_TOKENS) -> int:
     if blocks_per_iter is None:
-        tokens = min(_MAX_TOKENS_PER_ITER, max(_MIN_TOKENS_PER_ITER, _TILE_ELEMENTS // geom.head_dim))
-        blocks_per_iter = max(1, tokens // geom.block_tokens)
+        blocks_per_iter = max(1, max(_MIN_TOKENS_PER_ITER, tokens) // geom.block_tokens)
     if not _is_pow2(blocks_per_iter) or blocks_per_iter * geom.block_tokens < _MIN_TOKENS_PER_ITER:
         raise ValueError(f"blocks_per_iter: expected a power of two with >= {_MIN_TOKENS_PER_ITER} tokens per "
                          f"iteration at block_tokens={geom.block_tokens}, got {blocks_per_iter}")
+    return blocks_per_iter
+
+
+def _check_launch(num_warps: int, num_stages: int) -> None:
+    if num_warps not in (1, 2, 4, 8, 16) or num_stages < 1:
+        raise ValueError(f"num_warps: expected 1/2/4/8/16, num_stages: >= 1; got {num_warps} and {num_stages}")
+
+
+def decode_config(
+    geom: DecodeGeometry, device: torch.device, *, num_splits: int | None = None,
+    blocks_per_iter: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+    one_tile: bool | None = None,
+) -> DecodeConfig:
+    """one_tile None: the one-tile walk when the table is short (one_tile_fits) and num_splits is not forced.
+    One tile: _ONE_TILE_TOKENS per program. Splits: ~_TILE_ELEMENTS of K per iteration; enough splits for
+    _PROGRAMS_PER_SM programs on every SM."""
+    if one_tile is None:
+        one_tile = num_splits is None and one_tile_fits(geom, device)
+    if one_tile:
+        if num_splits is not None:
+            raise ValueError(f"num_splits: the one-tile walk has one split per tile, got num_splits={num_splits}")
+        blocks_per_iter = _tile_blocks(geom, blocks_per_iter)
+        num_warps, num_stages = num_warps or 4, num_stages or 1
+        _check_launch(num_warps, num_stages)
+        tiles = max(1, triton.cdiv(geom.max_blocks, blocks_per_iter))
+        return DecodeConfig(blocks_per_iter, tiles, blocks_per_iter, num_warps, num_stages, one_tile=True)
+    if blocks_per_iter is None:
+        tokens = min(_MAX_TOKENS_PER_ITER, max(_MIN_TOKENS_PER_ITER, _TILE_ELEMENTS // geom.head_dim))
+        blocks_per_iter = max(1, tokens // geom.block_tokens)
+    blocks_per_iter = _tile_blocks(geom, blocks_per_iter)
     iters = max(1, triton.cdiv(geom.max_blocks, blocks_per_iter))
     if num_splits is None:
         wanted = triton.cdiv(_PROGRAMS_PER_SM * _sm_count(device), max(1, geom.batch * geom.num_kv_heads))
@@ -140,6 +183,5 @@ def decode_config(
     tile = blocks_per_iter * geom.block_tokens * geom.head_dim
     num_warps = num_warps or (8 if tile > _TILE_ELEMENTS else 4)  # 8 costs the int8 loop ~20% more issue slots
     num_stages = num_stages or 2
-    if num_warps not in (1, 2, 4, 8, 16) or num_stages < 1:
-        raise ValueError(f"num_warps: expected 1/2/4/8/16, num_stages: >= 1; got {num_warps} and {num_stages}")
+    _check_launch(num_warps, num_stages)
     return DecodeConfig(blocks_per_iter, num_splits, blocks_per_split, num_warps, num_stages)

@@ -2,10 +2,12 @@
 
 Gathers each row's blocks per kv head, dequantizes int8 blocks (value = data * scale),
 and runs plain fp32 softmax attention. Slow (Python loop over rows and kv heads); it is
-the definition the kernel is tested against, not a fallback.
+the definition the kernel is tested against, not a fallback. merge_splits_ref: what merge.py computes.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -54,3 +56,22 @@ def paged_decode_ref(
             p_blocks = torch.nn.functional.pad(p, (0, n_blocks * block_tokens - n))  # [G, n_blocks * T]
             mass[b, h, :n_blocks] = p_blocks.view(group, n_blocks, block_tokens).sum(-1).mean(0)
     return out, (mass if return_block_mass else None)
+
+
+def merge_splits_ref(
+    o_part: torch.Tensor, lse_part: torch.Tensor, lse_block: torch.Tensor, num_tokens: torch.Tensor,
+    block_tokens: int, num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What merge.merge_splits computes (with block mass), in torch: base-2 log-sum-exps throughout.
+
+    o_part f32 [B, Hq, S, D], lse_part f32 [B, Hq, S] (-inf: an empty split), lse_block f32 [B, Hq, M]
+    -> (out fp16 [B, Hq, D], mass f32 [B, H, M]: 0 past each row's blocks)."""
+    batch, num_q_heads, _, _ = o_part.shape
+    lse = torch.logsumexp(lse_part.double() * math.log(2), -1) / math.log(2)  # [B, Hq]
+    w = torch.exp2(lse_part.double() - lse[..., None]).nan_to_num(0.0)  # rows with no tokens: 0
+    out = (w[..., None] * o_part.double()).sum(-2).half()
+    n_blocks = (num_tokens.long() + block_tokens - 1) // block_tokens  # [B]
+    used = torch.arange(lse_block.shape[-1], device=lse_block.device)[None, :] < n_blocks[:, None]  # [B, M]
+    mass = torch.where(used[:, None], torch.exp2(lse_block.double() - lse[..., None]), 0.0)  # [B, Hq, M]
+    mass = mass.view(batch, num_kv_heads, num_q_heads // num_kv_heads, -1).mean(2)
+    return out, mass.float()

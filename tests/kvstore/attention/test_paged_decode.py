@@ -257,5 +257,7 @@ def test_group_must_divide_and_config_must_be_valid() -> None:
         paged_decode(*case.args(), blocks_per_iter=3)
     with pytest.raises(ValueError, match="num_splits"):
         paged_decode(*case.args(), num_splits=0)
-    with pytest.raises(ValueError, match="both_pools"):
-        paged_decode(*case.args(), both_pools="masked")
+    with pytest.raises(ValueError, match="walk"):
+        paged_decode(*case.args(), walk="masked")
+    with pytest.raises(ValueError, match="one split per tile"):
+        paged_decode(*case.args(), walk="one_tile", num_splits=2)

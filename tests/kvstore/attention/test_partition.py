@@ -1,4 +1,4 @@
-"""Both pools present (what the captured decode step always passes): every both_pools variant of
+"""Both pools present (what the captured decode step always passes): every walk of
 paged_decode against the reference over irregular geometries and table mixes, and the partitioned
 table (partition.py) against its reference. Cases come from test_paged_decode.make_case (poisoned
 pools: a stray read shows up as NaN or a wrong answer)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore.attention.paged_decode import BOTH_POOLS, paged_decode
+from kvstore.attention.paged_decode import WALKS, paged_decode
 from kvstore.attention.partition import partition_table, partition_table_ref
 from kvstore.attention.reference import paged_decode_ref
 from tests.kvstore.attention.test_paged_decode import CASE_KEYS, DEVICE, Case, _build, make_case
@@ -30,12 +30,14 @@ def _build_variant(name: str) -> tuple[Case, dict]:
     return make_case(lengths, heads, group, head_dim, block_tokens, frac, seed=len(name), **build), run
 
 
-@pytest.mark.parametrize("both_pools", BOTH_POOLS)
+@pytest.mark.parametrize("walk", WALKS)
 @pytest.mark.parametrize("name", sorted(VARIANT_CASES))
-def test_both_pool_variants_match_reference(name: str, both_pools: str) -> None:
+def test_both_pool_walks_match_reference(name: str, walk: str) -> None:
     case, kwargs = _build_variant(name)
     assert len(case.hot) > 0 and len(case.warm_data) > 0  # the two-pool path, as the decode step calls it
-    out, mass = paged_decode(*case.args(), return_block_mass=True, both_pools=both_pools, **kwargs)
+    if walk == "one_tile":
+        kwargs.pop("num_splits", None)  # one split per tile
+    out, mass = paged_decode(*case.args(), return_block_mass=True, walk=walk, **kwargs)
     ref_out, ref_mass = paged_decode_ref(*case.args(), return_block_mass=True)
     torch.testing.assert_close(out.float(), ref_out.float(), atol=4e-3, rtol=1e-2)
     torch.testing.assert_close(mass, ref_mass, atol=1e-3, rtol=1e-2)
