@@ -21,6 +21,7 @@ from kvstore.config import Config, ModelSpec
 from kvstore.table import DROPPED, LayerTable, TableTensors
 from kvstore.saved import SavedContext, SavedLayer
 from kvstore.tierset import HOT_TIER, TierSet
+from kvstore.unread_codes import UnreadCodes
 from tiers import keys
 from tiers.keys import block_key, chain_hashes  # noqa: F401  (also re-exported)
 
@@ -82,13 +83,12 @@ class Contexts:
     started on a prefix, free. Handed the tables, the tier set and the table tensors; never the store."""
 
     def __init__(self, config: Config, tables: dict[int, list[LayerTable]], tiers: TierSet,
-                 tensors: TableTensors) -> None:
+                 tensors: TableTensors, unread: UnreadCodes) -> None:
         self.block_tokens, self.num_layers = config.block_tokens, config.model.num_layers
         self.root = chain_root(config.model_id, config.model, config.block_tokens)
-        self.tables, self.tiers, self.tensors = tables, tiers, tensors
+        self.tables, self.tiers, self.tensors, self.unread = tables, tiers, tensors, unread
         self.records: dict[int, TokenRecord] = {}  # sequences whose token ids are known from position 0
         self._next_sequence = 0
-        self.unloaded_sketch: dict[int, list] = {}  # opened sequence -> per layer (read codes, saved blocks)
 
     def new_record(self) -> TokenRecord:
         return TokenRecord(self.root, self.block_tokens, self.num_layers)
@@ -154,8 +154,7 @@ class Contexts:
         self.tables[new] = [self.tensors.copy(t) for t in self.tables[seq]]
         if seq in self.records:
             self.records[new] = self.records[seq].copy()
-        if seq in self.unloaded_sketch:  # the copy's codes are as unloaded as the original's
-            self.unloaded_sketch[new] = list(self.unloaded_sketch[seq])
+        self.unread.fork(seq, new)
         self._share_all(new)
         return new
 
@@ -177,7 +176,11 @@ class Contexts:
                 len(ids) != len(chain) or any(registry.key(i) != block_key(layer, h) for i, h in zip(ids, chain))
                 for layer, ids in enumerate(match.block_ids)):
             raise ValueError("prefix match is stale or not from this store: its blocks were freed; match again")
-        self.tables[new] = [self._table_on(list(ids)) for ids in match.block_ids]
+        try:
+            self.tables[new] = [self._table_on(new, layer, list(ids)) for layer, ids in enumerate(match.block_ids)]
+        except BaseException:
+            self.unread.forget(new)
+            raise
         record = self.records[new] = self.new_record()
         record.extend(match.token_ids)
         record.keyed = [len(chain)] * self.num_layers
@@ -185,14 +188,14 @@ class Contexts:
 
     def start_saved(self, saved: SavedContext) -> int:
         """A new sequence on the saved context: tables, summaries and token ids now; sketch codes when the
-        sketch policy first needs them (`load_sketch_if_needed`); each block stays in the saved tier until
+        sketch policy first needs them (unread_codes.py); each block stays in the saved tier until
         selected, except tails and the hot window (sinks, recent tokens), loaded here."""
         new = self._new_sequence()
         tables = self.tables[new] = [self._table_saved(new, layer, s) for layer, s in enumerate(saved.layers)]
         ids = [b for table in tables for b in table.block_ids if b != DROPPED]
         self.tiers.adopt_saved(ids, [key for s in saved.layers for key in s.keys])  # every block, or none
-        self.unloaded_sketch[new] = [(s.sketch, t.num_blocks, s.num_tokens % self.block_tokens != 0)
-                                     for s, t in zip(saved.layers, tables)]
+        self.unread.opened(new, [(s.sketch, t.num_blocks, s.num_tokens % self.block_tokens != 0)
+                                 for s, t in zip(saved.layers, tables)])
         try:
             if saved.token_ids is not None:
                 self.records[new] = self.new_record()
@@ -209,20 +212,6 @@ class Contexts:
             raise
         return new
 
-    def load_sketch_if_needed(self, seq: int) -> None:
-        """Read the sketch codes of an opened sequence's saved blocks (once; the sketch policy reads them).
-        A saved partial tail that has filled since was re-encoded on its final grid and keeps those codes."""
-        unloaded = self.unloaded_sketch.get(seq)
-        if not unloaded:
-            return
-        for layer, (read, n, partial) in enumerate(unloaded):
-            table = self.tables[seq][layer]
-            rows = n - 1 if partial and table.num_tokens >= n * self.block_tokens else n
-            if read is not None and rows:
-                table.sketch[:rows] = read()[:rows].to(self.tensors.device)
-            unloaded[layer] = (None, n, partial)  # this layer done: a failure in a later one keeps it
-        del self.unloaded_sketch[seq]
-
     def _table_saved(self, new: int, layer: int, saved: SavedLayer) -> LayerTable:
         n = saved.summaries.shape[0]
         ids = self.tiers.blocks.new_ids(n, new, layer, 0)
@@ -237,18 +226,19 @@ class Contexts:
             table.h2o_scores[:, :n] = saved.h2o_scores.to(self.tensors.device)
         return table
 
-    def _table_on(self, ids: list[int]) -> LayerTable:
-        """A table over held full blocks, their summaries and sketch codes copied from a table holding each."""
+    def _table_on(self, new: int, layer: int, ids: list[int]) -> LayerTable:
+        """Layer `layer` of `new` over held full blocks: summaries and sketch codes copied from a table holding
+        each (codes still unread there stay unread here)."""
         table = LayerTable(ids, len(ids) * self.block_tokens)
         self.tensors.reserve(table, len(ids))
-        by_source: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+        by_source: dict[int, tuple[list[int], list[int]]] = {}
         for i, block_id in enumerate(ids):
-            seq, layer, index = self.tiers.blocks.any_holder(block_id)
-            dst, src = by_source.setdefault((seq, layer), ([], []))
+            seq, _, index = self.tiers.blocks.any_holder(block_id)  # a block's holders are all in its layer
+            dst, src = by_source.setdefault(seq, ([], []))
             dst.append(i)
             src.append(index)
-        for (seq, layer), (dst, src) in by_source.items():
-            self.load_sketch_if_needed(seq)
+        for seq, (dst, src) in by_source.items():
+            self.unread.carry(seq, layer, src, new, dst)
             table.summaries[dst] = self.tables[seq][layer].summaries[src]
             table.sketch[dst] = self.tables[seq][layer].sketch[src]
         return table
@@ -296,4 +286,4 @@ class Contexts:
             self.tiers.release(seq, layer, [i for i, b in enumerate(table.block_ids) if b != DROPPED])
         del self.tables[seq]
         self.records.pop(seq, None)
-        self.unloaded_sketch.pop(seq, None)
+        self.unread.forget(seq)

@@ -19,9 +19,11 @@ from warm/cpu); the manifest holds the xxh3-64 of every other value. A save writ
 save id, syncs, then commits the manifest (an older one's data is deleted after). `collect_garbage`
 deletes what a killed save left once its writer is dead.
 Opening reads the manifest, summaries, H2O scores and token ids: what a top-K (Quest) decode needs.
-Sketch codes load on first use (SavedLayer.sketch) and blocks stay where they are until selected
-(tiers/saved.py reads them in place). Replacing or deleting a saved context while a store has it
-open makes that store's later reads of its blocks fail (BlockMissingError).
+Sketch codes load on first use (SavedLayer.sketch reads a range of rows; kvstore/unread_codes.py
+tracks the rows not read yet, which a save of the opened sequence copies from here) and blocks stay
+where they are until selected (tiers/saved.py reads them in place). Replacing or deleting a saved
+context while a store has it open makes that store's later reads of its blocks and codes fail
+(BlockMissingError).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ _BATCH = 256  # blocks per write
 PART_BYTES = 8 << 20  # sketch codes per value (Redis refuses values over 512 MiB; a 1M-token layer has 512 MiB)
 VERSION = 2
 Values = LmdbValues | RedisValues
+ReadLayerCodes = Callable[[int, int, int], torch.Tensor]  # (layer, lo, hi) -> uint8 [hi - lo, H, 2, B, D/4]
 
 
 @dataclass(slots=True)
@@ -63,7 +66,7 @@ class SavedLayer:
     summaries: torch.Tensor  # fp16 [n, 2, H, D] on the CPU
     h2o_scores: torch.Tensor  # fp32 [H, n]
     keys: list[bytes]  # the saved value of each block not dropped, in index order
-    sketch: Callable[[], torch.Tensor]  # reads uint8 [n, H, 2, B, D/4] (only the sketch policy needs it)
+    sketch: Callable[[int, int], torch.Tensor]  # (lo, hi) -> uint8 [hi - lo, H, 2, B, D/4], read then
 
 
 @dataclass(slots=True)
@@ -91,16 +94,17 @@ class SavedContexts:
         self.part_blocks = max(1, PART_BYTES // self.sketch_row)
 
     # -- save ------------------------------------------------------------------------------
-    def save(self, name: str, tables: list[LayerTable], token_ids: list[int] | None) -> None:
-        """Persist `tables` (and the sequence's token ids, if known) as `name`. Returns once the save is
-        durable; on failure nothing of it stays under the name (content blocks it added may stay, shared)."""
+    def save(self, name: str, tables: list[LayerTable], token_ids: list[int] | None, codes: ReadLayerCodes) -> None:
+        """Persist `tables` (and the sequence's token ids, if known) as `name`; codes(layer, lo, hi) gives the
+        sketch codes of rows [lo, hi) (the table's, or those an opened sequence left in its save). Returns once
+        the save is durable; on failure nothing of it stays under the name (content blocks it added may stay)."""
         _check_name(name)
         self.collect_garbage()
         save_id = uuid.uuid4().hex.encode()
         pending = _PENDING + save_id
         self.values.put([(pending, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())])
         try:
-            manifest = self._write_data(save_id, tables, token_ids)
+            manifest = self._write_data(save_id, tables, token_ids, codes)
             manifest.update(name=name, root=self.root.hex())
             self.values.sync()  # every block and summary durable before the manifest names them
             old = self.values.commit(_MANIFEST + name.encode(), json.dumps(manifest).encode(), pending)
@@ -124,7 +128,8 @@ class SavedContexts:
             return True
         return raw is not None and json.loads(raw)["save_id"].encode() == save_id
 
-    def _write_data(self, save_id: bytes, tables: list[LayerTable], token_ids: list[int] | None) -> dict:
+    def _write_data(self, save_id: bytes, tables: list[LayerTable], token_ids: list[int] | None,
+                    codes: ReadLayerCodes) -> dict:
         """Blocks, per-layer metadata and token ids under the save id; returns the manifest's other fields."""
         data, layers = _DATA + save_id + b"/", []
         chain = chain_hashes(self.root, token_ids, self.block_tokens) if token_ids and self.values.content_keyed else []
@@ -134,7 +139,7 @@ class SavedContexts:
             live = [i for i, b in enumerate(table.block_ids) if b != DROPPED]
             for lo in range(0, len(live), _BATCH):
                 self._write_blocks(table, live[lo: lo + _BATCH], keys, keyed)
-            layers.append(self._write_meta(data, layer, table, keyed))
+            layers.append(self._write_meta(data, layer, table, keyed, partial(codes, layer)))
         tokens = None if token_ids is None else np.asarray(token_ids, dtype="<i8").tobytes()
         if tokens is not None:
             self.values.put([(data + b"t", tokens)])
@@ -153,14 +158,15 @@ class SavedContexts:
         self.values.put_new([(keys[i], v) for i, v in zip(todo, values) if i < keyed])
         self.values.put([(keys[i], v) for i, v in zip(todo, values) if i >= keyed])
 
-    def _write_meta(self, data: bytes, layer: int, table: LayerTable, keyed: int) -> dict:
+    def _write_meta(self, data: bytes, layer: int, table: LayerTable, keyed: int,
+                    codes: Callable[[int, int], torch.Tensor]) -> dict:
         n, lay, p = table.num_blocks, layer.to_bytes(2, "big"), self.part_blocks
         scores = table.h2o_scores[:, :n].cpu().contiguous().numpy().tobytes() if n else b""
         items = [(data + b"h/" + lay, scores)]
         for part, lo in enumerate(range(0, n, p)):
             hi = min(n, lo + p)
             items.append((data + b"m/" + lay + part.to_bytes(4, "big"), _bytes(table.summaries[lo:hi])))
-            items.append((data + b"k/" + lay + part.to_bytes(4, "big"), _bytes(table.sketch[lo:hi])))
+            items.append((data + b"k/" + lay + part.to_bytes(4, "big"), _bytes(codes(lo, hi))))
         self.values.put(items)
         return {"num_tokens": table.num_tokens, "num_blocks": n, "keyed": keyed,
                 "dropped": [i for i, b in enumerate(table.block_ids) if b == DROPPED],
@@ -191,10 +197,12 @@ class SavedContexts:
             tokens = self._verified(name, [data + b"t"], [m["tokens_xxh3"]], "token ids")[0]
             token_ids = np.frombuffer(tokens, dtype="<i8").tolist()
         chain = chain_hashes(self.root, token_ids, self.block_tokens) if any(e["keyed"] for e in m["layers"]) else []
-        layers = [self._layer(name, data, layer, entry, chain) for layer, entry in enumerate(m["layers"])]
+        layers = [self._layer(name, data, layer, entry, chain, m["part_blocks"])
+                  for layer, entry in enumerate(m["layers"])]
         return SavedContext(name, token_ids, layers)
 
-    def _layer(self, name: str, data: bytes, layer: int, entry: dict, chain: list[bytes]) -> SavedLayer:
+    def _layer(self, name: str, data: bytes, layer: int, entry: dict, chain: list[bytes],
+               part_blocks: int) -> SavedLayer:
         n, h, d, lay = entry["num_blocks"], self.num_kv_heads, self.head_dim, layer.to_bytes(2, "big")
         parts = [data + b"m/" + lay + p.to_bytes(4, "big") for p in range(len(entry["m_xxh3"]))]
         values = self._verified(name, [data + b"h/" + lay] + parts, [entry["h_xxh3"]] + entry["m_xxh3"],
@@ -204,15 +212,19 @@ class SavedContexts:
         dropped = set(entry["dropped"])
         keys = self._block_keys(data, layer, n, entry["keyed"], chain)
         return SavedLayer(entry["num_tokens"], sorted(dropped), summaries, scores,
-                          [k for i, k in enumerate(keys) if i not in dropped], partial(self._sketch, name, data, layer, entry))
+                          [k for i, k in enumerate(keys) if i not in dropped],
+                          partial(self._sketch, name, data, layer, entry, part_blocks))
 
-    def _sketch(self, name: str, data: bytes, layer: int, entry: dict) -> torch.Tensor:
-        """uint8 [n, H, 2, B, D/4]: the layer's sketch codes, read now."""
-        lay = layer.to_bytes(2, "big")
-        parts = [data + b"k/" + lay + p.to_bytes(4, "big") for p in range(len(entry["k_xxh3"]))]
-        codes = b"".join(self._verified(name, parts, entry["k_xxh3"], f"layer {layer}'s sketch codes"))
-        shape = (entry["num_blocks"], self.num_kv_heads, 2, self.block_tokens, self.head_dim // 4)
-        return torch.from_numpy(np.frombuffer(codes, dtype=np.uint8).copy()).view(shape)
+    def _sketch(self, name: str, data: bytes, layer: int, entry: dict, part_blocks: int, lo: int,
+                hi: int) -> torch.Tensor:
+        """uint8 [hi - lo, H, 2, B, D/4]: rows [lo, hi) of the layer's sketch codes, read now (the parts
+        holding them)."""
+        lay, first, last = layer.to_bytes(2, "big"), lo // part_blocks, -(-hi // part_blocks)
+        parts = [data + b"k/" + lay + p.to_bytes(4, "big") for p in range(first, last)]
+        codes = b"".join(self._verified(name, parts, entry["k_xxh3"][first:last], f"layer {layer}'s sketch codes"))
+        shape = (-1, self.num_kv_heads, 2, self.block_tokens, self.head_dim // 4)
+        rows = torch.from_numpy(np.frombuffer(codes, dtype=np.uint8).copy()).view(shape)
+        return rows[lo - first * part_blocks: hi - first * part_blocks]
 
     def _verified(self, name: str, keys: list[bytes], digests: list[int], what: str) -> list[bytes]:
         values = self.values.get(keys)

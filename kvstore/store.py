@@ -9,6 +9,7 @@ anything changes, and hands each part only what it works on.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Sequence
 
 import torch
@@ -21,6 +22,7 @@ from kvstore.decode import DecodePath
 from kvstore.saved import SavedContexts, values_store
 from kvstore.table import DROPPED, LayerTable, TableTensors
 from kvstore.tierset import HOT_TIER, TierSet
+from kvstore.unread_codes import UnreadCodes
 from tiers.errors import CapacityError
 from tiers.layout import BlockLayout
 
@@ -38,7 +40,8 @@ class KVStore:
         self.tiers = TierSet(c, self.layout, self.sequences, self.tensors)
         self.decode = DecodePath(c, self.tiers)
         self.appends = AppendPath(c, self.tiers, self.tensors)
-        self.contexts = Contexts(c, self.sequences, self.tiers, self.tensors)
+        self.unread = UnreadCodes(self.sequences, c.block_tokens, self.device)  # sketch codes left in saves
+        self.contexts = Contexts(c, self.sequences, self.tiers, self.tensors, self.unread)
         values = values_store(self.tiers.cold)  # None: the sidecar's cold tier holds no saved contexts
         self.saved = None if values is None else SavedContexts(values, self.tiers, self.contexts.root)
         if values is not None:
@@ -85,8 +88,8 @@ class KVStore:
         Returns once durable; an interrupted save leaves nothing under `name` (an earlier save of `name`
         stays until this one commits, then is replaced)."""
         self.table(seq, 0)
-        self.contexts.load_sketch_if_needed(seq)
-        self._saved_contexts().save(name, self.sequences[seq], self.token_ids(seq))
+        codes = partial(self.unread.codes, seq)  # codes an opened sequence never read go save to save
+        self._saved_contexts().save(name, self.sequences[seq], self.token_ids(seq), codes)
 
     def open(self, name: str) -> int:
         """A new sequence on the saved context `name` (saved by any process with this ssd_path or redis_url,
@@ -204,7 +207,7 @@ class KVStore:
         if table.num_dropped and not isinstance(policy, type(self.policies["h2o"])):
             raise ValueError(f"sequence {seq} layer {layer}: h2o mode dropped blocks; only mode='h2o' can attend it")
         if isinstance(policy, type(self.policies["sketch"])):
-            self.contexts.load_sketch_if_needed(seq)  # an opened sequence reads its sketch codes now
+            self.unread.load_if_needed(seq)  # an opened sequence reads its sketch codes now
         return self.decode.attend(table, q, policy, budget, measure_mass, epsilon)
 
     def decode_step(self, seq: int, mode: str = "topk", budget: int = 4096, capacity_tokens: int | None = None):
@@ -214,7 +217,7 @@ class KVStore:
 
         self.table(seq, 0)
         if mode == "sketch":
-            self.contexts.load_sketch_if_needed(seq)  # an opened sequence reads its sketch codes now
+            self.unread.load_if_needed(seq)  # an opened sequence reads its sketch codes now
         return DecodeStep(self, seq, mode, budget, capacity_tokens)
 
     def _policy(self, mode: str | Policy) -> Policy | None:

@@ -144,16 +144,78 @@ def test_open_reads_summaries_not_sketches_and_the_sketch_loads_on_first_use(tmp
     sketch_keys = [k for k in read if b"/k/" in k]
     assert not sketch_keys and any(b"/m/" in k for k in read)  # summaries yes, sketch codes no
     store.attend(opened, 0, q, "topk", budget=64)
-    assert opened in store.contexts.unloaded_sketch and not [k for k in read if b"/k/" in k]
+    assert opened in store.unread and not [k for k in read if b"/k/" in k]
     fork = store.fork(opened)  # the fork's codes are unloaded too, and load on their own
     got = [store.attend(opened, layer, q, "sketch", budget=64) for layer in range(SPEC.num_layers)]
-    assert [k for k in read if b"/k/" in k] and opened not in store.contexts.unloaded_sketch
+    assert [k for k in read if b"/k/" in k] and opened not in store.unread
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     for layer in range(SPEC.num_layers):
         assert torch.equal(store.sequences[opened][layer].sketch[:150], codes[layer][:150])
-    assert fork in store.contexts.unloaded_sketch
+    assert fork in store.unread
     assert all(torch.equal(store.attend(fork, layer, q, "sketch", budget=64), want[layer])
                for layer in range(SPEC.num_layers))
+    store.check_integrity()
+    store.close()
+
+
+def code_reads(store: KVStore) -> list[bytes]:
+    """Keys of the sketch-code values the store reads from its saved contexts from now on."""
+    read, get = [], store.saved.values.get
+    store.saved.values.get = lambda keys: read.extend(k for k in keys if b"/k/" in k) or get(keys)
+    return read
+
+
+def test_a_prefix_of_an_opened_context_and_a_save_of_it_leave_its_sketch_codes_unread(tmp_path):
+    store = KVStore(config(tmp_path / "ssd"))
+    seq = filled(store, NUM_TOKENS, seed=12)
+    ids = store.token_ids(seq)
+    store.save(seq, "doc")
+    q = query(7)
+    want = [store.attend(seq, layer, q, "sketch", budget=64) for layer in range(SPEC.num_layers)]
+    ref = store.create_sequence(store.match_prefix(ids[:600]))
+    want_prefix = [store.attend(ref, layer, q, "sketch", budget=64) for layer in range(SPEC.num_layers)]
+    store.free(seq)
+    store.free(ref)
+    read = code_reads(store)
+    opened = store.open("doc")
+    prefix = store.create_sequence(store.match_prefix(ids[:600]))  # 75 blocks shared with the opened sequence
+    assert store.table(prefix, 0).num_tokens == 600 and not read
+    assert opened in store.unread and prefix in store.unread
+    store.save(opened, "copy")  # its codes go from the save to the new save, not through its tables
+    assert opened in store.unread and not any(store.table(opened, layer).sketch[:151].any()
+                                              for layer in range(SPEC.num_layers))
+    assert read and len(read) == len(set(read))  # each saved part of the codes read once
+    read.clear()
+    got = [store.attend(prefix, layer, q, "sketch", budget=64) for layer in range(SPEC.num_layers)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want_prefix))
+    assert read and prefix not in store.unread and opened in store.unread  # the prefix read only its own
+    copy = store.open("copy")
+    for s in (copy, opened):
+        assert all(torch.equal(store.attend(s, layer, q, "sketch", budget=64), want[layer])
+                   for layer in range(SPEC.num_layers))
+    store.check_integrity()
+    store.close()
+
+
+def test_a_grown_opened_context_saves_its_refilled_tail_codes_and_the_rest_from_its_save(tmp_path):
+    """The saved partial tail fills after open: its codes are re-encoded in the table, the others unread."""
+    store = KVStore(config(tmp_path / "ssd"))
+    seq = filled(store, NUM_TOKENS, seed=13)
+    store.save(seq, "doc")
+    grow = [kv(5, 50 + layer) for layer in range(SPEC.num_layers)]  # 1203 + 5: the 151st block is full
+    for layer in range(SPEC.num_layers):
+        store.append(seq, layer, *grow[layer])
+    want = [store.table(seq, layer).sketch[:151].clone() for layer in range(SPEC.num_layers)]
+    store.free(seq)
+    opened = store.open("doc")
+    for layer in range(SPEC.num_layers):
+        store.append(opened, layer, *grow[layer])
+    store.save(opened, "grown")
+    assert opened in store.unread
+    grown = store.open("grown")
+    for s in (grown, opened):
+        store.unread.load_if_needed(s)
+        assert all(torch.equal(store.table(s, layer).sketch[:151], want[layer]) for layer in range(SPEC.num_layers))
     store.check_integrity()
     store.close()
 
