@@ -3,7 +3,7 @@
 The split kernels (paged_decode.py, one_tile.py) leave, per (row, q head, split), the split's normalized
 output and its log2-sum-exp2, and per (row, q head, block) the block's log2-sum-exp2. `_merge_kernel`
 runs a program per (row, kv head, p): each finds its group's log-sum-exp over the splits (a few hundred
-floats), program p < GROUP weights q head p's splits by exp2(lse_split - lse) into the output, and
+floats), program p < GROUP also weights q head p's splits by exp2(lse_split - lse) into the output, and
 program p turns chunk p of the block log-sums into softmax mass averaged over the group's q heads (what
 H2O adds up). One launch where a combine and a mass kernel used to wait on each other.
 """
@@ -16,7 +16,7 @@ import triton.language as tl
 
 from kvstore.attention.plan import DecodeGeometry
 
-_SPLIT_CHUNK = 32  # splits per step of the merge
+_MAX_SPLIT_CHUNK = 64  # splits per step of the merge: a short table's splits in one step
 _MASS_CHUNK = 256  # blocks per program of the mass
 
 
@@ -27,47 +27,56 @@ def _merge_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr, MASS_CHUNK: tl.constexpr, RETURN_MASS: tl.constexpr,
 ):
-    """Program (b, kv head, p): out of q head p of the group (p < GROUP); mass[b, head, chunk p] (RETURN_MASS)."""
+    """Program (b, kv head, p): out of q head p of the group (p < GROUP); mass[b, head, chunk p] (RETURN_MASS).
+
+    One pass over the splits, online: the group's running max m and sum of exp2 [G], and q head p's
+    weighted output. Every load of a step is issued at once (the block log-sums before the pass), so a
+    short table's merge waits on memory once.
+    """
     b = tl.program_id(0)
     head = tl.program_id(1)
     p = tl.program_id(2)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_s = tl.arange(0, SPLIT_CHUNK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_j = p * MASS_CHUNK + tl.arange(0, MASS_CHUNK)
     g_ok = offs_g < GROUP
+    is_out = p < GROUP  # this program writes q head p's output
+    out_splits = tl.where(is_out, num_splits, 0)  # the splits of q head p it reads
     rows = (b * num_kv_heads + head) * GROUP + offs_g  # [G] q-head rows
-    # the group's max and sum of exp2 over the splits, online
+    row_p = (b * num_kv_heads + head) * GROUP + p
+    if RETURN_MASS:  # past the row's blocks lse_block is unwritten: masked below, not at the load
+        lse_block = tl.load(lse_block_ptr + rows[:, None] * max_blocks + offs_j[None, :],
+                            mask=g_ok[:, None] & (offs_j < max_blocks)[None, :], other=0.0)  # [G, C]
+        n_blocks = tl.cdiv(tl.load(num_tokens_ptr + b), BLOCK_TOKENS)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
     for s0 in range(0, num_splits, SPLIT_CHUNK):
-        ok = g_ok[:, None] & (s0 + offs_s < num_splits)[None, :]
-        lse = tl.load(lse_part_ptr + rows[:, None] * num_splits + s0 + offs_s[None, :], mask=ok,
-                      other=float("-inf"))  # [G, S]
+        s_ok = s0 + offs_s < num_splits
+        lse = tl.load(lse_part_ptr + rows[:, None] * num_splits + s0 + offs_s[None, :],
+                      mask=g_ok[:, None] & s_ok[None, :], other=float("-inf"))  # [G, S]
+        o_ok = s0 + offs_s < out_splits
+        lse_p = tl.load(lse_part_ptr + row_p * num_splits + s0 + offs_s, mask=o_ok, other=float("-inf"))
+        o = tl.load(o_part_ptr + (row_p * num_splits + s0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=o_ok[:, None], other=0.0)  # [S, D]
         m_new = tl.maximum(m, tl.max(lse, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split with tokens yet: every weight 0
-        total = total * tl.exp2(m - m_ref) + tl.sum(tl.exp2(lse - m_ref[:, None]), 1)
+        alpha = tl.exp2(m - m_ref)  # [G]
+        total = total * alpha + tl.sum(tl.exp2(lse - m_ref[:, None]), 1)
+        m_ref_p = tl.sum(tl.where(offs_g == p, m_ref, 0.0), 0)
+        alpha_p = tl.sum(tl.where(offs_g == p, alpha, 0.0), 0)
+        acc = acc * alpha_p + tl.sum(tl.exp2(lse_p - m_ref_p)[:, None] * o, 0)
         m = m_new
-    m = tl.where(m == float("-inf"), 0.0, m)  # no splits at all
-    if p < GROUP:
-        row = (b * num_kv_heads + head) * GROUP + p
-        m_p = tl.sum(tl.where(offs_g == p, m, 0.0), 0)
+    if is_out:
         total_p = tl.sum(tl.where(offs_g == p, total, 0.0), 0)
-        offs_d = tl.arange(0, HEAD_DIM)
-        acc = tl.zeros([HEAD_DIM], tl.float32)
-        for s0 in range(0, num_splits, SPLIT_CHUNK):
-            s_ok = s0 + offs_s < num_splits
-            part = row * num_splits + s0 + offs_s  # [S]
-            w = tl.exp2(tl.load(lse_part_ptr + part, mask=s_ok, other=float("-inf")) - m_p)
-            o = tl.load(o_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-            acc += tl.sum(w[:, None] * o, 0)
         out = acc / tl.where(total_p > 0, total_p, 1.0)
         tl.store(out_ptr + b * s_out_batch + (head * GROUP + p) * s_out_head + offs_d, out.to(tl.float16))
     if RETURN_MASS:
+        m = tl.where(m == float("-inf"), 0.0, m)
         lse = tl.where(total > 0, m + tl.log2(tl.where(total > 0, total, 1.0)), 0.0)  # [G]
-        offs_j = p * MASS_CHUNK + tl.arange(0, MASS_CHUNK)
-        n_blocks = tl.cdiv(tl.load(num_tokens_ptr + b), BLOCK_TOKENS)
         ok = g_ok[:, None] & (offs_j < n_blocks)[None, :]  # [G, C]
-        lse_block = tl.load(lse_block_ptr + rows[:, None] * max_blocks + offs_j[None, :], mask=ok, other=0.0)
-        mass = tl.sum(tl.where(ok, tl.exp2(lse_block - lse[:, None]), 0.0), 0) / GROUP
+        mass = tl.sum(tl.exp2(tl.where(ok, lse_block - lse[:, None], float("-inf"))), 0) / GROUP
         tl.store(mass_ptr + (b * num_kv_heads + head) * max_blocks + offs_j, mass, mask=offs_j < max_blocks)
 
 
@@ -86,6 +95,7 @@ def merge_splits(
     _merge_kernel[(b, h, programs)](
         o_part, lse_part, lse_block, num_tokens, out, mass, out.stride(0), out.stride(1), h, num_splits, max_blocks,
         GROUP=geom.group, GROUP_PAD=triton.next_power_of_2(geom.group), HEAD_DIM=d, BLOCK_TOKENS=geom.block_tokens,
-        SPLIT_CHUNK=_SPLIT_CHUNK, MASS_CHUNK=_MASS_CHUNK, RETURN_MASS=return_block_mass, num_warps=4,
+        SPLIT_CHUNK=min(_MAX_SPLIT_CHUNK, triton.next_power_of_2(num_splits)), MASS_CHUNK=_MASS_CHUNK,
+        RETURN_MASS=return_block_mass, num_warps=4,
     )
     return out, (mass if return_block_mass else None)

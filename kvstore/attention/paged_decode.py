@@ -229,16 +229,17 @@ def paged_decode(
     if cfg.one_tile:
         parts = one_tile_partials(*args, geom, cfg, scale, return_block_mass, _use_asm(q.device))
     else:
-        parts = _split_partials(*args, geom, cfg, scale, return_block_mass, "partition" if walk == "auto" else walk)
+        parts = split_partials(*args, geom, cfg, scale, return_block_mass, "partition" if walk == "auto" else walk)
     return merge_splits(*parts, num_tokens, geom, return_block_mass)
 
 
-def _split_partials(
+def split_partials(
     q: torch.Tensor, hot_pool: torch.Tensor, warm_words: torch.Tensor, warm_k_scale: torch.Tensor,
     warm_v_scale: torch.Tensor, block_table: torch.Tensor, block_is_int8: torch.Tensor, num_tokens: torch.Tensor,
     geom: DecodeGeometry, cfg: DecodeConfig, scale: float, return_block_mass: bool, walk: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The split walk: (o_part, lse_part, lse_block) as merge_splits reads them."""
+    """The split walk (walk: partition, fused or dispatch): (o_part, lse_part, lse_block) as merge_splits reads
+    them. Arguments as paged_decode checked them (warm_words: warm_data viewed as int32, flags as int8)."""
     has_hot, has_warm = hot_pool.shape[0] > 0, warm_words.shape[0] > 0
     partitioned = has_hot and has_warm and walk != "dispatch"
     total_splits = 2 * cfg.num_splits if partitioned else cfg.num_splits
