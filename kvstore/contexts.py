@@ -265,13 +265,7 @@ class Contexts:
         self.tiers.holders.share(seq, layer, table, shared)
         try:
             if partial:
-                tail = self.tiers.gather([table.block_ids[n - 1]], self.tiers.device)  # [1, 2, H, B, D] fp16
-                table.block_ids[n - 1] = self.tiers.blocks.new_ids(1, seq, layer, n - 1)[0]
-                try:
-                    self.tiers.place([table.block_ids[n - 1]], tail, HOT_TIER, coldest=HOT_TIER)
-                except BaseException:
-                    self.tiers.blocks.forget_owners([table.block_ids[n - 1]])
-                    raise
+                self.tiers.copy_into(table, seq, layer, n - 1)
             else:
                 self.tiers.pin_tail(table)
         except BaseException:

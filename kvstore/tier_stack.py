@@ -37,7 +37,7 @@ class TierStack:
     def __iter__(self) -> Iterator[Tier]:
         return iter(self.tiers)
 
-    def __getitem__(self, index: int) -> Tier:
+    def __getitem__(self, index: int | slice) -> Tier | list[Tier]:
         return self.tiers[index]
 
     def __len__(self) -> int:

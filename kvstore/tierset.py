@@ -25,7 +25,7 @@ from kvstore.placement import COLD, HOT, WARM, Placement
 from kvstore.registry import BlockRegistry
 from kvstore.table import DROPPED, LayerTable, TableTensors
 from kvstore.tier_stack import COLD_TIER, CPU_TIER, HOT_TIER, SAVED_TIER, WARM_TIER, TierStack
-from tiers.base import Tier, device_ints
+from tiers.base import device_ints
 from tiers.codec import Codec
 from tiers.errors import BlockMissingError, CapacityError
 from tiers.layout import BlockLayout, Blocks, Int8Blocks
@@ -42,25 +42,19 @@ class TierSet:
         c = config
         self.layout, self.device = layout, torch.device(c.device)
         self.placement = Placement(c.block_tokens, c.sink_tokens, c.hot_tokens, c.warm_tokens)
-        self.tiers = TierStack(c, layout, self.placement)
-        self.hot, self.warm, self.cpu, self.cold, self.saved = self.tiers
-        self.blocks = BlockRegistry(len(self.tiers))
-        self.holders = Holders(tables, self.blocks, tensors, self.tiers)  # the tables' side of every move
+        self.stack = TierStack(c, layout, self.placement)
+        self.hot, self.warm, self.cpu, self.cold, self.saved = self.stack
+        self.blocks = BlockRegistry(len(self.stack))
+        self.holders = Holders(tables, self.blocks, tensors, self.stack)  # the tables' side of every move
         self._in_flight: set[int] = set()  # blocks being moved: in two tiers for a moment, never victims
         self.demotion = Demotion(self.holders, self.blocks, self.placement, self._in_flight)  # who cools first
         self.cooling_failures = 0  # cooling moves a full or failing colder tier refused
 
-    def __iter__(self) -> Iterator[Tier]:
-        return iter(self.tiers)
-
-    def __getitem__(self, index: int) -> Tier:
-        return self.tiers[index]
-
     # -- room ----------------------------------------------------------------------------
     def check_room(self, num_new: int) -> None:
         """Raise CapacityError, before anything changes, if `num_new` more blocks cannot be held."""
-        if num_new > self.tiers.free_blocks():
-            raise CapacityError(f"no room for {num_new} more blocks in any tier (stats: {self.tiers.stats()})")
+        if num_new > self.stack.free_blocks():
+            raise CapacityError(f"no room for {num_new} more blocks in any tier (stats: {self.stack.stats()})")
         if not self.hot.free_blocks() and all(self.demotion.is_pinned(b) for b in self.blocks.oldest(HOT_TIER)):
             raise CapacityError(
                 f"the hot pool's {self.hot.slots.num_slots} slots all hold tail blocks of live sequences; "
@@ -69,13 +63,13 @@ class TierSet:
 
     def _make_room(self, tier: int, n: int) -> int:
         """Cool victims out of `tier` until n blocks fit (as far as colder tiers allow); returns how many fit."""
-        deficit = n - self.tiers[tier].free_blocks()
+        deficit = n - self.stack[tier].free_blocks()
         if deficit > 0 and tier < COLD_TIER:
             victims = self.demotion.victims(tier, deficit)
             with suppress(CapacityError):  # colder tiers full too: fewer fit here, the caller spills or refuses
                 if victims:
                     self.move(victims, tier, tier + 1)
-        return min(n, self.tiers[tier].free_blocks())
+        return min(n, self.stack[tier].free_blocks())
 
     # -- moves ---------------------------------------------------------------------------
     def place(self, ids: list[int], blocks: Blocks, tier: int, coldest: int | None = None) -> None:
@@ -85,14 +79,14 @@ class TierSet:
         done: list[tuple[int, int, int]] = []
         try:
             for t, lo, hi in plan:
-                self.tiers[t].put(ids[lo:hi], _rows(blocks, slice(lo, hi)))
+                self.stack[t].put(ids[lo:hi], _rows(blocks, slice(lo, hi)))
                 done.append((t, lo, hi))
         except BaseException as exc:
             for t, lo, hi in done:
-                self.tiers[t].delete(ids[lo:hi])
+                self.stack[t].delete(ids[lo:hi])
             self._discard_partial(ids, plan[len(done)])
             if isinstance(exc, MemoryError):  # a tier's own budget (bytes after compression, host memory)
-                name = self.tiers[plan[len(done)][0]].name
+                name = self.stack[plan[len(done)][0]].name
                 raise CapacityError(f"{name} tier refused {len(ids)} blocks: {exc}") from exc
             raise
         for t, lo, hi in done:
@@ -103,9 +97,9 @@ class TierSet:
         take back what landed, as far as the tier still answers."""
         tier, lo, hi = step
         try:
-            landed = [i for i in ids[lo:hi] if i in self.tiers[tier]]
+            landed = [i for i in ids[lo:hi] if i in self.stack[tier]]
             if landed:
-                self.tiers[tier].delete(landed)
+                self.stack[tier].delete(landed)
         except Exception:  # noqa: BLE001 -- the put's own error is the one to report
             pass
 
@@ -116,17 +110,17 @@ class TierSet:
         plan = []
         if spill:
             if tier >= coldest:
-                raise CapacityError(f"{self.tiers[tier].name} tier is full ({spill} of {n} blocks do not fit)")
+                raise CapacityError(f"{self.stack[tier].name} tier is full ({spill} of {n} blocks do not fit)")
             plan = self._plan(spill, tier + 1, coldest)
         return plan + ([(tier, spill, n)] if room else [])
 
     def move(self, ids: list[int], src: int, dst: int, coldest: int | None = None) -> None:
         """Move blocks between tiers: put in `dst` (or colder, down to `coldest`, but never back into `src`),
         then delete from `src`."""
-        blocks = self.tiers[src].get(ids)  # verified: a damaged block raises here, before anything moved
+        blocks = self.stack[src].get(ids)  # verified: a damaged block raises here, before anything moved
         with self._moving(ids):
             self.place(ids, blocks, dst, coldest=coldest if coldest is not None else src - 1 if dst < src else None)
-        self.tiers[src].delete(ids)
+        self.stack[src].delete(ids)
         self.holders.count(ids, src, -1)
 
     @contextmanager
@@ -191,7 +185,7 @@ class TierSet:
         out = self.layout.empty_fp16(len(ids), device)
         position = {block_id: i for i, block_id in enumerate(ids)}
         for tier, group in self.blocks.by_tier(ids).items():
-            blocks = self.tiers[tier].fetch(group, device)
+            blocks = self.stack[tier].fetch(group, device)
             if isinstance(blocks, Int8Blocks):
                 blocks = dequantize(blocks)
             out[device_ints([position[i] for i in group], device)] = blocks
@@ -207,17 +201,17 @@ class TierSet:
             elif tier == COLD_TIER and isinstance(self.cold, SsdTier):
                 got = self.cold.get_values([self.cold.key(i) for i in group])
             else:
-                blocks = self.tiers[tier].get(group).to("cpu")
+                blocks = self.stack[tier].get(group).to("cpu")
                 codec = Codec(*getattr(self.cold, "codec_args", ("zstd", 1)))
                 got = [codec.encode(self.layout, blocks, row) for row in range(len(group))]
             if any(v is None for v in got):
-                raise BlockMissingError(f"{self.tiers[tier].name}: a block to save is gone")
+                raise BlockMissingError(f"{self.stack[tier].name}: a block to save is gone")
             values.update(zip(group, got))
         return [values[i] for i in ids]
 
     def delete(self, ids: Sequence[int]) -> None:
         for tier, group in self.blocks.by_tier(ids).items():
-            self.tiers[tier].delete(group)
+            self.stack[tier].delete(group)
             self.holders.count(group, tier, -1)
         self.blocks.remove(ids)
 
@@ -225,6 +219,19 @@ class TierSet:
         """Entries `indices` of the table (seq, layer) let go of their blocks; a block no other table holds
         is deleted from its tier. The table's counts follow; its block ids and maps are the caller's."""
         self.delete(self.holders.let_go(seq, layer, indices))
+
+    def copy_into(self, table: LayerTable, seq: int, layer: int, index: int) -> None:
+        """Entry `index` of `table`, registered as (seq, layer), gets its own copy of the block it points at, in
+        the hot tier (copy-on-write of a shared partial tail); CapacityError, the entry unchanged, if no room."""
+        old = table.block_ids[index]
+        blocks = self.gather([old], self.device)  # [1, 2, H, B, D] fp16
+        table.block_ids[index] = self.blocks.new_ids(1, seq, layer, index)[0]
+        try:
+            self.place([table.block_ids[index]], blocks, HOT_TIER, coldest=HOT_TIER)
+        except BaseException:
+            self.blocks.forget_owners([table.block_ids[index]])
+            table.block_ids[index] = old
+            raise
 
     def pin_tail(self, table: LayerTable) -> None:
         """Bring the table's tail block into the hot tier, where tails live (a full one too: DecodeStep
@@ -251,17 +258,17 @@ class TierSet:
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict:
         """KVStore.stats's tier entries: blocks and bytes per tier, and the failures the tiers counted."""
-        return {"tiers": self.tiers.stats(), "integrity_errors": self.tiers.integrity_errors,
-                "missing_blocks": self.tiers.missing_blocks, "cooling_failures": self.cooling_failures}
+        return {"tiers": self.stack.stats(), "integrity_errors": self.stack.integrity_errors,
+                "missing_blocks": self.stack.missing_blocks, "cooling_failures": self.cooling_failures}
 
     def check_integrity(self) -> None:
-        self.tiers.check_integrity()
-        self.blocks.check(self.tiers)
+        self.stack.check_integrity()
+        self.blocks.check(self.stack)
         if self._in_flight:
             raise AssertionError(f"blocks left in flight between tiers: {sorted(self._in_flight)[:8]}")
 
     def close(self) -> None:
-        self.tiers.close()
+        self.stack.close()
 
 
 def _rows(blocks: Blocks, rows: slice) -> Blocks:

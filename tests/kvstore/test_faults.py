@@ -78,9 +78,9 @@ class FaultyTier:
 
 
 def inject(store: KVStore, index: int, error: Exception) -> FaultyTier:
-    faulty = FaultyTier(store.tiers[index], error)
-    store.tiers.tiers.tiers[index] = faulty  # the TierSet's TierStack's list
-    store.tiers.hot, store.tiers.warm, store.tiers.cpu, store.tiers.cold = store.tiers.tiers.tiers[:4]
+    faulty = FaultyTier(store.tiers.stack[index], error)
+    store.tiers.stack.tiers[index] = faulty
+    store.tiers.hot, store.tiers.warm, store.tiers.cpu, store.tiers.cold = store.tiers.stack[:4]
     return faulty
 
 

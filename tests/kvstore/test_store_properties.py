@@ -86,7 +86,7 @@ class StoreMachine(RuleBasedStateMachine):
         stats = self.store.stats()["tiers"]
         assert all(t["blocks"] == 0 and t["bytes"] == 0 for t in stats.values()), stats
         assert self.store.tiers.cold._scan() == {}  # every ssd key removed
-        assert all(t.slots.num_free == t.slots.num_slots for t in self.store.tiers[:3])
+        assert all(t.slots.num_free == t.slots.num_slots for t in self.store.tiers.stack[:3])
         self.store.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
