@@ -104,7 +104,11 @@ class _Stream:
     def __init__(self, pool: redis.ConnectionPool) -> None:
         self.pool, self.rows, self.keys = pool, [], []
         self.conn = pool.get_connection()
-        self.reader = ReplyReader(self.conn._sock)  # connected and authenticated by the pool
+        # The pool's socket, connected and authenticated: redis-py has no public way to it. Its own reply
+        # parsers take `connection._sock` in on_connect (a parser set with the public set_parser would too);
+        # read_response copies each value (what this module avoids); sockets of our own would redo the
+        # pool's handshake (AUTH or credential providers, SELECT, HELLO, TLS, unix sockets).
+        self.reader = ReplyReader(self.conn._sock)
         self.sent = self.read = 0
 
     def send_ahead(self, count: int) -> None:
