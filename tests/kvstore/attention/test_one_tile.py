@@ -97,3 +97,17 @@ def test_planner_takes_one_tile_for_a_budget_and_splits_for_long_tables(monkeypa
     assert not forced.one_tile and forced.num_splits == 4
     with pytest.raises(ValueError, match="one split per tile"):
         decode_config(DecodeGeometry(1, 32, 8, 128, 64, 64), cuda, num_splits=4, one_tile=True)
+
+
+def test_one_tile_caps_rows_at_the_table() -> None:
+    """num_tokens past the table's end: the table's blocks, all of them full (as the split walk reads them)."""
+    case = make_case([3 * 16], 2, 2, 32, 16, 0.5, seed=5, pad_blocks=0)
+    args = list(case.args())
+    out, mass = paged_decode(*args, return_block_mass=True, walk="one_tile")
+    args[7] = torch.full_like(case.num_tokens, 1000)
+    long_out, long_mass = paged_decode(*args, return_block_mass=True, walk="one_tile")
+    ref_out, ref_mass = paged_decode_ref(*case.args(), return_block_mass=True)
+    torch.testing.assert_close(long_out, out, atol=0, rtol=0)
+    torch.testing.assert_close(long_mass, mass, atol=0, rtol=0)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=4e-3, rtol=1e-2)
+    torch.testing.assert_close(mass, ref_mass, atol=1e-3, rtol=1e-2)
