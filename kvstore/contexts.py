@@ -79,8 +79,9 @@ def check_token_ids(token_ids: object) -> list[int]:
 
 
 class Contexts:
-    """Token records, content keys and sharing over the store's tables: fork, prefix lookup, sequences
-    started on a prefix, free. Handed the tables, the tier set and the table tensors; never the store."""
+    """Sequences, their token records, content keys and sharing over the store's tables: create, fork,
+    prefix lookup, sequences started on a prefix or a saved context, free. Handed the tables, the tier
+    set, the table tensors and the unread sketch codes; never the store."""
 
     def __init__(self, config: Config, tables: dict[int, list[LayerTable]], tiers: TierSet,
                  tensors: TableTensors, unread: UnreadCodes) -> None:

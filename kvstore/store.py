@@ -1,10 +1,11 @@
 """KVStore: the KV cache of many sequences as fixed-size blocks across tiers.
 
 The facade users hold. It owns the sequences' block tables, a TierSet (where every block
-lives and how it moves), a DecodePath (select -> stage -> attend -> account), Contexts
-(token ids, content keys, fork and prefix sharing by reference count) and SavedContexts
-(save / open beside the cold tier: the ssd tier's LMDB or Redis), checks every argument before
-anything changes, and hands each part only what it works on.
+lives and how it moves), an AppendPath (fill the tail -> new blocks -> place -> cool), a
+DecodePath (select -> stage -> attend -> account), Contexts (sequences, token ids, content keys,
+fork and prefix sharing by reference count), SavedContexts (save / open beside the cold tier: the
+ssd tier's LMDB or Redis) and UnreadCodes (the sketch codes opened sequences left in their saves),
+checks every argument before anything changes, and hands each part only what it works on.
 """
 
 from __future__ import annotations
