@@ -7,13 +7,16 @@ reuses the block summary (eviction/summaries.py) as its quantization grid, so it
 only the codes: for block b, kv head h and channel d,
     step = (max_bd - min_bd) / 15,   code = round((k - min_bd) / step)  in [0, 15],
     k_hat = min_bd + step * code,    |k - k_hat| <= step / 2.
-Codes are stored as two 2-bit planes, high (code >> 2) then low (code & 3), so a coarse
-pass can read the high plane alone (a 2-bit estimate, k in min + step * [4 hi - 0.5,
-4 hi + 3.5]) and refine only the candidates with the low plane (bench_longctx/
-selection_quality.py measures both; BENCHMARKS.md "Selection quality").
 
-Layout: codes uint8 [num_blocks, kv_heads, 2 (plane), block_tokens, head_dim // 4]; byte j
-of a plane row holds channels j, j + D/4, j + D/2, j + 3D/4 at bits 0-1, 2-3, 4-5, 6-7.
+Layout: channel-major nibbles, so that a pass can read a few channels of every block (SparQ, Ribar et
+al. 2023: eviction/sketch_channels.py) as whole 32-byte rows. For block b and kv head h the B * D / 2
+bytes hold nibble i = d * B + t (channel d, token t) in byte i // 2, low nibble first: with an even
+block size, channel d's row is bytes d * B/2 .. (d + 1) * B/2 - 1 and byte j holds tokens 2j (bits 0-3)
+and 2j + 1 (bits 4-7). The tensor keeps the shape the store allocates and saves,
+codes uint8 [num_blocks, kv_heads, 2, block_tokens, head_dim // 4] (B * D / 2 bytes per block and kv
+head: `channel_rows` views it as [num_blocks, kv_heads, head_dim, block_tokens // 2]); only this module
+writes or reads its bytes. (Until the channel-major change the same bytes held two token-major 2-bit
+planes: eviction/sketch_planes.py, kept for the benchmark's comparison.)
 Bytes per token and kv head: head_dim / 2 (32 B at d64, 64 B at d128: 1/4 of the fp16 key,
 1/8 of the fp16 K+V it describes), plus the summaries every block already has.
 
@@ -26,11 +29,12 @@ from __future__ import annotations
 import torch
 
 from eviction.select import cdiv
-from eviction.sketch_kernel import COARSE_HALF, COARSE_MID, FINE_HALF, ROUNDING_SLACK
+from eviction.sketch_kernel import ROUNDING_SLACK, unpack_codes
 from eviction.summaries import summarize_keys
 
 LEVELS = 15  # 4-bit codes 0..15
-PLANES = 2
+FINE_HALF = 0.5  # 4-bit codes: |k - k_hat| <= step / 2
+COARSE_MID, COARSE_HALF = 1.5, 2.0  # the top 2 bits alone (a study): k_hat = min + step (4 (code >> 2) + 1.5) +- 2 step
 
 
 def grid_steps(summaries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,20 +45,25 @@ def grid_steps(summaries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:
-    """int codes [..., t, D] in [0, 15] -> uint8 [..., 2, t, D // 4]: high plane then low plane."""
-    d = codes.shape[-1]
-    quarters = codes.unflatten(-1, (4, d // 4))  # [..., t, 4, D/4]: quarter i = channels i*D/4 ..
-    shifts = torch.arange(0, 8, 2, device=codes.device)[:, None]  # [4, 1]
-    planes = [((quarters >> 2) << shifts).sum(-2), ((quarters & 3) << shifts).sum(-2)]
-    return torch.stack(planes, dim=-3).to(torch.uint8)
+    """int codes [..., B, D] in [0, 15] -> uint8 [..., 2, B, D // 4]: channel-major nibbles (module docstring)."""
+    b, d = codes.shape[-2:]
+    nibbles = codes.transpose(-1, -2).reshape(*codes.shape[:-2], b * d // 2, 2)  # [..., B*D/2, 2]: (low, high)
+    return (nibbles[..., 0] | (nibbles[..., 1] << 4)).to(torch.uint8).view(*codes.shape[:-2], 2, b, d // 4)
 
 
-def unpack(packed: torch.Tensor, planes: int = PLANES) -> torch.Tensor:
-    """uint8 [..., 2, t, D // 4] -> float32 [..., t, D]: the 4-bit code (planes=2) or the high 2 bits (planes=1)."""
-    shifts = torch.arange(0, 8, 2, device=packed.device)[:, None]  # [4, 1]
-    quarters = (packed.to(torch.int64).unsqueeze(-2) >> shifts) & 3  # [..., 2, t, 4, D/4]
-    code = quarters.select(-4, 0) * 4 + (quarters.select(-4, 1) if planes == 2 else 0)
-    return code.flatten(-2).float()
+def unpack(packed: torch.Tensor, planes: int = 2) -> torch.Tensor:
+    """uint8 [..., 2, B, D // 4] -> float32 [..., B, D]: the 4-bit code (planes=2) or its top 2 bits times 4
+    (planes=1, a coarser study estimate)."""
+    code = unpack_codes(packed)
+    return code if planes == 2 else torch.div(code, 4, rounding_mode="floor") * 4
+
+
+def channel_rows(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 2, B, D // 4] -> a view [..., D, B // 2]: row d holds channel d's codes, two tokens a byte."""
+    b, d = codes.shape[-2], codes.shape[-1] * 4
+    if b % 2:
+        raise ValueError(f"channel rows need an even block size, got {b}")
+    return codes.view(*codes.shape[:-3], d, b // 2)
 
 
 def encode_blocks(blocks: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
@@ -116,12 +125,12 @@ class KeySketch:
 
 
 def token_estimates_ref(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor,
-                        planes: int = PLANES) -> tuple[torch.Tensor, torch.Tensor]:
+                        planes: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """(estimates float32 [Hq, N, B], error float32 [Hq, N]): per q head, token logit estimates q . k_hat
     and a bound on |q . k - q . k_hat| that holds for every token of the block.
 
     q: [Hq, D] (Hq a multiple of H: q head i reads kv head i // group); summaries [N, 2, H, D];
-    codes [N, H, 2, B, D // 4]. planes=1 reads only the high plane.
+    codes [N, H, 2, B, D // 4]. planes=1 uses only the top 2 bits of each code (a study of a 2-bit sketch).
     """
     num_kv_heads = summaries.shape[2]
     group = q.shape[0] // num_kv_heads

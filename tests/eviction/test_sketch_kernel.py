@@ -1,5 +1,5 @@
-"""The fused sketch kernel against its torch reference (under TRITON_INTERPRET=1 without a GPU),
-and its upper bound against the true keys."""
+"""The full 4-bit sketch kernel (the fine pass and the full scan) against its torch reference (under
+TRITON_INTERPRET=1 without a GPU), its upper bound against the true keys, and refine_candidates' merge."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 
 from bench_longctx.sketch_bench import true_block_lse  # the exact per-block log-sum-exp the bound must cover
 from eviction.sketch import sketch_keys
-from eviction.sketch_kernel import sketch_block_stats, sketch_block_stats_ref
+from eviction.sketch_kernel import refine_candidates, sketch_block_stats, sketch_block_stats_ref
+from eviction.sketch_topk import refine_candidates_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -25,16 +26,15 @@ def _case(num_tokens, block_tokens, num_kv_heads, group, head_dim, seed):
 
 @pytest.mark.parametrize("num_tokens,block_tokens,num_kv_heads,group,head_dim", [
     (37, 16, 2, 3, 64),  # partial tail, odd group
-    (96, 32, 1, 4, 128),  # full blocks, llama3 head size
-    (50, 24, 2, 1, 32),  # block size not a power of two, no GQA, a quarter narrower than tl.dot's K
+    (96, 32, 1, 4, 128),  # full blocks, llama3 head size, one kv head
+    (50, 24, 2, 1, 32),  # even block size that is not a power of two, no GQA
     (9, 64, 3, 2, 64),  # one partial block
-    (5 * 64 - 3, 64, 2, 4, 128),  # llama3-8b's group and blocks, 5 blocks (not a multiple of blocks_per_program)
+    (5 * 64 - 3, 64, 2, 4, 128),  # llama3-8b's group and blocks
 ])
-@pytest.mark.parametrize("planes", [1, 2])
-def test_kernel_matches_reference(num_tokens, block_tokens, num_kv_heads, group, head_dim, planes) -> None:
+def test_kernel_matches_reference(num_tokens, block_tokens, num_kv_heads, group, head_dim) -> None:
     q, summaries, codes, keys = _case(num_tokens, block_tokens, num_kv_heads, group, head_dim, seed=num_tokens)
-    want = sketch_block_stats_ref(q, summaries, codes, num_tokens, planes=planes)
-    got = sketch_block_stats(q, summaries, codes, num_tokens, planes=planes)
+    want = sketch_block_stats_ref(q, summaries, codes, num_tokens)
+    got = sketch_block_stats(q, summaries, codes, num_tokens)
     num_blocks = summaries.shape[0]
     for w, g in zip(want, got):
         assert g.shape == (num_kv_heads * group, num_blocks) and g.dtype == torch.float32
@@ -44,35 +44,45 @@ def test_kernel_matches_reference(num_tokens, block_tokens, num_kv_heads, group,
 
 
 @pytest.mark.parametrize("blocks_per_program,decode", [(1, 0), (3, 1), (8, 0)])
-@pytest.mark.parametrize("planes", [1, 2])
-def test_tuning_knobs_do_not_change_results(blocks_per_program, decode, planes) -> None:
+def test_tuning_knobs_do_not_change_results(blocks_per_program, decode) -> None:
     """Every knob setting the benchmark sweeps computes the same thing (here 7 blocks: programs run past the end)."""
     q, summaries, codes, keys = _case(7 * 64 - 10, 64, 2, 4, 128, seed=11)
-    want = sketch_block_stats_ref(q, summaries, codes, keys.shape[0], planes=planes)
+    want = sketch_block_stats_ref(q, summaries, codes, keys.shape[0])
     ids = torch.tensor([[6, 0, 3, 1, 5], [2, 6, 4, 0, 1]], device=DEVICE)  # candidate mode, unsorted, tail included
-    want_ids = sketch_block_stats_ref(q, summaries, codes, keys.shape[0], planes=planes, block_ids=ids)
+    want_ids = sketch_block_stats_ref(q, summaries, codes, keys.shape[0], block_ids=ids)
     knobs = dict(blocks_per_program=blocks_per_program, decode=decode)
-    got = sketch_block_stats(q, summaries, codes, keys.shape[0], planes=planes, **knobs)
-    got_ids = sketch_block_stats(q, summaries, codes, keys.shape[0], planes=planes, block_ids=ids, **knobs)
+    got = sketch_block_stats(q, summaries, codes, keys.shape[0], **knobs)
+    got_ids = sketch_block_stats(q, summaries, codes, keys.shape[0], block_ids=ids, **knobs)
     for w, g in zip(want + want_ids, got + got_ids):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(want_ids[0], want[0].gather(1, ids.repeat_interleave(4, dim=0)))
 
 
-def test_candidate_columns_and_strided_capacity() -> None:
-    q, summaries, codes, keys = _case(150, 16, 2, 2, 64, seed=5)
-    num_blocks = summaries.shape[0]
-    capacity = torch.randint(0, 255, (num_blocks + 7, *codes.shape[1:]), dtype=torch.uint8, device=DEVICE)
-    capacity[:num_blocks] = codes  # the store's buffer: only a prefix is live
-    ids = torch.tensor([[9, 0, 3], [2, 9, 7]], device=DEVICE)  # [H, C], unsorted, the tail block included
-    full = sketch_block_stats_ref(q, summaries, codes, 150)
-    for planes in (1, 2):
-        got = sketch_block_stats(q, summaries, capacity, 150, planes=planes, block_ids=ids)
-        want = sketch_block_stats_ref(q, summaries, capacity, 150, planes=planes, block_ids=ids)
-        for w, g in zip(want, got):
-            assert g.shape == (4, 3)
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
-    rows = ids.repeat_interleave(2, dim=0)
-    torch.testing.assert_close(want[0], full[0].gather(1, rows))
+def test_refine_scores_candidates_and_merges_their_bounds() -> None:
+    """The captured selection's fine pass: capacity rows past the live ones hold garbage, a hole in `valid`, a
+    kept block; scores and the in-place min into the first level's bound match the reference."""
+    q, summaries, codes, keys = _case(12 * 32, 32, 2, 3, 64, seed=9)
+    capacity = torch.cat((summaries, torch.full((4, *summaries.shape[1:]), float("nan"), device=DEVICE).half()))
+    codes = torch.cat((codes, torch.randint(0, 256, (4, *codes.shape[1:]), dtype=torch.uint8, device=DEVICE)))
+    valid = torch.arange(16, device=DEVICE) < 12
+    valid[7] = False  # a hole: block 6 ranks as a tail
+    keep = torch.zeros(16, dtype=torch.bool, device=DEVICE)
+    keep[[0, 11]] = True
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(6, generator=g).to(DEVICE) + 3.0
+    candidates = torch.stack([torch.randperm(16, generator=g)[:9].sort().values for _ in range(2)]).to(DEVICE)
+    first_upper = torch.randn(6, 16, generator=g).to(DEVICE) + 6.0
+    got_upper, want_upper = first_upper.clone(), first_upper.clone()
+    got = refine_candidates(q, capacity, codes, candidates, z, keep, valid, got_upper, blocks_per_program=2)
+    want = refine_candidates_ref(q, capacity, codes, candidates, z, keep, valid, want_upper, 16 * 32)
+    assert torch.equal(got.isinf(), want.isinf()) and torch.equal(got == 0, want == 0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_upper, want_upper, rtol=1e-5, atol=1e-4)
+    assert torch.equal(got_upper[:, ~valid], first_upper[:, ~valid])  # dead blocks' bounds are left alone
+    fine = sketch_block_stats_ref(q, summaries, codes[:12], 12 * 32)[1]
+    live = valid[:12]
+    assert bool((got_upper[:, :12][:, live] <= first_upper[:, :12][:, live]).all())
+    assert bool((got_upper[:, :12] >= torch.minimum(fine, first_upper[:, :12]) - 1e-4).all())
 
 
 def test_upper_bound_holds_for_keys_on_rounding_edges() -> None:
@@ -89,10 +99,9 @@ def test_upper_bound_holds_for_keys_on_rounding_edges() -> None:
     keys = keys.half()[:, None]  # [T, 1, D]
     summaries, codes = sketch_keys(keys, block_tokens)
     true = true_block_lse(q.to(DEVICE), keys.to(DEVICE), block_tokens)
-    for planes in (1, 2):
-        lse, upper = sketch_block_stats(q.to(DEVICE), summaries.to(DEVICE), codes.to(DEVICE), 48, planes=planes)
-        assert (upper >= true).all()
-    assert (lse[0] < true[0] - 0.2).all()  # both planes: q head 0's estimate is fooled, its bound is not
+    lse, upper = sketch_block_stats(q.to(DEVICE), summaries.to(DEVICE), codes.to(DEVICE), 48)
+    assert (upper >= true).all()
+    assert (lse[0] < true[0] - 0.2).all()  # q head 0's estimate is fooled, its bound is not
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -109,26 +118,24 @@ def test_upper_bound_holds_on_random_keys_with_outliers(seed) -> None:
     summaries, codes = sketch_keys(keys, block_tokens)
     q, summaries, codes, keys = q.to(DEVICE), summaries.to(DEVICE), codes.to(DEVICE), keys.to(DEVICE)
     true = true_block_lse(q, keys, block_tokens)
-    for planes in (1, 2):
-        lse, upper = sketch_block_stats(q, summaries, codes, num_tokens, planes=planes)
-        assert (upper >= true).all(), (upper - true).min()
-        want = sketch_block_stats_ref(q, summaries, codes, num_tokens, planes=planes)
-        torch.testing.assert_close(upper, want[1], rtol=1e-5, atol=1e-3)
+    lse, upper = sketch_block_stats(q, summaries, codes, num_tokens)
+    assert (upper >= true).all(), (upper - true).min()
+    want = sketch_block_stats_ref(q, summaries, codes, num_tokens)
+    torch.testing.assert_close(upper, want[1], rtol=1e-5, atol=1e-3)
 
 
 def test_fp16_overflow_falls_back_to_the_min_max_bound() -> None:
-    """|4 q step| past fp16's range: the estimate is not trusted, upper is Quest's bound, still above the truth."""
+    """|q step| past fp16's range: the estimate is not trusted, upper is Quest's bound, still above the truth."""
     q, summaries, codes, keys = _case(40, 16, 1, 2, 64, seed=3)
     keys = keys * 400.0  # steps ~ 100
     summaries, codes = sketch_keys(keys.cpu(), 16)
     summaries, codes = summaries.to(DEVICE), codes.to(DEVICE)
-    q = (q.float() * 100).half()  # |q step| > 65504 somewhere in every block
+    q = (q.float() * 400).half()  # |q step| > 65504 somewhere in every block
     true = true_block_lse(q, keys, 16)
-    for planes in (1, 2):
-        lse, upper = sketch_block_stats(q, summaries, codes, 40, planes=planes)
-        want = sketch_block_stats_ref(q, summaries, codes, 40, planes=planes)
-        assert torch.isfinite(upper).all() and (upper >= true).all()
-        torch.testing.assert_close(upper, want[1], rtol=1e-5, atol=1e-2)
+    lse, upper = sketch_block_stats(q, summaries, codes, 40)
+    want = sketch_block_stats_ref(q, summaries, codes, 40)
+    assert torch.isfinite(upper).all() and (upper >= true).all()
+    torch.testing.assert_close(upper, want[1], rtol=1e-5, atol=1e-2)
 
 
 def test_bad_input_raises() -> None:
@@ -139,9 +146,11 @@ def test_bad_input_raises() -> None:
         sketch_block_stats(q.float(), summaries, codes, 40)
     with pytest.raises(ValueError, match="codes"):
         sketch_block_stats(q, summaries, codes[:, :1], 40)
-    with pytest.raises(ValueError, match="planes"):
-        sketch_block_stats_ref(q, summaries, codes, 40, planes=3)
     with pytest.raises(ValueError, match="knobs"):
         sketch_block_stats(q, summaries, codes, 40, blocks=4)
     with pytest.raises(ValueError, match="block_ids"):
         sketch_block_stats(q, summaries, codes, 40, block_ids=torch.zeros(3, 2, dtype=torch.int64, device=DEVICE))
+    odd_summaries, odd_codes = sketch_keys(torch.randn(9, 2, 64).half(), 3)
+    with pytest.raises(ValueError, match="even block size"):
+        sketch_block_stats(q.cpu(), odd_summaries, odd_codes, 9)
+    assert sketch_block_stats_ref(q.cpu(), odd_summaries, odd_codes, 9)[0].shape == (4, 3)  # the reference: any size

@@ -1,0 +1,213 @@
+"""The sketch selector's first level: a few channels of every block's 4-bit codes, the rest bounded by min/max.
+
+SparQ (Ribar et al. 2023) estimates logits from the r channels of largest |q|; here every program picks, per kv
+head, the r channels of largest |q_d| summed over the GQA group, and reads, per block, the summaries (every
+channel's min and max) and the codes of those r channels only: r rows of B/2 bytes in the channel-major layout
+(eviction/sketch.py), r / D of the codes. (Weighting |q_d| by the channel's typical step, max - min, ranked
+norm-matched needles among 256K-1M synthetic keys worse, e.g. 237th instead of 7th of 4K blocks at r = 32 of
+128, and kept real SmolLM2 blocks no better.)
+Per q head i and block b, with R the read channels and U the others, c = (min + max) / 2, w = (max - min) / 2:
+  partial_t = q_R . k_hat_R,t   (4-bit estimate over R, |error| <= err_R = S_R / 2 + fp16 rounding)
+  lse    log sum_t exp(scale (partial_t + q_U . c_U)): the block's estimated mass, the unread channels at
+         the box's centre (the ranking; eviction/sketch_topk.py refines the best coarse_factor x k blocks)
+  upper  min(log sum_t exp(scale partial_t) + scale (q_U . c_U + |q_U| . w_U + err_R + slack),
+             log n_b + scale (Quest over every channel + slack)):
+         q_U . k_U <= q_U . c_U + |q_U| . w_U for every key in the box (Quest's bound on the unread channels),
+         so upper bounds log sum_t exp(scale q . k_t) over the TRUE keys; slack = ROUNDING_SLACK * 2 |q|_1
+         max_d max(|min_d|, |max_d|) covers fp32 accumulation (eviction/sketch_kernel.py says why the fp16
+         rounding of q_R * step is err_R's only other term).
+The unread channels' terms are tensor-core dots of the fp16 summaries against q_U's positive and negative
+parts (exact fp16 products, fp32 accumulation); the read channels' estimate is one batched dot per nibble,
+fp16(q_R * step) [G, r] x codes [r, B/2] per block. Garbage in blocks outside `valid` stays there: their
+lse and upper are -inf.
+
+Layout: kernels -> launchers -> pure-torch references. Imports only torch and triton (and the shared
+jit helpers of the other sketch and top-k kernels).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from eviction.sketch_kernel import (FP16_MAX, FP16_REL, FP16_TINY, HALF_STEP, LEVELS, ROUNDING_SLACK, _FP16_MAX,
+                                    _FP16_REL, _FP16_TINY, _HALF_STEP, _LEVELS, _ROUNDING_SLACK, check_inputs,
+                                    check_kernel_layout, nibble)
+from eviction.topk_kernel import _winners
+
+DEFAULT_KNOBS = dict(blocks_per_program=8, decode=1, num_warps=4, num_stages=1)  # untimed: 128-167 registers at
+# r = 16-32 for sm_90 (offline, triton 3.6); bench_longctx/sketch_bench.py sweeps them
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_blocks"])
+def _channel_kernel(
+    q_ptr,  # float16 [Hq, HEAD_DIM]
+    s_ptr,  # float16 [num_blocks, 2, H, HEAD_DIM]
+    c_ptr,  # uint8 [num_blocks, H, HEAD_DIM, BLOCK_TOKENS // 2] (channel rows)
+    valid_ptr,  # bool [num_blocks] (HAS_VALID) or unused
+    lse_ptr, upper_ptr,  # float32 [Hq, num_blocks]
+    num_tokens, num_blocks, scale,
+    stride_qh, stride_sn, stride_sm, stride_sh, stride_cn, stride_ch, stride_oh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, CHANNELS: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr, HALF_PAD: tl.constexpr, BLOCKS: tl.constexpr, HAS_VALID: tl.constexpr,
+    DECODE: tl.constexpr,
+):
+    head = tl.program_id(1)
+    offs_b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_t = tl.arange(0, HALF_PAD)
+    g_ok = offs_g < GROUP
+    live = offs_b < num_blocks
+    if HAS_VALID:
+        live = live & (tl.load(valid_ptr + offs_b, mask=live, other=0) != 0)
+    blocks = offs_b.to(tl.int64)
+    q_row = q_ptr + (head * GROUP + offs_g) * stride_qh  # [GROUP_PAD]
+    q_t = tl.load(q_row[None, :] + offs_d[:, None], mask=g_ok[None, :], other=0.0)  # fp16 [HEAD_DIM, GROUP_PAD]
+    # the read channels: the CHANNELS of largest sum_g |q_gd| (ties: the lower channel), ascending
+    importance = tl.sum(tl.abs(q_t.to(tl.float32)), 1)  # [HEAD_DIM], >= 0: its float bits order like its values
+    read = _winners(importance.to(tl.int32, bitcast=True), CHANNELS)
+    rank = tl.cumsum(read.to(tl.int32), 0) - 1
+    offs_r = tl.arange(0, CHANNELS)
+    ch = tl.sum(tl.where(read[None, :] & (rank[None, :] == offs_r[:, None]), offs_d[None, :], 0), 1)  # [CHANNELS]
+    q_u = tl.where(read[:, None], 0.0, q_t)  # the unread channels' q (exact)
+    q_pos, q_neg = tl.maximum(q_u, 0.0).to(tl.float16), tl.minimum(q_u, 0.0).to(tl.float16)
+    q_norm1 = tl.sum(tl.abs(q_t.to(tl.float32)), 0)  # [GROUP_PAD]
+    # every channel's box: Quest on the unread ones, as exact fp16 products summed in fp32 by the tensor cores
+    s_rows = s_ptr + blocks[:, None] * stride_sn + head * stride_sh + offs_d[None, :]
+    k_min = tl.load(s_rows, mask=live[:, None], other=0.0)  # fp16 [BLOCKS, HEAD_DIM]
+    k_max = tl.load(s_rows + stride_sm, mask=live[:, None], other=0.0)
+    top_u = tl.dot(k_max, q_pos) + tl.dot(k_min, q_neg)  # [BLOCKS, GROUP_PAD]: max of q_U . k_U over the box
+    bottom_u = tl.dot(k_max, q_neg) + tl.dot(k_min, q_pos)  # its min
+    largest = tl.maximum(tl.max(tl.abs(k_min.to(tl.float32)), 1), tl.max(tl.abs(k_max.to(tl.float32)), 1))
+    slack = _ROUNDING_SLACK * 2.0 * largest[:, None] * q_norm1[None, :]  # >= slack * |q| . (|min| + |max|)
+    # the read channels: their min and step per block, and q_R * step as the dot's fp16 operand
+    q_r = tl.load(q_row[:, None] + ch[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)  # [GROUP_PAD, CH]
+    r_rows = s_ptr + blocks[:, None] * stride_sn + head * stride_sh + ch[None, :]
+    r_min = tl.load(r_rows, mask=live[:, None], other=0.0).to(tl.float32)  # [BLOCKS, CHANNELS]
+    r_max = tl.load(r_rows + stride_sm, mask=live[:, None], other=0.0).to(tl.float32)
+    qs = q_r[None, :, :] * ((r_max - r_min) / _LEVELS)[:, None, :]  # [BLOCKS, GROUP_PAD, CHANNELS]
+    operand = tl.minimum(tl.maximum(qs, -_FP16_MAX), _FP16_MAX).to(tl.float16)
+    base = tl.sum(q_r[None, :, :] * r_min[:, None, :], 2)  # [BLOCKS, GROUP_PAD]
+    spread = tl.sum(tl.abs(qs), 2)
+    quest_r = tl.sum(tl.maximum(q_r[None, :, :] * r_max[:, None, :], q_r[None, :, :] * r_min[:, None, :]), 2)
+    big = tl.max(tl.abs(qs), 2)
+    codes = (c_ptr + blocks[:, None, None] * stride_cn + head * stride_ch
+             + ch[None, :, None] * (BLOCK_TOKENS // 2) + offs_t[None, None, :])
+    byte = tl.load(codes, mask=live[:, None, None] & (offs_t < BLOCK_TOKENS // 2)[None, None, :], other=0)
+    est_lo = tl.dot(operand, nibble(byte, 0, DECODE))  # [BLOCKS, GROUP_PAD, HALF_PAD]: tokens 0, 2, ..
+    est_hi = tl.dot(operand, nibble(byte, 1, DECODE))  # tokens 1, 3, ..
+    first = blocks[:, None] * BLOCK_TOKENS + 2 * offs_t[None, :]  # [BLOCKS, HALF_PAD]
+    ok_lo = (2 * offs_t < BLOCK_TOKENS)[None, :] & (first < num_tokens)
+    ok_hi = (2 * offs_t + 1 < BLOCK_TOKENS)[None, :] & (first + 1 < num_tokens)
+    logit_lo = tl.where(ok_lo[:, None, :], (est_lo + base[:, :, None]) * scale, float("-inf"))
+    logit_hi = tl.where(ok_hi[:, None, :], (est_hi + base[:, :, None]) * scale, float("-inf"))
+    top = tl.maximum(tl.max(logit_lo, 2), tl.max(logit_hi, 2))  # [BLOCKS, GROUP_PAD]
+    top = tl.where(top == float("-inf"), 0.0, top)  # a block past the end: no NaN from -inf - -inf
+    total = tl.sum(tl.exp(logit_lo - top[:, :, None]), 2) + tl.sum(tl.exp(logit_hi - top[:, :, None]), 2)
+    partial = top + tl.log(total)  # log sum_t exp(scale partial_t)
+    err = _HALF_STEP * spread + _LEVELS * (_FP16_REL * spread + CHANNELS * _LEVELS * _FP16_TINY)
+    n_real = tl.sum(ok_lo.to(tl.float32), 1) + tl.sum(ok_hi.to(tl.float32), 1)  # [BLOCKS]
+    quest_upper = tl.log(n_real)[:, None] + (top_u + quest_r + slack) * scale
+    upper = tl.minimum(partial + (top_u + err + slack) * scale, quest_upper)
+    upper = tl.where(big < _FP16_MAX, upper, quest_upper)
+    lse = partial + 0.5 * (top_u + bottom_u) * scale
+    out = (head * GROUP + offs_g)[None, :] * stride_oh + offs_b[:, None]  # [BLOCKS, GROUP_PAD]
+    out_ok = (offs_b < num_blocks)[:, None] & g_ok[None, :]
+    tl.store(lse_ptr + out, tl.where(live[:, None], lse, float("-inf")), mask=out_ok)
+    tl.store(upper_ptr + out, tl.where(live[:, None], upper, float("-inf")), mask=out_ok)
+
+
+def channel_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, num_tokens: int,
+                        num_channels: int, valid: torch.Tensor | None = None, *, scale: float | None = None,
+                        **knobs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lse, upper) float32 [Hq, N] from num_channels channels of every block's codes and every block's summaries
+    (module docstring); -inf outside valid (bool [N]). q float16 [Hq, D], summaries float16 [N, 2, H, D], codes
+    uint8 [>= N, H, 2, B, D // 4]; D and num_channels powers of two >= 16, B even. Sync-free.
+    knobs (blocks_per_program, decode, num_warps, num_stages) override DEFAULT_KNOBS."""
+    num_blocks, num_kv_heads, block_tokens = check_inputs(q, summaries, codes, num_tokens)
+    check_kernel_layout(q, summaries, codes, block_tokens)
+    _check_channels(num_channels, summaries.shape[3], valid, num_blocks)
+    if num_channels < 16 or num_channels & (num_channels - 1):
+        raise ValueError(f"the kernel reads a power of two >= 16 channels, got {num_channels}")
+    unknown = set(knobs) - set(DEFAULT_KNOBS)
+    if unknown:
+        raise ValueError(f"unknown knobs {sorted(unknown)}; expected some of {sorted(DEFAULT_KNOBS)}")
+    knobs = {**DEFAULT_KNOBS, **knobs}
+    per_program = knobs["blocks_per_program"]
+    if per_program < 1 or per_program & (per_program - 1):
+        raise ValueError(f"blocks_per_program must be a power of two, got {per_program}")
+    lse = torch.empty(q.shape[0], num_blocks, dtype=torch.float32, device=q.device)  # [Hq, N]
+    upper = torch.empty_like(lse)
+    group, head_dim = q.shape[0] // num_kv_heads, summaries.shape[3]
+    _channel_kernel[(triton.cdiv(num_blocks, per_program), num_kv_heads)](
+        q, summaries, codes, lse if valid is None else valid, lse, upper, num_tokens, num_blocks,
+        1.0 / math.sqrt(head_dim) if scale is None else scale,
+        q.stride(0), summaries.stride(0), summaries.stride(1), summaries.stride(2), codes.stride(0), codes.stride(1),
+        lse.stride(0),
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, CHANNELS=num_channels,
+        BLOCK_TOKENS=block_tokens, HALF_PAD=triton.next_power_of_2(block_tokens // 2), BLOCKS=per_program,
+        HAS_VALID=valid is not None, DECODE=knobs["decode"], num_warps=knobs["num_warps"],
+        num_stages=knobs["num_stages"],
+    )  # fmt: skip
+    return lse, upper
+
+
+def _check_channels(num_channels: int, head_dim: int, valid: torch.Tensor | None, num_blocks: int) -> None:
+    if isinstance(num_channels, bool) or not isinstance(num_channels, int) or not 0 < num_channels <= head_dim:
+        raise ValueError(f"num_channels must be an int in [1, {head_dim}], got {num_channels!r}")
+    if valid is not None and (valid.shape != (num_blocks,) or valid.dtype != torch.bool):
+        raise ValueError(f"valid: expected bool [{num_blocks}], got {valid.dtype} {list(valid.shape)}")
+
+
+def read_channels_ref(q: torch.Tensor, num_kv_heads: int, num_channels: int) -> torch.Tensor:
+    """int64 [H, num_channels] ascending: the channels of largest sum_g |q_gd| per kv head (ties: the lower one)."""
+    importance = q.float().abs().view(num_kv_heads, -1, q.shape[1]).sum(1)  # [H, D]
+    order = torch.sort(importance, dim=1, descending=True, stable=True).indices[:, :num_channels]
+    return torch.sort(order, dim=1).values
+
+
+def channel_block_stats_ref(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, num_tokens: int,
+                            num_channels: int, valid: torch.Tensor | None = None, *,
+                            scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch reference of `channel_block_stats` (the same fp16 rounding of q_R * step); also the CPU path.
+    Any block size and channel count."""
+    num_blocks, num_kv_heads, block_tokens = check_inputs(q, summaries, codes, num_tokens)
+    head_dim = summaries.shape[3]
+    _check_channels(num_channels, head_dim, valid, num_blocks)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    qg = q.float().view(num_kv_heads, -1, head_dim)  # [H, G, D]
+    s = summaries.float().transpose(0, 2)  # [H, 2, N, D]
+    low, high = s[:, 0], s[:, 1]  # [H, N, D]
+    idx = read_channels_ref(q, num_kv_heads, num_channels)  # [H, r]
+    read = torch.zeros(num_kv_heads, head_dim, dtype=torch.bool, device=q.device).scatter_(1, idx, True)
+    q_u = qg.masked_fill(read[:, None], 0.0)
+    top_u = torch.einsum("hgd,hnd->hgn", q_u.clamp(min=0), high) + torch.einsum("hgd,hnd->hgn", q_u.clamp(max=0), low)
+    bottom_u = torch.einsum("hgd,hnd->hgn", q_u.clamp(max=0), high) + torch.einsum("hgd,hnd->hgn", q_u.clamp(min=0), low)
+    largest = torch.maximum(low.abs(), high.abs()).amax(-1)  # [H, N]
+    slack = ROUNDING_SLACK * 2.0 * largest[:, None] * qg.abs().sum(-1)[..., None]  # [H, G, N]
+    q_r = torch.gather(qg, 2, idx[:, None].expand(-1, qg.shape[1], -1))  # [H, G, r]
+    r_low, r_high = (torch.gather(x, 2, idx[:, None].expand(-1, num_blocks, -1)) for x in (low, high))  # [H, N, r]
+    qs = q_r[:, :, None] * ((r_high - r_low) / LEVELS)[:, None]  # [H, G, N, r]
+    operand = qs.clamp(-FP16_MAX, FP16_MAX).half().float()
+    nib = idx[:, :, None] * block_tokens + torch.arange(block_tokens, device=q.device)  # [H, r, B]: nibble index
+    flat = codes[:num_blocks].flatten(2).to(torch.int64)  # [N, H, B * D / 2]
+    byte = torch.gather(flat, 2, (nib // 2).flatten(1)[None].expand(num_blocks, -1, -1))  # [N, H, r * B]
+    code = ((byte >> (4 * (nib % 2)).flatten(1)[None]) & 15).view(num_blocks, num_kv_heads, -1, block_tokens)
+    code = code.permute(1, 0, 3, 2).float()  # [H, N, B, r]
+    partial = (torch.einsum("hgr,hnr->hgn", q_r, r_low)[..., None] + torch.einsum("hgnr,hnbr->hgnb", operand, code))
+    real = torch.arange(num_blocks * block_tokens, device=q.device).view(num_blocks, block_tokens) < num_tokens
+    partial = torch.logsumexp((partial * scale).masked_fill(~real, float("-inf")), dim=-1)  # [H, G, N]
+    spread = qs.abs().sum(-1)
+    err = HALF_STEP * spread + LEVELS * (FP16_REL * spread + idx.shape[1] * LEVELS * FP16_TINY)
+    quest_r = torch.maximum(q_r[:, :, None] * r_high[:, None], q_r[:, :, None] * r_low[:, None]).sum(-1)
+    quest_upper = real.sum(-1).float().log() + (top_u + quest_r + slack) * scale
+    upper = torch.minimum(partial + (top_u + err + slack) * scale, quest_upper)
+    upper = torch.where(qs.abs().amax(-1) < FP16_MAX, upper, quest_upper)
+    lse = partial + 0.5 * (top_u + bottom_u) * scale
+    if valid is not None:
+        lse, upper = lse.masked_fill(~valid, float("-inf")), upper.masked_fill(~valid, float("-inf"))
+    return lse.flatten(0, 1), upper.flatten(0, 1)
