@@ -16,6 +16,9 @@ in fp16, half that in fp8), and its q group, which every program shares, from
 L2. It can also write +inf over the protected blocks, so `torch.topk` keeps
 them without a separate masking pass.
 
+The tile's arithmetic (`_quest_tile`) is shared with the decode step's one-launch Quest + top-k
+(eviction/topk_kernel.py, QuestSelect), so both compute the same bits.
+
 Layout: kernel -> launcher -> pure-torch reference. Imports only torch and triton.
 """
 
@@ -28,33 +31,13 @@ import triton.language as tl
 _SUMMARY_DTYPES = (torch.float16, torch.float8_e4m3fn)
 
 
-@triton.jit(do_not_specialize=["num_blocks", "sink_blocks", "recent", "block_tokens"])  # one compile per decode run
-def _quest_kernel(
-    q_ptr,  # float16 [num_q_heads, HEAD_DIM]
-    s_ptr,  # float16 or float8e4nv [num_blocks, 2, kv_heads, HEAD_DIM]
-    out_ptr,  # float32 [kv_heads, num_blocks]
-    count_ptr,  # DEVICE_COUNTS: int64 [1], tokens held before the current one
-    num_blocks,
-    sink_blocks,  # blocks [0, sink_blocks) score +inf, and the recent ones:
-    recent,  # [recent, num_blocks) (the first block of the window); DEVICE_COUNTS: the window's tokens
-    block_tokens,  # DEVICE_COUNTS only
-    stride_qh,
-    stride_sn,
-    stride_sm,
-    stride_sh,
-    stride_oh,
-    GROUP: tl.constexpr,  # q heads per kv head
-    GROUP_PAD: tl.constexpr,  # >= max(GROUP, 16), a power of two: tl.dot's minimum
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    REDUCE_MAX: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    DEVICE_COUNTS: tl.constexpr,  # count from count_ptr: blocks past it score -inf, the window from it
-):
-    pid_n = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+@triton.jit
+def _quest_tile(q_ptr, s_ptr, count_ptr, offs_n, head, num_blocks, sink_blocks, recent, block_tokens, stride_qh,
+                stride_sn, stride_sm, stride_sh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, REDUCE_MAX: tl.constexpr,
+                USE_DOT: tl.constexpr, DEVICE_COUNTS: tl.constexpr):
+    """float32 [BLOCK_N]: kv head `head`'s scores of blocks offs_n (protection applied); shared by the
+    scores-only kernel and the fused Quest + top-k one (eviction/topk_kernel.py), so both compute the same bits."""
     offs_d = tl.arange(0, BLOCK_D)
     mask_n = offs_n < num_blocks
     mask_d = offs_d < HEAD_DIM
@@ -102,7 +85,39 @@ def _quest_kernel(
     else:
         protected = (offs_n < sink_blocks) | (offs_n >= recent)
         score = tl.where(protected, float("inf"), score)
-    tl.store(out_ptr + head * stride_oh + offs_n, score, mask=mask_n)
+    return score
+
+
+@triton.jit(do_not_specialize=["num_blocks", "sink_blocks", "recent", "block_tokens"])  # one compile per decode run
+def _quest_kernel(
+    q_ptr,  # float16 [num_q_heads, HEAD_DIM]
+    s_ptr,  # float16 or float8e4nv [num_blocks, 2, kv_heads, HEAD_DIM]
+    out_ptr,  # float32 [kv_heads, num_blocks]
+    count_ptr,  # DEVICE_COUNTS: int64 [1], tokens held before the current one
+    num_blocks,
+    sink_blocks,  # blocks [0, sink_blocks) score +inf, and the recent ones:
+    recent,  # [recent, num_blocks) (the first block of the window); DEVICE_COUNTS: the window's tokens
+    block_tokens,  # DEVICE_COUNTS only
+    stride_qh,
+    stride_sn,
+    stride_sm,
+    stride_sh,
+    stride_oh,
+    GROUP: tl.constexpr,  # q heads per kv head
+    GROUP_PAD: tl.constexpr,  # >= max(GROUP, 16), a power of two: tl.dot's minimum
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    REDUCE_MAX: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DEVICE_COUNTS: tl.constexpr,  # count from count_ptr: blocks past it score -inf, the window from it
+):
+    head = tl.program_id(1)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    score = _quest_tile(q_ptr, s_ptr, count_ptr, offs_n, head, num_blocks, sink_blocks, recent, block_tokens,
+                        stride_qh, stride_sn, stride_sm, stride_sh, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D, BLOCK_N,
+                        REDUCE_MAX, USE_DOT, DEVICE_COUNTS)
+    tl.store(out_ptr + head * stride_oh + offs_n, score, mask=offs_n < num_blocks)
 
 
 def check_inputs(q: torch.Tensor, summaries: torch.Tensor, group_reduce: str) -> tuple[int, int, int]:
@@ -122,6 +137,17 @@ def check_inputs(q: torch.Tensor, summaries: torch.Tensor, group_reduce: str) ->
     if group_reduce not in ("max", "sum"):
         raise ValueError(f"group_reduce must be 'max' or 'sum', got {group_reduce!r}")
     return num_blocks, num_kv_heads, q.shape[0] // num_kv_heads
+
+
+def check_live_inputs(q: torch.Tensor, summaries: torch.Tensor, count: torch.Tensor,
+                      group_reduce: str = "max") -> tuple[int, int, int]:
+    """`check_inputs` plus the device token count (int64 [1] beside q) and a contiguous last dim."""
+    if count.dtype != torch.int64 or count.numel() != 1 or count.device != q.device:
+        raise ValueError(f"count: expected int64 [1] on {q.device}, got {count.dtype} {list(count.shape)} "
+                         f"on {count.device}")
+    if summaries.stride(3) != 1 or q.stride(1) != 1:
+        raise ValueError(f"q and summaries need a contiguous last dim, got strides {q.stride()} {summaries.stride()}")
+    return check_inputs(q, summaries, group_reduce)
 
 
 def quest_scores(
@@ -156,10 +182,7 @@ def quest_scores_live(q: torch.Tensor, summaries: torch.Tensor, count: torch.Ten
     last recent_tokens tokens (the tail included) score +inf; the rest their Quest bound. One launch, no host
     sync: what the captured decode step (kvstore/step.py) replays as the sequence grows.
     """
-    check_inputs(q, summaries, group_reduce)
-    if count.dtype != torch.int64 or count.numel() != 1 or count.device != q.device:
-        raise ValueError(f"count: expected int64 [1] on {q.device}, got {count.dtype} {list(count.shape)} "
-                         f"on {count.device}")
+    check_live_inputs(q, summaries, count, group_reduce)
     return _launch(q, summaries, count, sink_blocks, recent_tokens, block_tokens, group_reduce, True, 64, 8)
 
 
