@@ -54,7 +54,7 @@ NAME = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
 _MANIFEST, _DATA, _PENDING, _BLOCK = b"ctx/name/", b"ctx/data/", b"ctx/pending/", b"ctx/block/"
 _BATCH = 256  # blocks per write
 PART_BYTES = 8 << 20  # sketch codes per value (Redis refuses values over 512 MiB; a 1M-token layer has 512 MiB)
-VERSION = 2
+VERSION = 3  # 3: sketch codes channel-major (eviction/sketch.py); a version-2 save is refused, not misread
 Values = LmdbValues | RedisValues
 ReadLayerCodes = Callable[[int, int, int], torch.Tensor]  # (layer, lo, hi) -> uint8 [hi - lo, H, 2, B, D/4]
 
