@@ -42,25 +42,35 @@ def _keys(x, valid):
 
 
 @triton.jit
-def _kth_key(key, k):
-    """The k-th largest key, its bits decided from the top: 32 counting passes, pass i keeps bit i if at least
-    k keys reach the prefix with it set (on the unsigned image key ^ 0x80000000, so no 64-bit midpoint sits in
-    the passes' dependency chain). (A radix select, four 8-bit histogram passes, took 3x longer in the merge
-    stage on the H200, and a 4-way search, 16 passes of four counts, 1.4x longer: results/h200-profile.)"""
+def _kth_key(key, k, BITS: tl.constexpr):
+    """The k-th largest key, its bits decided from the top on the unsigned image key ^ 0x80000000 (no 64-bit
+    midpoint in the passes' dependency chain): 32 / BITS counting passes, each counting the keys at or above
+    the 2^BITS extensions of the prefix in one reduction. (A radix select, four 8-bit histogram passes, took
+    3x longer in the merge stage on the H200, and a 4-way search whose passes took three reductions 1.4x
+    longer: results/h200-profile.)"""
     t = tl.full((), 0, tl.uint32)  # invariant: count(key >= t) >= k
-    bit = tl.full((), 0x80000000, tl.uint32)
-    for _ in range(32):
-        cand = t | bit
-        count = tl.sum((key >= (cand ^ 0x80000000).to(tl.int32, bitcast=True)).to(tl.int32), axis=0)
-        t = tl.where(count >= k, cand, t)
-        bit = bit >> 1
+    if BITS == 1:
+        bit = tl.full((), 0x80000000, tl.uint32)
+        for _ in range(32):
+            cand = t | bit
+            count = tl.sum((key >= (cand ^ 0x80000000).to(tl.int32, bitcast=True)).to(tl.int32), axis=0)
+            t = tl.where(count >= k, cand, t)
+            bit = bit >> 1
+    else:
+        digit = tl.arange(0, 1 << BITS).to(tl.uint32)  # [2^BITS]
+        shift = tl.full((), 32 - BITS, tl.uint32)
+        for _ in range(32 // BITS):
+            marks = ((t | (digit << shift)) ^ 0x80000000).to(tl.int32, bitcast=True)  # [2^BITS] ascending
+            counts = tl.sum((key[:, None] >= marks[None, :]).to(tl.int32), axis=0)  # non-increasing
+            t = t | ((tl.sum((counts >= k).to(tl.uint32), axis=0) - 1) << shift)  # counts[0] >= k always
+            shift = shift - BITS
     return (t ^ 0x80000000).to(tl.int32, bitcast=True)
 
 
 @triton.jit
-def _winners(key, k):
+def _winners(key, k, BITS: tl.constexpr):
     """bool mask of the k largest keys (ties: the first in order), for a block holding >= k entries."""
-    t = _kth_key(key, k)
+    t = _kth_key(key, k, BITS)
     above = key > t
     tied = key == t
     need = k - tl.sum(above.to(tl.int32), axis=0)
@@ -74,20 +84,21 @@ def _row_topk_kernel(scores_ptr, s_row, n, k, out_ptr, s_out, BLOCK: tl.constexp
     offs = tl.arange(0, BLOCK)
     valid = offs < n
     x = tl.load(scores_ptr + row * s_row + offs, mask=valid, other=float("-inf")).to(tl.float32)
-    take = _winners(_keys(x, valid), k) & valid
+    take = _winners(_keys(x, valid), k, 1) & valid
     pos = tl.cumsum(take.to(tl.int32), axis=0) - 1
     tl.store(out_ptr + row * s_out + pos, offs.to(tl.int64), mask=take)
 
 
 @triton.jit
-def _chunk_candidates(scores_row, n, chunk, k, cand_key_row, cand_idx_row, CHUNK: tl.constexpr):
+def _chunk_candidates(scores_row, n, chunk, k, cand_key_row, cand_idx_row, CHUNK: tl.constexpr,
+                      BITS: tl.constexpr):
     """Stage one for one row's chunk: its k winners (padding past n included, keyed lowest) at candidate slots
     [chunk * k, chunk * k + k), ascending. Loads bypass L1: the fused kernel reads scores other programs wrote."""
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     valid = offs < n
     x = tl.load(scores_row + offs, mask=valid, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
     key = _keys(x, valid)
-    take = _winners(key, k)  # exactly k entries: the chunk always holds CHUNK >= k
+    take = _winners(key, k, BITS)  # exactly k entries: the chunk always holds CHUNK >= k
     pos = chunk * k + tl.cumsum(take.to(tl.int32), axis=0) - 1
     tl.store(cand_key_row + pos, key, mask=take)
     tl.store(cand_idx_row + pos, offs, mask=take)
@@ -95,13 +106,13 @@ def _chunk_candidates(scores_row, n, chunk, k, cand_key_row, cand_idx_row, CHUNK
 
 @triton.jit
 def _merge_candidates(cand_key_row, cand_idx_row, num_cand, k, out_row, slot_map_ptr, tier_map_ptr, slots_row,
-                      is_int8_row, int8_tier, BLOCK: tl.constexpr, TABLE: tl.constexpr):
+                      is_int8_row, int8_tier, BLOCK: tl.constexpr, TABLE: tl.constexpr, BITS: tl.constexpr):
     """Stage two for one row: k winners of the candidates, ascending; with TABLE their block table."""
     offs = tl.arange(0, BLOCK)
     valid = offs < num_cand
     key = tl.load(cand_key_row + offs, mask=valid, other=-2147483647 - 1, cache_modifier=".cg")
-    idx = tl.load(cand_idx_row + offs, mask=valid, other=0, cache_modifier=".cg")
-    take = _winners(key, k) & valid
+    take = _winners(key, k, BITS) & valid
+    idx = tl.load(cand_idx_row + offs, mask=take, other=0, cache_modifier=".cg")  # the winners' only
     pos = tl.cumsum(take.to(tl.int32), axis=0) - 1
     tl.store(out_row + pos, idx.to(tl.int64), mask=take)
     if TABLE:
@@ -116,18 +127,18 @@ def _chunk_topk_kernel(scores_ptr, s_row, n, k, cand_key_ptr, cand_idx_ptr, s_ca
     """Stage one, program (chunk, row)."""
     row = tl.program_id(1)
     _chunk_candidates(scores_ptr + row * s_row, n, tl.program_id(0), k, cand_key_ptr + row * s_cand,
-                      cand_idx_ptr + row * s_cand, CHUNK)
+                      cand_idx_ptr + row * s_cand, CHUNK, 1)
 
 
 @triton.jit
 def _merge_topk_kernel(cand_key_ptr, cand_idx_ptr, s_cand, num_cand, k, out_ptr, s_out,
                        slot_map_ptr, tier_map_ptr, slots_ptr, is_int8_ptr, s_table, int8_tier,
-                       BLOCK: tl.constexpr, TABLE: tl.constexpr):
+                       BLOCK: tl.constexpr, TABLE: tl.constexpr, BITS: tl.constexpr = 1):
     """Stage two, one program per row."""
     row = tl.program_id(0)
     _merge_candidates(cand_key_ptr + row * s_cand, cand_idx_ptr + row * s_cand, num_cand, k, out_ptr + row * s_out,
                       slot_map_ptr, tier_map_ptr, slots_ptr + row * s_table, is_int8_ptr + row * s_table, int8_tier,
-                      BLOCK, TABLE)
+                      BLOCK, TABLE, BITS)
 
 
 @triton.jit(do_not_specialize=["num_blocks", "sink_blocks", "recent", "block_tokens"])  # one compile per decode run
@@ -136,7 +147,8 @@ def _quest_topk_kernel(q_ptr, s_ptr, scores_ptr, count_ptr, num_blocks, sink_blo
                        cand_idx_ptr, s_cand, arrivals_ptr, out_ptr, s_out, slot_map_ptr, tier_map_ptr, slots_ptr,
                        is_int8_ptr, int8_tier, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
                        GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, MERGE_BLOCK: tl.constexpr, MERGE: tl.constexpr):
+                       BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, MERGE_BLOCK: tl.constexpr, MERGE: tl.constexpr,
+                       SEARCH_BITS: tl.constexpr):
     """Program = (tile of BLOCK_N blocks, kv head), heads fastest so that neighbouring programs read one
     contiguous run of summaries. Each writes its Quest scores; the last tile of a chunk to finish selects the
     chunk's k candidates; the last chunk of a head to finish merges them into the head's block table."""
@@ -155,7 +167,7 @@ def _quest_topk_kernel(q_ptr, s_ptr, scores_ptr, count_ptr, num_blocks, sink_blo
     if arrived == chunk_tiles - 1:
         tl.store(arrivals_ptr + head * num_chunks + chunk, 0)  # zero again for the next launch
         _chunk_candidates(row, num_blocks, chunk, k, cand_key_ptr + head * s_cand, cand_idx_ptr + head * s_cand,
-                          CHUNK)
+                          CHUNK, SEARCH_BITS)
         tl.debug_barrier()
         done = tl.atomic_add(arrivals_ptr + NUM_HEADS * num_chunks + head, 1, sem="acq_rel", scope="gpu")
         if done == num_chunks - 1:
@@ -163,7 +175,7 @@ def _quest_topk_kernel(q_ptr, s_ptr, scores_ptr, count_ptr, num_blocks, sink_blo
             if MERGE:
                 _merge_candidates(cand_key_ptr + head * s_cand, cand_idx_ptr + head * s_cand, num_chunks * k, k,
                                   out_ptr + head * s_out, slot_map_ptr, tier_map_ptr, slots_ptr + head * s_out,
-                                  is_int8_ptr + head * s_out, int8_tier, MERGE_BLOCK, True)
+                                  is_int8_ptr + head * s_out, int8_tier, MERGE_BLOCK, True, SEARCH_BITS)
 
 
 def _check(scores: torch.Tensor, k: int) -> tuple[int, int]:
@@ -264,8 +276,11 @@ class QuestSelect:
     num_warps: int = 8
     maxnreg: int | None = 48
     merge_in_kernel: bool = True
+    search_bits: int = 2  # bits of the k-th key decided per counting pass: 1, 2 or 4
 
     def __post_init__(self) -> None:
+        if self.search_bits not in (1, 2, 4):
+            raise ValueError(f"search_bits must be 1, 2 or 4, got {self.search_bits}")
         if self.block_n < 16 or self.block_n & (self.block_n - 1) or self.chunk % self.block_n:
             raise ValueError(f"block_n must be a power of two >= 16 dividing chunk, got {self.block_n}, {self.chunk}")
         self.num_chunks = triton.cdiv(self.capacity, self.chunk)
@@ -299,11 +314,13 @@ class QuestSelect:
             self.cand_key, self.cand_idx, self.cand_key.stride(0), self.arrivals, out, out.stride(0), slot_map,
             tier_map, slots, is_int8, int8_tier, NUM_HEADS=h, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
             HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=self.block_n, CHUNK=self.chunk,
-            MERGE_BLOCK=merge_block, MERGE=self.merge_in_kernel, num_warps=self.num_warps,
+            MERGE_BLOCK=merge_block, MERGE=self.merge_in_kernel, SEARCH_BITS=self.search_bits,
+            num_warps=self.num_warps,
             **({} if self.maxnreg is None else {"maxnreg": self.maxnreg}),
         )  # fmt: skip
         if not self.merge_in_kernel:
             _merge_topk_kernel[(h,)](self.cand_key, self.cand_idx, self.cand_key.stride(0), self.num_chunks * self.k,
                                      self.k, out, out.stride(0), slot_map, tier_map, slots, is_int8, slots.stride(0),
-                                     int8_tier, BLOCK=merge_block, TABLE=True, num_warps=_warps(merge_block))
+                                     int8_tier, BLOCK=merge_block, TABLE=True, BITS=self.search_bits,
+                                     num_warps=_warps(merge_block))
         return out, slots, is_int8, scores

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from eviction.topk_kernel import topk_block_table, topk_sorted, topk_sorted_ref, two_stage
+from eviction.topk_kernel import _winners, topk_block_table, topk_sorted, topk_sorted_ref, two_stage
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -64,6 +66,29 @@ def test_threshold_search_finds_the_kth_key_across_every_bit():
     for k in (1, 2, 3, 7, 16, 64, 129, 130):
         got = topk_sorted(scores.to(DEVICE), k).cpu()
         assert torch.equal(got, topk_sorted_ref(scores, k)), k
+
+
+@triton.jit
+def _winners_kernel(key_ptr, k, out_ptr, BLOCK: tl.constexpr, BITS: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, _winners(tl.load(key_ptr + offs), k, BITS).to(tl.int8))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+def test_every_search_width_finds_the_kth_key_across_every_bit(bits):
+    """The k-th key decided 1, 2 or 4 bits per pass: keys that agree in all but their lowest bits, the
+    extremes of the int32 range, negatives, long ties."""
+    g = torch.Generator().manual_seed(bits)
+    keys = torch.cat([torch.tensor([2**31 - 1, -2**31 + 1, 0, -1, 1, 5, 5, 5, 4, 6], dtype=torch.int32),
+                      torch.randint(-2**31 + 1, 2**31 - 1, (54,), generator=g, dtype=torch.int32),
+                      torch.full((64,), 1000, dtype=torch.int32) + torch.randint(0, 3, (64,), generator=g,
+                                                                                  dtype=torch.int32)])
+    out = torch.empty(128, dtype=torch.int8, device=DEVICE)
+    for k in (1, 2, 3, 9, 40, 64, 100, 127, 128):
+        _winners_kernel[(1,)](keys.to(DEVICE), k, out, BLOCK=128, BITS=bits)
+        expected = torch.zeros(128, dtype=torch.int8)
+        expected[topk_sorted_ref(keys[None].double(), k)[0]] = 1
+        assert torch.equal(out.cpu(), expected), k
 
 
 def test_fused_block_table_gathers_the_winners():
@@ -131,8 +156,9 @@ def test_quest_select_is_quest_scores_then_block_table(capacity, heads, group, h
     q, summaries, slot_map, tier_map = _live_table(capacity, heads, group, head_dim, count, 16, capacity + k, ties)
     n = torch.tensor([count], dtype=torch.int64, device=DEVICE)
     kw = dict(block_tokens=16, sink_blocks=sinks, recent_tokens=recent)
-    for merge_in_kernel in (True, False):
-        plan = QuestSelect(capacity, heads, k, DEVICE, chunk=chunk, block_n=block_n, merge_in_kernel=merge_in_kernel)
+    for merge_in_kernel, search_bits in ((True, 1), (False, 2), (True, 4)):
+        plan = QuestSelect(capacity, heads, k, DEVICE, chunk=chunk, block_n=block_n, merge_in_kernel=merge_in_kernel,
+                           search_bits=search_bits)
         for _ in range(2):  # the arrival counters are zero again after a launch
             selected, slots, is_int8, scores = plan(q, summaries, n, slot_map, tier_map, 1, **kw)
             assert bool((plan.arrivals == 0).all())
