@@ -14,6 +14,7 @@ median of --repeats timings of --replays replays (CUDA events). Rows:
     old_quest        quest_scores_live alone;  old_topk: the frozen two launches alone, over its scores
     quest_heads_fast the same Quest kernel over a grid whose consecutive programs are the kv heads of one
                      block tile (contiguous summary reads: QuestSelect's order), scores only
+    quest_all_heads  scores only, one program reading every head of 8 or 16 blocks (one dot of all q heads)
     topk_kth         topk_block_table as now (k-th key found top bit first), over the same scores
     new[...]         QuestSelect per setting (SETTINGS; at the second context only the first)
 Every new setting is checked against old on the GPU: selected / slots / is_int8 exactly ("equal"; the graph's
@@ -144,6 +145,45 @@ def quest_heads_fast(q, summaries, count, *, block_tokens, sink_blocks, recent_t
     return out
 
 
+@triton.jit(do_not_specialize=["num_blocks", "sink_blocks", "recent", "block_tokens"])
+def _quest_all_heads_kernel(q_ptr, s_ptr, out_ptr, count_ptr, num_blocks, sink_blocks, recent, block_tokens,
+                            stride_sn, stride_sm, stride_sh, stride_oh, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Scores only, one program per BLOCK_N blocks and every kv head (one contiguous read of BLOCK_N * 4 KiB):
+    rows (block, head) against all q heads in one dot, each row keeping its own group's columns."""
+    rows = tl.arange(0, BLOCK_N * NUM_HEADS)  # block-major, heads fastest: the summaries' order
+    offs_n = tl.program_id(0) * BLOCK_N + rows // NUM_HEADS
+    head = rows % NUM_HEADS
+    offs_d = tl.arange(0, HEAD_DIM)
+    n = tl.load(count_ptr) + 1
+    live = (n + block_tokens - 1) // block_tokens
+    tile = s_ptr + offs_n[:, None].to(tl.int64) * stride_sn + head[:, None] * stride_sh + offs_d[None, :]
+    mask = ((offs_n < live) & (offs_n < num_blocks))[:, None]
+    k_min = tl.load(tile, mask=mask, other=0.0)  # [BLOCK_N * H, D]
+    k_max = tl.load(tile + stride_sm, mask=mask, other=0.0)
+    q = tl.load(q_ptr + tl.arange(0, NUM_HEADS * GROUP)[:, None] * HEAD_DIM + offs_d[None, :])  # [Hq, D]
+    zero = tl.zeros_like(q)
+    bound = tl.dot(k_max, tl.trans(tl.maximum(q, zero)))  # [BLOCK_N * H, Hq]
+    bound = tl.dot(k_min, tl.trans(tl.minimum(q, zero)), bound)
+    own = (tl.arange(0, NUM_HEADS * GROUP) // GROUP)[None, :] == head[:, None]
+    score = tl.max(tl.where(own, bound, float("-inf")), axis=1)
+    score = tl.where(score != score, float("-inf"), tl.minimum(score, 3.4028234663852886e38))
+    start = tl.minimum(tl.maximum(n - recent, 0) // block_tokens, live - 1)
+    protected = (offs_n < sink_blocks) | (offs_n >= start)
+    score = tl.where(offs_n < live, tl.where(protected, float("inf"), score), float("-inf"))
+    tl.store(out_ptr + head * stride_oh + offs_n, score, mask=offs_n < num_blocks)
+
+
+def quest_all_heads(q, summaries, count, block_n, *, block_tokens, sink_blocks, recent_tokens):
+    n = summaries.shape[0]
+    out = torch.empty((NUM_KV_HEADS, n), dtype=torch.float32, device=q.device)
+    _quest_all_heads_kernel[(triton.cdiv(n, block_n),)](
+        q, summaries, out, count, n, sink_blocks, recent_tokens, block_tokens, summaries.stride(0),
+        summaries.stride(1), summaries.stride(2), out.stride(0), NUM_HEADS=NUM_KV_HEADS,
+        GROUP=NUM_Q_HEADS // NUM_KV_HEADS, HEAD_DIM=HEAD_DIM, BLOCK_N=block_n, num_warps=4)
+    return out
+
+
 # -- inputs, timing, checks --------------------------------------------------------------------------------
 def make_layers(context: int, args, device) -> dict:
     """Per layer q [32, 128] and summaries [capacity, 2, 8, 128] (live blocks: per-block centres and spreads,
@@ -211,6 +251,16 @@ def compare(new: list, old: list) -> dict:
             "equal": all(same)}  # scores of a different dot tile may round apart
 
 
+def attempt(timed, checks) -> dict:
+    """{"us", **checks(outputs)}, or the error: one failing case (resources, a compiler error) must not cost
+    the run."""
+    try:
+        us, out = timed()
+        return {"us": us, **checks(out)}
+    except Exception as e:  # noqa: BLE001
+        return {"us": float("inf"), "equal": False, "error": f"{type(e).__name__}: {e}"[:500]}
+
+
 def bench_context(context: int, args, device, settings: list[dict]) -> dict:
     d = make_layers(context, args, device)
     layers, count, kw, k, n = d["layers"], d["count"], d["kw"], d["k"], len(d["layers"])
@@ -229,18 +279,19 @@ def bench_context(context: int, args, device, settings: list[dict]) -> dict:
     row["old_topk_us"], _ = graph_us(lambda i: old_topk_block_table(scores[i], k, *maps), n, args)
     row["topk_kth_us"], kth = graph_us(lambda i: topk_block_table(scores[i], k, *maps), n, args)
     row["topk_kth_equal"] = all(all(torch.equal(a, b) for a, b in zip(x, o[:3])) for x, o in zip(kth, old_out))
-    row["quest_heads_fast_us"], fast = graph_us(lambda i: quest_heads_fast(*layers[i], count, **kw), n, args)
-    row["quest_heads_fast_equal"] = all(torch.equal(f, s) for f, s in zip(fast, scores))
+    scans = {"quest_heads_fast": lambda i: quest_heads_fast(*layers[i], count, **kw),
+             "quest_all_heads_8": lambda i: quest_all_heads(*layers[i], count, 8, **kw),
+             "quest_all_heads_16": lambda i: quest_all_heads(*layers[i], count, 16, **kw)}
+    for name, scan in scans.items():  # scores only: the scan's share
+        row[name] = attempt(lambda: graph_us(scan, n, args), lambda out: {
+            "bitwise_equal_layers": sum(torch.equal(a, b) for a, b in zip(out, scores))})
     row["new"] = []
     for setting in settings:
-        try:  # one failing setting (resources, a compiler error) must not cost the run
-            plan = QuestSelect(d["capacity"], NUM_KV_HEADS, k, device, **setting)
-            us, out = graph_us(lambda i: plan(*layers[i], count, *maps, **kw), n, args)
-            check = {**compare(out, old_out), "arrivals_zero": bool(plan.arrivals.eq(0).all())}
-        except Exception as e:  # noqa: BLE001
-            us, check = float("inf"), {"equal": False, "error": f"{type(e).__name__}: {e}"[:500]}
-        row["new"].append({**setting, "us": us, **check})
-        print(f"  {context:>8} new {setting}: {us:6.2f} us/layer, {check}", flush=True)
+        plan = QuestSelect(d["capacity"], NUM_KV_HEADS, k, device, **setting)
+        check = attempt(lambda: graph_us(lambda i: plan(*layers[i], count, *maps, **kw), n, args), lambda out: {
+            **compare(out, old_out), "arrivals_zero": bool(plan.arrivals.eq(0).all())})
+        row["new"].append({**setting, **check})
+        print(f"  {context:>8} new {setting}: {check}", flush=True)
     return row
 
 
@@ -272,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         best = min(r["new"], key=lambda x: x["us"] if x["equal"] else float("inf"))
         print(f"{r['context']:>8} tokens: old {r['old_us']:.2f} us/layer (quest {r['old_quest_us']:.2f}, heads-fast "
-              f"quest {r['quest_heads_fast_us']:.2f}, top-k {r['old_topk_us']:.2f}, k-th top-k {r['topk_kth_us']:.2f}); "
+              f"quest {r['quest_heads_fast']['us']:.2f}, all-heads quest {r['quest_all_heads_8']['us']:.2f} / "
+              f"{r['quest_all_heads_16']['us']:.2f}, top-k {r['old_topk_us']:.2f}, k-th top-k {r['topk_kth_us']:.2f}); "
               f"new default {r['new'][0]['us']:.2f} (equal {r['new'][0]['equal']}), best {best['us']:.2f} "
               f"{ {key: best[key] for key in SETTINGS[0]} }")
     print(f"wrote {path}")
