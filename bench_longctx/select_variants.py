@@ -19,7 +19,7 @@ median of --repeats timings of --replays replays (CUDA events). Rows:
     new[...]         QuestSelect per setting (SETTINGS; at the second context only the first)
 Every new setting is checked against old on the GPU: selected / slots / is_int8 exactly ("equal"; the graph's
 outputs after all replays), scores bitwise (block_n 64 runs old's dot tile; other tiles may round apart), the
-arrival counters back to zero; layer 0 has a tie group straddling the k-th score of head 0. Writes DIR/select_variants.json.
+workspace back to its start state; layer 0 has a tie group straddling the k-th score of head 0. Writes DIR/select_variants.json.
 """
 
 from __future__ import annotations
@@ -251,6 +251,14 @@ def compare(new: list, old: list) -> dict:
             "equal": all(same)}  # scores of a different dot tile may round apart
 
 
+def workspace_reset(plan: QuestSelect) -> bool:
+    try:
+        plan.check_integrity()
+        return True
+    except AssertionError:
+        return False
+
+
 def attempt(timed, checks) -> dict:
     """{"us", **checks(outputs)}, or the error: one failing case (resources, a compiler error) must not cost
     the run."""
@@ -289,7 +297,7 @@ def bench_context(context: int, args, device, settings: list[dict]) -> dict:
     for setting in settings:
         plan = QuestSelect(d["capacity"], NUM_KV_HEADS, k, device, **setting)
         check = attempt(lambda: graph_us(lambda i: plan(*layers[i], count, *maps, **kw), n, args), lambda out: {
-            **compare(out, old_out), "arrivals_zero": bool(plan.arrivals.eq(0).all())})
+            **compare(out, old_out), "workspace_reset": workspace_reset(plan)})
         row["new"].append({**setting, **check})
         print(f"  {context:>8} new {setting}: {check}", flush=True)
     return row

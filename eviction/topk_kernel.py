@@ -68,13 +68,18 @@ def _kth_key(key, k, BITS: tl.constexpr):
 
 
 @triton.jit
-def _winners(key, k, BITS: tl.constexpr):
-    """bool mask of the k largest keys (ties: the first in order), for a block holding >= k entries."""
-    t = _kth_key(key, k, BITS)
+def _first_k_from(key, k, t):
+    """bool mask of the keys above t, then of the first keys equal to t, k in all (t: the k-th largest key)."""
     above = key > t
     tied = key == t
     need = k - tl.sum(above.to(tl.int32), axis=0)
     return above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= need))
+
+
+@triton.jit
+def _winners(key, k, BITS: tl.constexpr):
+    """bool mask of the k largest keys (ties: the first in order), for a block holding >= k entries."""
+    return _first_k_from(key, k, _kth_key(key, k, BITS))
 
 
 @triton.jit
@@ -90,15 +95,30 @@ def _row_topk_kernel(scores_ptr, s_row, n, k, out_ptr, s_out, BLOCK: tl.constexp
 
 
 @triton.jit
-def _chunk_candidates(scores_row, n, chunk, k, cand_key_row, cand_idx_row, CHUNK: tl.constexpr,
-                      BITS: tl.constexpr):
+def _chunk_candidates(scores_row, n, chunk, k, cand_key_row, cand_idx_row, bound_ptr, CHUNK: tl.constexpr,
+                      BITS: tl.constexpr, BOUND: tl.constexpr):
     """Stage one for one row's chunk: its k winners (padding past n included, keyed lowest) at candidate slots
-    [chunk * k, chunk * k + k), ascending. Loads bypass L1: the fused kernel reads scores other programs wrote."""
+    [chunk * k, chunk * k + k), ascending. Loads bypass L1: the fused kernel reads scores other programs wrote.
+    BOUND: bound_ptr holds a lower bound of the row's k-th key (the largest k-th key of the chunks searched so
+    far; any value it held is one): a chunk with fewer than k keys at or above it keeps just those, no search,
+    and pads its other slots with the lowest key; a chunk that searches raises the bound to its k-th key."""
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     valid = offs < n
     x = tl.load(scores_row + offs, mask=valid, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
     key = _keys(x, valid)
-    take = _winners(key, k, BITS)  # exactly k entries: the chunk always holds CHUNK >= k
+    if BOUND:
+        alive = key >= tl.load(bound_ptr, volatile=True)  # keys below it lose to k others
+        if tl.sum(alive.to(tl.int32), axis=0) < k:
+            take = alive
+        else:
+            t = _kth_key(key, k, BITS)
+            tl.atomic_max(bound_ptr, t, sem="relaxed")
+            take = _first_k_from(key, k, t)
+        slot = tl.arange(0, CHUNK)
+        pad = (slot >= tl.sum(take.to(tl.int32), axis=0)) & (slot < k)
+        tl.store(cand_key_row + chunk * k + slot, tl.full((CHUNK,), -2147483647 - 1, tl.int32), mask=pad)
+    else:
+        take = _winners(key, k, BITS)  # exactly k entries: the chunk always holds CHUNK >= k
     pos = chunk * k + tl.cumsum(take.to(tl.int32), axis=0) - 1
     tl.store(cand_key_row + pos, key, mask=take)
     tl.store(cand_idx_row + pos, offs, mask=take)
@@ -127,7 +147,7 @@ def _chunk_topk_kernel(scores_ptr, s_row, n, k, cand_key_ptr, cand_idx_ptr, s_ca
     """Stage one, program (chunk, row)."""
     row = tl.program_id(1)
     _chunk_candidates(scores_ptr + row * s_row, n, tl.program_id(0), k, cand_key_ptr + row * s_cand,
-                      cand_idx_ptr + row * s_cand, CHUNK, 1)
+                      cand_idx_ptr + row * s_cand, cand_key_ptr, CHUNK, 1, False)
 
 
 @triton.jit
@@ -166,12 +186,14 @@ def _quest_topk_kernel(q_ptr, s_ptr, scores_ptr, count_ptr, num_blocks, sink_blo
     arrived = tl.atomic_add(arrivals_ptr + head * num_chunks + chunk, 1, sem="acq_rel", scope="gpu")
     if arrived == chunk_tiles - 1:
         tl.store(arrivals_ptr + head * num_chunks + chunk, 0)  # zero again for the next launch
+        bound_ptr = arrivals_ptr + NUM_HEADS * num_chunks + NUM_HEADS + head
         _chunk_candidates(row, num_blocks, chunk, k, cand_key_ptr + head * s_cand, cand_idx_ptr + head * s_cand,
-                          CHUNK, SEARCH_BITS)
+                          bound_ptr, CHUNK, SEARCH_BITS, True)
         tl.debug_barrier()
         done = tl.atomic_add(arrivals_ptr + NUM_HEADS * num_chunks + head, 1, sem="acq_rel", scope="gpu")
         if done == num_chunks - 1:
             tl.store(arrivals_ptr + NUM_HEADS * num_chunks + head, 0)
+            tl.store(bound_ptr, -2147483647 - 1)
             if MERGE:
                 _merge_candidates(cand_key_ptr + head * s_cand, cand_idx_ptr + head * s_cand, num_chunks * k, k,
                                   out_ptr + head * s_out, slot_map_ptr, tier_map_ptr, slots_ptr + head * s_out,
@@ -288,9 +310,16 @@ class QuestSelect:
             raise ValueError(f"QuestSelect needs k in [1, min(chunk, capacity)] and ceil(capacity / chunk) * k <= "
                              f"{MAX_BLOCKS}, got capacity {self.capacity}, chunk {self.chunk}, k {self.k}")
         h, c = self.num_kv_heads, self.num_chunks
-        self.arrivals = torch.zeros(h * c + h, dtype=torch.int32, device=self.device)  # tiles per chunk, chunks per head
+        self.arrivals = torch.zeros(h * c + 2 * h, dtype=torch.int32, device=self.device)  # tiles per chunk,
+        self.arrivals[h * c + h:] = -(2**31)  # chunks per head, lower bounds of each head's k-th key
         self.cand_key = torch.empty((h, c * self.k), dtype=torch.int32, device=self.device)  # [H, chunks * k]
         self.cand_idx = torch.empty_like(self.cand_key)
+
+    def check_integrity(self) -> None:
+        """Between launches the workspace is as each launch expects it: counters zero, bounds lowest."""
+        h, c = self.num_kv_heads, self.num_chunks
+        if bool(self.arrivals[: h * c + h].any()) or bool((self.arrivals[h * c + h:] != -(2**31)).any()):
+            raise AssertionError(f"QuestSelect workspace not reset: {self.arrivals.tolist()}")
 
     def __call__(self, q: torch.Tensor, summaries: torch.Tensor, count: torch.Tensor, slot_map: torch.Tensor,
                  tier_map: torch.Tensor, int8_tier: int, *, block_tokens: int, sink_blocks: int,
