@@ -1,43 +1,55 @@
-"""Sketch top-K selection at 1M tokens: the scan kernel's tuning sweep against the copy ceiling (one run).
+"""Sketch top-K selection at 1M tokens: the channel first level against the old two-plane one (one GPU run).
 
-    python -m bench_longctx.sketch_bench --out DIR [--tokens 1048576] [--budget 4096] [--blocks 64]
+    python -m bench_longctx.sketch_bench --out DIR [--tokens 1048576] [--budget 4096] [--block 64]
 
-Llama-3-8B attention geometry (32 q / 8 kv heads, head_dim 128), one layer; keys drawn from
-SmolLM2's key distribution (bench_longctx/needle.py). Per block size:
-  sweep    the coarse pass (high plane of every block) for every setting of the kernel's knobs
-           (blocks per program, field decode, num_warps, num_stages), then the fine pass (both
-           planes of coarse_factor x k candidates) over blocks per program and num_warps; each
-           setting's us and GB/s (bytes it must read / time; the copy ceiling is measured in the
-           same run), whether its upper bound held on every block against the true keys, and its
-           largest difference from the first 2048 blocks' torch reference
-  select   SketchTopK.select_masked with the fastest knobs, eager and replayed from a CUDA graph,
-           and Quest's fused selection (eviction/topk.py) for scale
-Writes DIR/sketch_h200.json. CUDA only (the kernels are far too slow interpreted). ~2-3 minutes on an H200.
+Llama-3-8B attention geometry (32 q / 8 kv heads, head_dim 128), one layer: keys drawn from SmolLM2's key
+distribution with 10 norm-matched needles at graded margins (bench_longctx/needle.py's haystack; each needle
+has its own query, isotropic: the channel first level's hard case). The same keys are coded twice, in the
+channel-major layout (eviction/sketch.py) and the old two-plane one (eviction/sketch_planes.py).
+  first_level  the old coarse pass (high plane of every block, its H200 defaults) and the channel pass
+               (eviction/sketch_channels.py) for r in --channels over a knob sweep: us, GB/s of the bytes each
+               must read, bound violations against the true keys' per-block log-sum-exp (every block, needle
+               query 0), largest difference from the torch reference over the first REF_BLOCKS blocks
+  stages       the new selection's steps alone with the fastest knobs: ranking, candidate top-k, fine pass with
+               merge, final top-k
+  select       select_masked eager and replayed from a CUDA graph: old, new per r, Quest's selection for scale
+  needles      per needle query and selector (old, new per r, Quest): recall of (needle, q head) pairs holding
+               >= 5% of the dense softmax (the needle's block selected), dense mass the selection holds, bound
+               violations (blocks whose upper bound is below the true log-sum-exp) and the certified omitted
+               mass (eviction/certify.py) against the true one
+Writes DIR/sketch_h200.json (device, date, command inside). ~2-3 minutes on an H200. Without CUDA it is a smoke run
+of the same code under TRITON_INTERPRET=1 (use a small --tokens; no graph timings).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
+import os
 
 import torch
 
-from bench_longctx.needle import background, key_distribution
+from bench_longctx.needle import haystack, logits
+from bench_longctx.presets import NeedlePreset
 from bench_longctx.select_bench import graph_us
 from bench_longctx.timing import copy_ceiling_GBps, environment, time_ms, write_json
-from eviction.select import protected_mask
-from eviction.sketch import sketch_keys
-from eviction.sketch_kernel import sketch_block_stats, sketch_block_stats_ref
+from eviction.certify import attended_lse, certified_omitted_mass, true_omitted_mass
+from eviction.select import protected_mask, top_blocks
+from eviction.sketch import sketch_keys, unpack
+from eviction.sketch_channels import channel_block_stats, channel_block_stats_ref
+from eviction.sketch_kernel import refine_candidates
+from eviction.sketch_planes import pack_planes, plane_block_stats, select_masked_planes
+from eviction.sketch_rank import block_shares
 from eviction.sketch_topk import SketchTopK
 from eviction.topk import topk_select
 from kvstore.config import ModelSpec
 
 SPEC = ModelSpec.preset("llama3-8b", num_layers=1)
-COARSE_SWEEP = dict(blocks_per_program=(1, 4, 16), decode=(0, 1), num_warps=(2, 4, 8), num_stages=(1, 3))
-FINE_SWEEP = dict(blocks_per_program=(1, 2, 4), num_warps=(2, 4))
-REF_BLOCKS = 2048  # the torch reference's slice (its int64 unpacking of every block would need ~17 GB at 1M)
+SINK, RECENT, MIN_WEIGHT = 64, 256, 0.05
+SCAN_SWEEP = [dict(blocks_per_program=b, num_warps=w) for b, w in ((4, 2), (8, 4), (8, 8), (16, 4), (16, 8))]
+FINE_SWEEP = [dict(blocks_per_program=b, num_warps=w) for b, w in ((1, 2), (2, 2), (1, 4))]
+REF_BLOCKS = 1024  # the torch reference's slice
 
 
 def true_block_lse(q: torch.Tensor, keys: torch.Tensor, block_tokens: int) -> torch.Tensor:
@@ -50,26 +62,23 @@ def true_block_lse(q: torch.Tensor, keys: torch.Tensor, block_tokens: int) -> to
     return padded.view(q.shape[0], n, block_tokens).logsumexp(-1)
 
 
-def measure(run, nbytes: int, device: torch.device, true: torch.Tensor, ref, columns) -> dict:
-    """One setting: us, GB/s, how many (head, block) bounds fell below the truth, largest gap to the reference."""
+def old_layout(codes: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """The same codes in the old two-plane layout (chunked: unpacking 1M tokens at once needs ~12 GB)."""
+    return torch.cat([pack_planes(unpack(codes[i:i + chunk]).to(torch.int64)) for i in range(0, codes.shape[0], chunk)])
+
+
+def timed_row(run, nbytes: int, true: torch.Tensor, ref=None) -> dict:
+    """One setting: us, GB/s of the bytes it must read, bound violations, largest gap to the reference."""
     try:
         lse, upper = run()
     except Exception as e:  # a setting the compiler refuses is a result, not the end of the sweep
         return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-    us = 1e3 * time_ms(run, device)
+    us = 1e3 * time_ms(run, true.device)
     row = {"us": us, "GBps": nbytes / us / 1e3, "bound_violations": int((upper < true).sum())}
     if ref is not None:
-        row["max_diff_vs_ref"] = max(float((lse[:, columns] - ref[0]).abs().max()),
-                                     float((upper[:, columns] - ref[1]).abs().max()))
+        m = ref[0].shape[1]
+        row["max_diff_vs_ref"] = max(float((lse[:, :m] - ref[0]).abs().max()), float((upper[:, :m] - ref[1]).abs().max()))
     return row
-
-
-def sweep(space: dict, fixed: dict, run_for, nbytes, device, true, ref, columns) -> list[dict]:
-    rows = []
-    for values in itertools.product(*space.values()):
-        knobs = {**fixed, **dict(zip(space, values))}
-        rows.append({"knobs": knobs, **measure(lambda k=knobs: run_for(k), nbytes, device, true, ref, columns)})
-    return rows
 
 
 def fastest(rows: list[dict]) -> dict:
@@ -77,48 +86,73 @@ def fastest(rows: list[dict]) -> dict:
     return min(ok, key=lambda r: r["us"]) if ok else {"knobs": {}, "us": float("nan")}
 
 
-def bench_block_size(args, block_tokens: int, q: torch.Tensor, keys: torch.Tensor, ceiling: float) -> dict:
-    summaries, codes = sketch_keys(keys, block_tokens)
-    n, h, d, t = summaries.shape[0], SPEC.num_kv_heads, SPEC.head_dim, keys.shape[0]
-    dev = q.device
-    k = args.budget // block_tokens
-    policy = SketchTopK(coarse_factor=args.coarse_factor)
-    g = torch.Generator(device=dev).manual_seed(1)
-    candidates = torch.randint(0, n, (h, policy.coarse_factor * k), device=dev, generator=g)  # [H, C]
-    true = true_block_lse(q, keys, block_tokens)  # [Hq, N]
-    true_fine = true.gather(1, candidates.repeat_interleave(q.shape[0] // h, dim=0))
+def first_levels(args, q, summaries, codes, old_codes, true) -> dict:
+    n, h, d, b = summaries.shape[0], SPEC.num_kv_heads, SPEC.head_dim, args.block
+    t = n * b
+    summary_bytes = n * h * 2 * d * 2
+    out = {"old": timed_row(lambda: plane_block_stats(q, summaries, old_codes, t, planes=1),
+                            summary_bytes + n * h * b * d // 4, true)}
     m = min(REF_BLOCKS, n)
-    ref_coarse = sketch_block_stats_ref(q, summaries[:m], codes[:m], m * block_tokens, planes=1)
-    summary_bytes = h * 2 * d * 2  # per block
-    plane_bytes = h * block_tokens * d // 4
-    coarse_bytes = n * (summary_bytes + plane_bytes)
-    fine_bytes = candidates.numel() * (summary_bytes + 2 * plane_bytes) // h
-    row = {"block_tokens": block_tokens, "num_blocks": n, "coarse_MiB": coarse_bytes / 2**20,
-           "fine_MiB": fine_bytes / 2**20, "coarse_ceiling_us": coarse_bytes / ceiling / 1e3,
-           "sketch_bytes_per_token_per_kv_head": 2 * d // 4 + 2 * d * 2 / block_tokens,
-           "kv_fp16_bytes_per_token_per_kv_head": 2 * d * 2}
-    coarse = lambda knobs: sketch_block_stats(q, summaries, codes, t, planes=1, **knobs)  # noqa: E731
-    row["coarse_sweep"] = sweep(COARSE_SWEEP, {}, coarse, coarse_bytes, dev, true, ref_coarse, slice(0, m))
-    best = fastest(row["coarse_sweep"])
-    row["coarse_best"] = best
-    fixed = {"decode": best["knobs"].get("decode", 1), "num_stages": best["knobs"].get("num_stages", 3)}
-    fine = lambda knobs: sketch_block_stats(q, summaries, codes, t, planes=2, block_ids=candidates,  # noqa: E731
-                                            **knobs)
-    row["fine_sweep"] = sweep(FINE_SWEEP, fixed, fine, fine_bytes, dev, true_fine, None, None)
-    best_fine = fastest(row["fine_sweep"])
-    row["fine_best"] = best_fine
-    protected = protected_mask(num_tokens=t, block_tokens=block_tokens, sink_tokens=64, recent_tokens=1024,
-                               device=dev)
-    valid = torch.ones(n, dtype=torch.bool, device=dev)
-    tuned = SketchTopK(coarse_factor=args.coarse_factor, scan_knobs=best["knobs"], candidate_knobs=best_fine["knobs"])
-    for name, pol in (("default", policy), ("tuned", tuned)):
-        select = lambda p=pol: p.select_masked(q, summaries, codes, valid, protected, k)  # noqa: E731
-        row[f"select_{name}_us"] = 1e3 * time_ms(select, dev)
-        row[f"select_{name}_graph_us"] = graph_us(select)
-    quest = lambda: topk_select(q, summaries, num_tokens=t, block_tokens=block_tokens,  # noqa: E731
-                                budget_tokens=args.budget, sink_tokens=64, recent_tokens=1024)
-    row["quest_select_graph_us"] = graph_us(quest)
+    for r in args.channels:
+        ref = channel_block_stats_ref(q, summaries[:m], codes[:m], m * b, r)
+        nbytes = summary_bytes + n * h * r * b // 2
+        rows = [{"knobs": k, **timed_row(lambda k=k: channel_block_stats(q, summaries, codes, t, r, **k), nbytes, true,
+                                         ref)} for k in SCAN_SWEEP]
+        out[f"channels_{r}"] = {"sweep": rows, "best": fastest(rows), "MiB": nbytes / 2**20}
+    return out
+
+
+def stages(args, q, summaries, codes, valid, protected, k, r, knobs) -> dict:
+    """The new selection's steps alone (eager do_bench each, fastest knobs)."""
+    n, h, t = summaries.shape[0], SPEC.num_kv_heads, summaries.shape[0] * args.block
+    keep = protected & valid
+    lse, upper = channel_block_stats(q, summaries, codes, t, r, valid, **knobs)
+    scores, z = block_shares(lse, keep, valid, h)
+    c = SketchTopK.coarse_factor * k
+    candidates = top_blocks(scores, c)
+    row = {"rank_us": 1e3 * time_ms(lambda: block_shares(lse, keep, valid, h), q.device),
+           "candidates_topk_us": 1e3 * time_ms(lambda: top_blocks(scores, c), q.device)}
+    fine = [{"knobs": f, "us": 1e3 * time_ms(lambda f=f: refine_candidates(q, summaries, codes, candidates, z, keep,
+                                                                         valid, upper.clone(), **f), q.device)}
+            for f in FINE_SWEEP]
+    row["fine_sweep"], row["fine_best"] = fine, min(fine, key=lambda x: x["us"])
+    scores_c = refine_candidates(q, summaries, codes, candidates, z, keep, valid, upper, **row["fine_best"]["knobs"])
+    row["final_topk_us"] = 1e3 * time_ms(lambda: candidates.gather(1, top_blocks(scores_c, k)), q.device)
     return row
+
+
+def needle_recall(hay: dict, selectors: dict, block_tokens: int) -> dict:
+    """Per selector: recall of (needle, q head) pairs >= MIN_WEIGHT, mean dense mass held, bound violations and the
+    certificate (certified vs true omitted mass, per kv head) over every needle query."""
+    keys, group = hay["keys"], SPEC.gqa_group
+    out = {name: {"found": 0, "trials": 0, "mass": [], "bound_violations": 0, "cert_below_true": 0, "certified": [],
+                  "true_omitted": []} for name in selectors}
+    for i, q in enumerate(hay["queries"]):
+        logit = logits(q, keys)  # [Hq, T]
+        n = -(-keys.shape[0] // block_tokens)
+        padded = torch.nn.functional.pad(logit, (0, n * block_tokens - keys.shape[0]), value=float("-inf"))
+        block_lse = padded.view(q.shape[0], n, block_tokens).logsumexp(-1)  # [Hq, N]
+        mass = torch.softmax(block_lse, dim=1).view(SPEC.num_kv_heads, group, n).mean(1)  # [H, N]
+        counted = hay["weights"][i] >= MIN_WEIGHT  # [Hq]
+        needle_block = hay["positions"][i] // block_tokens
+        for name, select in selectors.items():
+            selected, upper = select(q)
+            row = out[name]
+            held = (selected == needle_block).any(1).repeat_interleave(group)  # [Hq]
+            row["found"] += int((held & counted).sum())
+            row["trials"] += int(counted.sum())
+            row["mass"].append(float(mass.gather(1, selected).sum(1).mean()))
+            if upper is not None:
+                row["bound_violations"] += int((upper < block_lse - 1e-4).sum())
+                certified = certified_omitted_mass(upper, selected, attended_lse(logit, selected, block_tokens))
+                true = true_omitted_mass(logit, selected, block_tokens)
+                row["cert_below_true"] += int((certified < true * (1 - 1e-5) - 1e-7).sum())
+                row["certified"].append(float(certified.mean()))
+                row["true_omitted"].append(float(true.mean()))
+    for row in out.values():
+        row["recall"] = row["found"] / row["trials"] if row["trials"] else None
+        row["mean_mass"] = sum(row.pop("mass")) / len(hay["queries"])
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,27 +160,59 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tokens", type=int, default=1 << 20)
     parser.add_argument("--budget", type=int, default=4096)
-    parser.add_argument("--blocks", default="64")
-    parser.add_argument("--coarse-factor", type=int, default=SketchTopK.coarse_factor)
+    parser.add_argument("--block", type=int, default=64)
+    parser.add_argument("--channels", default="16,32", help="first-level channel counts to time and score")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("sketch_bench needs CUDA")
+    args.channels = [int(c) for c in args.channels.split(",")]
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        print("sketch_bench needs CUDA, or TRITON_INTERPRET=1 and a small --tokens for a smoke run")
         return 2
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
-    mean, chol = key_distribution(SPEC, 15, dev)
-    keys = torch.cat([background(min(1 << 16, args.tokens - s), mean, chol, g)
-                      for s in range(0, args.tokens, 1 << 16)]).half()  # [T, H, D]
-    q = (torch.randn(SPEC.num_q_heads, SPEC.head_dim, device=dev, generator=g) * 2).half()
-    ceiling = copy_ceiling_GBps(dev)
-    rows = [bench_block_size(args, int(b), q, keys, ceiling) for b in args.blocks.split(",")]
-    result = {"environment": environment(dev), "tokens": args.tokens, "budget": args.budget,
-              "copy_ceiling_GBps": ceiling, "rows": rows}
+    preset = NeedlePreset(geometry="llama3-8b", contexts=(args.tokens,), budgets=(args.budget,), needles=10,
+                          sink_tokens=SINK, recent_tokens=RECENT, block_tokens=args.block)
+    hay = haystack(SPEC, args.tokens, preset, dev, seed=args.tokens)
+    hay.pop("values")
+    keys, b = hay["keys"], args.block
+    summaries, codes = sketch_keys(keys, b)
+    old_codes = old_layout(codes)
+    n, t = summaries.shape[0], keys.shape[0]
+    result = {"environment": environment(dev), "tokens": t, "budget": args.budget, "block_tokens": b,
+              "num_blocks": n, "copy_ceiling_GBps": copy_ceiling_GBps(dev),
+              "sketch_bytes_per_token_per_kv_head": SPEC.head_dim // 2 + 2 * SPEC.head_dim * 2 / b,
+              "kv_fp16_bytes_per_token_per_kv_head": 2 * SPEC.head_dim * 2}
+    q = hay["queries"][0]
+    true = true_block_lse(q, keys, b)
+    result["first_level"] = first_levels(args, q, summaries, codes, old_codes, true)
     write_json(args.out, "sketch_h200.json", result)
-    for r in rows:
-        print(json.dumps({"block_tokens": r["block_tokens"], "coarse_ceiling_us": round(r["coarse_ceiling_us"], 1),
-                          "coarse_best": r["coarse_best"], "fine_best": r["fine_best"],
-                          **{key: round(v, 1) for key, v in r.items() if key.startswith(("select", "quest"))}}))
+    valid = torch.ones(n, dtype=torch.bool, device=dev)
+    protected = protected_mask(num_tokens=t, block_tokens=b, sink_tokens=SINK, recent_tokens=RECENT, device=dev)
+    k = args.budget // b
+    policies = {}
+    for r in args.channels:
+        scan = result["first_level"][f"channels_{r}"]["best"].get("knobs", {})
+        result[f"stages_{r}"] = stages(args, q, summaries, codes, valid, protected, k, r, scan)
+        policies[f"new_r{r}"] = SketchTopK(channels=r, use_kernel=True, scan_knobs=scan,
+                                           candidate_knobs=result[f"stages_{r}"]["fine_best"]["knobs"])
+    selectors = {"old": lambda x: select_masked_planes(x, summaries, old_codes, valid, protected, k)}
+    selectors.update({name: (lambda x, p=p: p.select_masked(x, summaries, codes, valid, protected, k))
+                      for name, p in policies.items()})
+    selectors["quest"] = lambda x: (topk_select(x, summaries, num_tokens=t, block_tokens=b, budget_tokens=args.budget,
+                                                sink_tokens=SINK, recent_tokens=RECENT), None)
+    result["select"] = {name: {"eager_us": 1e3 * time_ms(lambda f=f: f(q), dev),
+                               "graph_us": graph_us(lambda f=f: f(q)) if dev.type == "cuda" else float("nan")}
+                        for name, f in selectors.items()}
+    write_json(args.out, "sketch_h200.json", result)
+    result["needles"] = needle_recall(hay, selectors, b)
+    result["needle_weights"] = [[round(float(w), 4) for w in row] for row in hay["weights"].cpu()]
+    path = write_json(args.out, "sketch_h200.json", result)
+    summary = {"first_level_us": {name: round(row.get("us", row.get("best", {}).get("us", float("nan"))), 1)
+                                  for name, row in result["first_level"].items()},
+               "select_graph_us": {name: round(row["graph_us"], 1) for name, row in result["select"].items()},
+               "recall": {name: row["recall"] for name, row in result["needles"].items()},
+               "bound_violations": {name: row["bound_violations"] for name, row in result["needles"].items()},
+               "cert_below_true": {name: row["cert_below_true"] for name, row in result["needles"].items()}}
+    print(json.dumps(summary))
+    print(path)
     return 0
 
 

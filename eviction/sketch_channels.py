@@ -1,28 +1,33 @@
 """The sketch selector's first level: a few channels of every block's 4-bit codes, the rest bounded by min/max.
 
-SparQ (Ribar et al. 2023) estimates logits from the r channels of largest |q|; here every program picks, per kv
-head, the r channels of largest |q_d| summed over the GQA group, and reads, per block, the summaries (every
-channel's min and max) and the codes of those r channels only: r rows of B/2 bytes in the channel-major layout
-(eviction/sketch.py), r / D of the codes. (Weighting |q_d| by the channel's typical step, max - min, ranked
-norm-matched needles among 256K-1M synthetic keys worse, e.g. 237th instead of 7th of 4K blocks at r = 32 of
-128, and kept real SmolLM2 blocks no better.)
+SparQ (Ribar et al. 2023) estimates logits from the r channels of largest |q|. Here a small launch picks, per kv
+head, the r channels of largest |q_d| summed over the GQA group, and the scan reads, per block, the summaries
+(every channel's min and max) and the codes of those r channels only: r rows of B/2 bytes in the channel-major
+layout (eviction/sketch.py), r / D of the codes. (Weighting |q_d| by the channel's typical step, max - min,
+ranked norm-matched needles among 256K-1M synthetic keys worse, e.g. 237th instead of 7th of 4K blocks at
+r = 32 of 128, and kept real SmolLM2 blocks no better.)
 Per q head i and block b, with R the read channels and U the others, c = (min + max) / 2, w = (max - min) / 2:
-  partial_t = q_R . k_hat_R,t   (4-bit estimate over R, |error| <= err_R = S_R / 2 + fp16 rounding)
+  partial_t = q_R . k_hat_R,t   (4-bit estimate over R, |error| <= err_R = S_R / 2 + fp16 rounding,
+                                 S_R = sum_R |q_j| step_j)
   lse    log sum_t exp(scale (partial_t + q_U . c_U)): the block's estimated mass, the unread channels at
          the box's centre (the ranking; eviction/sketch_topk.py refines the best coarse_factor x k blocks)
   upper  min(log sum_t exp(scale partial_t) + scale (q_U . c_U + |q_U| . w_U + err_R + slack),
-             log n_b + scale (Quest over every channel + slack)):
+             log n_b + scale (Quest over every channel + slack)) + 1e-5:
          q_U . k_U <= q_U . c_U + |q_U| . w_U for every key in the box (Quest's bound on the unread channels),
-         so upper bounds log sum_t exp(scale q . k_t) over the TRUE keys; slack = ROUNDING_SLACK * 2 |q|_1
-         max_d max(|min_d|, |max_d|) covers fp32 accumulation (eviction/sketch_kernel.py says why the fp16
-         rounding of q_R * step is err_R's only other term).
-The unread channels' terms are tensor-core dots of the fp16 summaries against q_U's positive and negative
-parts (exact fp16 products, fp32 accumulation); the read channels' estimate is one batched dot per nibble,
-fp16(q_R * step) [G, r] x codes [r, B/2] per block. Garbage in blocks outside `valid` stays there: their
-lse and upper are -inf.
+         so upper bounds log sum_t exp(scale q . k_t) over the TRUE keys. slack = ROUNDING_SLACK |q| . (|min| +
+         |max|) covers fp32 accumulation, 1e-5 the approximate exp2 / log2; err_R's fp16 term is the rounding
+         of q_j step_j, as in eviction/sketch_kernel.py, whose reasoning applies unchanged.
+Every per-block sum over channels (Quest on U and on R, q_R . min_R, S_R, size) is a tensor-core dot of the fp16
+summaries against fp16 columns of q masked to U or R (exact products, fp32 sums); the read channels' estimate is
+one batched dot per nibble, codes [B/2, r] x fp16(q_R step) [r, G] per block. A block whose size / 15 reaches
+fp16's range (never for real keys) keeps Quest's bound alone. Garbage in blocks outside `valid` stays there:
+their lse and upper are -inf.
+Instruction counts (sm_90 SASS, triton 3.6, offline) steered the form: per-block sums by dots instead of
+cross-lane reductions (982 -> 792 warp-instructions per block and kv head at r = 16), no token masks when every
+block is full (1128 -> 982), a channel-at-a-time FMA loop was 3x worse.
 
-Layout: kernels -> launchers -> pure-torch references. Imports only torch and triton (and the shared
-jit helpers of the other sketch and top-k kernels).
+Layout: kernels -> launcher -> pure-torch reference. Imports only torch and triton (and the nibble decoder and
+constants of eviction/sketch_kernel.py).
 """
 
 from __future__ import annotations
@@ -36,10 +41,29 @@ import triton.language as tl
 from eviction.sketch_kernel import (FP16_MAX, FP16_REL, FP16_TINY, HALF_STEP, LEVELS, ROUNDING_SLACK, _FP16_MAX,
                                     _FP16_REL, _FP16_TINY, _HALF_STEP, _LEVELS, _ROUNDING_SLACK, check_inputs,
                                     check_kernel_layout, nibble)
-from eviction.topk_kernel import _winners
 
-DEFAULT_KNOBS = dict(blocks_per_program=8, decode=1, num_warps=4, num_stages=1)  # untimed: 128-167 registers at
-# r = 16-32 for sm_90 (offline, triton 3.6); bench_longctx/sketch_bench.py sweeps them
+ABSOLUTE_SLACK = 1e-5  # nats: exp2 / log2 run on approximate units (relative error ~2^-22)
+_ABSOLUTE_SLACK = tl.constexpr(ABSOLUTE_SLACK)
+
+# untimed on a GPU (bench_longctx/sketch_bench.py sweeps blocks per program and warps); offline for sm_90 (triton
+# 3.6) 8 blocks x 4 warps compile to 168 / 187 registers at r = 16 / 32 without spills, 16 x 4 spill at r = 32
+DEFAULT_KNOBS = dict(blocks_per_program=8, decode=1, num_warps=4, num_stages=1)
+
+
+@triton.jit
+def _plan_kernel(q_ptr, ch_ptr, stride_qh, stride_ch, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, CHANNELS: tl.constexpr):
+    """One program per kv head: the CHANNELS channels of largest sum_g |q_gd| (ties: the lower channel), by rank."""
+    head = tl.program_id(0)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + (head * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :], mask=(offs_g < GROUP)[:, None],
+                other=0.0)
+    importance = tl.sum(tl.abs(q.to(tl.float32)), 0)  # [HEAD_DIM]
+    ahead = (importance[None, :] > importance[:, None]) | ((importance[None, :] == importance[:, None])
+                                                          & (offs_d[None, :] < offs_d[:, None]))
+    rank = tl.sum(ahead.to(tl.int32), 1)  # [HEAD_DIM]: channels ahead of each
+    tl.store(ch_ptr + head * stride_ch + rank, offs_d, mask=rank < CHANNELS)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_blocks"])
@@ -47,12 +71,14 @@ def _channel_kernel(
     q_ptr,  # float16 [Hq, HEAD_DIM]
     s_ptr,  # float16 [num_blocks, 2, H, HEAD_DIM]
     c_ptr,  # uint8 [num_blocks, H, HEAD_DIM, BLOCK_TOKENS // 2] (channel rows)
+    ch_ptr,  # int32 [H, CHANNELS]: the channels to read (_plan_kernel)
     valid_ptr,  # bool [num_blocks] (HAS_VALID) or unused
     lse_ptr, upper_ptr,  # float32 [Hq, num_blocks]
     num_tokens, num_blocks, scale,
-    stride_qh, stride_sn, stride_sm, stride_sh, stride_cn, stride_ch, stride_oh,
+    stride_qh, stride_sn, stride_sm, stride_sh, stride_cn, stride_ch, stride_chh, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, CHANNELS: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, HALF_PAD: tl.constexpr, BLOCKS: tl.constexpr, HAS_VALID: tl.constexpr,
+    FULL: tl.constexpr,  # every token of every block is real (num_tokens = num_blocks * BLOCK_TOKENS, a power of 2)
     DECODE: tl.constexpr,
 ):
     head = tl.program_id(1)
@@ -67,53 +93,60 @@ def _channel_kernel(
     blocks = offs_b.to(tl.int64)
     q_row = q_ptr + (head * GROUP + offs_g) * stride_qh  # [GROUP_PAD]
     q_t = tl.load(q_row[None, :] + offs_d[:, None], mask=g_ok[None, :], other=0.0)  # fp16 [HEAD_DIM, GROUP_PAD]
-    # the read channels: the CHANNELS of largest sum_g |q_gd| (ties: the lower channel), ascending
-    importance = tl.sum(tl.abs(q_t.to(tl.float32)), 1)  # [HEAD_DIM], >= 0: its float bits order like its values
-    read = _winners(importance.to(tl.int32, bitcast=True), CHANNELS)
-    rank = tl.cumsum(read.to(tl.int32), 0) - 1
-    offs_r = tl.arange(0, CHANNELS)
-    ch = tl.sum(tl.where(read[None, :] & (rank[None, :] == offs_r[:, None]), offs_d[None, :], 0), 1)  # [CHANNELS]
-    q_u = tl.where(read[:, None], 0.0, q_t)  # the unread channels' q (exact)
-    q_pos, q_neg = tl.maximum(q_u, 0.0).to(tl.float16), tl.minimum(q_u, 0.0).to(tl.float16)
-    q_norm1 = tl.sum(tl.abs(q_t.to(tl.float32)), 0)  # [GROUP_PAD]
-    # every channel's box: Quest on the unread ones, as exact fp16 products summed in fp32 by the tensor cores
+    ch = tl.load(ch_ptr + head * stride_chh + tl.arange(0, CHANNELS))  # int32 [CHANNELS]
+    read = tl.max((offs_d[:, None] == ch[None, :]).to(tl.int32), 1) > 0  # [HEAD_DIM]
+    zero = tl.zeros_like(q_t)
+    q_u = tl.where(read[:, None], zero, q_t)  # fp16 [HEAD_DIM, GROUP_PAD]: the unread channels' q, the read ones'
+    q_r = tl.where(read[:, None], q_t, zero)
+    u_pos, u_neg = tl.maximum(q_u, zero), tl.minimum(q_u, zero)  # (all exact in fp16)
+    r_pos, r_neg = tl.maximum(q_r, zero), tl.minimum(q_r, zero)
+    # every per-block sum over channels is a tensor-core dot of the fp16 summaries against a q column set: exact
+    # fp16 products summed in fp32 (errors inside slack * size)
     s_rows = s_ptr + blocks[:, None] * stride_sn + head * stride_sh + offs_d[None, :]
     k_min = tl.load(s_rows, mask=live[:, None], other=0.0)  # fp16 [BLOCKS, HEAD_DIM]
     k_max = tl.load(s_rows + stride_sm, mask=live[:, None], other=0.0)
-    top_u = tl.dot(k_max, q_pos) + tl.dot(k_min, q_neg)  # [BLOCKS, GROUP_PAD]: max of q_U . k_U over the box
-    bottom_u = tl.dot(k_max, q_neg) + tl.dot(k_min, q_pos)  # its min
-    largest = tl.maximum(tl.max(tl.abs(k_min.to(tl.float32)), 1), tl.max(tl.abs(k_max.to(tl.float32)), 1))
-    slack = _ROUNDING_SLACK * 2.0 * largest[:, None] * q_norm1[None, :]  # >= slack * |q| . (|min| + |max|)
-    # the read channels: their min and step per block, and q_R * step as the dot's fp16 operand
-    q_r = tl.load(q_row[:, None] + ch[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)  # [GROUP_PAD, CH]
+    top_u = tl.dot(k_max, u_pos) + tl.dot(k_min, u_neg)  # [BLOCKS, GROUP_PAD]: max of q_U . k_U over the box
+    bottom_u = tl.dot(k_max, u_neg) + tl.dot(k_min, u_pos)  # its min
+    quest_r = tl.dot(k_max, r_pos) + tl.dot(k_min, r_neg)  # Quest on the read channels
+    base = tl.dot(k_min, q_r)  # q_R . min_R
+    spread = (tl.dot(k_max, r_pos - r_neg) - tl.dot(k_min, r_pos - r_neg)) / _LEVELS  # S_R = sum_R |q_j| step_j
+    q_abs = tl.abs(q_t)
+    size = tl.dot(tl.abs(k_min), q_abs) + tl.dot(tl.abs(k_max), q_abs)  # |q| . (|min| + |max|)
+    slack = _ROUNDING_SLACK * size
+    # the read channels' codes against fp16(q_j step_j); size / 15 bounds every |q_j step_j| (fp16 overflow check)
+    q_j = tl.load(q_row[:, None] + ch[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)  # [GROUP_PAD, CH]
     r_rows = s_ptr + blocks[:, None] * stride_sn + head * stride_sh + ch[None, :]
     r_min = tl.load(r_rows, mask=live[:, None], other=0.0).to(tl.float32)  # [BLOCKS, CHANNELS]
     r_max = tl.load(r_rows + stride_sm, mask=live[:, None], other=0.0).to(tl.float32)
-    qs = q_r[None, :, :] * ((r_max - r_min) / _LEVELS)[:, None, :]  # [BLOCKS, GROUP_PAD, CHANNELS]
+    qs = q_j[None, :, :] * ((r_max - r_min) / _LEVELS)[:, None, :]  # [BLOCKS, GROUP_PAD, CHANNELS]
     operand = tl.minimum(tl.maximum(qs, -_FP16_MAX), _FP16_MAX).to(tl.float16)
-    base = tl.sum(q_r[None, :, :] * r_min[:, None, :], 2)  # [BLOCKS, GROUP_PAD]
-    spread = tl.sum(tl.abs(qs), 2)
-    quest_r = tl.sum(tl.maximum(q_r[None, :, :] * r_max[:, None, :], q_r[None, :, :] * r_min[:, None, :]), 2)
-    big = tl.max(tl.abs(qs), 2)
+    fits = size < _LEVELS * _FP16_MAX
     codes = (c_ptr + blocks[:, None, None] * stride_cn + head * stride_ch
              + ch[None, :, None] * (BLOCK_TOKENS // 2) + offs_t[None, None, :])
     byte = tl.load(codes, mask=live[:, None, None] & (offs_t < BLOCK_TOKENS // 2)[None, None, :], other=0)
-    est_lo = tl.dot(operand, nibble(byte, 0, DECODE))  # [BLOCKS, GROUP_PAD, HALF_PAD]: tokens 0, 2, ..
-    est_hi = tl.dot(operand, nibble(byte, 1, DECODE))  # tokens 1, 3, ..
-    first = blocks[:, None] * BLOCK_TOKENS + 2 * offs_t[None, :]  # [BLOCKS, HALF_PAD]
-    ok_lo = (2 * offs_t < BLOCK_TOKENS)[None, :] & (first < num_tokens)
-    ok_hi = (2 * offs_t + 1 < BLOCK_TOKENS)[None, :] & (first + 1 < num_tokens)
-    logit_lo = tl.where(ok_lo[:, None, :], (est_lo + base[:, :, None]) * scale, float("-inf"))
-    logit_hi = tl.where(ok_hi[:, None, :], (est_hi + base[:, :, None]) * scale, float("-inf"))
-    top = tl.maximum(tl.max(logit_lo, 2), tl.max(logit_hi, 2))  # [BLOCKS, GROUP_PAD]
+    operand_t = tl.permute(operand, (0, 2, 1))  # [BLOCKS, CHANNELS, GROUP_PAD]
+    est_lo = tl.dot(tl.permute(nibble(byte, 0, DECODE), (0, 2, 1)), operand_t)  # [BLOCKS, HALF_PAD, GROUP_PAD]
+    est_hi = tl.dot(tl.permute(nibble(byte, 1, DECODE), (0, 2, 1)), operand_t)  # tokens 2t (lo), 2t + 1 (hi)
+    log2_scale = scale * 1.4426950408889634  # logits in base 2: exp2 needs no extra multiply
+    logit_lo = (est_lo + base[:, None, :]) * log2_scale  # [BLOCKS, HALF_PAD, GROUP_PAD]
+    logit_hi = (est_hi + base[:, None, :]) * log2_scale
+    if not FULL:  # a partial tail block (or a block size below a power of two): mask the missing tokens
+        first = offs_b[:, None] * BLOCK_TOKENS + 2 * offs_t[None, :]  # [BLOCKS, HALF_PAD]
+        ok_lo = (2 * offs_t < BLOCK_TOKENS)[None, :] & (first < num_tokens)
+        ok_hi = (2 * offs_t + 1 < BLOCK_TOKENS)[None, :] & (first + 1 < num_tokens)
+        logit_lo = tl.where(ok_lo[:, :, None], logit_lo, float("-inf"))
+        logit_hi = tl.where(ok_hi[:, :, None], logit_hi, float("-inf"))
+        n_real = tl.sum(ok_lo.to(tl.float32), 1) + tl.sum(ok_hi.to(tl.float32), 1)  # [BLOCKS]
+    else:
+        n_real = tl.full((BLOCKS,), BLOCK_TOKENS, tl.float32)
+    top = tl.maximum(tl.max(logit_lo, 1), tl.max(logit_hi, 1))  # [BLOCKS, GROUP_PAD]
     top = tl.where(top == float("-inf"), 0.0, top)  # a block past the end: no NaN from -inf - -inf
-    total = tl.sum(tl.exp(logit_lo - top[:, :, None]), 2) + tl.sum(tl.exp(logit_hi - top[:, :, None]), 2)
-    partial = top + tl.log(total)  # log sum_t exp(scale partial_t)
+    total = tl.sum(tl.exp2(logit_lo - top[:, None, :]), 1) + tl.sum(tl.exp2(logit_hi - top[:, None, :]), 1)
+    partial = (top + tl.log2(total)) * 0.6931471805599453  # log sum_t exp(scale partial_t)
     err = _HALF_STEP * spread + _LEVELS * (_FP16_REL * spread + CHANNELS * _LEVELS * _FP16_TINY)
-    n_real = tl.sum(ok_lo.to(tl.float32), 1) + tl.sum(ok_hi.to(tl.float32), 1)  # [BLOCKS]
     quest_upper = tl.log(n_real)[:, None] + (top_u + quest_r + slack) * scale
-    upper = tl.minimum(partial + (top_u + err + slack) * scale, quest_upper)
-    upper = tl.where(big < _FP16_MAX, upper, quest_upper)
+    upper = tl.where(fits, tl.minimum(partial + (top_u + err + slack) * scale, quest_upper), quest_upper)
+    upper += _ABSOLUTE_SLACK
     lse = partial + 0.5 * (top_u + bottom_u) * scale
     out = (head * GROUP + offs_g)[None, :] * stride_oh + offs_b[:, None]  # [BLOCKS, GROUP_PAD]
     out_ok = (offs_b < num_blocks)[:, None] & g_ok[None, :]
@@ -143,14 +176,18 @@ def channel_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.T
     lse = torch.empty(q.shape[0], num_blocks, dtype=torch.float32, device=q.device)  # [Hq, N]
     upper = torch.empty_like(lse)
     group, head_dim = q.shape[0] // num_kv_heads, summaries.shape[3]
+    channels = torch.empty(num_kv_heads, num_channels, dtype=torch.int32, device=q.device)  # [H, r]
+    _plan_kernel[(num_kv_heads,)](q, channels, q.stride(0), channels.stride(0), GROUP=group,
+                                  GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, CHANNELS=num_channels)
     _channel_kernel[(triton.cdiv(num_blocks, per_program), num_kv_heads)](
-        q, summaries, codes, lse if valid is None else valid, lse, upper, num_tokens, num_blocks,
+        q, summaries, codes, channels, lse if valid is None else valid, lse, upper, num_tokens, num_blocks,
         1.0 / math.sqrt(head_dim) if scale is None else scale,
         q.stride(0), summaries.stride(0), summaries.stride(1), summaries.stride(2), codes.stride(0), codes.stride(1),
-        lse.stride(0),
+        channels.stride(0), lse.stride(0),
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, CHANNELS=num_channels,
         BLOCK_TOKENS=block_tokens, HALF_PAD=triton.next_power_of_2(block_tokens // 2), BLOCKS=per_program,
         HAS_VALID=valid is not None, DECODE=knobs["decode"], num_warps=knobs["num_warps"],
+        FULL=num_tokens == num_blocks * block_tokens and block_tokens & (block_tokens - 1) == 0,
         num_stages=knobs["num_stages"],
     )  # fmt: skip
     return lse, upper
@@ -187,8 +224,8 @@ def channel_block_stats_ref(q: torch.Tensor, summaries: torch.Tensor, codes: tor
     q_u = qg.masked_fill(read[:, None], 0.0)
     top_u = torch.einsum("hgd,hnd->hgn", q_u.clamp(min=0), high) + torch.einsum("hgd,hnd->hgn", q_u.clamp(max=0), low)
     bottom_u = torch.einsum("hgd,hnd->hgn", q_u.clamp(max=0), high) + torch.einsum("hgd,hnd->hgn", q_u.clamp(min=0), low)
-    largest = torch.maximum(low.abs(), high.abs()).amax(-1)  # [H, N]
-    slack = ROUNDING_SLACK * 2.0 * largest[:, None] * qg.abs().sum(-1)[..., None]  # [H, G, N]
+    size = torch.einsum("hgd,hnd->hgn", qg.abs(), low.abs() + high.abs())
+    slack = ROUNDING_SLACK * size  # [H, G, N]
     q_r = torch.gather(qg, 2, idx[:, None].expand(-1, qg.shape[1], -1))  # [H, G, r]
     r_low, r_high = (torch.gather(x, 2, idx[:, None].expand(-1, num_blocks, -1)) for x in (low, high))  # [H, N, r]
     qs = q_r[:, :, None] * ((r_high - r_low) / LEVELS)[:, None]  # [H, G, N, r]
@@ -206,7 +243,7 @@ def channel_block_stats_ref(q: torch.Tensor, summaries: torch.Tensor, codes: tor
     quest_r = torch.maximum(q_r[:, :, None] * r_high[:, None], q_r[:, :, None] * r_low[:, None]).sum(-1)
     quest_upper = real.sum(-1).float().log() + (top_u + quest_r + slack) * scale
     upper = torch.minimum(partial + (top_u + err + slack) * scale, quest_upper)
-    upper = torch.where(qs.abs().amax(-1) < FP16_MAX, upper, quest_upper)
+    upper = torch.where(size < LEVELS * FP16_MAX, upper, quest_upper) + ABSOLUTE_SLACK
     lse = partial + 0.5 * (top_u + bottom_u) * scale
     if valid is not None:
         lse, upper = lse.masked_fill(~valid, float("-inf")), upper.masked_fill(~valid, float("-inf"))
