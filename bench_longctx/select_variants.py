@@ -16,10 +16,11 @@ median of --repeats timings of --replays replays (CUDA events). Rows:
                      block tile (contiguous summary reads: QuestSelect's order), scores only
     quest_all_heads  scores only, one program reading every head of 8 or 16 blocks (one dot of all q heads)
     topk_kth         topk_block_table as now (k-th key found top bit first), over the same scores
-    new[...]         QuestSelect per setting (SETTINGS; at the second context only the first)
+    new[...]         QuestSelect per setting (SETTINGS; past the first context the default and its fastest)
 Every new setting is checked against old on the GPU: selected / slots / is_int8 exactly ("equal"; the graph's
 outputs after all replays), scores bitwise (block_n 64 runs old's dot tile; other tiles may round apart), the
-workspace back to its start state; layer 0 has a tie group straddling the k-th score of head 0. Writes DIR/select_variants.json.
+workspace back to its start state; layer 0 has a tie group straddling the k-th score of head 0.
+Writes DIR/select_variants.json.
 """
 
 from __future__ import annotations

@@ -285,7 +285,8 @@ def topk_sorted_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
 class QuestSelect:
     """The captured decode step's topk select in one launch: exactly topk_block_table(quest_scores_live(...)),
     the top-k stages folded into the Quest scan. Built once per decode step (it owns the launch's workspace:
-    arrival counters that every launch leaves zero, and the candidates), called per layer in stream order.
+    arrival counters and per-head bounds that every launch leaves as it found them, and the candidates), called
+    per layer in stream order.
     Settings: bench_longctx/select_variants.py (maxnreg caps registers for the scan's occupancy; the selecting
     programs, a few per launch, may spill)."""
 
@@ -327,9 +328,9 @@ class QuestSelect:
         """(selected int64 [H, k] ascending, slots int32 [H, k], is_int8 bool [H, k], scores float32 [H, capacity]);
         arguments as quest_scores_live's and topk_block_table's (summaries of exactly capacity blocks)."""
         n, h, group = check_live_inputs(q, summaries, count)
-        if (n, h) != (self.capacity, self.num_kv_heads):
+        if (n, h, q.device) != (self.capacity, self.num_kv_heads, self.arrivals.device):
             raise ValueError(f"summaries: expected [{self.capacity}, 2, {self.num_kv_heads}, head_dim] (capacity "
-                             f"blocks), got {list(summaries.shape)}")
+                             f"blocks) on {self.arrivals.device}, got {list(summaries.shape)} on {q.device}")
         _check_maps(slot_map, tier_map, n)
         scores = torch.empty((h, n), dtype=torch.float32, device=q.device)  # [H, N]
         out = torch.empty((h, self.k), dtype=torch.int64, device=q.device)  # [H, k]
@@ -341,11 +342,11 @@ class QuestSelect:
             q, summaries, scores, count, n, sink_blocks, recent_tokens, block_tokens, q.stride(0),
             summaries.stride(0), summaries.stride(1), summaries.stride(2), scores.stride(0), self.k, self.num_chunks,
             self.cand_key, self.cand_idx, self.cand_key.stride(0), self.arrivals, out, out.stride(0), slot_map,
-            tier_map, slots, is_int8, int8_tier, NUM_HEADS=h, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-            HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=self.block_n, CHUNK=self.chunk,
+            tier_map, slots, is_int8, int8_tier, NUM_HEADS=h, GROUP=group,
+            GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+            BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=self.block_n, CHUNK=self.chunk,
             MERGE_BLOCK=merge_block, MERGE=self.merge_in_kernel, SEARCH_BITS=self.search_bits,
-            num_warps=self.num_warps,
-            **({} if self.maxnreg is None else {"maxnreg": self.maxnreg}),
+            num_warps=self.num_warps, **({} if self.maxnreg is None else {"maxnreg": self.maxnreg}),
         )  # fmt: skip
         if not self.merge_in_kernel:
             _merge_topk_kernel[(h,)](self.cand_key, self.cand_idx, self.cand_key.stride(0), self.num_chunks * self.k,
