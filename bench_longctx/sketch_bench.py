@@ -77,7 +77,8 @@ def timed_row(run, nbytes: int, true: torch.Tensor, ref=None) -> dict:
     row = {"us": us, "GBps": nbytes / us / 1e3, "bound_violations": int((upper < true).sum())}
     if ref is not None:
         m = ref[0].shape[1]
-        row["max_diff_vs_ref"] = max(float((lse[:, :m] - ref[0]).abs().max()), float((upper[:, :m] - ref[1]).abs().max()))
+        row["max_diff_vs_ref"] = max(float((lse[:, :m] - ref[0]).abs().max()),
+                                     float((upper[:, :m] - ref[1]).abs().max()))
     return row
 
 
@@ -108,7 +109,7 @@ def stages(args, q, summaries, codes, valid, protected, k, r, knobs) -> dict:
     keep = protected & valid
     lse, upper = channel_block_stats(q, summaries, codes, t, r, valid, **knobs)
     scores, z = block_shares(lse, keep, valid, h)
-    c = SketchTopK.coarse_factor * k
+    c = SketchTopK().num_candidates(k)
     candidates = top_blocks(scores, c)
     row = {"rank_us": 1e3 * time_ms(lambda: block_shares(lse, keep, valid, h), q.device),
            "candidates_topk_us": 1e3 * time_ms(lambda: top_blocks(scores, c), q.device)}
@@ -124,7 +125,9 @@ def stages(args, q, summaries, codes, valid, protected, k, r, knobs) -> dict:
 def needle_recall(hay: dict, selectors: dict, block_tokens: int) -> dict:
     """Per selector: recall of (needle, q head) pairs >= MIN_WEIGHT, mean dense mass held, bound violations and the
     certificate (certified vs true omitted mass, per kv head) over every needle query."""
-    keys, group = hay["keys"], SPEC.gqa_group
+    keys = hay["keys"]
+    num_kv_heads = keys.shape[1]
+    group = hay["queries"].shape[1] // num_kv_heads
     out = {name: {"found": 0, "trials": 0, "mass": [], "bound_violations": 0, "cert_below_true": 0, "certified": [],
                   "true_omitted": []} for name in selectors}
     for i, q in enumerate(hay["queries"]):
@@ -132,7 +135,7 @@ def needle_recall(hay: dict, selectors: dict, block_tokens: int) -> dict:
         n = -(-keys.shape[0] // block_tokens)
         padded = torch.nn.functional.pad(logit, (0, n * block_tokens - keys.shape[0]), value=float("-inf"))
         block_lse = padded.view(q.shape[0], n, block_tokens).logsumexp(-1)  # [Hq, N]
-        mass = torch.softmax(block_lse, dim=1).view(SPEC.num_kv_heads, group, n).mean(1)  # [H, N]
+        mass = torch.softmax(block_lse, dim=1).view(num_kv_heads, group, n).mean(1)  # [H, N]
         counted = hay["weights"][i] >= MIN_WEIGHT  # [Hq]
         needle_block = hay["positions"][i] // block_tokens
         for name, select in selectors.items():

@@ -222,8 +222,9 @@ def channel_block_stats_ref(q: torch.Tensor, summaries: torch.Tensor, codes: tor
     idx = read_channels_ref(q, num_kv_heads, num_channels)  # [H, r]
     read = torch.zeros(num_kv_heads, head_dim, dtype=torch.bool, device=q.device).scatter_(1, idx, True)
     q_u = qg.masked_fill(read[:, None], 0.0)
-    top_u = torch.einsum("hgd,hnd->hgn", q_u.clamp(min=0), high) + torch.einsum("hgd,hnd->hgn", q_u.clamp(max=0), low)
-    bottom_u = torch.einsum("hgd,hnd->hgn", q_u.clamp(max=0), high) + torch.einsum("hgd,hnd->hgn", q_u.clamp(min=0), low)
+    u_pos, u_neg = q_u.clamp(min=0), q_u.clamp(max=0)
+    top_u = torch.einsum("hgd,hnd->hgn", u_pos, high) + torch.einsum("hgd,hnd->hgn", u_neg, low)
+    bottom_u = torch.einsum("hgd,hnd->hgn", u_neg, high) + torch.einsum("hgd,hnd->hgn", u_pos, low)
     size = torch.einsum("hgd,hnd->hgn", qg.abs(), low.abs() + high.abs())
     slack = ROUNDING_SLACK * size  # [H, G, N]
     q_r = torch.gather(qg, 2, idx[:, None].expand(-1, qg.shape[1], -1))  # [H, G, r]

@@ -139,7 +139,8 @@ def _fine_kernel(
             tl.store(upper_ptr + out, upper, mask=out_ok)
 
 
-def check_inputs(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, num_tokens: int) -> tuple[int, int, int]:
+def check_inputs(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor,
+                 num_tokens: int) -> tuple[int, int, int]:
     """(num_blocks, kv_heads, block_tokens) or ValueError."""
     if summaries.dim() != 4 or summaries.shape[1] != 2 or summaries.dtype != torch.float16:
         raise ValueError(f"summaries: expected float16 [N, 2, H, D], got {summaries.dtype} {list(summaries.shape)}")

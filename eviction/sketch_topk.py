@@ -7,17 +7,20 @@ Every block keeps a 4-bit sketch of its keys on the GPU wherever its K/V lives
   1. picks per kv head the `channels` channels of largest |q| (summed over the GQA group),
   2. reads those channels' codes and every channel's min/max for every block (eviction/sketch_channels.py):
      an estimate of each block's softmax mass and an upper bound on its true log-sum-exp,
-  3. keeps the coarse_factor x k blocks of highest estimated mass per kv head (eviction/sketch_rank.py:
-     each block's share of each head's estimated softmax, averaged over the GQA group),
+  3. keeps the max(coarse_factor x k, min_candidates) blocks of highest estimated mass per kv head
+     (eviction/sketch_rank.py: each block's share of each head's estimated softmax, averaged over the group),
   4. reads all codes of those (eviction/sketch_kernel.py) and keeps the k of highest 4-bit estimated mass,
      the fine bound replacing the coarse one where it is tighter.
-Candidates always include the protected blocks (sinks, recent window). coarse_factor=0 runs one 4-bit pass over
-every block instead.
+Candidates always include the protected blocks (sinks, recent window). coarse_factor=0, or as many candidates as
+blocks, runs one 4-bit pass over every block instead. min_candidates keeps the fine pass, a fixed cost per step,
+busy on short contexts, where its tighter bound on more blocks is what makes the certificate tight (with
+min_candidates=0 the first level's bound dominates it; bench_longctx/selection_quality.py measures both).
 
 `select_with_bounds` / `select_masked` also return, per q head and block, an upper bound on the log-sum-exp
 of the block's true logits: eviction/certify.py turns it and the attention kernel's log-sum-exp of the attended
 blocks into a certified omitted mass. Outside the candidates that bound is the first level's (the unread
-channels bounded by their min/max: valid, but several nats loose on real keys; BENCHMARKS.md).
+channels bounded by their min/max: valid, but several nats loose on real keys, so the certificate is looser than
+the previous first level's: bench_longctx/selection_quality.py reports both).
 """
 
 from __future__ import annotations
@@ -36,10 +39,12 @@ from eviction.sketch_rank import block_shares, block_shares_ref
 @dataclass
 class SketchTopK(Policy):
     # channels whose codes the first level reads per block (a power of two >= 16 on CUDA); None: head_dim // 4
-    # (fewer missed planted needles at 1M with isotropic queries: 16 of 128 ranked one needle holding 45% of the
-    # dense weight 474th of 16K blocks, 32 ranked every needle in the top 41; eviction/sketch_channels.py)
+    # (isotropic queries need them: in a CPU study at 1M tokens, one kv head, 10 norm-matched needles, 16 of 128
+    # channels ranked a needle holding 45% of the dense weight 474th of 16K blocks, 32 ranked every one in the top 41)
     channels: int | None = None
     coarse_factor: int = 4  # fine-pass candidates per kv head = coarse_factor * k; 0: one full 4-bit pass
+    # ... and at least this many (256: the most the top-k kernel's two-stage path selects in one launch)
+    min_candidates: int = 256
     use_kernel: bool | None = None  # None: the Triton kernels on CUDA, the torch references elsewhere
     # tuning knobs of the first level (eviction/sketch_channels.py DEFAULT_KNOBS when empty) and of the fine pass
     # (eviction/sketch_kernel.py); bench_longctx/sketch_bench.py sweeps them
@@ -47,7 +52,7 @@ class SketchTopK(Policy):
     candidate_knobs: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name, low in (("channels", 1), ("coarse_factor", 0)):
+        for name, low in (("channels", 1), ("coarse_factor", 0), ("min_candidates", 0)):
             value = getattr(self, name)
             if (value is not None or name != "channels") and (isinstance(value, bool) or not isinstance(value, int)
                                                               or value < low):
@@ -106,7 +111,7 @@ class SketchTopK(Policy):
         lse, upper = first if first is not None else self._first_level(q, summaries, codes, num_tokens, valid)
         upper = upper.clone() if first is not None else upper  # the fine bounds go in place; a reused one stays
         scores, z = shares(lse, keep, valid, num_kv_heads)  # [H, N], [Hq]
-        candidates = top_blocks(scores, self.coarse_factor * k)  # [H, C] ascending, the kept ones among them
+        candidates = top_blocks(scores, self.num_candidates(k))  # [H, C] ascending, the kept ones among them
         live = torch.ones_like(keep) if valid is None else valid
         if self._on_kernel(q):
             fine = refine_candidates(q, summaries, codes, candidates, z, keep, live, upper, num_tokens=num_tokens,
@@ -116,7 +121,11 @@ class SketchTopK(Policy):
         return candidates.gather(1, top_blocks(fine, k)), upper  # ascending: candidates are
 
     def _two_level(self, k: int, num_blocks: int) -> bool:
-        return bool(self.coarse_factor) and self.coarse_factor * k < num_blocks
+        return bool(self.coarse_factor) and self.num_candidates(k) < num_blocks
+
+    def num_candidates(self, k: int) -> int:
+        """Fine-pass candidates per kv head for a selection of k blocks (the first level ranks them)."""
+        return max(self.coarse_factor * k, self.min_candidates)
 
     def _first_level(self, q, summaries, codes, num_tokens, valid) -> tuple[torch.Tensor, torch.Tensor]:
         head_dim = summaries.shape[3]

@@ -60,7 +60,8 @@ def test_certificate_is_never_below_true_on_random_keys(seed, num_tokens, block_
     keys[..., :3] *= 6.0  # high-variance channels and a shared mean direction, as SmolLM2's keys have
     keys = (keys + 1.5 * torch.randn(64, generator=g)).half()
     q = (torch.randn(6, 64, generator=g) * sharpness).half()
-    certified, true, _ = _certify(q, keys, block_tokens, budget, SketchTopK(coarse_factor=coarse_factor))
+    policy = SketchTopK(coarse_factor=coarse_factor, min_candidates=0)  # two levels even on short contexts
+    certified, true, _ = _certify(q, keys, block_tokens, budget, policy)
     _never_below(certified, true)
 
 
@@ -101,17 +102,19 @@ def test_certificate_holds_against_adversarial_keys() -> None:
     keys[16 * 20: 16 * 22] = 0.25  # two constant blocks
     for scale in (1.0, 8.0, 40.0):  # up to logits in the hundreds
         for budget in (64, 160, 320):
-            certified, true, _ = _certify((q * scale).half()[None], keys.half()[:, None], block_tokens, budget,
-                                          SketchTopK())
-            _never_below(certified, true)
+            for policy in (SketchTopK(), SketchTopK(min_candidates=0)):  # the full pass here, the two levels
+                certified, true, _ = _certify((q * scale).half()[None], keys.half()[:, None], block_tokens, budget,
+                                              policy)
+                _never_below(certified, true)
 
 
 def test_kernel_path_certifies_like_the_reference() -> None:
     g = torch.Generator().manual_seed(3)
     keys = (torch.randn(150, 1, 64, generator=g) * 2).half()
     q = (torch.randn(2, 64, generator=g) * 3).half()
-    got = _certify(q.to(DEVICE), keys.to(DEVICE), 16, 64, SketchTopK(coarse_factor=2, use_kernel=True))
-    want = _certify(q, keys, 16, 64, SketchTopK(coarse_factor=2, use_kernel=False))
+    two_levels = dict(coarse_factor=2, min_candidates=0)
+    got = _certify(q.to(DEVICE), keys.to(DEVICE), 16, 64, SketchTopK(**two_levels, use_kernel=True))
+    want = _certify(q, keys, 16, 64, SketchTopK(**two_levels, use_kernel=False))
     assert torch.equal(got[2].cpu(), want[2])
     torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-4, atol=1e-6)
     _never_below(got[0].cpu(), got[1].cpu())

@@ -45,7 +45,8 @@ def test_norm_matched_needles_are_selected(coarse_factor, channels) -> None:
     for seed in range(3):
         ctx, needle_blocks = _needle_case(seed)
         budget = 32 + 64 + 16 * 16  # protected blocks + 16 of ~120 candidates
-        chosen = SketchTopK(channels=channels, coarse_factor=coarse_factor).select(ctx, budget)
+        policy = SketchTopK(channels=channels, coarse_factor=coarse_factor, min_candidates=0)
+        chosen = policy.select(ctx, budget)
         quest = TopK().select(ctx, budget)
         for head in range(needle_blocks.shape[0]):
             found += sum(b in chosen[head].tolist() for b in needle_blocks[head].tolist())
@@ -83,6 +84,10 @@ def test_missing_sketch_or_bad_settings_raise() -> None:
         SketchTopK().select(bare, 100)
     with pytest.raises(ValueError, match="coarse_factor"):
         SketchTopK(coarse_factor=-1)
+    with pytest.raises(ValueError, match="channels"):
+        SketchTopK(channels=0)
+    with pytest.raises(ValueError, match="min_candidates"):
+        SketchTopK(min_candidates=1.5)
     with pytest.raises(ValueError, match="sketch: expected"):
         ScoreContext(ctx.summaries, num_tokens=ctx.num_tokens, block_tokens=16, q=ctx.q, sketch=ctx.sketch[:, :1])
 
@@ -101,7 +106,7 @@ def test_masked_selection_over_garbage_capacity_matches(coarse_factor) -> None:
     valid = positions < n
     protected = protected_mask(num_tokens=ctx.num_tokens, block_tokens=16, sink_tokens=32, recent_tokens=64)
     protected = torch.cat((protected, torch.zeros(37, dtype=torch.bool)))
-    policy = SketchTopK(coarse_factor=coarse_factor)
+    policy = SketchTopK(coarse_factor=coarse_factor, min_candidates=0)
     for budget in (16 * 12, 16 * 40):
         want, want_upper = policy.select_with_bounds(ctx, budget)
         got, upper = policy.select_masked(ctx.q, summaries, sketch, valid, protected, want.shape[1])
@@ -114,7 +119,8 @@ def test_kernel_with_tuning_knobs_selects_what_the_reference_selects() -> None:
     ctx, _ = _needle_case(2)
     knobs = dict(scan_knobs=dict(blocks_per_program=2, decode=0), candidate_knobs=dict(blocks_per_program=3))
     for coarse_factor in (0, 2):
-        want, want_upper = SketchTopK(coarse_factor=coarse_factor, use_kernel=False).select_with_bounds(ctx, 400)
-        got, upper = SketchTopK(coarse_factor=coarse_factor, use_kernel=True, **knobs).select_with_bounds(ctx, 400)
+        levels = dict(coarse_factor=coarse_factor, min_candidates=0)
+        want, want_upper = SketchTopK(**levels, use_kernel=False).select_with_bounds(ctx, 400)
+        got, upper = SketchTopK(**levels, use_kernel=True, **knobs).select_with_bounds(ctx, 400)
         assert torch.equal(got, want)
         torch.testing.assert_close(upper, want_upper, rtol=1e-5, atol=1e-4)
