@@ -216,9 +216,16 @@ def timed_paths(decoder: Decoder, seq: int, p: E2EPreset, deadline: Deadline) ->
                 notes.append(f"{kind}_{mode} skipped: time budget")
                 continue
             steps = p.steps if kind == "graph" else max(2, p.steps // 4)
-            paths[f"{kind}_{mode}"] = decode_path(dec, seq, mode, p, steps)
-            if kind == "graph" and mode == "topk" and not deadline.expired():
-                paths["graph_topk_per_token"] = decode_path(dec, seq, mode, p, steps, per_token=True)
+            runs = [(f"{kind}_{mode}", False)] + ([("graph_topk_per_token", True)] if f"{kind}_{mode}" ==
+                                                  "graph_topk" else [])
+            for name, per_token in runs:
+                try:
+                    paths[name] = decode_path(dec, seq, mode, p, steps, per_token=per_token)
+                except Exception as e:  # noqa: BLE001 -- recorded; the paths measured so far stand
+                    paths[name] = {"error": f"{type(e).__name__}: {e}"[:400]}
+                    notes.append(f"{name} failed; later paths not run (the sequence may be part way through a "
+                                 "token)")
+                    return paths, notes
     if store.device.type != "cuda":
         notes.append("graph paths need CUDA: on CPU Decoder.decode_step is the eager path")
     return paths, notes
@@ -252,6 +259,6 @@ def run_e2e(p: E2EPreset, device: torch.device, deadline: Deadline, progress) ->
                                "decode reads the same bytes either way")
     for kind in ("graph", "eager"):
         top, dense = paths.get(f"{kind}_topk"), paths.get(f"{kind}_dense")
-        if top and dense:
+        if top and dense and "error" not in top and "error" not in dense:
             result[f"{kind}_topk_speedup_vs_dense"] = top["tokens_per_s"] / dense["tokens_per_s"]
     return result

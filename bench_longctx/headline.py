@@ -28,7 +28,7 @@ def e2e_rows(s: dict) -> list[list]:
                       ("eager", "eager launches, every token appended")):
         for mode, what in (("topk", "top-K (Quest bound)"), ("sketch", "top-K (4-bit key sketch)")):
             top, dense = p.get(f"{kind}_{mode}"), p.get(f"{kind}_dense")
-            if top and dense:
+            if top and dense and "error" not in top and "error" not in dense:
                 rows.append([f"{where}, {what} {e.get('budget')} ({how})", f"{fmt(top['tokens_per_s'])} tok/s",
                              f"dense int8: {fmt(dense['tokens_per_s'])} tok/s"])
     return rows

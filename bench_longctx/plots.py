@@ -85,7 +85,7 @@ def tiers(results: dict, r: dict, path: Path) -> Path:
 
 
 def e2e(results: dict, r: dict, path: Path) -> Path:
-    names = list(r["paths"])
+    names = [n for n, x in r["paths"].items() if "error" not in x]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.bar(names, [r["paths"][n]["tokens_per_s"] for n in names], color="tab:green")
     ax.set(ylabel="tokens/s", title=_title(results, f"Greedy decode, {r['geometry']}, context {r['context']:,}"))

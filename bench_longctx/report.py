@@ -98,6 +98,7 @@ def selection_tables(r: dict) -> list[str]:
 
 def e2e_table(r: dict) -> str:
     rows = [[name, x["tokens_per_s"], x["ms_per_token"], x["steps"], x.get("appends"), x.get("appended_verified")]
+            if "error" not in x else [name, f"failed: {x['error'][:120]}", None, None, None, None]
             for name, x in r["paths"].items()]
     tiers = [[name, t["blocks"], t["bytes"] / 2**30, t["capacity_bytes"] / 2**30]
              for name, t in r["memory"]["tiers"].items()]
