@@ -4,7 +4,8 @@ the Redis the redis tier talks to), opened lazily by any process.
 Keys (tiers/saved.py's values stores; Redis puts them under its PREFIX; the ssd tier's sweep of
 stale blocks touches only b"kvstore/"):
     ctx/name/<name>                         manifest (JSON), committed last, in one write: a save is
-                                            complete or absent
+                                            complete or absent; it owns its save id's data and that
+                                            of the ids in its "inherits"
     ctx/pending/<save id>                   a save in progress ({pid, host}); deleted with the commit
     ctx/block/<layer u16><chain hash>       Redis: a full block whose token ids are known, under its
                                             content key (tiers/keys.py), stored once (SET NX) and shared
@@ -16,14 +17,16 @@ stale blocks touches only b"kvstore/"):
     ctx/data/<id>/t                         token ids, int64 little endian
 Block values are tiers/codec.py values (checksummed, in the format their tier held: fp16, or int8
 from warm/cpu); the manifest holds the xxh3-64 of every other value. A save writes under a fresh
-save id, syncs, then commits the manifest (an older one's data is deleted after). `collect_garbage`
-deletes what a killed save left once its writer is dead.
+save id, syncs, then commits the manifest. The data the replaced manifest owned is deleted after the
+commit, except what live sequences of this store still read (an opened context grown and saved under
+its own name): the new manifest inherits that, and a later save of the name drops it once unread (or
+`delete` does). `collect_garbage` deletes what a killed save left once its writer is dead.
 Opening reads the manifest, summaries, H2O scores and token ids: what a top-K (Quest) decode needs.
 Sketch codes load on first use (SavedLayer.sketch reads a range of rows; kvstore/unread_codes.py
 tracks the rows not read yet, which a save of the opened sequence copies from here) and blocks stay
-where they are until selected (tiers/saved.py reads them in place). Replacing or deleting a saved
-context while a store has it open makes that store's later reads of its blocks and codes fail
-(BlockMissingError).
+where they are until selected (tiers/saved.py reads them in place). Deleting a saved context while a
+store has it open, or replacing it from another process, makes that store's later reads of its blocks
+and codes fail (BlockMissingError).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import os
 import re
 import socket
 import uuid
+import weakref
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Sequence
@@ -92,6 +96,8 @@ class SavedContexts:
         self.num_kv_heads, self.head_dim, self.block_tokens = layout.num_kv_heads, layout.head_dim, layout.block_tokens
         self.sketch_row = self.num_kv_heads * 2 * self.block_tokens * self.head_dim // 4  # bytes per block
         self.part_blocks = max(1, PART_BYTES // self.sketch_row)
+        # SavedLayer.sketch of every layer load handed out and something (unread codes) still holds -> save id
+        self.code_readers: weakref.WeakKeyDictionary[Callable, str] = weakref.WeakKeyDictionary()
 
     # -- save ------------------------------------------------------------------------------
     def save(self, name: str, tables: list[LayerTable], token_ids: list[int] | None, codes: ReadLayerCodes) -> None:
@@ -105,7 +111,8 @@ class SavedContexts:
         self.values.put([(pending, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())])
         try:
             manifest = self._write_data(save_id, tables, token_ids, codes)
-            manifest.update(name=name, root=self.root.hex())
+            inherits = self._still_read(_owned(self.values.get([_MANIFEST + name.encode()])[0]))
+            manifest.update(name=name, root=self.root.hex(), inherits=inherits)
             self.values.sync()  # every block and summary durable before the manifest names them
             old = self.values.commit(_MANIFEST + name.encode(), json.dumps(manifest).encode(), pending)
         except BaseException as exc:
@@ -116,8 +123,18 @@ class SavedContexts:
                 raise CapacityError(f"saving {name!r}: the ssd tier's LMDB map (2 x ssd_bytes) is full") from exc
             raise
         self.values.sync()
-        if old is not None:
-            self.values.delete_prefix(_DATA + json.loads(old)["save_id"].encode() + b"/")
+        self._delete_data(set(_owned(old)) - set(inherits))  # `old` is the manifest read above, unless
+        # another process saved the name meanwhile: then what that one owned is not read here and goes
+
+    def _still_read(self, save_ids: list[str]) -> list[str]:
+        """Those of `save_ids` whose data live sequences of this store still read: blocks left in the saved
+        tier, or sketch codes not loaded yet."""
+        codes = set(self.code_readers.values())
+        return [s for s in save_ids if s in codes or self.tiers.saved.reads_under(_DATA + s.encode() + b"/")]
+
+    def _delete_data(self, save_ids: set[str]) -> None:
+        for save_id in sorted(save_ids):
+            self.values.delete_prefix(_DATA + save_id.encode() + b"/")
 
     def _committed(self, name: str, save_id: bytes) -> bool:
         """Whether the manifest of `name` names this save; True when that cannot be read (keeping data that
@@ -211,9 +228,10 @@ class SavedContexts:
         summaries = torch.from_numpy(np.frombuffer(b"".join(values[1:]), dtype=np.float16).copy()).view(n, 2, h, d)
         dropped = set(entry["dropped"])
         keys = self._block_keys(data, layer, n, entry["keyed"], chain)
+        codes = partial(self._sketch, name, data, layer, entry, part_blocks)
+        self.code_readers[codes] = data[len(_DATA):-1].decode()
         return SavedLayer(entry["num_tokens"], sorted(dropped), summaries, scores,
-                          [k for i, k in enumerate(keys) if i not in dropped],
-                          partial(self._sketch, name, data, layer, entry, part_blocks))
+                          [k for i, k in enumerate(keys) if i not in dropped], codes)
 
     def _sketch(self, name: str, data: bytes, layer: int, entry: dict, part_blocks: int, lo: int,
                 hi: int) -> torch.Tensor:
@@ -240,12 +258,12 @@ class SavedContexts:
         return sorted(k[len(_MANIFEST):].decode() for k in self.values.keys(_MANIFEST))
 
     def delete(self, name: str) -> None:
-        """The manifest and the save's own values; content-keyed blocks stay for other saves naming them."""
+        """The manifest and the data it owns; content-keyed blocks stay for other saves naming them."""
         _check_name(name)
         raw = self.values.pop(_MANIFEST + name.encode())  # one step: a save of the name meanwhile is kept whole
         if raw is None:
             raise KeyError(f"no saved context named {name!r}")
-        self.values.delete_prefix(_DATA + json.loads(raw)["save_id"].encode() + b"/")
+        self._delete_data(set(_owned(raw)))
 
     def collect_garbage(self) -> int:
         """Delete the data of saves whose writer died before its manifest (this host's dead pids only);
@@ -256,12 +274,20 @@ class SavedContexts:
                 json.loads(info)["host"] == socket.gethostname() and not _alive(json.loads(info)["pid"])]
         if dead:  # a writer killed between the manifest's SET and the pending key's delete saved completely
             manifests = self.values.get(self.values.keys(_MANIFEST))
-            live = {json.loads(m)["save_id"].encode() for m in manifests if m is not None}
+            live = {s.encode() for m in manifests for s in _owned(m)}
             for save_id in dead:
                 if save_id not in live:
                     self.values.delete_prefix(_DATA + save_id + b"/")
                 self.values.delete([_PENDING + save_id])
         return len(dead)
+
+
+def _owned(manifest: bytes | None) -> list[str]:
+    """The save ids whose data a manifest owns: its own and those it inherited (none for no manifest)."""
+    if manifest is None:
+        return []
+    m = json.loads(manifest)
+    return [m["save_id"]] + m.get("inherits", [])
 
 
 def _bytes(t: torch.Tensor) -> bytes:

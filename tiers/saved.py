@@ -53,6 +53,10 @@ class SavedTier:
             raise ValueError(f"saved tier: {len(ids)} ids for {len(keys)} keys, or ids already adopted: {clash[:8]}")
         self.key_of.update(zip(ids, keys))
 
+    def reads_under(self, prefix: bytes) -> bool:
+        """Whether an adopted block's saved value lies under `prefix` (a save's data: not to be deleted)."""
+        return any(key.startswith(prefix) for key in self.key_of.values())
+
     def values(self, ids: Sequence[int]) -> list[bytes | None]:
         """The saved values of adopted blocks as they are stored (None: gone)."""
         return self.get_values([self.key_of[i] for i in ids])
