@@ -95,12 +95,13 @@ class SketchTopK(Policy):
         summaries [N, 2, H, D] and sketch whose blocks outside `valid` (bool [N]) may hold garbage;
         `protected` (bool [N]) blocks are kept. Needs k <= the number of valid blocks."""
         num_tokens = summaries.shape[0] * sketch.shape[3]  # every token of a valid block is real but the tail's,
-        return self._select(q, summaries, sketch, num_tokens, valid, protected & valid, k, None)  # kept anyway
+        return self._select(q, summaries, sketch, num_tokens, valid, protected, k, None)  # and the tail is kept
 
     def _select(self, q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, num_tokens: int,
                 valid: torch.Tensor | None, keep: torch.Tensor, k: int,
                 first: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The selection every entry point runs, sync-free: (selected [H, k], upper [Hq, N])."""
+        """The selection every entry point runs, sync-free: (selected [H, k], upper [Hq, N]); `keep` counts only
+        where `valid` (None: every block) holds."""
         num_blocks, num_kv_heads = summaries.shape[0], summaries.shape[2]
         shares = block_shares if self._on_kernel(q) else block_shares_ref
         if not self._two_level(k, num_blocks):
