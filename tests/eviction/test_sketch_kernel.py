@@ -76,7 +76,7 @@ def test_refine_scores_candidates_and_merges_their_bounds() -> None:
     got = refine_candidates(q, capacity, codes, candidates, z, keep, valid, got_upper, blocks_per_program=2)
     want = refine_candidates_ref(q, capacity, codes, candidates, z, keep, valid, want_upper, 16 * 32)
     assert torch.equal(got.isinf(), want.isinf()) and torch.equal(got == 0, want == 0)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)  # GPU dots sum in another order (H200: 1.1e-5)
     torch.testing.assert_close(got_upper, want_upper, rtol=1e-5, atol=1e-4)
     assert torch.equal(got_upper[:, ~valid], first_upper[:, ~valid])  # dead blocks' bounds are left alone
     fine = sketch_block_stats_ref(q, summaries, codes[:12], 12 * 32)[1]

@@ -12,7 +12,7 @@ from eviction.sketch import sketch_keys
 from eviction.sketch_topk import SketchTopK, block_mass
 
 
-def _needle_case(seed: int, num_kv_heads: int = 2, group: int = 3, head_dim: int = 64):
+def _needle_case(seed: int, num_kv_heads: int = 2, group: int = 3, head_dim: int = 64, device: str = "cpu"):
     """Keys with a shared mean and high-variance channels; per kv head 3 needles exactly as far from the mean as
     a typical key, at 60 degrees from one of the group's queries (extreme in no channel; each holds ~3-30% of
     its head's dense softmax). Returns (ctx, needle blocks [H, 3])."""
@@ -31,6 +31,7 @@ def _needle_case(seed: int, num_kv_heads: int = 2, group: int = 3, head_dim: int
             across = torch.randn(head_dim, generator=g)
             across = torch.nn.functional.normalize(across - (across @ along) * along, dim=0)
             keys[pos, head] = mean + radius * (0.5 * along + 0.75**0.5 * across)
+    keys, q = keys.to(device), q.to(device)
     summaries, codes = sketch_keys(keys.half(), block_tokens)
     ctx = ScoreContext(summaries, num_tokens=num_tokens, block_tokens=block_tokens, sink_tokens=32,
                        recent_tokens=64, q=q.half(), sketch=codes)
@@ -116,7 +117,7 @@ def test_masked_selection_over_garbage_capacity_matches(coarse_factor) -> None:
 
 
 def test_kernel_with_tuning_knobs_selects_what_the_reference_selects() -> None:
-    ctx, _ = _needle_case(2)
+    ctx, _ = _needle_case(2, device="cuda" if torch.cuda.is_available() else "cpu")  # compiled kernels on a GPU
     knobs = dict(scan_knobs=dict(blocks_per_program=2, decode=0), candidate_knobs=dict(blocks_per_program=3))
     for coarse_factor in (0, 2):
         levels = dict(coarse_factor=coarse_factor, min_candidates=0)
