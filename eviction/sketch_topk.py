@@ -38,9 +38,11 @@ from eviction.sketch_rank import block_shares, block_shares_ref
 
 @dataclass
 class SketchTopK(Policy):
-    # channels whose codes the first level reads per block (a power of two >= 16 on CUDA); None: head_dim // 4
-    # (isotropic queries need them: in a CPU study at 1M tokens, one kv head, 10 norm-matched needles, 16 of 128
-    # channels ranked a needle holding 45% of the dense weight 474th of 16K blocks, 32 ranked every one in the top 41)
+    # channels whose codes the first level reads per block (a power of two >= 16 on CUDA); None: head_dim // 2.
+    # H200, 1M tokens, llama3-8b geometry, 241 norm-matched needles holding >= 5% of the dense weight, budget 4096
+    # (bench_longctx/results/h200-session3, call3 and call5): 16 of 128 channels found 204 (select 274 us in a
+    # graph), 32 found 238 (315 us), 64 found all 241 (421 us), like the old two-plane scan (677 us): the default
+    # keeps every needle, a smaller count trades needles for speed
     channels: int | None = None
     coarse_factor: int = 4  # fine-pass candidates per kv head = coarse_factor * k; 0: one full 4-bit pass
     # ... and at least this many (256: the most the top-k kernel's two-stage path selects in one launch)
@@ -130,7 +132,7 @@ class SketchTopK(Policy):
 
     def _first_level(self, q, summaries, codes, num_tokens, valid) -> tuple[torch.Tensor, torch.Tensor]:
         head_dim = summaries.shape[3]
-        r = head_dim // 4 if self.channels is None else min(self.channels, head_dim)
+        r = head_dim // 2 if self.channels is None else min(self.channels, head_dim)
         if self._on_kernel(q):
             return channel_block_stats(q, summaries, codes, num_tokens, r, valid, **self.scan_knobs)
         return channel_block_stats_ref(q, summaries, codes, num_tokens, r, valid)
