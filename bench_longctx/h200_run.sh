@@ -30,7 +30,7 @@ fi
 if [ "$step" = all ] || [ "$step" = sketch ]; then
   # issue 11: the sketch selector's passes at 1M; graded norm-matched needles at 32K/256K/1M (topk = sketch,
   # quest, window and h2o as controls); real SmolLM2 Q/K at 8K, mass vs oracle (quality suite, with perplexity)
-  timeout 200 python3 -m bench_longctx.sketch_bench --out "$out" 2>&1 | tail -4
+  timeout 300 python3 -m bench_longctx.sketch_bench --out "$out" 2>&1 | tail -4
   timeout 500 python3 -c "from kvstore.cli import main; raise SystemExit(main())" bench needle --preset h200 \
     --no-plots --out "$out/needle-h200" 2>&1 | tail -40
   timeout 500 python3 -c "from kvstore.cli import main; raise SystemExit(main())" bench quality --preset h200 \

@@ -9,7 +9,7 @@ paged_decode over
     fp16+warm      the same table with a warm pool present (table partitioned per pool: one launch each)
     int8           every block int8, only the warm pool
     int8+hot       the same with a hot pool present (partitioned)
-    mixed          blocks alternate fp16/int8 (partitioned; int8_bench.py compares both_pools variants)
+    mixed          blocks alternate fp16/int8 (partitioned; int8_bench.py compares the split walks)
     fp16+mass      fp16 with return_block_mass=True (the H2O scores)
 The table is a random permutation of the blocks, one row expanded over the kv heads (dense
 mode). Times are medians of triton.testing.do_bench, which flushes L2 before every run;
