@@ -16,9 +16,6 @@ in fp16, half that in fp8), and its q group, which every program shares, from
 L2. It can also write +inf over the protected blocks, so `torch.topk` keeps
 them without a separate masking pass.
 
-The tile's arithmetic (`_quest_tile`) is shared with the decode step's one-launch Quest + top-k
-(eviction/topk_kernel.py, QuestSelect), so both compute the same bits.
-
 Layout: kernel -> launcher -> pure-torch reference. Imports only torch and triton.
 """
 
@@ -36,8 +33,7 @@ def _quest_tile(q_ptr, s_ptr, count_ptr, offs_n, head, num_blocks, sink_blocks, 
                 stride_sn, stride_sm, stride_sh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, REDUCE_MAX: tl.constexpr,
                 USE_DOT: tl.constexpr, DEVICE_COUNTS: tl.constexpr):
-    """float32 [BLOCK_N]: kv head `head`'s scores of blocks offs_n (protection applied); shared by the
-    scores-only kernel and the fused Quest + top-k one (eviction/topk_kernel.py), so both compute the same bits."""
+    """float32 [BLOCK_N]: kv head `head`'s scores of blocks offs_n (protection applied)."""
     offs_d = tl.arange(0, BLOCK_D)
     mask_n = offs_n < num_blocks
     mask_d = offs_d < HEAD_DIM
@@ -139,17 +135,6 @@ def check_inputs(q: torch.Tensor, summaries: torch.Tensor, group_reduce: str) ->
     return num_blocks, num_kv_heads, q.shape[0] // num_kv_heads
 
 
-def check_live_inputs(q: torch.Tensor, summaries: torch.Tensor, count: torch.Tensor,
-                      group_reduce: str = "max") -> tuple[int, int, int]:
-    """`check_inputs` plus the device token count (int64 [1] beside q) and a contiguous last dim."""
-    if count.dtype != torch.int64 or count.numel() != 1 or count.device != q.device:
-        raise ValueError(f"count: expected int64 [1] on {q.device}, got {count.dtype} {list(count.shape)} "
-                         f"on {count.device}")
-    if summaries.stride(3) != 1 or q.stride(1) != 1:
-        raise ValueError(f"q and summaries need a contiguous last dim, got strides {q.stride()} {summaries.stride()}")
-    return check_inputs(q, summaries, group_reduce)
-
-
 def quest_scores(
     q: torch.Tensor,
     summaries: torch.Tensor,
@@ -182,7 +167,10 @@ def quest_scores_live(q: torch.Tensor, summaries: torch.Tensor, count: torch.Ten
     last recent_tokens tokens (the tail included) score +inf; the rest their Quest bound. One launch, no host
     sync: what the captured decode step (kvstore/step.py) replays as the sequence grows.
     """
-    check_live_inputs(q, summaries, count, group_reduce)
+    check_inputs(q, summaries, group_reduce)
+    if count.dtype != torch.int64 or count.numel() != 1 or count.device != q.device:
+        raise ValueError(f"count: expected int64 [1] on {q.device}, got {count.dtype} {list(count.shape)} "
+                         f"on {count.device}")
     return _launch(q, summaries, count, sink_blocks, recent_tokens, block_tokens, group_reduce, True, 64, 8)
 
 
