@@ -19,9 +19,9 @@ Counts that depend only on the token (tokens the kernel reads, the sketch's live
 computed once per token, in layer 0 (so a token's layers run in order). On CUDA the topk select is
 Quest scores masked from the device count in one launch, then (k <= 256 blocks of a long table) top-k
 in two stages whose second writes the kernel's block table.
-Host work happens before a token and only at block boundaries (`begin_token`): the sketch codes
-of the tail block the last token filled, a new tail block per layer, and cooling of blocks the
-token pushes out of their windows. A sequence with blocks in cpu/ssd tiers cannot be served from
+Host work happens between tokens and only at block boundaries: the sketch codes of the tail block a
+token filled (`end_token`), a new tail block per layer and cooling of blocks the next token pushes out
+of their windows (`begin_token`). A sequence with blocks in cpu/ssd tiers cannot be served from
 device state: `ready()` says so and callers use the eager path for that token.
 """
 
@@ -119,10 +119,6 @@ class DecodeStep:
         if self.length % self.block_tokens == 0:
             tiers, b, spec = self.store.tiers, self.block_tokens, self.store.spec
             tiers.check_room(len(self.tables))
-            for table in self.tables:  # the tail the last tokens filled (in the graph): codes on its final grid
-                if table.block_ids:  # a step's tail is always hot: read the pool row (no gather, no sync)
-                    keys = tiers.hot.pool[tiers.hot.slots.slot_of[table.block_ids[-1]], 0]  # [H, B, D]
-                    self.store.tensors.encode_block(table, table.num_blocks - 1, keys.transpose(0, 1))
             empty = torch.zeros((1, 2, spec.num_kv_heads, b, spec.head_dim), dtype=torch.float16,
                                 device=self.store.device)
             for layer, table in enumerate(self.tables):
@@ -141,6 +137,11 @@ class DecodeStep:
         old = self.length
         for table in self.tables:
             table.num_tokens = old + 1
+        if (old + 1) % self.block_tokens == 0:  # the token filled every tail: its codes on their final grid now,
+            hot = self.store.tiers.hot  # not at the next begin_token (the next token may go the eager way)
+            for table in self.tables:  # a step's tail is always hot: the pool row, queued (no gather, no sync)
+                keys = hot.pool[hot.slots.slot_of[table.block_ids[-1]], 0]  # [H, B, D]
+                self.store.tensors.encode_block(table, table.num_blocks - 1, keys.transpose(0, 1))
         stats = self.store.decode.stats
         stats.calls += len(self.tables)
         stats.context_tokens += len(self.tables) * (old + 1)

@@ -66,6 +66,9 @@ def test_step_equals_append_plus_attend(tmp_path, mode, budget):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
         n = ta.num_blocks
         assert torch.equal(ta.summaries[:n], tb.summaries[:n])
+        # sketch codes of every full block, the last filled by the step's final token (240 = 15 blocks): an eager
+        # append or a save right after it must find them on their final grid
+        assert torch.equal(ta.sketch[:n], tb.sketch[:n])
         torch.testing.assert_close(ta.h2o_scores[:, :n], tb.h2o_scores[:, :n], atol=1e-4, rtol=1e-3)
     a, b = eager.stats()["attend"], stepped.stats()["attend"]
     assert (a["calls"], a["context_tokens"], a["attended_tokens"]) == (b["calls"], b["context_tokens"],
