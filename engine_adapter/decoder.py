@@ -199,7 +199,7 @@ class Decoder:
         token t and syncs once at the end, where a per-token loop pays its host work and a sync every token.
         A token that cannot run captured (cold blocks, capacity) goes through decode_step with its id synced.
         Token ids reach the store (content keys) when the host learns them: before an eager token and at the
-        end (store.extend_tokens accepts ids that catch up with K/V already appended)."""
+        end (store.extend_tokens(..., catch_up=True): exactly the ids of K/V already appended)."""
         ids = torch.empty(num_new + 1, dtype=torch.long, device=self.device)  # [1 + num_new]: inputs, last output
         ids[0] = first
         track, recorded = self.store.tracks_tokens(seq), 0  # ids[:recorded] are in the store's token record
@@ -208,7 +208,7 @@ class Decoder:
             nonlocal recorded
             new = ids[recorded:upto].tolist() if upto > recorded else []
             if track and new:
-                self.store.extend_tokens(seq, new)
+                self.store.extend_tokens(seq, new, catch_up=True)
             recorded = max(recorded, upto)
             return new
 

@@ -119,17 +119,20 @@ class Contexts:
         return None if record is None else list(record.token_ids)
 
     # -- token ids and keys ---------------------------------------------------------------
-    def extend(self, seq: int, token_ids: list[int]) -> None:
+    def extend(self, seq: int, token_ids: list[int], catch_up: bool = False) -> None:
         record = self.records.get(seq)
         held = max(t.num_tokens for t in self.tables[seq])
         if record is None:
-            if held:
+            if held and not (catch_up and len(token_ids) == held):
                 raise ValueError(f"sequence {seq} holds {held} tokens of K/V whose ids were never given: "
                                  "token ids must cover a sequence from position 0")
             record = self.records[seq] = self.new_record()
-        elif len(record.token_ids) + len(token_ids) < held:  # ids may catch up with K/V appended ahead of them
+        elif catch_up and len(record.token_ids) + len(token_ids) != held:
+            raise ValueError(f"sequence {seq}: {len(record.token_ids)} recorded + {len(token_ids)} catching up "
+                             f"!= the {held} tokens of K/V it holds")
+        elif not catch_up and len(record.token_ids) < held:
             raise ValueError(f"sequence {seq} holds {held} tokens of K/V but only {len(record.token_ids)} "
-                             f"+ {len(token_ids)} token ids: every held token's id must be given")
+                             "token ids: give each token's id before or when its K/V are appended")
         record.extend(token_ids)
         for layer in range(self.num_layers):
             self.key_blocks(seq, layer)

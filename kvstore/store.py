@@ -64,12 +64,13 @@ class KVStore:
         self.table(seq, 0)
         return self.contexts.fork(seq)
 
-    def extend_tokens(self, seq: int, token_ids: Sequence[int]) -> None:
+    def extend_tokens(self, seq: int, token_ids: Sequence[int], *, catch_up: bool = False) -> None:
         """Record the token ids at the sequence's next positions (before or with their K/V; ids must cover
         the sequence from position 0). Full blocks of known tokens get content keys, so `match_prefix` can
-        find them. engine_adapter.Decoder calls this for every prompt and decoded token."""
+        find them. engine_adapter.Decoder calls this for every prompt and decoded token. catch_up=True: the
+        ids of K/V already appended (a decode that ran ahead of the host), exactly up to the held length."""
         self.table(seq, 0)
-        self.contexts.extend(seq, check_token_ids(token_ids))
+        self.contexts.extend(seq, check_token_ids(token_ids), catch_up)
 
     def tracks_tokens(self, seq: int) -> bool:
         """Whether extend_tokens may be called: the sequence is empty or its ids are known from position 0."""

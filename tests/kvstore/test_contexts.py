@@ -148,6 +148,15 @@ def test_content_keys_depend_on_the_model_and_token_ids_must_cover_the_sequence(
         a.extend_tokens(raw, [1, 2])
     with pytest.raises(ValueError, match="non-negative ints"):
         a.extend_tokens(sa, [-1])
+    for layer in range(SPEC.num_layers):  # K/V of 3 tokens ahead of their ids (a decode that ran ahead)
+        a.append(sa, layer, *kv(3, 11))
+    with pytest.raises(ValueError, match="only 64 token ids"):  # an ordinary extend may not paper over the lag
+        a.extend_tokens(sa, [1, 2, 3])
+    for wrong in ([1, 2], [1, 2, 3, 4]):  # catching up takes exactly the ids of the K/V held
+        with pytest.raises(ValueError, match="catching up"):
+            a.extend_tokens(sa, wrong, catch_up=True)
+    a.extend_tokens(sa, [1, 2, 3], catch_up=True)
+    assert a.token_ids(sa) == ids + [1, 2, 3] and a.tracks_tokens(sa)
     a.close(), b.close()
 
 
