@@ -164,11 +164,17 @@ class Decoder:
             return None
         key = (seq, mode, budget)
         graph = self._graphs.get(key)
-        if graph is not None and graph.ready():
-            return graph
+        if graph is not None:
+            if graph.ready():
+                return graph
+            step = graph.step
+            if step.length + 1 <= step.capacity * step.block_tokens:
+                return None  # not for want of capacity (cold blocks, full GPU pools): this token goes the eager way
         tables = [self.store.table(seq, i) for i in range(self.model.args.num_layers)]
         if any(t.num_cold or t.num_dropped for t in tables):
             return None  # this token goes the eager way
+        for other in [k for k in self._graphs if k[0] == seq]:  # a new capacity moves the tables' tensors that
+            del self._graphs[other]  # every graph of this sequence captured
         self._graphs[key] = graph = GraphDecoder(self.model, self.store, seq, mode, budget)  # new, or more capacity
         return graph
 
