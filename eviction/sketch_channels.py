@@ -38,12 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
-from eviction.sketch_kernel import (FP16_MAX, FP16_REL, FP16_TINY, HALF_STEP, LEVELS, ROUNDING_SLACK, _FP16_MAX,
-                                    _FP16_REL, _FP16_TINY, _HALF_STEP, _LEVELS, _ROUNDING_SLACK, check_inputs,
-                                    check_kernel_layout, nibble)
+from eviction.sketch_kernel import (ABSOLUTE_SLACK, FP16_MAX, FP16_REL, FP16_TINY, HALF_STEP, LEVELS, ROUNDING_SLACK,
+                                    _ABSOLUTE_SLACK, _FP16_MAX, _FP16_REL, _FP16_TINY, _HALF_STEP, _LEVELS,
+                                    _ROUNDING_SLACK, check_inputs, check_kernel_layout, nibble)
 
-ABSOLUTE_SLACK = 1e-5  # nats: exp2 / log2 run on approximate units (relative error ~2^-22)
-_ABSOLUTE_SLACK = tl.constexpr(ABSOLUTE_SLACK)
 
 # untimed on a GPU (bench_longctx/sketch_bench.py sweeps blocks per program and warps); offline for sm_90 (triton
 # 3.6) 8 blocks x 4 warps compile to 168 / 187 registers at r = 16 / 32 without spills, 16 x 4 spill at r = 32

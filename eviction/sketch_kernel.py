@@ -44,11 +44,13 @@ import triton.language as tl
 LEVELS = 15.0  # 4-bit codes 0..15 (eviction/sketch.py)
 HALF_STEP = 0.5  # |k - k_hat| <= step / 2
 ROUNDING_SLACK = 1e-4  # relative slack on sum_d |q_d| (|min_d| + |max_d|): fp32 arithmetic in the bounds
+ABSOLUTE_SLACK = 1e-5  # nats: exp / log run on approximate units (relative error ~2^-22); covers size ~ 0 too
 FP16_REL, FP16_TINY, FP16_MAX = 2.0**-11, 2.0**-25, 65504.0  # fp16 rounding: relative, subnormal, largest
 DEFAULT_KNOBS = dict(blocks_per_program=1, decode=1, num_warps=2, num_stages=3)  # the old fine pass's (H200)
 # The constants as the compiled kernel sees them (a compiled kernel reads only constexpr globals)
 _LEVELS, _HALF_STEP, _ROUNDING_SLACK = tl.constexpr(LEVELS), tl.constexpr(HALF_STEP), tl.constexpr(ROUNDING_SLACK)
 _FP16_REL, _FP16_TINY, _FP16_MAX = tl.constexpr(FP16_REL), tl.constexpr(FP16_TINY), tl.constexpr(FP16_MAX)
+_ABSOLUTE_SLACK = tl.constexpr(ABSOLUTE_SLACK)
 
 
 @triton.jit
@@ -118,7 +120,7 @@ def _fine_kernel(
         err = (_HALF_STEP * spread + fp16_err + _ROUNDING_SLACK * size) * scale
         n_real = tl.sum(ok_lo.to(tl.float32), 0) + tl.sum(ok_hi.to(tl.float32), 0)
         quest_upper = tl.log(n_real) + (quest + _ROUNDING_SLACK * size) * scale
-        upper = tl.where(big < _FP16_MAX, tl.minimum(lse + err, quest_upper), quest_upper)
+        upper = tl.where(big < _FP16_MAX, tl.minimum(lse + err, quest_upper), quest_upper) + _ABSOLUTE_SLACK
         out_ok = g_ok & (offs_g * 0 + col < num_cols)
         if MERGE:
             live = tl.load(valid_ptr + block, mask=col < num_cols, other=0) != 0
@@ -274,7 +276,7 @@ def sketch_block_stats_ref(q: torch.Tensor, summaries: torch.Tensor, codes: torc
     quest = torch.einsum("hgd,hcd->hgc", qg.clamp(min=0), high) + torch.einsum("hgd,hcd->hgc", qg.clamp(max=0), low)
     quest_upper = real.sum(-1).float().log()[:, None] + (quest + ROUNDING_SLACK * size) * scale
     fits = qs.abs().amax(-1) < FP16_MAX
-    upper = torch.where(fits, torch.minimum(lse + err * scale, quest_upper), quest_upper)
+    upper = torch.where(fits, torch.minimum(lse + err * scale, quest_upper), quest_upper) + ABSOLUTE_SLACK
     return lse.flatten(0, 1), upper.flatten(0, 1)
 
 
