@@ -16,7 +16,7 @@ and 2j + 1 (bits 4-7). The tensor keeps the shape the store allocates and saves,
 codes uint8 [num_blocks, kv_heads, 2, block_tokens, head_dim // 4] (B * D / 2 bytes per block and kv
 head: `channel_rows` views it as [num_blocks, kv_heads, head_dim, block_tokens // 2]); only this module
 writes or reads its bytes. (Until the channel-major change the same bytes held two token-major 2-bit
-planes: eviction/sketch_planes.py, kept for the benchmark's comparison.)
+planes, scanned by the old first level: git history up to 7e358f2, numbers in BENCHMARKS.md.)
 Bytes per token and kv head: head_dim / 2 (32 B at d64, 64 B at d128: 1/4 of the fp16 key,
 1/8 of the fp16 K+V it describes), plus the summaries every block already has.
 

@@ -20,7 +20,7 @@ min_candidates=0 the first level's bound dominates it; bench_longctx/selection_q
 of the block's true logits: eviction/certify.py turns it and the attention kernel's log-sum-exp of the attended
 blocks into a certified omitted mass. Outside the candidates that bound is the first level's (the unread
 channels bounded by their min/max: valid, but several nats loose on real keys, so the certificate is looser than
-the previous first level's: bench_longctx/selection_quality.py reports both).
+the previous two-plane first level's: BENCHMARKS.md).
 """
 
 from __future__ import annotations
