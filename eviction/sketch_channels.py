@@ -43,9 +43,9 @@ from eviction.sketch_kernel import (ABSOLUTE_SLACK, FP16_MAX, FP16_REL, FP16_TIN
                                     _ROUNDING_SLACK, check_inputs, check_kernel_layout, nibble)
 
 
-# untimed on a GPU (bench_longctx/sketch_bench.py sweeps blocks per program and warps); offline for sm_90 (triton
-# 3.6) 8 blocks x 4 warps compile to 168 / 187 registers at r = 16 / 32 without spills, 16 x 4 spill at r = 32
-DEFAULT_KNOBS = dict(blocks_per_program=8, decode=1, num_warps=4, num_stages=1)
+# the fastest of bench_longctx/sketch_bench.py's sweep at 1M on the H200 for r = 16, 32 and 64 (194 / 244 / 353 us;
+# 8 x 4: 213 / 272 / 364; results/h200-session3 call3 and call5), although 16 x 4 spills registers at r = 32
+DEFAULT_KNOBS = dict(blocks_per_program=16, decode=1, num_warps=4, num_stages=1)
 
 
 @triton.jit

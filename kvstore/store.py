@@ -196,7 +196,7 @@ class KVStore:
         """Decode attention of q [num_q_heads, head_dim] over one layer of `seq` -> [num_q_heads, head_dim].
 
         mode: "dense" (exact), "topk" (Quest's min/max bound: fast), "sketch" (4-bit key sketch: finds what
-        the bound misses, certified omitted mass in stats()["attend"], ~13x slower to select at 1M tokens),
+        the bound misses, certified omitted mass in stats()["attend"], ~8x slower to select at 1M tokens),
         "window", "h2o" (drop mode), or a policy instance (e.g. `SketchTopK(coarse_factor=4)`,
         `H2O(head_reduce="sum")`) whose fields are its settings.
         epsilon (sketch): adaptive budget: grow the selection in power-of-two block counts until the certified

@@ -24,8 +24,9 @@ _MIN_ITERS_PER_SPLIT = 4  # below this, a split's fixed cost (q load, partial st
 # The one-tile walk (one_tile.py): tokens per program (64 at head_dim 128: 95 registers at 4 warps with
 # both pools, 5 programs per SM, so a 4096-token budget's 512 programs run in one wave; offline sm_90
 # compile, triton 3.6), and the most table tokens (summed over rows and kv heads) per SM it is chosen
-# for: 8 kv heads x 8K tokens on 132 SMs; past that the split walk's loops. To be checked against
-# bench_longctx/attention_variants.py on the H200.
+# for: 8 kv heads x 8K tokens on 132 SMs; past that the split walk's loops. H200 (attention_variants,
+# results/h200-attention): the default was the fastest at budget 4096 and 8K dense; at 16K int8 a 64-token
+# tile (29.7 us) beat the split walk the threshold picks (34.6).
 _ONE_TILE_TOKENS = 64
 _ONE_TILE_MAX_TOKENS_PER_SM = 512
 
