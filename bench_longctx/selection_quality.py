@@ -1,7 +1,7 @@
 """How much of dense attention's softmax mass each block selector keeps, on real SmolLM2 queries and keys.
 
     python -m bench_longctx.real_qk --tokens 8192 --steps 4 --out /tmp/qk.pt
-    python -m bench_longctx.selection_quality /tmp/qk.pt [--out results.json] [--methods quest,sketch,sketch_planes]
+    python -m bench_longctx.selection_quality /tmp/qk.pt [--out results.json] [--methods quest,sketch]
 
 Per layer, kv head and decode step: the dense softmax of each q head over every key, the
 mass per block (mean over the kv head's GQA group, as the store's kernel reports it), and
@@ -11,8 +11,8 @@ blocks plus the blocks of highest true mass, the same count. Reported per (metho
 size, budget): mean over layer-heads of captured mass and of mass / oracle, and the worst
 layer-head (each layer-head averaged over the steps first). The certified bound on the
 omitted mass (eviction/certify.py) is checked against the true omitted mass on every case.
-`sketch` is SketchTopK() (channel first level); `sketch_planes` the previous two-plane first level
-(eviction/sketch_planes.py, kept for the comparison), certified the same way.
+`sketch` is SketchTopK() (channel first level, head_dim // 2 channels). The old two-plane first level was the
+baseline until commit 7e358f2; its numbers are in BENCHMARKS.md ("The sketch's first level over channel-major codes").
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ import torch
 from eviction.base import ScoreContext
 from eviction.certify import attended_lse, certified_omitted_mass, true_omitted_mass
 from eviction.quest_kernel import quest_scores_ref
-from eviction.select import cdiv, num_selected, protected_mask, select
-from eviction.sketch import sketch_keys, token_estimates_ref, unpack
-from eviction.sketch_planes import pack_planes, select_masked_planes
+from eviction.select import cdiv, select
+from eviction.sketch import sketch_keys, token_estimates_ref
 from eviction.sketch_topk import SketchTopK
 
 SINK_TOKENS, RECENT_TOKENS = 64, 64
@@ -108,37 +107,27 @@ def dense_block_mass(q: torch.Tensor, keys: torch.Tensor, block_tokens: int,
 
 
 def evaluate_step(q: torch.Tensor, keys: torch.Tensor, block_tokens: int, fractions, methods: dict,
-                  policy: SketchTopK | None, planes: bool = False) -> dict:
-    """(method, fraction) -> captured mass [H]; for the sketch policies also (certified, true) omitted mass [H]."""
+                  policy: SketchTopK | None) -> dict:
+    """(method, fraction) -> captured mass [H]; for the sketch policy also (certified, true) omitted mass [H]."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     mass, logits = dense_block_mass(q, keys, block_tokens, scale)
     context = keys.shape[0]
     counts = dict(num_tokens=context, block_tokens=block_tokens, sink_tokens=SINK_TOKENS, recent_tokens=RECENT_TOKENS)
     scores = {name: f(q, keys, block_tokens, scale) for name, f in methods.items()}
-    ctx = None
-    if policy is not None or planes:
+    if policy is not None:
         summaries, codes = sketch_keys(keys, block_tokens)
         ctx = ScoreContext(summaries, q=q, sketch=codes, **counts)
-        old_codes = pack_planes(unpack(codes).to(torch.int64)) if planes else None
     out = {}
     for frac in fractions:
         budget = (context // frac) // block_tokens * block_tokens
         out[("oracle", frac)] = mass.gather(1, select(mass, budget_tokens=budget, **counts)).sum(1)
         for name, sc in scores.items():
             out[(name, frac)] = mass.gather(1, select(sc, budget_tokens=budget, **counts)).sum(1)
-        selections = {}
         if policy is not None:
-            selections["sketch"] = policy.select_with_bounds(ctx, budget)
-        if planes:
-            keep = protected_mask(**counts, device=q.device)
-            k = num_selected(budget_tokens=budget, **counts)
-            valid = torch.ones_like(keep)
-            selections["sketch_planes"] = select_masked_planes(q, ctx.summaries, old_codes, valid, keep, k)
-        for name, (chosen, upper) in selections.items():
-            out[(name, frac)] = mass.gather(1, chosen).sum(1)
+            chosen, upper = policy.select_with_bounds(ctx, budget)
+            out[("sketch", frac)] = mass.gather(1, chosen).sum(1)
             certified = certified_omitted_mass(upper, chosen, attended_lse(logits, chosen, block_tokens))
-            pair = torch.stack((certified, true_omitted_mass(logits, chosen, block_tokens)))
-            out[("certified" if name == "sketch" else "certified_planes", frac)] = pair
+            out[("certified", frac)] = torch.stack((certified, true_omitted_mass(logits, chosen, block_tokens)))
     return out
 
 
@@ -155,10 +144,9 @@ def evaluate(keys_all: list[torch.Tensor], queries_all: list[torch.Tensor], meth
     """Rows per (method, block size, budget) and the certificate's check, over keys [T, H, D] and the
     queries [steps, Hq, D] of the last positions, per layer (bench_longctx.real_qk.capture)."""
     steps = queries_all[0].shape[0]
-    names = list(scorers()) + ["sketch", "sketch_planes"] if method_names is None else method_names
+    names = list(scorers()) + ["sketch"] if method_names is None else method_names
     methods = {k: v for k, v in scorers().items() if k in names}
     policy = SketchTopK() if "sketch" in names else None
-    planes = "sketch_planes" in names
     layers = list(range(len(keys_all))) if layers is None else layers
     context = keys_all[0].shape[0] - steps
     acc: dict = {}
@@ -167,13 +155,12 @@ def evaluate(keys_all: list[torch.Tensor], queries_all: list[torch.Tensor], meth
             keys = keys_all[layer][: context + s + 1]  # on the capture's device (CUDA: the sketch kernel runs)
             q = queries_all[layer][s]
             for b in block_sizes:
-                for (name, frac), m in evaluate_step(q, keys, b, fractions, methods, policy, planes).items():
+                for (name, frac), m in evaluate_step(q, keys, b, fractions, methods, policy).items():
                     acc.setdefault((name, b, frac), []).append(m)  # [H] (or [2, H]) per (layer, step)
     rows, certificate = [], []
     for (name, b, frac), values in acc.items():
-        if name.startswith("certified"):
-            row = certificate_row(torch.stack(values), b, frac)
-            certificate.append({"selector": "sketch" if name == "certified" else "sketch_planes", **row})
+        if name == "certified":
+            certificate.append({"selector": "sketch", **certificate_row(torch.stack(values), b, frac)})
             continue
         per = torch.stack(values).view(len(layers), steps, -1).mean(1)  # [L, H]: mass averaged over steps
         oracle = torch.stack(acc[("oracle", b, frac)]).view(len(layers), steps, -1).mean(1)

@@ -1,19 +1,19 @@
-"""Sketch top-K selection at 1M tokens: the channel first level against the old two-plane one (one GPU run).
+"""Sketch top-K selection at 1M tokens: the channel first level at several channel counts, with Quest (one GPU run).
 
-    python -m bench_longctx.sketch_bench --out DIR [--tokens 1048576] [--budget 4096] [--block 64]
+    python -m bench_longctx.sketch_bench --out DIR [--tokens 1048576] [--budget 4096] [--block 64] [--channels 16,32,64]
 
 Llama-3-8B attention geometry (32 q / 8 kv heads, head_dim 128), one layer: keys drawn from SmolLM2's key
 distribution with 10 norm-matched needles at graded margins (bench_longctx/needle.py's haystack; each needle
-has its own query, isotropic: the channel first level's hard case). The same keys are coded twice, in the
-channel-major layout (eviction/sketch.py) and the old two-plane one (eviction/sketch_planes.py).
-  first_level  the old coarse pass (high plane of every block, its H200 defaults) and the channel pass
-               (eviction/sketch_channels.py) for r in --channels over a knob sweep: us, GB/s of the bytes each
-               must read, bound violations against the true keys' per-block log-sum-exp (every block, needle
-               query 0), largest difference from the torch reference over the first REF_BLOCKS blocks
-  stages       the new selection's steps alone with the fastest knobs: ranking, candidate top-k, fine pass with
+has its own query, isotropic: the channel first level's hard case), coded channel-major (eviction/sketch.py).
+The old two-plane first level was the baseline until commit 7e358f2; its numbers are in BENCHMARKS.md ("The
+sketch's first level over channel-major codes") and results/h200-session3/call3/g1, call5/sketch_h200.json.
+  first_level  the channel pass (eviction/sketch_channels.py) for r in --channels over a knob sweep: us, GB/s of
+               the bytes it must read, bound violations against the true keys' per-block log-sum-exp (every
+               block, needle query 0), largest difference from the torch reference over the first REF_BLOCKS blocks
+  stages       the sketch selection's steps alone with the fastest knobs: ranking, candidate top-k, fine pass with
                merge, final top-k
-  select       select_masked eager and replayed from a CUDA graph: old, new per r, Quest's selection for scale
-  needles      per needle query and selector (old, new per r, Quest): recall of (needle, q head) pairs holding
+  select       select_masked eager and replayed from a CUDA graph: the sketch per r, Quest's selection for scale
+  needles      per needle query and selector (the sketch per r, Quest): recall of (needle, q head) pairs holding
                >= 5% of the dense softmax (the needle's block selected), dense mass the selection holds, bound
                violations (blocks whose upper bound is below the true log-sum-exp) and the certified omitted
                mass (eviction/certify.py) against the true one
@@ -36,10 +36,9 @@ from bench_longctx.select_bench import graph_us
 from bench_longctx.timing import copy_ceiling_GBps, environment, time_ms, write_json
 from eviction.certify import attended_lse, certified_omitted_mass, true_omitted_mass
 from eviction.select import protected_mask, top_blocks
-from eviction.sketch import sketch_keys, unpack
+from eviction.sketch import sketch_keys
 from eviction.sketch_channels import channel_block_stats, channel_block_stats_ref
 from eviction.sketch_kernel import refine_candidates
-from eviction.sketch_planes import pack_planes, plane_block_stats, select_masked_planes
 from eviction.sketch_rank import block_shares
 from eviction.sketch_topk import SketchTopK
 from eviction.topk import topk_select
@@ -62,11 +61,6 @@ def true_block_lse(q: torch.Tensor, keys: torch.Tensor, block_tokens: int) -> to
     return padded.view(q.shape[0], n, block_tokens).logsumexp(-1)
 
 
-def old_layout(codes: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """The same codes in the old two-plane layout (chunked: unpacking 1M tokens at once needs ~12 GB)."""
-    return torch.cat([pack_planes(unpack(codes[i:i + chunk]).to(torch.int64)) for i in range(0, codes.shape[0], chunk)])
-
-
 def timed_row(run, nbytes: int, true: torch.Tensor, ref=None) -> dict:
     """One setting: us, GB/s of the bytes it must read, bound violations, largest gap to the reference."""
     try:
@@ -87,12 +81,11 @@ def fastest(rows: list[dict]) -> dict:
     return min(ok, key=lambda r: r["us"]) if ok else {"knobs": {}, "us": float("nan")}
 
 
-def first_levels(args, q, summaries, codes, old_codes, true) -> dict:
+def first_levels(args, q, summaries, codes, true) -> dict:
     n, h, d, b = summaries.shape[0], SPEC.num_kv_heads, SPEC.head_dim, args.block
     t = n * b
     summary_bytes = n * h * 2 * d * 2
-    out = {"old": timed_row(lambda: plane_block_stats(q, summaries, old_codes, t, planes=1),
-                            summary_bytes + n * h * b * d // 4, true)}
+    out = {}
     m = min(REF_BLOCKS, n)
     for r in args.channels:
         ref = channel_block_stats_ref(q, summaries[:m], codes[:m], m * b, r)
@@ -104,7 +97,7 @@ def first_levels(args, q, summaries, codes, old_codes, true) -> dict:
 
 
 def stages(args, q, summaries, codes, valid, protected, k, r, knobs) -> dict:
-    """The new selection's steps alone (eager do_bench each, fastest knobs)."""
+    """The sketch selection's steps alone (eager do_bench each, fastest knobs)."""
     n, h, t = summaries.shape[0], SPEC.num_kv_heads, summaries.shape[0] * args.block
     keep = protected & valid
     lse, upper = channel_block_stats(q, summaries, codes, t, r, valid, **knobs)
@@ -164,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=1 << 20)
     parser.add_argument("--budget", type=int, default=4096)
     parser.add_argument("--block", type=int, default=64)
-    parser.add_argument("--channels", default="16,32", help="first-level channel counts to time and score")
+    parser.add_argument("--channels", default="16,32,64", help="first-level channel counts to time and score")
     args = parser.parse_args(argv)
     args.channels = [int(c) for c in args.channels.split(",")]
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -177,7 +170,6 @@ def main(argv: list[str] | None = None) -> int:
     hay.pop("values")
     keys, b = hay["keys"], args.block
     summaries, codes = sketch_keys(keys, b)
-    old_codes = old_layout(codes)
     n, t = summaries.shape[0], keys.shape[0]
     result = {"environment": environment(dev), "tokens": t, "budget": args.budget, "block_tokens": b,
               "num_blocks": n, "copy_ceiling_GBps": copy_ceiling_GBps(dev),
@@ -185,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
               "kv_fp16_bytes_per_token_per_kv_head": 2 * SPEC.head_dim * 2}
     q = hay["queries"][0]
     true = true_block_lse(q, keys, b)
-    result["first_level"] = first_levels(args, q, summaries, codes, old_codes, true)
+    result["first_level"] = first_levels(args, q, summaries, codes, true)
     write_json(args.out, "sketch_h200.json", result)
     valid = torch.ones(n, dtype=torch.bool, device=dev)
     protected = protected_mask(num_tokens=t, block_tokens=b, sink_tokens=SINK, recent_tokens=RECENT, device=dev)
@@ -194,11 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in args.channels:
         scan = result["first_level"][f"channels_{r}"]["best"].get("knobs", {})
         result[f"stages_{r}"] = stages(args, q, summaries, codes, valid, protected, k, r, scan)
-        policies[f"new_r{r}"] = SketchTopK(channels=r, use_kernel=True, scan_knobs=scan,
+        policies[f"sketch_r{r}"] = SketchTopK(channels=r, use_kernel=True, scan_knobs=scan,
                                            candidate_knobs=result[f"stages_{r}"]["fine_best"]["knobs"])
-    selectors = {"old": lambda x: select_masked_planes(x, summaries, old_codes, valid, protected, k)}
-    selectors.update({name: (lambda x, p=p: p.select_masked(x, summaries, codes, valid, protected, k))
-                      for name, p in policies.items()})
+    selectors = {name: (lambda x, p=p: p.select_masked(x, summaries, codes, valid, protected, k))
+                 for name, p in policies.items()}
     selectors["quest"] = lambda x: (topk_select(x, summaries, num_tokens=t, block_tokens=b, budget_tokens=args.budget,
                                                 sink_tokens=SINK, recent_tokens=RECENT), None)
     result["select"] = {name: {"eager_us": 1e3 * time_ms(lambda f=f: f(q), dev),

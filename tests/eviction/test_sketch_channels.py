@@ -10,18 +10,7 @@ import torch
 from bench_longctx.sketch_bench import true_block_lse  # the exact per-block log-sum-exp the bound must cover
 from eviction.sketch import sketch_keys
 from eviction.sketch_channels import channel_block_stats, channel_block_stats_ref, read_channels_ref
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _case(num_tokens, block_tokens, num_kv_heads, group, head_dim, seed):
-    g = torch.Generator().manual_seed(seed)
-    keys = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g) * 1.5
-    keys[..., 1] *= 10.0  # one outlier channel
-    keys = (keys + 2.0 * torch.randn(head_dim, generator=g)).half()  # a shared mean direction
-    q = (torch.randn(num_kv_heads * group, head_dim, generator=g) * 2).half()
-    summaries, codes = sketch_keys(keys, block_tokens)
-    return q.to(DEVICE), summaries.to(DEVICE), codes.to(DEVICE), keys.to(DEVICE)
+from tests.eviction.test_sketch_kernel import DEVICE, make_case
 
 
 @pytest.mark.parametrize("num_tokens,block_tokens,num_kv_heads,group,head_dim,channels", [
@@ -32,7 +21,7 @@ def _case(num_tokens, block_tokens, num_kv_heads, group, head_dim, seed):
     (19 * 64 - 3, 64, 2, 4, 128, 16),  # llama3-8b's group and blocks, 19 blocks (programs run past the end)
 ])
 def test_kernel_matches_reference(num_tokens, block_tokens, num_kv_heads, group, head_dim, channels) -> None:
-    q, summaries, codes, keys = _case(num_tokens, block_tokens, num_kv_heads, group, head_dim, seed=num_tokens)
+    q, summaries, codes, keys = make_case(num_tokens, block_tokens, num_kv_heads, group, head_dim, seed=num_tokens)
     want = channel_block_stats_ref(q, summaries, codes, num_tokens, channels)
     for per_program in (1, 4, 16):
         got = channel_block_stats(q, summaries, codes, num_tokens, channels, blocks_per_program=per_program,
@@ -45,7 +34,7 @@ def test_kernel_matches_reference(num_tokens, block_tokens, num_kv_heads, group,
 
 
 def test_blocks_outside_valid_hold_garbage() -> None:
-    q, summaries, codes, keys = _case(7 * 32, 32, 2, 4, 64, seed=5)
+    q, summaries, codes, keys = make_case(7 * 32, 32, 2, 4, 64, seed=5)
     valid = torch.tensor([True, True, False, True, False, True, True], device=DEVICE)
     summaries[2], summaries[4] = float("nan"), float("inf")
     codes[2] = 255
@@ -99,7 +88,7 @@ def test_bound_holds_against_adversarial_blocks(scale, key_scale) -> None:  # ov
 
 
 def test_bad_arguments_raise() -> None:
-    q, summaries, codes, keys = _case(64, 16, 2, 2, 64, seed=1)
+    q, summaries, codes, keys = make_case(64, 16, 2, 2, 64, seed=1)
     with pytest.raises(ValueError, match="num_channels"):
         channel_block_stats_ref(q, summaries, codes, 64, 0)
     with pytest.raises(ValueError, match="power of two"):

@@ -14,7 +14,10 @@ from eviction.sketch_topk import refine_candidates_ref
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _case(num_tokens, block_tokens, num_kv_heads, group, head_dim, seed):
+def make_case(num_tokens: int, block_tokens: int, num_kv_heads: int, group: int, head_dim: int,
+              seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [Hq, D], summaries, codes, keys [T, H, D]) on DEVICE: keys with an outlier channel and a shared mean
+    direction (irregular, never zeros); the sketch tests' common case."""
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g) * 1.5
     keys[..., 1] *= 10.0  # one outlier channel
@@ -32,7 +35,7 @@ def _case(num_tokens, block_tokens, num_kv_heads, group, head_dim, seed):
     (5 * 64 - 3, 64, 2, 4, 128),  # llama3-8b's group and blocks
 ])
 def test_kernel_matches_reference(num_tokens, block_tokens, num_kv_heads, group, head_dim) -> None:
-    q, summaries, codes, keys = _case(num_tokens, block_tokens, num_kv_heads, group, head_dim, seed=num_tokens)
+    q, summaries, codes, keys = make_case(num_tokens, block_tokens, num_kv_heads, group, head_dim, seed=num_tokens)
     want = sketch_block_stats_ref(q, summaries, codes, num_tokens)
     got = sketch_block_stats(q, summaries, codes, num_tokens)
     num_blocks = summaries.shape[0]
@@ -46,7 +49,7 @@ def test_kernel_matches_reference(num_tokens, block_tokens, num_kv_heads, group,
 @pytest.mark.parametrize("blocks_per_program,decode", [(1, 0), (3, 1), (8, 0)])
 def test_tuning_knobs_do_not_change_results(blocks_per_program, decode) -> None:
     """Every knob setting the benchmark sweeps computes the same thing (here 7 blocks: programs run past the end)."""
-    q, summaries, codes, keys = _case(7 * 64 - 10, 64, 2, 4, 128, seed=11)
+    q, summaries, codes, keys = make_case(7 * 64 - 10, 64, 2, 4, 128, seed=11)
     want = sketch_block_stats_ref(q, summaries, codes, keys.shape[0])
     ids = torch.tensor([[6, 0, 3, 1, 5], [2, 6, 4, 0, 1]], device=DEVICE)  # candidate mode, unsorted, tail included
     want_ids = sketch_block_stats_ref(q, summaries, codes, keys.shape[0], block_ids=ids)
@@ -61,7 +64,7 @@ def test_tuning_knobs_do_not_change_results(blocks_per_program, decode) -> None:
 def test_refine_scores_candidates_and_merges_their_bounds() -> None:
     """The captured selection's fine pass: capacity rows past the live ones hold garbage, a hole in `valid`, a
     kept block; scores and the in-place min into the first level's bound match the reference."""
-    q, summaries, codes, keys = _case(12 * 32, 32, 2, 3, 64, seed=9)
+    q, summaries, codes, keys = make_case(12 * 32, 32, 2, 3, 64, seed=9)
     capacity = torch.cat((summaries, torch.full((4, *summaries.shape[1:]), float("nan"), device=DEVICE).half()))
     codes = torch.cat((codes, torch.randint(0, 256, (4, *codes.shape[1:]), dtype=torch.uint8, device=DEVICE)))
     valid = torch.arange(16, device=DEVICE) < 12
@@ -126,7 +129,7 @@ def test_upper_bound_holds_on_random_keys_with_outliers(seed) -> None:
 
 def test_fp16_overflow_falls_back_to_the_min_max_bound() -> None:
     """|q step| past fp16's range: the estimate is not trusted, upper is Quest's bound, still above the truth."""
-    q, summaries, codes, keys = _case(40, 16, 1, 2, 64, seed=3)
+    q, summaries, codes, keys = make_case(40, 16, 1, 2, 64, seed=3)
     keys = keys * 400.0  # steps ~ 100
     summaries, codes = sketch_keys(keys.cpu(), 16)
     summaries, codes = summaries.to(DEVICE), codes.to(DEVICE)
@@ -139,7 +142,7 @@ def test_fp16_overflow_falls_back_to_the_min_max_bound() -> None:
 
 
 def test_bad_input_raises() -> None:
-    q, summaries, codes, _ = _case(40, 16, 2, 2, 64, seed=1)
+    q, summaries, codes, _ = make_case(40, 16, 2, 2, 64, seed=1)
     with pytest.raises(ValueError, match="num_tokens"):
         sketch_block_stats(q, summaries, codes, 49)
     with pytest.raises(ValueError, match="q: expected float16"):
