@@ -158,9 +158,14 @@ class Decoder:
             x = layer.finish(x, attn[None])
         return self.model.logits(x)[0]
 
+    def _captures(self) -> bool:
+        """Whether decode goes through GraphDecoder (CUDA graphs); on CPU its forward would run eagerly, which
+        tests use to exercise the captured path's bookkeeping."""
+        return self.graphs and self.device.type == "cuda"
+
     def _graph_decoder(self, seq: int, mode: str, budget: int):
         """The cached GraphDecoder of (seq, mode, budget) on CUDA, rebuilt when its capacity runs out."""
-        if not self.graphs or self.device.type != "cuda" or mode not in STEP_MODES:
+        if not self._captures() or mode not in STEP_MODES:
             return None
         key = (seq, mode, budget)
         graph = self._graphs.get(key)
