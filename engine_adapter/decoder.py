@@ -215,13 +215,11 @@ class Decoder:
         ids[0] = first
         track, recorded = self.store.tracks_tokens(seq), 0  # ids[:recorded] are in the store's token record
 
-        def record(upto: int) -> list[int]:
+        def record(upto: int) -> None:
             nonlocal recorded
-            new = ids[recorded:upto].tolist() if upto > recorded else []
-            if track and new:
-                self.store.extend_tokens(seq, new, catch_up=True)
+            if track and upto > recorded:
+                self.store.extend_tokens(seq, ids[recorded:upto].tolist(), catch_up=True)
             recorded = max(recorded, upto)
-            return new
 
         for i in range(num_new):  # token i appends ids[i] and writes ids[i + 1]
             graph, logits = self._graph_decoder(seq, mode, budget), None
