@@ -144,61 +144,6 @@ def test_fork_copies_kv_and_generate_is_deterministic() -> None:
         store.check_integrity()
 
 
-def test_greedy_without_eos_runs_ahead_and_equals_the_per_token_loop() -> None:
-    """continue_greedy with no eos_id keeps token ids on the device (on CPU every token falls back to the
-    eager step): same tokens, same K/V and the same recorded token ids as one decode_step per token,
-    across block boundaries (16-token blocks)."""
-    model = random_llama(TINY, seed=3, vocab_size=97)
-    ids = list(range(5, 45))
-    runs = []
-    for ahead in (True, False):
-        with store_for(TINY) as store:
-            decoder = Decoder(model, store)
-            seq = store.create_sequence()
-            logits = decoder.prefill(seq, ids, 16)
-            if ahead:
-                out = decoder.continue_greedy(seq, logits, 40, "topk", 32)
-            else:
-                out = [int(logits.argmax())]
-                while len(out) < 40:
-                    out.append(int(decoder.decode_step(seq, out[-1], "topk", 32).argmax()))
-            assert decoder.length(seq) == len(ids) + 39 and store.token_ids(seq) == ids + out[:-1]
-            runs.append((out, store.read(seq, 1)))
-            store.check_integrity()
-    (out_a, (k_a, v_a)), (out_b, (k_b, v_b)) = runs
-    assert out_a == out_b
-    assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
-
-
-def test_run_ahead_through_the_step_path_equals_its_per_token_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The captured path's bookkeeping on CPU (GraphDecoder's forward runs eagerly here): continue_greedy feeding
-    tokens on the device, recording ids when it learns them, across block boundaries and hot -> warm cooling,
-    equals one decode_step per token: tokens, K/V, sketch codes and the token record."""
-    monkeypatch.setattr(Decoder, "_captures", lambda self: True)
-    model = random_llama(TINY, seed=5, vocab_size=97)
-    ids = list(range(7, 47))
-    runs = []
-    for ahead in (True, False):
-        with store_for(TINY) as store:
-            decoder = Decoder(model, store)
-            seq = store.create_sequence()
-            logits = decoder.prefill(seq, ids, 16)
-            if ahead:
-                out = decoder.continue_greedy(seq, logits, 60, "topk", 48)
-            else:
-                out = [int(logits.argmax())]
-                while len(out) < 60:
-                    out.append(int(decoder.decode_step(seq, out[-1], "topk", 48).argmax()))
-            assert decoder._graphs and store.token_ids(seq) == ids + out[:-1]  # the step path ran
-            assert store.stats()["tiers"]["warm"]["blocks"] > 0
-            store.check_integrity()
-            table = store.table(seq, 1)
-            runs.append((out, store.read(seq, 1), table.sketch[: table.num_tokens // 16].clone()))
-    (out_a, (k_a, v_a), codes_a), (out_b, (k_b, v_b), codes_b) = runs
-    assert out_a == out_b
-    assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b) and torch.equal(codes_a, codes_b)
-
-
 def test_a_prompt_on_a_matched_prefix_prefills_only_its_rest() -> None:
     """Two questions about one document: the second starts on the first's blocks (match_prefix), prefills
     only its own tokens and gets the logits of a prefill from scratch."""
