@@ -223,7 +223,7 @@ class Decoder:
 
         for i in range(num_new):  # token i appends ids[i] and writes ids[i + 1]
             graph, logits = self._graph_decoder(seq, mode, budget), None
-            if graph is not None and graph.ready():
+            if graph is not None:  # begin_token checks readiness again and refuses with StepNotReady
                 try:
                     logits = graph(ids[i: i + 1])
                 except StepNotReady:  # nothing of this token happened: the eager path below runs it
