@@ -26,6 +26,8 @@ from eviction.topk import topk_select
 from kvstore.config import Config, ModelSpec
 from kvstore.step import GraphedSteps
 from kvstore.store import KVStore
+from kvstore.tier_stack import staging_bytes
+from tiers.layout import BlockLayout
 
 SPEC = ModelSpec.preset("llama3-8b", num_layers=1)
 BUDGET = 4096
@@ -52,7 +54,8 @@ def build_store(ctx: int, block_tokens: int, int8: bool, needle: tuple[int, torc
     """A one-layer store holding ctx random tokens, all fp16 (hot) or all int8 (warm) but the window."""
     token_bytes = 2 * spec.num_kv_heads * spec.head_dim * 2
     hot = 1024 if int8 else ctx + APPEND_ROOM  # the appending step benchmarks add a token per call
-    gpu = int((hot + 2 * block_tokens + 64 + APPEND_ROOM + (ctx * 0.56 if int8 else 0)) * token_bytes) + (8 << 20) + (4096 * token_bytes)
+    gpu = int((hot + 2 * block_tokens + 64 + APPEND_ROOM + (ctx * 0.56 if int8 else 0)) * token_bytes) + (8 << 20) + \
+        staging_bytes(BlockLayout.of(spec, block_tokens), 4096)
     store = KVStore(Config(model=spec, block_tokens=block_tokens, sink_tokens=64, hot_tokens=hot,
                            warm_tokens=ctx if int8 else 0, recent_tokens=recent_tokens, gpu_bytes=gpu,
                            staging_tokens=4096, cpu_bytes=1 << 30, ssd_bytes=1 << 30, device=device, host_memory_reserve=0))

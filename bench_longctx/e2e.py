@@ -31,6 +31,7 @@ from engine_adapter.llama import Llama, LlamaArgs
 from engine_adapter.decoder import APPEND_TOKENS, Decoder
 from kvstore.config import ModelSpec
 from kvstore.store import KVStore
+from kvstore.tier_stack import staging_bytes
 from tiers.layout import BlockLayout
 
 # geometry -> (dim, hidden_dim, vocab_size, tie_embeddings), from the models' published configs
@@ -89,7 +90,7 @@ def e2e_store(spec: ModelSpec, p: E2EPreset, device: torch.device, reserve: int 
     sink = 64
     hot = store_bytes(spec, 32, p.hot_tokens, 0, sink)
     per_token = spec.num_layers * BlockLayout.of(spec, 32).int8_bytes / 32
-    staging = 4096 // 32 * BlockLayout.of(spec, 32).fp16_bytes
+    staging = staging_bytes(BlockLayout.of(spec, 32), 4096)
     room = available_bytes(device) - reserve - 2 * hot - staging
     warm_tokens = max(0, min(p.context + p.steps * 8, int(room / per_token) - 64)) // 32 * 32  # 4 paths append
     cold_tokens = p.context - p.hot_tokens - warm_tokens

@@ -12,6 +12,7 @@ import torch
 
 from kvstore.config import Config, ModelSpec
 from kvstore.store import KVStore
+from kvstore.tier_stack import staging_bytes
 from tiers.layout import BlockLayout
 
 MODEL = "smollm2-135m"
@@ -58,7 +59,7 @@ def model_store(spec: ModelSpec, device: torch.device, *, hot_tokens: int, warm_
                 cpu_bytes: int = 1 << 30) -> KVStore:
     """A store whose GPU pools hold `sequences` sequences' full windows (a prefill and its fork)."""
     windows = sequences * store_bytes(spec, block_tokens, hot_tokens, warm_tokens, sink_tokens)
-    staging = staging_tokens // block_tokens * BlockLayout.of(spec, block_tokens).fp16_bytes
+    staging = staging_bytes(BlockLayout.of(spec, block_tokens), staging_tokens)
     return KVStore(Config(model=spec, block_tokens=block_tokens, sink_tokens=sink_tokens, hot_tokens=hot_tokens,
                           warm_tokens=warm_tokens, recent_tokens=recent_tokens, gpu_bytes=windows + staging,
                           staging_tokens=staging_tokens, cpu_bytes=cpu_bytes, ssd_bytes=1 << 30,

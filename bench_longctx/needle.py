@@ -33,6 +33,8 @@ from bench_longctx.real_qk import KEY_STATS, load_key_statistics
 from bench_longctx.timing import Deadline, release
 from kvstore.config import Config, ModelSpec
 from kvstore.store import KVStore
+from kvstore.tier_stack import staging_bytes
+from tiers.layout import BlockLayout
 
 CHUNK = 1 << 16
 VALUE_SCALE = 8.0  # needle value norm over a background value's norm: its contribution stands out of the noise
@@ -162,10 +164,11 @@ def needle_store(spec: ModelSpec, ctx: int, p: NeedlePreset, device: torch.devic
     """Every block fp16 and GPU-resident, so modes differ only in what they select."""
     token_bytes = 2 * spec.num_kv_heads * spec.head_dim * 2
     hot = ctx + 2 * p.block_tokens
-    gpu = (hot + 4 * p.block_tokens + p.sink_tokens) * token_bytes + (4096 + 2 * max(p.budgets)) * token_bytes
+    staging = 4096 + 2 * max(p.budgets)
+    gpu = (hot + 4 * p.block_tokens + p.sink_tokens) * token_bytes + staging_bytes(BlockLayout.of(spec, p.block_tokens), staging)
     return KVStore(Config(model=spec, block_tokens=p.block_tokens, sink_tokens=p.sink_tokens, hot_tokens=hot,
                           warm_tokens=0, recent_tokens=p.recent_tokens, gpu_bytes=gpu + (8 << 20),
-                          staging_tokens=4096 + 2 * max(p.budgets), cpu_bytes=1 << 30, ssd_bytes=1 << 30,
+                          staging_tokens=staging, cpu_bytes=1 << 30, ssd_bytes=1 << 30,
                           device=str(device), host_memory_reserve=0))
 
 

@@ -86,7 +86,7 @@ class Config:
     warm_tokens: int = 32768  # the next most recent, kept int8 on the GPU
     recent_tokens: int | None = None  # window every sparse step keeps, at most half its budget (None: min(1024, hot_tokens))
     gpu_bytes: int = 1 << 30  # hot + warm pools + staging, shared by all sequences
-    staging_tokens: int | None = None  # GPU fp16 slots cold blocks are fetched into per decode step (None: hot_tokens)
+    staging_tokens: int | None = None  # GPU slots (fp16 and int8 each) cold blocks are fetched into per step (None: hot_tokens)
     cpu_bytes: int = 4 << 30  # cold host tier
     cpu_dtype: str = "float16"  # "float16" (exact) or "int8" (half the bytes)
     ssd_path: str | None = None  # None: a temporary directory removed on close()

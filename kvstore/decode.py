@@ -2,7 +2,8 @@
 
     1. select   per kv head, which blocks to read (dense: all; a policy's `select` under the
                 budget; H2O drop mode: drop the least attended for good, attend the rest)
-    2. stage    selected cold blocks are fetched in one batch into the hot pool's staging rows
+    2. stage    selected cold blocks are fetched in one batch, in their stored format, into the staging
+                rows of the hot (fp16) and warm (int8) pools (staging.py)
     3. attend   one paged decode kernel over hot fp16, warm int8 and staged blocks
     4. account  the kernel's per-block attention mass feeds the H2O scores; blocks fetched
                 cold again and again are promoted to the warm tier
@@ -23,6 +24,7 @@ from eviction.select import num_protected, num_selected
 from eviction.sketch_topk import SketchTopK
 from kvstore.attention import kernel_for
 from kvstore.config import Config
+from kvstore.staging import stage
 from kvstore.table import DROPPED, LayerTable
 from kvstore.tierset import CPU_TIER, WARM_TIER, TierSet
 
@@ -187,44 +189,18 @@ class DecodePath:
         """Run the paged kernel over `selected` [H, k]; returns (out [Hq, D], block mass [H, k]) and with
         return_lse the log-sum-exp [Hq] of the attended logits (what the certified bound needs)."""
         slots, is_int8 = block_table(table, selected)
-        hot_pool = self.tiers.hot.pool
-        if table.num_cold:
-            hot_pool, slots, is_int8 = self.stage(table, selected, slots, is_int8)
+        got = stage(self.tiers, table, selected, slots, is_int8)  # both pools, always: staging.py says why
+        self.stats.cold_blocks_fetched += len(got.fetched)
+        for i in got.fetched:
+            table.cold_hits[i] = table.cold_hits.get(i, 0) + 1
         num_tokens = torch.tensor([tokens_covered(table, selected.shape[1], self.block_tokens)], dtype=torch.int32)
-        warm = self.tiers.warm.pool
-        if not table.num_warm:  # no int8 block in the table: the kernel's pure-fp16 build
-            warm = warm.index(slice(0, 0))
-        out, mass = self.kernel(q[None], hot_pool, warm.data, warm.k_scale, warm.v_scale, slots[None],
-                                is_int8[None], num_tokens.to(self.device), return_block_mass=True)
+        warm = got.warm
+        out, mass = self.kernel(q[None], got.hot_pool, warm.data, warm.k_scale, warm.v_scale, got.slots[None],
+                                got.is_int8[None], num_tokens.to(self.device), return_block_mass=True)
         if not return_lse:
             return out[0], mass[0]
         tail_tokens = table.num_tokens - (table.num_blocks - 1) * self.block_tokens
-        return out[0], mass[0], attended_lse(q, hot_pool, warm, slots, is_int8, tail_tokens)
-
-    def stage(self, table: LayerTable, selected: torch.Tensor, slots: torch.Tensor,
-              is_int8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Fetch the selected cold blocks in one batch; returns (fp16 pool, slots, is_int8) to attend with."""
-        hot = self.tiers.hot
-        cold = table.tier_map[selected] >= CPU_TIER  # [H, k]
-        cold_indices = torch.unique(selected[cold]).tolist()  # one host sync, only when the table has cold blocks
-        if not cold_indices:
-            return hot.pool, slots, is_int8
-        self.stats.cold_blocks_fetched += len(cold_indices)
-        remap = torch.full((table.num_blocks,), -1, dtype=torch.int32, device=self.device)
-        if len(cold_indices) <= hot.staging_blocks:
-            staged = hot.stage(self.tiers.gather([table.block_ids[i] for i in cold_indices], self.device))
-            remap[torch.tensor(cold_indices, device=self.device)] = staged
-            pool, slots = hot.pool, torch.where(cold, remap[selected], slots)
-            is_int8 = is_int8 & ~cold
-        else:  # more than staging holds: attend over a temporary fp16 copy of every selected block
-            every = torch.unique(selected).tolist()
-            pool = self.tiers.gather([table.block_ids[i] for i in every], self.device)
-            remap[torch.tensor(every, device=self.device)] = torch.arange(len(every), dtype=torch.int32,
-                                                                           device=self.device)
-            slots, is_int8 = remap[selected], torch.zeros_like(is_int8)
-        for i in cold_indices:
-            table.cold_hits[i] = table.cold_hits.get(i, 0) + 1
-        return pool, slots, is_int8
+        return out[0], mass[0], attended_lse(q, got.hot_pool, warm, got.slots, got.is_int8, tail_tokens)
 
     def promote_if_needed(self, table: LayerTable) -> None:
         """Blocks fetched cold PROMOTE_AFTER times move up to the warm tier. Runs after the step's kernel:

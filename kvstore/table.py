@@ -33,7 +33,7 @@ class LayerTable:
     sketch: torch.Tensor | None = None  # uint8 [capacity, H, 2, B, D // 4]
     slot_map: torch.Tensor | None = None  # int32 [capacity]
     tier_map: torch.Tensor | None = None  # int8 [capacity]
-    num_warm: int = 0  # blocks in the warm tier (none: the kernel's pure-fp16 build runs)
+    num_warm: int = 0  # blocks in the warm tier
     num_cold: int = 0  # blocks in the cpu or ssd tier (the decode path stages them)
     num_dropped: int = 0  # blocks H2O drop mode freed
     h2o_scores: torch.Tensor | None = None  # fp32 [H, capacity]: accumulated attention mass

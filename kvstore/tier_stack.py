@@ -1,6 +1,7 @@
 """The tier stack a Config describes: which tiers a store has, how big each one is, and their lifetime.
 
-    0 hot   GPU fp16 pool + staging rows     1 warm  GPU int8 pool (the GPU budget split between them)
+    0 hot   GPU fp16 pool + staging rows     1 warm  GPU int8 pool + staging rows (the GPU budget split
+                                                      between them; staging_tokens of staging in each)
     2 cpu   host memory, pinned on CUDA      3 cold  the sidecar, Redis, or LMDB at ssd_path
     4 saved read-only: blocks of opened saved contexts, read where the save put them
 """
@@ -77,11 +78,16 @@ def open_tiers(c: Config, layout: BlockLayout, placement: Placement, tempdir: st
     cold = open_cold_tier(c, layout, tempdir)
     return [
         HotTier(layout, hot_bytes, device, staging_blocks=c.staging_tokens // c.block_tokens),
-        WarmTier(layout, warm_bytes, device),
+        WarmTier(layout, warm_bytes, device, staging_blocks=c.staging_tokens // c.block_tokens),
         CpuTier(layout, c.cpu_bytes, c.cpu_dtype, pin=device.type == "cuda", memory_reserve=c.host_memory_reserve),
         cold,
         SavedTier(layout, cold.get_values if isinstance(cold, SsdTier) else None),
     ]
+
+
+def staging_bytes(layout: BlockLayout, staging_tokens: int) -> int:
+    """GPU bytes that `staging_tokens` of staging take: as many rows in the hot (fp16) and warm (int8) pools."""
+    return staging_tokens // layout.block_tokens * (layout.fp16_bytes + layout.int8_bytes)
 
 
 def split_gpu_bytes(c: Config, layout: BlockLayout, p: Placement) -> tuple[int, int]:
@@ -89,7 +95,7 @@ def split_gpu_bytes(c: Config, layout: BlockLayout, p: Placement) -> tuple[int, 
     hot_blocks = c.model.num_layers * (p.sink_blocks + -(-c.hot_tokens // c.block_tokens) + 1)
     warm_blocks = c.model.num_layers * (c.warm_tokens // c.block_tokens)
     hot_need, warm_need = hot_blocks * layout.fp16_bytes, warm_blocks * layout.int8_bytes
-    pools = c.gpu_bytes - (c.staging_tokens // c.block_tokens) * layout.fp16_bytes
+    pools = c.gpu_bytes - staging_bytes(layout, c.staging_tokens)
     if pools < hot_need:
         raise ValueError(
             f"gpu_bytes={c.gpu_bytes} is too small: one sequence needs {hot_need} bytes of hot blocks "

@@ -86,13 +86,17 @@ class SsdTier(BudgetedTier):
 
     def get(self, ids: Sequence[int]) -> Blocks:
         """Decodes and verifies every block; a batch mixing fp16 and int8 blocks comes back fp16."""
+        parts = self.get_each(ids)
+        return concat(one_format(parts)) if parts else self.layout.empty_fp16(0, "cpu")
+
+    def get_each(self, ids: Sequence[int]) -> list[Blocks]:
+        """Each block as a batch of one, in the format it was stored in (fp16 or int8), verified."""
         codec = self.codec()
         try:
-            parts = [codec.decode(self.layout, v, f"ssd block {i}") for i, v in zip(ids, self._read_checked(ids))]
+            return [codec.decode(self.layout, v, f"ssd block {i}") for i, v in zip(ids, self._read_checked(ids))]
         except IntegrityError:
             self.integrity_errors += 1
             raise
-        return concat(one_format(parts)) if parts else self.layout.empty_fp16(0, "cpu")
 
     def _read_checked(self, ids: Sequence[int]) -> list[bytes]:
         values = self.get_values([self.key(i) for i in ids])

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvstore import CapacityError, Config, IntegrityError, KVStore, ModelSpec
+from kvstore.tier_stack import staging_bytes
 from tiers.codec import HEADER_BYTES
 from tiers.layout import BlockLayout
 
@@ -19,7 +20,7 @@ LAYOUT = BlockLayout.of(SPEC, 16)
 def issue_config(tmp_path, **overrides) -> Config:
     """The fault run's repro: 4 cpu blocks, 8 ssd blocks, tiny windows."""
     base = dict(model=SPEC, block_tokens=16, sink_tokens=16, hot_tokens=32, warm_tokens=32,
-                gpu_bytes=64 * LAYOUT.fp16_bytes, staging_tokens=512, cpu_bytes=4 * LAYOUT.fp16_bytes,
+                gpu_bytes=32 * LAYOUT.fp16_bytes + staging_bytes(LAYOUT, 512), staging_tokens=512, cpu_bytes=4 * LAYOUT.fp16_bytes,
                 ssd_path=str(tmp_path / "ssd"), ssd_bytes=8 * (LAYOUT.fp16_bytes + HEADER_BYTES + 64),
                 device="cpu", host_memory_reserve=0, ssd_compression="none")
     return Config(**{**base, **overrides})
@@ -75,6 +76,11 @@ class FaultyTier:
 
     def fetch(self, ids, device):
         return self.get(ids).to(device)
+
+    def get_each(self, ids):  # what decode staging reads from a tier holding both formats
+        if self.damage_gets:
+            raise IntegrityError("damaged in transit (injected)")
+        return self.inner.get_each(ids)
 
 
 def inject(store: KVStore, index: int, error: Exception) -> FaultyTier:
