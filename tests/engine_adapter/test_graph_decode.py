@@ -50,13 +50,19 @@ def test_captured_decode_generates_what_eager_decode_does(mode):
     assert stats["tiers"]["warm"]["blocks"] > 0 and stats["attend"]["calls"] == SPEC.num_layers * NEW
 
 
-def test_greedy_run_ahead_equals_the_per_token_captured_loop():
+@pytest.mark.parametrize("prompt, warm_tokens", [
+    (PROMPT, 65536),  # captured throughout, topk from the start
+    (900, 65536),  # starts dense (the budget covers the context), turns topk at 1024 tokens
+    (2048, 1024),  # blocks cool out of the warm window into cpu mid-run: later tokens go the eager way
+])
+def test_greedy_run_ahead_equals_the_per_token_captured_loop(prompt, warm_tokens):
     """continue_greedy with no eos_id queues token t + 1 before token t's id reaches the host; it must
-    generate, store and record exactly what one synced decode_step per token does (both captured)."""
+    generate, store and record exactly what one synced decode_step per token does (both through the graph
+    decoder where it can run), across the dense -> topk change and a fall back to the eager path."""
     model = random_llama(SPEC, seed=0, dtype=torch.float16, device="cuda")
-    config = Config(model=SPEC, block_tokens=64, sink_tokens=64, hot_tokens=1024, warm_tokens=65536,
+    config = Config(model=SPEC, block_tokens=64, sink_tokens=64, hot_tokens=1024, warm_tokens=warm_tokens,
                     recent_tokens=256, gpu_bytes=4 << 30, cpu_bytes=1 << 30, device="cuda")
-    ids = torch.randint(0, model.args.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
+    ids = torch.randint(0, model.args.vocab_size, (prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     runs = []
     for ahead in (True, False):
         with KVStore(config) as store:
@@ -71,7 +77,9 @@ def test_greedy_run_ahead_equals_the_per_token_captured_loop():
                     out.append(int(decoder.decode_step(seq, out[-1], "topk", 1024).argmax()))
             store.check_integrity()
             assert store.token_ids(seq) == ids + out[:-1]
-            runs.append((out, store.read(seq, SPEC.num_layers - 1, PROMPT, PROMPT + NEW - 1)))
+            cooled = store.stats()["tiers"]["cpu"]["blocks"] > 0
+            runs.append((out, store.read(seq, SPEC.num_layers - 1, prompt, prompt + NEW - 1)))
+    assert cooled == (warm_tokens < 65536)  # the fallback case did reach the eager path
     (out_a, (k_a, v_a)), (out_b, (k_b, v_b)) = runs
     assert out_a == out_b
     assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
