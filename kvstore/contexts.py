@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from kvstore.config import Config, ModelSpec
+from kvstore.saved_reader import SavedContext, SavedLayer
 from kvstore.table import DROPPED, LayerTable, TableTensors
-from kvstore.saved import SavedContext, SavedLayer
 from kvstore.tierset import HOT_TIER, TierSet
 from kvstore.unread_codes import UnreadCodes
 from tiers import keys
@@ -142,11 +142,15 @@ class Contexts:
         record = self.records.get(seq)
         if record is None:
             return
-        table, registry = self.tables[seq][layer], self.tiers.blocks
-        upto = min(table.num_tokens // self.block_tokens, len(record.chain))
-        for i in range(record.keyed[layer], upto):
-            if table.block_ids[i] != DROPPED:
-                registry.set_key(table.block_ids[i], block_key(layer, record.chain[i]))
+        table = self.tables[seq][layer]
+        first, upto = record.keyed[layer], min(table.num_tokens // self.block_tokens, len(record.chain))
+        if upto > first:
+            prefix = block_key(layer, b"")  # a block key is the layer's prefix and the chain hash
+            ids, keys = table.block_ids[first:upto], [prefix + h for h in record.chain[first:upto]]
+            if table.num_dropped:
+                keys = [k for b, k in zip(ids, keys) if b != DROPPED]
+                ids = [b for b in ids if b != DROPPED]
+            self.tiers.blocks.set_keys(ids, keys)
         record.keyed[layer] = max(record.keyed[layer], upto)
 
     # -- sharing ----------------------------------------------------------------------------
@@ -194,10 +198,15 @@ class Contexts:
         """A new sequence on the saved context: tables, summaries and token ids now; sketch codes when the
         sketch policy first needs them (unread_codes.py); each block stays in the saved tier until
         selected, except tails and the hot window (sinks, recent tokens), loaded here."""
+        tables = [self._table_saved(s) for s in saved.layers]  # read and verified before anything is held
         new = self._new_sequence()
-        tables = self.tables[new] = [self._table_saved(new, layer, s) for layer, s in enumerate(saved.layers)]
-        ids = [b for table in tables for b in table.block_ids if b != DROPPED]
-        self.tiers.adopt_saved(ids, [key for s in saved.layers for key in s.keys])  # every block, or none
+        self.tables[new] = tables
+        for layer, (table, s) in enumerate(zip(tables, saved.layers)):
+            table.block_ids = self.tiers.blocks.new_ids(s.num_blocks, new, layer, 0)
+            self.tiers.blocks.forget_owners([table.block_ids[i] for i in s.dropped])
+            for i in s.dropped:
+                table.block_ids[i] = DROPPED
+        self.tiers.adopt_saved(tables, [key for s in saved.layers for key in s.keys])  # every block, or none
         self.unread.opened(new, [(s.sketch, t.num_blocks, s.num_tokens % self.block_tokens != 0)
                                  for s, t in zip(saved.layers, tables)])
         try:
@@ -207,28 +216,29 @@ class Contexts:
                 for layer in range(self.num_layers):
                     self.key_blocks(new, layer)
             for table in tables:
-                hot = [b for i, b in enumerate(table.block_ids[:-1])
-                       if b != DROPPED and self.tiers.first_tier(i, table.num_tokens) == HOT_TIER]
-                self.tiers.promote(hot, HOT_TIER)  # opportunistic: what does not fit is staged when selected
+                self.tiers.promote(self._hot_window(table), HOT_TIER)  # opportunistic: the rest staged when selected
                 self.tiers.pin_tail(table)
         except BaseException:
             self.free(new)
             raise
         return new
 
-    def _table_saved(self, new: int, layer: int, saved: SavedLayer) -> LayerTable:
-        n = saved.summaries.shape[0]
-        ids = self.tiers.blocks.new_ids(n, new, layer, 0)
-        if saved.dropped:
-            self.tiers.blocks.forget_owners([ids[i] for i in saved.dropped])
-            for i in saved.dropped:
-                ids[i] = DROPPED
-        table = LayerTable(ids, saved.num_tokens, num_dropped=len(saved.dropped))
+    def _table_saved(self, saved: SavedLayer) -> LayerTable:
+        """A table of the saved layer's length with its summaries and H2O scores read in; no blocks yet."""
+        n = saved.num_blocks
+        table = LayerTable(num_tokens=saved.num_tokens, num_dropped=len(saved.dropped))
         if n:
             self.tensors.reserve(table, n)
-            table.summaries[:n] = saved.summaries.to(self.tensors.device)
-            table.h2o_scores[:, :n] = saved.h2o_scores.to(self.tensors.device)
+            saved.read_into(table.summaries[:n], table.h2o_scores[:, :n])
         return table
+
+    def _hot_window(self, table: LayerTable) -> list[int]:
+        """The blocks of `table`, its tail aside, whose tier is hot: the sinks and the recent window, looked
+        for where the placement's windows put them (not block by block over a million-block table)."""
+        p, n, num_tokens = self.tiers.placement, table.num_blocks, table.num_tokens
+        recent = max(p.sink_blocks, (num_tokens - p.hot_tokens) // p.block_tokens - 1)
+        return [table.block_ids[i] for i in [*range(min(p.sink_blocks, n - 1)), *range(recent, n - 1)]
+                if table.block_ids[i] != DROPPED and self.tiers.first_tier(i, num_tokens) == HOT_TIER]
 
     def _table_on(self, new: int, layer: int, ids: list[int]) -> LayerTable:
         """Layer `layer` of `new` over held full blocks: summaries and sketch codes copied from a table holding

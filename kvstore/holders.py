@@ -23,12 +23,12 @@ class Holders:
 
     def tables_of(self, block_id: int) -> Iterator[tuple[LayerTable, int]]:
         """(table, block index) of every entry holding the block."""
-        for seq, layer, index in self.blocks.holders[block_id]:
+        for seq, layer, index in self.blocks.holders_of(block_id):
             yield self.tables[seq][layer], index
 
     def owner(self, table: LayerTable, index: int) -> tuple[int, int]:
         """(sequence, layer) of `table`, found through the block its entry `index` holds."""
-        return next((s, l) for s, l, i in self.blocks.holders[table.block_ids[index]]
+        return next((s, l) for s, l, i in self.blocks.holders_of(table.block_ids[index])
                     if i == index and self.tables[s][l] is table)
 
     # -- mirrors ---------------------------------------------------------------------------
@@ -36,10 +36,16 @@ class Holders:
         """`ids` were just recorded in `tier`: every holder's device maps point there."""
         by_table: dict[tuple[int, int], list[int]] = {}
         for block_id in ids:
-            for seq, layer, index in self.blocks.holders[block_id]:
+            for seq, layer, index in self.blocks.holders_of(block_id):
                 by_table.setdefault((seq, layer), []).append(index)
         for (seq, layer), indices in by_table.items():
             self.set_maps(self.tables[seq][layer], indices, tier)
+
+    def enter(self, table: LayerTable, indices: Sequence[int], tier: int) -> None:
+        """The blocks of entries `indices` of `table`, which no other entry holds, were just recorded in `tier`
+        (an opened context's): the table's count and maps follow, without looking up each block's holders."""
+        count_in(table, tier, len(indices))
+        self.set_maps(table, list(indices), tier)
 
     def set_maps(self, table: LayerTable, indices: list[int], tier: int) -> None:
         """Point the table's device maps for entries `indices` at `tier` (slots only in the GPU pools)."""
@@ -89,8 +95,8 @@ class Holders:
         return last
 
 
-def count_in(table: LayerTable, tier: int, sign: int) -> None:
+def count_in(table: LayerTable, tier: int, delta: int) -> None:
     if tier == WARM_TIER:
-        table.num_warm += sign
+        table.num_warm += delta
     elif tier > WARM_TIER:
-        table.num_cold += sign
+        table.num_cold += delta

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Iterator, Sequence
 
 from kvstore.table import DROPPED, LayerTable
@@ -20,46 +21,55 @@ class BlockRegistry:
 
     def __init__(self, num_tiers: int) -> None:
         self.tier_of: dict[int, int] = {}  # block id -> index into KVStore.tiers
-        self.holders: dict[int, set[Holder]] = {}  # block id -> table entries pointing at it
+        # block id -> the table entry pointing at it, or a frozenset of them when several do: no set per block
+        # (an opened million-block context would make a million, each one more object for every GC pass)
+        self.holders: dict[int, Holder | frozenset[Holder]] = {}
         self.order: list[dict[int, None]] = [{} for _ in range(num_tiers)]  # per tier, oldest arrival first
         self.key_of: dict[int, bytes] = {}  # block id -> content key (full blocks of known tokens)
-        self.by_key: dict[bytes, dict[int, None]] = {}  # content key -> blocks carrying it, first keyed first
+        self.by_key: dict[bytes, int] = {}  # content key -> the first block keyed with it, still stored
+        self.also_keyed: dict[bytes, dict[int, None]] = {}  # content key -> later blocks carrying it, in order
         self._next = 0
 
     def new_ids(self, n: int, seq: int, layer: int, first_index: int) -> list[int]:
+        """n new block ids, held by entries first_index, first_index + 1, ... of table (seq, layer)."""
         ids = list(range(self._next, self._next + n))
         self._next += n
-        for offset, block_id in enumerate(ids):
-            self.holders[block_id] = {(seq, layer, first_index + offset)}
+        self.holders.update(zip(ids, zip(repeat(seq), repeat(layer), range(first_index, first_index + n))))
         return ids
+
+    def holders_of(self, block_id: int) -> tuple[Holder] | frozenset[Holder]:
+        """The table entries pointing at a block (none for a block no table holds)."""
+        held = self.holders.get(block_id, ())
+        return held if type(held) is frozenset or not held else (held,)
 
     def hold(self, block_id: int, holder: Holder) -> None:
         """One more table entry points at a recorded block."""
         if block_id not in self.tier_of:
             raise KeyError(f"block {block_id} is in no tier: it cannot be shared")
-        self.holders[block_id].add(holder)
+        self.holders[block_id] = frozenset((*self.holders_of(block_id), holder))
 
     def let_go(self, block_id: int, holder: Holder) -> bool:
         """`holder` no longer points at the block; True when nothing holds it now (the caller frees it)."""
-        held = self.holders[block_id]
-        held.remove(holder)
-        return not held
+        held = self.holders_of(block_id)
+        if holder not in held:
+            raise KeyError(f"block {block_id} is not held by {holder}")
+        rest = [h for h in held if h != holder]
+        self.holders[block_id] = rest[0] if len(rest) == 1 else frozenset(rest)
+        return not rest
 
     def refcount(self, block_id: int) -> int:
-        return len(self.holders.get(block_id, ()))
+        return len(self.holders_of(block_id))
 
     def any_holder(self, block_id: int) -> Holder:
         """One table entry holding the block (each holds the same content)."""
-        return next(iter(self.holders[block_id]))
+        return next(iter(self.holders_of(block_id)))
 
     def record(self, ids: Sequence[int], tier: int) -> None:
-        """`ids` now live in `tier` (leaving the tier they were in, if any)."""
-        for block_id in ids:
-            old = self.tier_of.get(block_id)
-            if old is not None:
-                del self.order[old][block_id]
-            self.tier_of[block_id] = tier
-            self.order[tier][block_id] = None
+        """`ids` now live in `tier` (leaving the tier they were in, if any), in arrival order."""
+        for block_id in [b for b in ids if b in self.tier_of]:
+            del self.order[self.tier_of[block_id]][block_id]
+        self.tier_of.update(dict.fromkeys(ids, tier))
+        self.order[tier].update(dict.fromkeys(ids))
 
     def forget_owners(self, ids: Sequence[int]) -> None:
         """Ids handed out by new_ids that were never recorded in a tier (a refused append)."""
@@ -73,23 +83,36 @@ class BlockRegistry:
             del self.holders[block_id]
             key = self.key_of.pop(block_id, None)
             if key is not None:
-                same = self.by_key[key]
-                del same[block_id]
-                if not same:
-                    del self.by_key[key]
+                self._unkey(block_id, key)
 
     # -- content keys ----------------------------------------------------------------------
-    def set_key(self, block_id: int, key: bytes) -> None:
-        """A full block's content key (two independent prefills of one prompt give two blocks with one key:
-        `find` returns the first still stored)."""
-        if block_id in self.key_of:
+    def set_keys(self, ids: Sequence[int], keys: Sequence[bytes]) -> None:
+        """Full blocks' content keys; a block keyed already keeps its key (two independent prefills of one
+        prompt give two blocks with one key: `find` returns the first still stored)."""
+        fresh = {b: k for b, k in zip(ids, keys) if b not in self.key_of}
+        self.key_of.update(fresh)
+        first = dict(zip(fresh.values(), fresh))
+        if len(first) == len(fresh) and self.by_key.keys().isdisjoint(first):  # no key carried twice: one update
+            self.by_key.update(first)
             return
-        self.key_of[block_id] = key
-        self.by_key.setdefault(key, {})[block_id] = None
+        for block_id, key in fresh.items():
+            if self.by_key.setdefault(key, block_id) != block_id:
+                self.also_keyed.setdefault(key, {})[block_id] = None
+
+    def _unkey(self, block_id: int, key: bytes) -> None:
+        later = self.also_keyed.get(key)
+        if self.by_key[key] != block_id:
+            del later[block_id]
+        elif later:
+            self.by_key[key] = next(iter(later))
+            del later[self.by_key[key]]
+        else:
+            del self.by_key[key]
+        if later is not None and not later:
+            del self.also_keyed[key]
 
     def find(self, key: bytes) -> int | None:
-        same = self.by_key.get(key)
-        return next(iter(same)) if same else None
+        return self.by_key.get(key)
 
     def key(self, block_id: int) -> bytes | None:
         return self.key_of.get(block_id)
@@ -106,8 +129,9 @@ class BlockRegistry:
 
     def sharing(self) -> dict[str, int]:
         """Blocks stored, table entries pointing at them, and blocks more than one entry holds."""
-        return {"stored": len(self.holders), "references": sum(map(len, self.holders.values())),
-                "shared": sum(len(h) > 1 for h in self.holders.values())}
+        several = [len(h) for h in self.holders.values() if type(h) is frozenset]
+        return {"stored": len(self.holders), "references": len(self.holders) - len(several) + sum(several),
+                "shared": sum(n > 1 for n in several)}
 
     def check(self, tiers: Sequence) -> None:
         for index, tier in enumerate(tiers):
@@ -116,19 +140,20 @@ class BlockRegistry:
                 raise AssertionError(f"{tier.name}: {tier.num_blocks} blocks stored, {len(recorded)} recorded")
         if sum(len(o) for o in self.order) != len(self.tier_of) or len(self.tier_of) != len(self.holders):
             raise AssertionError("block records disagree: a block is in two tiers or in none")
-        unheld = [b for b, held in self.holders.items() if not held]
+        unheld = [b for b in self.holders if not self.holders_of(b)]
         if unheld:
             raise AssertionError(f"blocks with a reference count of 0 are still stored: {unheld[:8]}")
-        keyed = {(b, k) for k, same in self.by_key.items() for b in same}
-        if keyed != {(b, k) for b, k in self.key_of.items()}:
+        keyed = {(b, k) for k, b in self.by_key.items()} | {(b, k) for k, later in self.also_keyed.items()
+                                                             for b in later}
+        if keyed != set(self.key_of.items()) or not all(self.also_keyed.values()):
             raise AssertionError("content keys disagree with the blocks that carry them")
 
     # -- invariants ------------------------------------------------------------------------
     def check_tables(self, tables: dict[int, list[LayerTable]], block_tokens: int, hot_tier: int) -> None:
         """Raise AssertionError unless the registry and the block tables agree: every holder's table points
         back at the block, and every table's blocks, counts and device tier map match what is recorded."""
-        for block_id, holders in self.holders.items():
-            for seq, layer, i in holders:
+        for block_id in self.holders:
+            for seq, layer, i in self.holders_of(block_id):
                 layers = tables.get(seq)
                 if layers is None or i >= layers[layer].num_blocks or layers[layer].block_ids[i] != block_id:
                     raise AssertionError(f"block {block_id}: holder {(seq, layer, i)} does not point at it")
@@ -141,7 +166,7 @@ class BlockRegistry:
         if table.num_blocks != -(-table.num_tokens // block_tokens):
             raise AssertionError(f"{where}: {table.num_blocks} blocks for {table.num_tokens} tokens")
         live = [(i, b) for i, b in enumerate(table.block_ids) if b != DROPPED]
-        if any((*owner, i) not in self.holders.get(b, ()) for i, b in live):
+        if any((*owner, i) not in self.holders_of(b) for i, b in live):
             raise AssertionError(f"{where}: a block does not count its table among its holders")
         if any(b not in self.tier_of for _, b in live):
             raise AssertionError(f"{where}: a table points at a block no tier holds")

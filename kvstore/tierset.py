@@ -239,10 +239,16 @@ class TierSet:
         if table.block_ids and self.blocks.tier_of[table.block_ids[-1]] != HOT_TIER:
             self.move([table.block_ids[-1]], self.blocks.tier_of[table.block_ids[-1]], HOT_TIER, coldest=HOT_TIER)
 
-    def adopt_saved(self, ids: list[int], keys: list[bytes]) -> None:
-        """New block ids (held by their tables) are the saved values under `keys`: nothing is read."""
+    def adopt_saved(self, tables: list[LayerTable], keys: list[bytes]) -> None:
+        """The blocks of `tables` (new ids, each held by its entry alone; DROPPED aside) are the saved values under
+        `keys`, in table order: nothing is read. Every block, or none."""
+        live = [range(t.num_blocks) if not t.num_dropped else [i for i, b in enumerate(t.block_ids) if b != DROPPED]
+                for t in tables]
+        ids = [b for t in tables for b in t.block_ids if b != DROPPED]
         self.saved.adopt(ids, keys)
-        self._record(ids, SAVED_TIER)
+        self.blocks.record(ids, SAVED_TIER)
+        for table, indices in zip(tables, live):
+            self.holders.enter(table, indices, SAVED_TIER)  # their only holder: no per-block lookup
 
     def drop(self, table: LayerTable, indices: list[int]) -> None:
         """Free blocks of `table` for good (H2O drop mode); indices must be validated by the caller.

@@ -6,7 +6,7 @@ travel with the rows: a fork carries its original's, a sequence started on a pre
 of the rows it shares, and a save of any of them copies the unread codes from the saved values
 into the new save (through host memory, never into the table). `load_if_needed` reads a sequence's
 codes into its tables once, when the sketch policy is about to read them. A save replacing the one a
-piece reads keeps that one's data while a piece holds its reader (SavedContexts.code_readers), so
+piece reads keeps that one's data while a piece holds its reader (SavedReader.code_readers), so
 pieces are dropped as soon as their rows are read or their sequence is freed.
 
 A saved partial tail that has filled since was re-encoded on its final grid (AppendPath, DecodeStep)

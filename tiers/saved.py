@@ -6,8 +6,9 @@ checksum) under keys the saver chose; `get` reads and verifies them through `get
 values store's `get`); `delete` forgets the mapping and leaves the saved value where it is.
 Nothing is ever put here: blocks leave (promoted to a GPU tier when selected) and never come back.
 
-Values stores (one protocol: put, put_new, get, exists, delete, keys, delete_prefix, sync, commit):
-    LmdbValues   the cold ssd tier's LMDB environment (keys outside its block prefix)
+Values stores (one protocol: put, put_new, get, view, exists, delete, keys, delete_prefix, sync, commit):
+    LmdbValues   the cold ssd tier's LMDB environment (keys outside its block prefix); `view` hands out
+                 the values where they lie in the map, no copy
     RedisValues  the Redis (or cluster) the cold redis tier talks to, under PREFIX: any process with
                  the same redis_url sees the same saved contexts; `put_new` is SET NX (a content-keyed
                  value is stored once, whoever writes it first); `commit` is one SET, so a manifest is
@@ -17,7 +18,7 @@ Values stores (one protocol: put, put_new, get, exists, delete, keys, delete_pre
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import lmdb
 import redis
@@ -28,6 +29,8 @@ from tiers.codec import Codec
 from tiers.errors import BlockMissingError
 from tiers.layout import BlockLayout, Blocks, concat
 from tiers.quant import one_format
+
+T = TypeVar("T")
 
 
 class SavedTier:
@@ -138,6 +141,11 @@ class LmdbValues:
         with self.env.begin() as txn:
             return [txn.get(k) for k in keys]
 
+    def view(self, keys: list[bytes], use: Callable[[list[memoryview | None]], T]) -> T:
+        """use(values of `keys`), the values zero-copy views of the mapped pages, valid only during the call."""
+        with self.env.begin(buffers=True) as txn:
+            return use([txn.get(k) for k in keys])
+
     def exists(self, keys: list[bytes]) -> list[bool]:
         return [v is not None for v in self.get(keys)]
 
@@ -218,6 +226,10 @@ class RedisValues:
 
     def get(self, keys: list[bytes]) -> list[bytes | None]:
         return self._run(keys, lambda pipe, k, _: pipe.get(k))
+
+    def view(self, keys: list[bytes], use: Callable[[list[bytes | None]], T]) -> T:
+        """use(values of `keys`) (LmdbValues.view's protocol; here the values are the bytes received)."""
+        return use(self.get(keys))
 
     def exists(self, keys: list[bytes]) -> list[bool]:
         return [bool(n) for n in self._run(keys, lambda pipe, k, _: pipe.exists(k), [0] * len(keys))]

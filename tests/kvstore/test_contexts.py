@@ -174,3 +174,21 @@ def test_fork_refused_when_the_hot_pool_cannot_take_the_tails_changes_nothing(tm
     store.check_integrity()
     assert store.stats()["blocks"]["stored"] == 0
     store.close()
+
+
+def test_two_prefills_of_one_prompt_share_keys_and_a_prefix_finds_the_first_still_held(tmp_path):
+    store = KVStore(small_config(tmp_path))
+    doc = list(range(300, 364))  # 8 full blocks
+    first, second, third = (filled(store, doc, seed=s) for s in (20, 21, 22))
+    blocks = {seq: tuple(store.sequences[seq][0].block_ids[:8]) for seq in (first, second, third)}
+    assert store.match_prefix(doc).block_ids[0] == blocks[first]
+    store.check_integrity()
+    store.free(second)  # a later block of the key goes: the first still answers
+    assert store.match_prefix(doc).block_ids[0] == blocks[first]
+    store.free(first)  # the first goes: the next still held answers
+    assert store.match_prefix(doc).block_ids[0] == blocks[third]
+    store.check_integrity()
+    store.free(third)
+    assert store.match_prefix(doc).num_tokens == 0 and store.stats()["blocks"]["stored"] == 0
+    store.check_integrity()
+    store.close()

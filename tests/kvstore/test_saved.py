@@ -138,8 +138,7 @@ def test_open_reads_summaries_not_sketches_and_the_sketch_loads_on_first_use(tmp
     want = [store.attend(seq, layer, q, "sketch", budget=64) for layer in range(SPEC.num_layers)]
     codes = [store.sequences[seq][layer].sketch[:151].clone() for layer in range(SPEC.num_layers)]
     store.free(seq)
-    read, get = [], store.saved.values.get
-    store.saved.values.get = lambda keys: read.extend(keys) or get(keys)
+    read = value_reads(store)
     opened = store.open("doc")
     sketch_keys = [k for k in read if b"/k/" in k]
     assert not sketch_keys and any(b"/m/" in k for k in read)  # summaries yes, sketch codes no
@@ -158,11 +157,19 @@ def test_open_reads_summaries_not_sketches_and_the_sketch_loads_on_first_use(tmp
     store.close()
 
 
+def value_reads(store: KVStore, kind: bytes = b"/") -> list[bytes]:
+    """Keys of the values (those of one kind: b"/k/" sketch codes, b"/m/" summaries) the store reads from its
+    saved contexts from now on, copied (get) or in place (view)."""
+    read, values = [], store.saved.values
+    get, view = values.get, values.view
+    values.get = lambda keys: read.extend(k for k in keys if kind in k) or get(keys)
+    values.view = lambda keys, use: read.extend(k for k in keys if kind in k) or view(keys, use)
+    return read
+
+
 def code_reads(store: KVStore) -> list[bytes]:
     """Keys of the sketch-code values the store reads from its saved contexts from now on."""
-    read, get = [], store.saved.values.get
-    store.saved.values.get = lambda keys: read.extend(k for k in keys if b"/k/" in k) or get(keys)
-    return read
+    return value_reads(store, b"/k/")
 
 
 def test_a_prefix_of_an_opened_context_and_a_save_of_it_leave_its_sketch_codes_unread(tmp_path):

@@ -133,7 +133,7 @@ def test_replacing_an_opened_context_with_another_sequence_keeps_the_opened_one_
     store.free(seq)
     opened = store.open("doc")
     store.unread.load_if_needed(opened)  # its codes are read: only its blocks left in the save keep it
-    assert not store.saved.code_readers
+    assert not store.saved.reader.code_readers
     store.save(filled(store, 300, seed=25), "doc")
     assert equal(outputs(store, opened, q), want)
     store.free(opened)

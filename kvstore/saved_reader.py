@@ -1,0 +1,190 @@
+"""The saved-context format (what kvstore/saved.py writes) and reading it back: opening a saved context.
+
+Keys (tiers/saved.py's values stores; Redis puts them under its PREFIX; the ssd tier's sweep of
+stale blocks touches only b"kvstore/"):
+    ctx/name/<name>                         manifest (JSON), committed last, in one write: a save is
+                                            complete or absent; it owns its save id's data and that
+                                            of the ids in its "inherits"
+    ctx/pending/<save id>                   a save in progress ({pid, host}); deleted with the commit
+    ctx/block/<layer u16><chain hash>       Redis: a full block whose token ids are known, under its
+                                            content key (tiers/keys.py), stored once (SET NX) and shared
+                                            by every save naming it; Redis's maxmemory policy removes it
+    ctx/data/<id>/b/<layer u16><index u64>  any other block (LMDB: every block) of that save
+    ctx/data/<id>/m/<layer u16><part u32>   key summaries fp16 [p, 2, H, D] of PART_BYTES-sized parts
+    ctx/data/<id>/h/<layer u16>             H2O scores fp32 [H, n]
+    ctx/data/<id>/k/<layer u16><part u32>   key sketch codes uint8 [p, H, 2, B, D/4]
+    ctx/data/<id>/t                         token ids, int64 little endian
+Block values are tiers/codec.py values (checksummed, in the format their tier held: fp16, or int8
+from warm/cpu); the manifest holds the xxh3-64 of every other value.
+
+Opening (`SavedReader.load`) reads the manifest and token ids; each layer's key summaries and H2O
+scores, what a top-K (Quest) decode needs, are read by `SavedLayer.read_into` into the opened
+table's own tensors: every value is checked against its xxh3 where it lies (LMDB: the mapped
+pages, no copy) and copied once, straight in for a CPU store, else into pinned memory and on with
+one host-to-device copy. Sketch codes load on first use (`SavedLayer.sketch` reads a range of rows;
+kvstore/unread_codes.py tracks the rows not read yet, which a save of the opened sequence copies
+from here) and blocks stay where they are until selected (tiers/saved.py reads them in place).
+Deleting a saved context while a store has it open, or replacing it from another process, makes
+that store's later reads of its blocks and codes fail (BlockMissingError).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import weakref
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+from tiers.errors import BlockMissingError, IntegrityError
+from tiers.keys import chain_hashes
+from tiers.layout import BlockLayout
+from tiers.saved import LmdbValues, RedisValues
+
+NAME = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
+MANIFEST, DATA, PENDING, BLOCK = b"ctx/name/", b"ctx/data/", b"ctx/pending/", b"ctx/block/"
+VERSION = 3  # 3: sketch codes channel-major (eviction/sketch.py); a version-2 save is refused, not misread
+Values = LmdbValues | RedisValues
+ReadCodes = Callable[[int, int], torch.Tensor]  # (lo, hi) -> uint8 [hi - lo, H, 2, B, D/4] on the CPU, read then
+ReadInto = Callable[[torch.Tensor, torch.Tensor], None]  # (summaries fp16 [n, 2, H, D], H2O fp32 [H, n]), any device
+
+
+@dataclass(slots=True)
+class SavedLayer:
+    num_tokens: int
+    num_blocks: int
+    dropped: list[int]  # block indices H2O drop mode had freed
+    keys: list[bytes]  # the saved value of each block not dropped, in index order
+    read_into: ReadInto  # reads and verifies the layer's summaries and H2O scores into the tensors given
+    sketch: ReadCodes
+
+
+@dataclass(slots=True)
+class SavedContext:
+    name: str
+    token_ids: list[int] | None
+    layers: list[SavedLayer]
+
+
+def check_name(name: object) -> None:
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ValueError(f"a saved context's name must match {NAME.pattern}, got {name!r}")
+
+
+def value_keys(data: bytes, layer: int, n: int, keyed: int, chain: Sequence[bytes]) -> list[bytes]:
+    """Each block's value key: content keys for the first `keyed`, keys of this save (under `data`) for the rest."""
+    lay = layer.to_bytes(2, "big")
+    own = data + b"b/" + lay
+    rows = np.empty((n - keyed, len(own) + 8), dtype=np.uint8)  # [n - keyed, key bytes]: a million keys at once
+    rows[:, :len(own)] = np.frombuffer(own, dtype=np.uint8)
+    rows[:, len(own):] = np.arange(keyed, n, dtype=">u8").view(np.uint8).reshape(-1, 8)
+    content = BLOCK + lay
+    return [content + h for h in chain[:keyed]] + rows.view(f"V{rows.shape[1]}").ravel().tolist()
+
+
+class SavedReader:
+    """Opens saved contexts of one model (`root`) and geometry from `values`."""
+
+    def __init__(self, values: Values, layout: BlockLayout, root: bytes) -> None:
+        self.values, self.root = values, root
+        self.num_kv_heads, self.head_dim, self.block_tokens = layout.num_kv_heads, layout.head_dim, layout.block_tokens
+        # SavedLayer.sketch of every layer load handed out and something (unread codes) still holds -> save id
+        self.code_readers: weakref.WeakKeyDictionary[Callable, str] = weakref.WeakKeyDictionary()
+
+    def manifest(self, name: str) -> bytes | None:
+        return self.values.get([MANIFEST + name.encode()])[0]
+
+    def names(self) -> list[str]:
+        return sorted(k[len(MANIFEST):].decode() for k in self.values.keys(MANIFEST))
+
+    def load(self, name: str) -> SavedContext:
+        """The manifest and token ids of `name`; each layer reads its summaries and H2O scores when handed the
+        tensors to read them into (no block or sketch code is read)."""
+        check_name(name)
+        raw = self.manifest(name)
+        if raw is None:
+            raise KeyError(f"no saved context named {name!r} (saved: {self.names()[:16]})")
+        m = json.loads(bytes(raw))
+        if m.get("version") != VERSION or m["root"] != self.root.hex() or \
+                m["geometry"] != [self.num_kv_heads, self.head_dim, self.block_tokens]:
+            raise ValueError(f"saved context {name!r} was saved by another model, geometry, block size or kvtier "
+                             "version (Config.model_id, model, block_tokens must match the saving store's)")
+        data = DATA + m["save_id"].encode() + b"/"
+        token_ids = None
+        if m["tokens_xxh3"] is not None:
+            tokens = self._read(name, [data + b"t"], [m["tokens_xxh3"]], "token ids")
+            token_ids = tokens.numpy().view("<i8").tolist()
+        chain = chain_hashes(self.root, token_ids, self.block_tokens) if any(e["keyed"] for e in m["layers"]) else []
+        layers = [self._layer(name, data, layer, entry, chain, m["part_blocks"])
+                  for layer, entry in enumerate(m["layers"])]
+        return SavedContext(name, token_ids, layers)
+
+    def _layer(self, name: str, data: bytes, layer: int, entry: dict, chain: list[bytes],
+               part_blocks: int) -> SavedLayer:
+        n, dropped = entry["num_blocks"], entry["dropped"]
+        keys = value_keys(data, layer, n, entry["keyed"], chain)
+        if dropped:
+            gone = set(dropped)
+            keys = [k for i, k in enumerate(keys) if i not in gone]
+        codes = partial(self._sketch, name, data, layer, entry, part_blocks)
+        self.code_readers[codes] = data[len(DATA):-1].decode()
+        return SavedLayer(entry["num_tokens"], n, sorted(dropped), keys,
+                          partial(self._read_layer, name, data, layer, entry), codes)
+
+    def _read_layer(self, name: str, data: bytes, layer: int, entry: dict, summaries: torch.Tensor,
+                    scores: torch.Tensor) -> None:
+        """Summaries fp16 [n, 2, H, D] (contiguous) and H2O scores fp32 [H, n] of the layer, into the tensors given."""
+        lay, what = layer.to_bytes(2, "big"), f"layer {layer}'s summaries"
+        parts = [data + b"m/" + lay + p.to_bytes(4, "big") for p in range(len(entry["m_xxh3"]))]
+        self._read(name, parts, entry["m_xxh3"], what, summaries)
+        dense = scores if scores.is_contiguous() else torch.empty(scores.shape, dtype=scores.dtype, device=scores.device)
+        self._read(name, [data + b"h/" + lay], [entry["h_xxh3"]], what, dense)
+        if dense is not scores:
+            scores.copy_(dense)
+
+    def _sketch(self, name: str, data: bytes, layer: int, entry: dict, part_blocks: int, lo: int,
+                hi: int) -> torch.Tensor:
+        """uint8 [hi - lo, H, 2, B, D/4]: rows [lo, hi) of the layer's sketch codes, read now (the parts
+        holding them)."""
+        lay, first, last = layer.to_bytes(2, "big"), lo // part_blocks, -(-hi // part_blocks)
+        parts = [data + b"k/" + lay + p.to_bytes(4, "big") for p in range(first, last)]
+        codes = self._read(name, parts, entry["k_xxh3"][first:last], f"layer {layer}'s sketch codes")
+        rows = codes.view(-1, self.num_kv_heads, 2, self.block_tokens, self.head_dim // 4)
+        return rows[lo - first * part_blocks: hi - first * part_blocks]
+
+    def _read(self, name: str, keys: list[bytes], digests: list[int], what: str,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+        """The values of `keys`, one after another, into `out` (contiguous, on any device) or a new uint8 CPU
+        tensor: each is checked against its xxh3 where it lies (LMDB: the mapped pages) and copied once."""
+        return self.values.view(keys, partial(_copy_verified, f"saved context {name!r}: {what}", digests, out))
+
+
+def _copy_verified(what: str, digests: list[int], out: torch.Tensor | None, values: list) -> torch.Tensor:
+    """Check each of `values` (buffers) against its digest and copy it on into `out` (or a new uint8 CPU tensor
+    holding them all): straight in on the CPU; on CUDA through one pinned buffer and one host-to-device copy
+    (queued: the caching host allocator keeps the buffer until it ran). A failure leaves `out` part written."""
+    if any(v is None for v in values):
+        raise BlockMissingError(f"{what} are gone (deleted or replaced after it was opened, or evicted by Redis's "
+                                "maxmemory policy)")
+    size = sum(len(v) for v in values) if out is None else out.numel() * out.element_size()
+    dst = torch.empty(size, dtype=torch.uint8) if out is None else out.view(-1).view(torch.uint8)
+    host = dst if dst.device.type == "cpu" else torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    into, pos = host.numpy(), 0
+    for value, want in zip(values, digests):
+        if xxhash.xxh3_64_intdigest(value) != want:
+            raise IntegrityError(f"{what} are damaged (checksum mismatch)")
+        if pos + len(value) > size:
+            break
+        into[pos: pos + len(value)] = np.frombuffer(value, dtype=np.uint8)
+        pos += len(value)
+    if pos != size:
+        raise IntegrityError(f"{what} are damaged ({sum(len(v) for v in values)} bytes where the manifest's "
+                             f"geometry needs {size})")
+    if host is not dst:
+        dst.copy_(host, non_blocking=True)
+    return dst

@@ -1,0 +1,72 @@
+"""A damaged saved context is refused where it lies (open reads summaries, H2O scores and token ids in
+place in the LMDB map), before the store holds anything of it; the sketch codes when first read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvstore import KVStore
+from tests.kvstore.test_saved import NUM_TOKENS, attend_all, config, filled, query
+from tiers.errors import IntegrityError
+
+
+def flip_byte(store: KVStore, value: bytes) -> None:
+    """Flip one byte in the middle of the saved value ctx/data/<save id of "doc">/<value>."""
+    with store.saved.values.env.begin(write=True) as txn:
+        key = b"ctx/data/" + json.loads(txn.get(b"ctx/name/doc"))["save_id"].encode() + b"/" + value
+        damaged = bytearray(txn.get(key))
+        damaged[len(damaged) // 2] ^= 0x10
+        txn.put(key, bytes(damaged))
+
+
+LAYER_1, PART_0 = (1).to_bytes(2, "big"), (0).to_bytes(4, "big")
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A store (and the outputs of its sequence) whose context 'doc' was saved, the sequence freed."""
+    store = KVStore(config(tmp_path / "ssd"))
+    seq = filled(store, NUM_TOKENS, seed=21)
+    store.save(seq, "doc")
+    want = attend_all(store, seq, query(8))
+    store.free(seq)
+    yield store, want
+    store.close()
+
+
+@pytest.mark.parametrize("value, what", [(b"m/" + LAYER_1 + PART_0, "layer 1's summaries"),
+                                         (b"h/" + LAYER_1, "layer 1's summaries"), (b"t", "token ids")])
+def test_a_damaged_summary_score_or_token_value_refuses_the_open_and_the_store_holds_nothing(saved, value, what):
+    store, _ = saved
+    flip_byte(store, value)
+    with pytest.raises(IntegrityError, match=f"{what} are damaged"):
+        store.open("doc")
+    assert not store.sequences and store.stats()["blocks"]["stored"] == 0
+    store.check_integrity()
+
+
+def test_a_manifest_whose_geometry_disagrees_with_its_values_is_refused(saved):
+    store, _ = saved
+    with store.saved.values.env.begin(write=True) as txn:
+        manifest = json.loads(txn.get(b"ctx/name/doc"))
+        manifest["layers"][0]["num_blocks"] -= 1  # the summaries hold one row more than the manifest says
+        txn.put(b"ctx/name/doc", json.dumps(manifest).encode())
+    with pytest.raises(IntegrityError, match="layer 0's summaries are damaged .* bytes where"):
+        store.open("doc")
+    assert not store.sequences and store.stats()["blocks"]["stored"] == 0
+    store.check_integrity()
+
+
+def test_an_opened_context_reads_equal_summaries_and_damaged_sketch_codes_fail_on_first_use(saved):
+    store, want = saved
+    opened = store.open("doc")
+    assert all(torch.equal(a, b) for a, b in zip(attend_all(store, opened, query(8)), want))
+    flip_byte(store, b"k/" + LAYER_1 + PART_0)
+    with pytest.raises(IntegrityError, match="layer 1's sketch codes are damaged"):
+        store.attend(opened, 0, query(8), "sketch", budget=64)
+    store.free(opened)
+    store.check_integrity()
+    assert store.stats()["blocks"]["stored"] == 0
