@@ -2,15 +2,23 @@
 (128 KiB at 8 kv heads x 32 tokens x 128) and int8 (data + KIVI scales). Per format, GB/s of block bytes:
 
     gather_kernel        gather_rows alone, from one pinned [4096, block words] tensor (the transfer itself)
-    tier_gather          the tier's gather: one launch per slab and field, rows scattered to batch positions
-    block_sums           checksums of the gathered rows in device memory (one launch)
-    verified_fetch       fetch(ids, cuda) with block sums: gather, then check on the GPU, one host sync
+    slab_kernel          gather_slab_rows from the same tensor (a one-slab table), no sums
+    slab_summed_kernel   the same, summing each block on the way: what summing costs the transfer
+    tier_gather          the tier's gather: every slab and field in one launch, no sums
+    tier_summed_gather   the same launch summing each block on the way (the fused fetch's one kernel)
+    block_sums           checksums of the gathered rows in device memory: the second pass fusing saves
+    check                block_sums + comparison with the recorded sums, one host sync
+    verified_fetch       fetch(ids, cuda) with block sums: the summed gather, then the comparison on the
+                         GPU, one host sync (fused)
+    unfused_verified_fetch  the same fetch unfused: the tier's gather, then block_sums over the gathered
+                         rows, then the comparison (the previous fetch, less its launch per slab)
     host_verified_fetch  the old fetch: xxh3 of the stored rows on 4 worker threads while the GPU gathers
     get / host_get       get(ids) into pinned host memory: rows copied on the host, then checked on the GPU / by xxh3
     put_from_gpu         put of GPU blocks (summed on the GPU, copied to the host), 512 at a time
 
-and one big pinned H2D copy of the same bytes as the ceiling. Results are checked (new and old fetches
-agree; a flipped bit in a pinned row makes the verified fetch raise) before they are written.
+and one big pinned H2D copy of the same bytes as the ceiling. Results are checked (the fused, unfused and
+host-verified fetches agree; the summed gather's sums are block_sums' and the recorded ones; a flipped bit
+in a pinned row makes the verified fetch raise) before they are written.
 
     python -m bench_longctx.fetch_bench --out bench_longctx/results/fetch_h200.json   (CUDA; ~1 minute)
     python -m bench_longctx.fetch_bench --blocks 24 --of 48 --heads 2 --tokens 16 --head-dim 32 \
@@ -27,10 +35,10 @@ import json
 import torch
 
 from bench_longctx.timing import environment, host_device_ceilings, time_ms, timed
-from tiers.base import IntegrityError
+from tiers.base import IntegrityError, device_ints
 from tiers.block_checksum import block_sums
 from tiers.cpu import CpuTier
-from tiers.fetch_kernel import gather_rows
+from tiers.fetch_kernel import gather_rows, gather_slab_rows, slab_table
 from tiers.layout import BlockLayout, Int8Blocks
 from tiers.quant import quantize
 
@@ -54,6 +62,15 @@ def filled_tiers(layout: BlockLayout, dtype: str, num_blocks: int,
     return new, old, put_s
 
 
+def unfused_fetch(tier: CpuTier, ids: list[int], device: torch.device):
+    """fetch(ids, device) without the fused sums: gather, then block_sums over the gathered rows, then compare."""
+    out = tier._empty(len(ids), device)
+    slots = device_ints(tier.slots.lookup(ids), device)
+    tier._gather_to(slots, out)
+    tier._check(ids, out, slots)
+    return out
+
+
 def same(a, b) -> bool:
     pairs = zip(a.tensors(), b.tensors()) if isinstance(a, Int8Blocks) else [(a, b)]
     return all(torch.equal(x, y) for x, y in pairs)
@@ -67,37 +84,49 @@ def run_format(layout: BlockLayout, dtype: str, num_blocks: int, picked: list[in
     def gbps(fn) -> float:
         return round(nbytes / time_ms(fn, device) / 1e6, 2)
 
-    slots = new.slots.lookup(picked)
+    slots = device_ints(new.slots.lookup(picked), device)
     out = new._empty(len(picked), device)
     fields = out.tensors() if isinstance(out, Int8Blocks) else (out,)
-    slots_on_device = new._gather_to(slots, out)
+    sums = torch.zeros((len(picked), 2), dtype=torch.int64, device=device)  # [n, 2]
+    new._gather_to(slots, out, sums)
     words = torch.ones((num_blocks, block_bytes // 4), dtype=torch.int32, pin_memory=device.type == "cuda")
+    one_slab = slab_table([[words]], device)
     rows = torch.tensor(picked, dtype=torch.int64, device=device)
     flat = torch.empty((len(picked), words.shape[1]), dtype=torch.int32, device=device)
+    flat_sums = torch.zeros_like(sums)
     result = {
         "block_bytes": block_bytes,
         "gather_kernel_GBps": gbps(lambda: gather_rows(words, rows, flat)),
+        "slab_kernel_GBps": gbps(lambda: gather_slab_rows(one_slab, rows, [flat])),
+        "slab_summed_kernel_GBps": gbps(lambda: gather_slab_rows(one_slab, rows, [flat], flat_sums.zero_())),
         "tier_gather_GBps": gbps(lambda: new._gather_to(slots, out)),
+        "tier_summed_gather_GBps": gbps(lambda: new._gather_to(slots, out, sums.zero_())),
         "block_sums_GBps": gbps(lambda: block_sums(fields)),
-        "check_GBps": gbps(lambda: new._check(picked, out, slots_on_device)),
+        "check_GBps": gbps(lambda: new._check(picked, out, slots)),
         "verified_fetch_GBps": gbps(lambda: new.fetch(picked, device)),
+        "unfused_verified_fetch_GBps": gbps(lambda: unfused_fetch(new, picked, device)),
         "host_verified_fetch_GBps": gbps(lambda: old.fetch(picked, device)),
         "get_GBps": gbps(lambda: new.get(picked)),
         "host_get_GBps": gbps(lambda: old.get(picked)),
         "put_from_gpu_GBps": round(num_blocks * block_bytes / put_s / 1e9, 2),
     }
-    if not same(new.fetch(picked, device), old.fetch(picked, device)):
-        raise AssertionError(f"{dtype}: the verified fetch and the host-verified fetch disagree")
-    slot = slots[0]
+    fused = new.fetch(picked, device)
+    if not (same(fused, old.fetch(picked, device)) and same(fused, unfused_fetch(new, picked, device))):
+        raise AssertionError(f"{dtype}: the fused, unfused and host-verified fetches disagree")
+    new._gather_to(slots, out, sums.zero_())
+    if not (torch.equal(sums, block_sums(fields)) and torch.equal(sums, new.sums[slots])):
+        raise AssertionError(f"{dtype}: the summed gather's sums differ from block_sums' or the recorded ones")
+    slot = new.slots.lookup(picked[:1])[0]
     slab = new.slabs[slot // new.slab_blocks]
     row = (slab if dtype == "float16" else slab.data)[slot % new.slab_blocks].view(-1).view(torch.uint8)
     row[12345 % row.numel()] ^= 1  # one bit of a pinned row, in place
-    try:
-        new.fetch(picked, device)
-    except IntegrityError:
-        result["flipped_bit_caught"] = True
-    else:
-        raise AssertionError(f"{dtype}: a flipped bit in a pinned row was served")
+    for name, fetch in (("", new.fetch), ("unfused_", lambda ids, device: unfused_fetch(new, ids, device))):
+        try:
+            fetch(picked, device)
+        except IntegrityError:
+            result[f"{name}flipped_bit_caught"] = True
+        else:
+            raise AssertionError(f"{dtype}: a flipped bit in a pinned row was served ({name}fetch)")
     new.close()
     old.close()
     return result

@@ -23,7 +23,8 @@ change d_p = w'_p - w_p of one word has 0 < |d_p| < 2^32, so 2 divides it at mos
 
 Cost: every word is loaded once, its multiplier comes from a table (8 bytes a word, shared by all
 blocks, so it stays in L2), one 64-bit multiply-add and one add. The sums run at memory speed on
-the GPU, or at PCIe speed where the GPU reads pinned host rows; a CPU computes them with the
+the GPU, or at PCIe speed where the GPU reads pinned host rows (the cpu tier's fetch computes them
+while it gathers: gather_slab_rows in tiers/fetch_kernel.py); a CPU computes them with the
 torch reference at 0.2-0.5 GB/s a core against xxh3's ~29 GB/s (2-core box, 128 KiB blocks),
 which is why tiers on hosts without a GPU keep xxh3.
 

@@ -9,8 +9,9 @@ Every block is verified on every read, against one checksum per slot kept in `su
 - beside a GPU (pinned slabs): block sums (tiers/block_checksum.py), computed on the GPU.
   A block put from that GPU is summed there before it leaves it; one put from host memory
   (from ssd) is summed by the GPU reading its pinned slab row. fetch(ids, gpu) gathers the
-  rows in one launch per slab, sums the gathered rows in one launch and compares them on the
-  GPU: one host sync. get() copies rows on the host, then the GPU sums the pinned result.
+  rows of every slab in one launch that also sums them on their way (tiers/fetch_kernel.py),
+  and compares the sums on the GPU: one host sync, no second pass over the rows. get() copies
+  rows on the host, then the GPU sums the pinned result.
 - host only: xxh3 on the host, (digest, 0) per slot, checked by worker threads; xxh3 runs
   at ~29 GB/s a core where block sums in torch run at 0.2-0.5 GB/s (block_checksum.py).
 """
@@ -29,7 +30,7 @@ import xxhash
 from tiers.base import IntegrityError, PooledTier, SlotPool, block_checksums, check_ids
 from tiers.block_checksum import block_sums
 from tiers.block_rows import byte_rows, copy_rows, device_of, fields, int32_words, row_slice, to_device
-from tiers.fetch_kernel import gather_rows
+from tiers.fetch_kernel import SlabTable, gather_slab_rows, slab_table
 from tiers.layout import BlockLayout, Blocks, Int8Blocks
 from tiers.quant import dequantize, quantize
 
@@ -57,6 +58,7 @@ class CpuTier(PooledTier):
         self.slab_blocks = max(1, min(self.slots.num_slots, _SLAB_BYTES // self.block_bytes))
         self.slabs: list[Blocks] = []
         self._byte_views: list[list] = []  # per slab, numpy [rows, bytes] views of its tensors
+        self._tables: dict[torch.device, SlabTable] = {}  # per reading device, built at its first fetch
         self.sums = torch.zeros((0, 2), dtype=torch.int64, device=self.sum_device or "cpu")  # [slots, 2]
         self.integrity_errors = 0  # blocks found damaged by reads
         self._executor: ThreadPoolExecutor | None = None
@@ -87,6 +89,7 @@ class CpuTier(PooledTier):
         while len(self.slabs) <= slot // self.slab_blocks:
             self.slabs.append(self._empty(self.slab_blocks))
             self._byte_views.append([byte_rows(t) for t in fields(self.slabs[-1])])  # [rows, bytes] numpy views
+            self._tables.clear()
         if len(self.sums) < len(self.slabs) * self.slab_blocks:  # doubling: a huge tier copies it O(n) in all
             grown = self.sums.new_zeros((max(len(self.slabs) * self.slab_blocks, 2 * len(self.sums)), 2))
             grown[:len(self.sums)] = self.sums
@@ -134,17 +137,21 @@ class CpuTier(PooledTier):
         out = self._empty(len(ids))
         slots = self._gather(ids, out, verify=self.sum_device is None)
         if self.sum_device is not None:
-            self._check(ids, out, to_device(torch.tensor(slots, dtype=torch.int64), self.sum_device))
+            self._check(ids, out, _slot_tensor(slots, self.sum_device))
         return out
 
     def fetch(self, ids: Sequence[int], device: torch.device | str) -> Blocks:
         """`get` straight into `device` memory, verified. From pinned slabs the device gathers the rows
-        itself, one launch per slab, and (block sums) checks the gathered rows in one launch, or (xxh3)
-        worker threads check the stored rows meanwhile. Damaged blocks raise: nothing is returned."""
+        itself, every slab and field in one launch, and (block sums) sums them in the same launch and
+        compares the sums on the device, or (xxh3) worker threads check the stored rows meanwhile.
+        Damaged blocks raise: nothing is returned."""
         device = _normal(torch.device(device))
         if self.sum_device is not None and device == self.sum_device:
             out = self._empty(len(ids), device)
-            self._check(ids, out, self._gather_to(self.slots.lookup(ids), out))
+            slots = _slot_tensor(self.slots.lookup(ids), device)
+            got = torch.zeros((len(ids), 2), dtype=torch.int64, device=device)  # [n, 2], the kernel adds into it
+            self._gather_to(slots, out, got)
+            self._compare(ids, got, slots)
             return out
         if device.type == "cpu" or self.sum_device is not None or not self.pin:
             blocks = self.get(ids)
@@ -152,7 +159,7 @@ class CpuTier(PooledTier):
         out = self._empty(len(ids), device)
         slots = self.slots.lookup(ids)
         checks = [self._pool().submit(self._verify, ids, slots, lo, hi) for lo, hi in self._chunks(len(ids))]
-        self._gather_to(slots, out)
+        self._gather_to(_slot_tensor(slots, device), out)
         for check in checks:
             check.result()  # raises IntegrityError: the gathered copy is dropped, never returned
         return out
@@ -160,28 +167,33 @@ class CpuTier(PooledTier):
     def _check(self, ids: Sequence[int], batch: Blocks, slots: torch.Tensor) -> None:
         """Block sums of `batch` (on the checksum device, or pinned host memory) against those recorded
         for `slots` (int64 on the checksum device); one host sync."""
-        got = block_sums(fields(batch), device=self.sum_device)
-        bad = (got != self.sums[slots]).any(dim=1).nonzero().flatten().tolist()
-        if bad:
-            self.integrity_errors += len(bad)
-            more = f" (and {len(bad) - 1} more: {[ids[i] for i in bad[1:9]]})" if len(bad) > 1 else ""
-            raise IntegrityError(f"cpu tier: block {ids[bad[0]]} failed its checksum{more}")
+        self._compare(ids, block_sums(fields(batch), device=self.sum_device), slots)
 
-    def _gather_to(self, slots: list[int], out: Blocks) -> torch.Tensor:
-        """out[i] = the block in slots[i], out's device reading the slab rows itself (one launch per slab
-        and field); returns the slots, int64 on out's device."""
-        index, groups = self._plan(slots)
-        index = to_device(index, device_of(out))
-        for slab, cols in groups:
-            for dst, src in zip(fields(out), fields(self.slabs[slab])):
-                dst_rows = index[2, cols] if len(groups) > 1 else None
-                gather_rows(int32_words(src), index[1, cols], int32_words(dst), dst_rows)
-        return index[0]
+    def _compare(self, ids: Sequence[int], got: torch.Tensor, slots: torch.Tensor) -> None:
+        """IntegrityError naming the blocks whose sums `got` (int64 [n, 2] on the checksum device) differ from
+        those recorded for `slots`; one host sync (a second one only to name damaged blocks)."""
+        differs = (got != self.sums.index_select(0, slots)).any(dim=1)  # [n]
+        if not bool(differs.any()):
+            return
+        bad = differs.nonzero().flatten().tolist()
+        self.integrity_errors += len(bad)
+        more = f" (and {len(bad) - 1} more: {[ids[i] for i in bad[1:9]]})" if len(bad) > 1 else ""
+        raise IntegrityError(f"cpu tier: block {ids[bad[0]]} failed its checksum{more}")
+
+    def _gather_to(self, slots: torch.Tensor, out: Blocks, sums: torch.Tensor | None = None) -> None:
+        """out[i] = the block in slots[i] (int64 on out's device), out's device reading the slab rows itself,
+        every slab and field in one launch; with `sums` (int64 [n, 2] zeros) also each block's block sums."""
+        if not len(slots):
+            return
+        device = device_of(out)
+        if device not in self._tables:
+            self._tables[device] = slab_table([[int32_words(f) for f in fields(s)] for s in self.slabs], device)
+        gather_slab_rows(self._tables[device], slots, [int32_words(f) for f in fields(out)], sums)
 
     def _plan(self, slots: list[int]) -> tuple[torch.Tensor, list[tuple[int, slice]]]:
         """index int64 [3, n]: row 0 the slot of each batch position; rows 1 and 2 the row in its slab and
         the batch position, grouped by slab; and [(slab, its columns of rows 1 and 2)]."""
-        slot = torch.tensor(slots, dtype=torch.int64)
+        slot = _int64(slots)
         slab_of = slot // self.slab_blocks
         order = torch.argsort(slab_of, stable=True)
         index = torch.stack([slot, slot[order] % self.slab_blocks, order])
@@ -262,6 +274,7 @@ class CpuTier(PooledTier):
             self._executor.shutdown()
         self.slabs.clear()
         self._byte_views.clear()
+        self._tables.clear()
         self.sums = self.sums[:0]
 
     def _convert(self, blocks: Blocks) -> Blocks:
@@ -285,6 +298,16 @@ def _sum_device(checksums: str, pin: bool) -> torch.device | None:
     if device.type == "cuda" and not (pin and torch.cuda.is_available()):
         raise ValueError(f"cpu tier: checksums on {device} need CUDA and pinned slabs (pin=True)")
     return _normal(device)
+
+
+def _slot_tensor(slots: list[int], device: torch.device) -> torch.Tensor:
+    """Slots as int64 [n] on `device`, queued without a host sync."""
+    return to_device(_int64(slots), device)
+
+
+def _int64(values: list[int]) -> torch.Tensor:
+    """int64 [n] on the host, through numpy: torch.tensor of a list of 2,000 ints takes ~4x as long."""
+    return torch.from_numpy(np.fromiter(values, dtype=np.int64, count=len(values)))
 
 
 def _normal(device: torch.device) -> torch.device:

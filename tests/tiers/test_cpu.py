@@ -148,3 +148,33 @@ def test_empty_get_and_fetch(checksums):
     tier.put([1], blocks(1, seed=2))
     assert len(tier.get([])) == 0 and len(tier.fetch([], SUM_DEVICE)) == 0
     tier.check_integrity()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_fetch_sums_while_it_gathers_across_slabs(dtype, monkeypatch):
+    """fetch on the checksum device: one gather that sums on the way (no second pass: block_sums is never called),
+    over slabs added after an earlier fetch; a flipped bit in any field of a pinned row raises, nothing served."""
+    monkeypatch.setattr(tiers.cpu, "_SLAB_BYTES", 3 * LAYOUT.bytes_for(dtype))  # 3 blocks a slab
+    tier = CpuTier(LAYOUT, 12 * LAYOUT.bytes_for(dtype), dtype=dtype, memory_reserve=0, checksums=SUM_DEVICE)
+    x = blocks(10, seed=8)
+    tier.put(list(range(4)), x[:4])
+    want = tier.get(list(range(4)))
+
+    def fetch(ids: list[int]):
+        with monkeypatch.context() as m:
+            m.setattr(tiers.cpu, "block_sums", None)  # a second pass over the rows would fail here
+            return tier.fetch(ids, SUM_DEVICE)
+
+    assert same(fetch([3, 0, 2]), want.index(torch.tensor([3, 0, 2])) if dtype == "int8" else want[[3, 0, 2]])
+    tier.put(list(range(4, 10)), x[4:].to(SUM_DEVICE))  # two more slabs: the slab table is rebuilt
+    assert len(tier.slabs) == 4
+    order = [9, 1, 6, 3, 0, 8]
+    fetched = fetch(order)
+    assert same(fetched, tier.get(order))
+    for field, block_id in enumerate((8, 6, 1)):  # int8: data, k_scale, v_scale
+        damage(tier, block_id, 3 * 1001 + field)
+        with pytest.raises(IntegrityError, match=f"block {block_id} failed"):  # the first damaged in `order`
+            fetch(order)
+    assert tier.integrity_errors == 1 + 2 + 3
+    assert same(fetch([9, 0, 3]), fetched.index(torch.tensor([0, 4, 3])) if dtype == "int8" else fetched[[0, 4, 3]])
+    tier.check_integrity()
