@@ -69,6 +69,12 @@ class SavedTier:
         raise MemoryError("the saved tier is read-only")
 
     def get(self, ids: Sequence[int]) -> Blocks:
+        """Verified blocks, in order; a batch mixing fp16 and int8 blocks comes back fp16 (get_each does not)."""
+        parts = self.get_each(ids)
+        return concat(one_format(parts)) if parts else self.layout.empty_fp16(0, "cpu")
+
+    def get_each(self, ids: Sequence[int]) -> list[Blocks]:
+        """Each block as a batch of one, in the format it was saved in (fp16 or int8), verified."""
         if not hasattr(self._local, "codec"):
             self._local.codec = Codec()  # decode reads the compression from each value's header
         values = self.values(ids)
@@ -77,11 +83,10 @@ class SavedTier:
             raise BlockMissingError(f"saved tier: the saved values of blocks {missing[:8]} are gone "
                                     "(the context was deleted or replaced after it was opened)")
         try:
-            parts = [self._local.codec.decode(self.layout, v, f"saved block {i}") for i, v in zip(ids, values)]
+            return [self._local.codec.decode(self.layout, v, f"saved block {i}") for i, v in zip(ids, values)]
         except IntegrityError:
             self.integrity_errors += 1
             raise
-        return concat(one_format(parts)) if parts else self.layout.empty_fp16(0, "cpu")
 
     def fetch(self, ids: Sequence[int], device: torch.device) -> Blocks:
         return self.get(ids).to(device, non_blocking=True)

@@ -14,7 +14,7 @@ import time
 import torch
 
 from kvstore import KVStore
-from tests.kvstore.test_saved import NUM_TOKENS, attend_all, config, filled, query
+from tests.kvstore.test_saved import NUM_TOKENS, attend_all, config, filled, opened_config, query
 
 
 def main(argv: list[str]) -> None:
@@ -24,7 +24,7 @@ def main(argv: list[str]) -> None:
 
         torch.save(decode_opened(path, name, int(argv[4])), argv[3])
         return
-    store = KVStore(config(path, warm_tokens=int(argv[4])) if what == "open" else config(path))
+    store = KVStore(opened_config(path, int(argv[4])) if what == "open" else config(path))
     if what == "open":
         started = time.perf_counter()
         seq = store.open(name)
