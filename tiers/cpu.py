@@ -136,7 +136,7 @@ class CpuTier(PooledTier):
         """Gathers `ids` into one (pinned) batch, verifying every block's checksum."""
         out = self._empty(len(ids))
         slots = self._gather(ids, out, verify=self.sum_device is None)
-        if self.sum_device is not None:
+        if self.sum_device is not None and len(ids):  # an empty batch is not pinned: nothing for the device to read
             self._check(ids, out, _slot_tensor(slots, self.sum_device))
         return out
 
