@@ -113,12 +113,25 @@ def run_context(args: argparse.Namespace, context: int, directory: str) -> dict:
             "first_attend": attends, "first_attend_never_saved": never_saved}
 
 
-def first_token(store: KVStore, seq: int, last: int, args: argparse.Namespace) -> tuple[torch.Tensor, float]:
-    """fp32 logits [vocab] of one topk decode step after `last`, and its seconds (synchronized)."""
+def decoder(store: KVStore, args: argparse.Namespace) -> Decoder:
     dtype = torch.float16 if args.device == "cuda" else torch.float32
-    dec = Decoder(random_llama(store.spec, seed=0, vocab_size=VOCAB, dtype=dtype, device=args.device), store)
+    return Decoder(random_llama(store.spec, seed=0, vocab_size=VOCAB, dtype=dtype, device=args.device), store)
+
+
+def first_token(dec: Decoder, seq: int, last: int, args: argparse.Namespace) -> tuple[torch.Tensor, float]:
+    """fp32 logits [vocab] of one topk decode step after `last`, and its seconds (synchronized)."""
     logits, seconds = timed(lambda: dec.decode_step(seq, last, "topk", 4096), args.device)
     return logits.float().cpu(), seconds
+
+
+def warm_up(dec: Decoder, store: KVStore, args: argparse.Namespace) -> float:
+    """Seconds of one topk step over a throwaway 4-block sequence: what a serving process pays once at start
+    (kernels loaded from triton's cache, CUDA and cuBLAS initialised), before any context is opened."""
+    def step() -> None:
+        seq, _ = fill(store, 4 * BLOCK_TOKENS)
+        dec.decode_step(seq, 0, "topk", 4096)
+        store.free(seq)
+    return timed(step, args.device)[1]
 
 
 def run_new_process(args: argparse.Namespace, context: int, directory: str) -> dict:
@@ -129,7 +142,7 @@ def run_new_process(args: argparse.Namespace, context: int, directory: str) -> d
         _, save_s = timed(lambda: store.save(seq, "bench"))
         print(f"writer: saved in {save_s:.1f} s", flush=True)
         saved_bytes = sum(store.stats()["tiers"][t]["bytes"] for t in ("hot", "warm", "cpu", "ssd"))
-        want, writer_s = first_token(store, seq, ids[-1] % VOCAB, args)
+        want, writer_s = first_token(decoder(store, args), seq, ids[-1] % VOCAB, args)
     print(f"writer: first token of the never-saved sequence in {writer_s:.2f} s", flush=True)
     if args.device == "cuda":  # the writer's cached allocations would leave the child too little of the GPU
         gc.collect()
@@ -137,15 +150,18 @@ def run_new_process(args: argparse.Namespace, context: int, directory: str) -> d
     argv = [sys.executable, "-m", "bench_longctx.contexts_bench", "open", "--path", path, "--out", str(out),
             "--last", str(ids[-1] % VOCAB)] + [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
                                                 ("geometry", "layers", "device", "gpu_bytes", "cpu_bytes", "ssd_bytes")]
-    started = time.perf_counter()
-    subprocess.run(argv, check=True, cwd=Path(__file__).resolve().parents[1])
-    child = json.loads(out.read_text())
-    got = torch.tensor(child.pop("logits"))
+    children = {}
+    for name, extra in (("cold", []), ("warmed_up", ["--warm-up"])):  # the second reads a page cache the first warmed
+        started = time.perf_counter()
+        subprocess.run(argv + extra, check=True, cwd=Path(__file__).resolve().parents[1])
+        child = json.loads(out.read_text())
+        got = torch.tensor(child.pop("logits"))
+        children[name] = {**child, "child_wall_s": time.perf_counter() - started,
+                          "token_equal": int(got.argmax()) == int(want.argmax()),
+                          "max_abs_logit_diff": float((got - want).abs().max())}
     shutil.rmtree(path, ignore_errors=True)
     return {"context": context, "fill_s": fill_s, "save_s": save_s, "stored_bytes_before_save": saved_bytes,
-            "writer_first_token_s": writer_s, "child_wall_s": time.perf_counter() - started, **child,
-            "token_equal": int(got.argmax()) == int(want.argmax()),
-            "max_abs_logit_diff": float((got - want).abs().max())}
+            "writer_first_token_s": writer_s, **children["cold"], "warmed_up_process": children["warmed_up"]}
 
 
 def open_in_this_process(args: argparse.Namespace) -> None:
@@ -153,12 +169,14 @@ def open_in_this_process(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     with KVStore(bench_config(args, args.path)) as store:
         init_s = time.perf_counter() - started
+        dec, model_s = timed(lambda: decoder(store, args), args.device)
+        warm_s = warm_up(dec, store, args) if args.warm_up else 0.0
         reads = counting_reads(store)
         seq, open_s = timed(lambda: store.open("bench"), args.device)
         open_bytes = sum(reads)
-        logits, token_s = first_token(store, seq, args.last, args)
-        result = {"store_init_s": init_s, "open_s": open_s, "open_read_bytes": open_bytes,
-                  "first_token_s": token_s, "open_to_first_token_s": open_s + token_s,
+        logits, token_s = first_token(dec, seq, args.last, args)
+        result = {"store_init_s": init_s, "model_init_s": model_s, "process_warm_up_s": warm_s, "open_s": open_s,
+                  "open_read_bytes": open_bytes, "first_token_s": token_s, "open_to_first_token_s": open_s + token_s,
                   "blocks_read_for_first_token": store.stats()["attend"]["cold_blocks_fetched"],
                   "logits": logits.tolist()}
     Path(args.out).write_text(json.dumps(result))
@@ -189,6 +207,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default=None)
     parser.add_argument("--path", default=None)
     parser.add_argument("--last", type=int, default=0)
+    parser.add_argument("--warm-up", action="store_true")  # the child: one step on a throwaway sequence first
     args = parser.parse_args(argv)
     for name, value in PRESETS[args.preset].items():
         if getattr(args, name) is None:
@@ -211,6 +230,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"new process, {opened['context']} tokens: open {opened['open_s']:.2f} s + first token "
               f"{opened['first_token_s']:.2f} s (store init {opened['store_init_s']:.2f} s); token equal "
               f"{opened['token_equal']}, max |logit diff| {opened['max_abs_logit_diff']:.2e}")
+        warm = opened["warmed_up_process"]
+        print(f"  after a warm-up step ({warm['process_warm_up_s']:.2f} s): open {warm['open_s']:.2f} s + first "
+              f"token {warm['first_token_s']:.2f} s; token equal {warm['token_equal']}")
         forks = run_forks(args, parse_tokens(args.fork_tokens), directory) if args.fork_tokens != "0" else None
         if forks:
             print(f"10 forks of {forks['prefix_tokens']} tokens: {forks['blocks_ratio']:.4f}x blocks, "
