@@ -11,7 +11,8 @@ Random K/V of a named geometry with token ids recorded, the store's windows (hot
   new_process  a context of --open-tokens saved, then opened in a NEW process (python -m ... open)
                that decodes one token with a random-weight Llama of the geometry (topk, the
                default): seconds to open and to the first token, and its logits against the
-               never-saved sequence's in the writer
+               never-saved sequence's in the writer; twice: a cold process, then one that first ran a
+               step over a throwaway sequence (kernels loaded, CUDA initialised: a serving process)
   forks        10 sequences forked from one --fork-tokens prefix: blocks and bytes stored against
                the prefix alone (~1x: full blocks shared, one partial tail copied per fork); 0 skips it
 """
