@@ -174,6 +174,9 @@ def channel_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.T
     lse = torch.empty(q.shape[0], num_blocks, dtype=torch.float32, device=q.device)  # [Hq, N]
     upper = torch.empty_like(lse)
     group, head_dim = q.shape[0] // num_kv_heads, summaries.shape[3]
+    # GROUP_PAD >= 2 below: with one q head per kv head (a dot's N = 1) triton 3.6 miscompiles the channel kernel on
+    # sm_90 for BLOCKS > 1 (wrong bounds for some blocks, depending on num_warps; found on the H200, 2026-12-01,
+    # results/h200-session4); a padded second column is masked out and costs nothing measurable at these sizes
     channels = torch.empty(num_kv_heads, num_channels, dtype=torch.int32, device=q.device)  # [H, r]
     _plan_kernel[(num_kv_heads,)](q, channels, q.stride(0), channels.stride(0), GROUP=group,
                                   GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, CHANNELS=num_channels)
@@ -182,7 +185,7 @@ def channel_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.T
         1.0 / math.sqrt(head_dim) if scale is None else scale,
         q.stride(0), summaries.stride(0), summaries.stride(1), summaries.stride(2), codes.stride(0), codes.stride(1),
         channels.stride(0), lse.stride(0),
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, CHANNELS=num_channels,
+        GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 2), HEAD_DIM=head_dim, CHANNELS=num_channels,
         BLOCK_TOKENS=block_tokens, HALF_PAD=triton.next_power_of_2(block_tokens // 2), BLOCKS=per_program,
         HAS_VALID=valid is not None, DECODE=knobs["decode"], num_warps=knobs["num_warps"],
         FULL=num_tokens == num_blocks * block_tokens and block_tokens & (block_tokens - 1) == 0,

@@ -19,13 +19,14 @@ from tests.eviction.test_sketch_kernel import DEVICE, make_case
     (50, 24, 2, 1, 32, 16),  # even block size that is not a power of two, no GQA
     (9, 64, 3, 2, 64, 64),  # one partial block, every channel read
     (19 * 64 - 3, 64, 2, 4, 128, 16),  # llama3-8b's group and blocks, 19 blocks (programs run past the end)
+    (40 * 16 - 3, 16, 2, 1, 64, 16),  # no GQA, many blocks a program: miscompiled on sm_90 unless the group is padded
 ])
 def test_kernel_matches_reference(num_tokens, block_tokens, num_kv_heads, group, head_dim, channels) -> None:
     q, summaries, codes, keys = make_case(num_tokens, block_tokens, num_kv_heads, group, head_dim, seed=num_tokens)
     want = channel_block_stats_ref(q, summaries, codes, num_tokens, channels)
-    for per_program in (1, 4, 16):
+    for per_program, warps in ((1, 4), (4, 1), (16, 1), (16, 4)):
         got = channel_block_stats(q, summaries, codes, num_tokens, channels, blocks_per_program=per_program,
-                                  decode=per_program % 2)
+                                  decode=per_program % 2, num_warps=warps)
         for w, g in zip(want, got):
             assert g.shape == (num_kv_heads * group, summaries.shape[0]) and g.dtype == torch.float32
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
