@@ -188,7 +188,7 @@ def _launch(q, summaries, codes, num_tokens, block_ids, scale, out, upper, merge
     unknown = set(knobs) - set(DEFAULT_KNOBS)
     if unknown:
         raise ValueError(f"unknown knobs {sorted(unknown)}; expected some of {sorted(DEFAULT_KNOBS)}")
-    knobs = {**DEFAULT_KNOBS, **knobs}
+    knobs = {**DEFAULT_KNOBS, **knobs}  # GROUP_PAD >= 2 below: see sketch_channels.py (a triton 3.6 miscompile at 1)
     group = q.shape[0] // num_kv_heads
     num_cols = num_blocks if block_ids is None else block_ids.shape[1]
     if num_cols == 0:
@@ -201,7 +201,7 @@ def _launch(q, summaries, codes, num_tokens, block_ids, scale, out, upper, merge
         1.0 / math.sqrt(head_dim) if scale is None else scale,
         q.stride(0), summaries.stride(0), summaries.stride(1), summaries.stride(2), codes.stride(0), codes.stride(1),
         ids.stride(0), out.stride(0), upper.stride(0),
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, BLOCK_TOKENS=block_tokens,
+        GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 2), HEAD_DIM=head_dim, BLOCK_TOKENS=block_tokens,
         HALF_PAD=triton.next_power_of_2(block_tokens // 2), HAS_IDS=block_ids is not None, MERGE=merge is not None,
         BLOCKS_PER_PROGRAM=per_program, DECODE=knobs["decode"], num_warps=knobs["num_warps"],
         num_stages=knobs["num_stages"],

@@ -162,6 +162,8 @@ class CpuTier(PooledTier):
         self._gather_to(_slot_tensor(slots, device), out)
         for check in checks:
             check.result()  # raises IntegrityError: the gathered copy is dropped, never returned
+        # the device reads the rows the host checked: it must be done before a later put may reuse their slots
+        torch.cuda.current_stream(device).synchronize()
         return out
 
     def _check(self, ids: Sequence[int], batch: Blocks, slots: torch.Tensor) -> None:
