@@ -2,6 +2,7 @@
 
     python -m bench_longctx.contexts_bench --preset cpu  [--out FILE]      # 2-core CPU, tiny geometry, ~1 min
     python -m bench_longctx.contexts_bench --preset h200 --open-tokens 1M [--out FILE]
+    python -m bench_longctx.contexts_bench --preset cpu --contexts '' --fork-tokens 0 --profile 25  # + its profile
 
 Random K/V of a named geometry with token ids recorded, the store's windows (hot and warm on the
 "GPU" pools, the rest in cpu int8 and ssd):
@@ -20,8 +21,12 @@ Random K/V of a named geometry with token ids recorded, the store's windows (hot
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
+import cProfile
 import gc
 import json
+import pstats
 import shutil
 import subprocess
 import sys
@@ -83,8 +88,10 @@ def first_attends(store: KVStore, seq: int) -> dict:
 
 
 def counting_reads(store: KVStore) -> list[int]:
-    """Bytes each values-store read returns, copied (get) or in place (view), appended to the list handed back."""
-    sizes, values = [], store.saved.values
+    """Bytes each read of the saved contexts' reader returns (manifests, summaries, H2O scores, token ids, sketch
+    codes; not blocks, which the saved tier reads), copied (get) or in place (view), appended to the list handed
+    back."""
+    sizes, values = [], copy.copy(store.saved.reader.values)  # a copy: the saved tier reads through the original
     get, view = values.get, values.view
 
     def counted(got: list) -> list:
@@ -93,6 +100,7 @@ def counting_reads(store: KVStore) -> list[int]:
 
     values.get = lambda keys: counted(get(keys))
     values.view = lambda keys, use: view(keys, lambda got: use(counted(got)))
+    store.saved.reader.values = values
     return sizes
 
 
@@ -149,8 +157,9 @@ def run_new_process(args: argparse.Namespace, context: int, directory: str) -> d
         gc.collect()
         torch.cuda.empty_cache()
     argv = [sys.executable, "-m", "bench_longctx.contexts_bench", "open", "--path", path, "--out", str(out),
-            "--last", str(ids[-1] % VOCAB)] + [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-                                                ("geometry", "layers", "device", "gpu_bytes", "cpu_bytes", "ssd_bytes")]
+            "--last", str(ids[-1] % VOCAB), f"--profile={args.profile}"] + \
+        [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
+         ("geometry", "layers", "device", "gpu_bytes", "cpu_bytes", "ssd_bytes")]
     children = {}
     for name, extra in (("cold", []), ("warmed_up", ["--warm-up"])):  # the second reads a page cache the first warmed
         started = time.perf_counter()
@@ -175,7 +184,11 @@ def open_in_this_process(args: argparse.Namespace) -> None:
         reads = counting_reads(store)
         seq, open_s = timed(lambda: store.open("bench"), args.device)
         open_bytes = sum(reads)
-        logits, token_s = first_token(dec, seq, args.last, args)
+        profiler = cProfile.Profile() if args.profile else None
+        with profiler or contextlib.nullcontext():
+            logits, token_s = first_token(dec, seq, args.last, args)
+        if profiler is not None:
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
         result = {"store_init_s": init_s, "model_init_s": model_s, "process_warm_up_s": warm_s, "open_s": open_s,
                   "open_read_bytes": open_bytes, "first_token_s": token_s, "open_to_first_token_s": open_s + token_s,
                   "blocks_read_for_first_token": store.stats()["attend"]["cold_blocks_fetched"],
@@ -209,6 +222,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--path", default=None)
     parser.add_argument("--last", type=int, default=0)
     parser.add_argument("--warm-up", action="store_true")  # the child: one step on a throwaway sequence first
+    parser.add_argument("--profile", type=int, default=0)  # N: each child prints cProfile's top N of its first token
     args = parser.parse_args(argv)
     for name, value in PRESETS[args.preset].items():
         if getattr(args, name) is None:

@@ -10,8 +10,9 @@ another process (kvstore/saved.py):
     selected block, again one pool per format;
   - the kernel always gets both pools (empty only when the config has no warm pool at all), so which
     build and walk it runs never depends on where the step's blocks happen to be.
-The ssd and saved tiers report each block's own format (`get_each`); the sidecar and redis tiers hand
-a batch mixing fp16 and int8 back as fp16.
+The ssd and saved tiers report each block's own format (`fetch_as_stored`: verified where the values lie,
+one batch per format, one host-to-device copy); the sidecar and redis tiers hand a batch mixing fp16 and
+int8 back as fp16.
 """
 
 from __future__ import annotations
@@ -24,17 +25,8 @@ import torch
 from kvstore.table import LayerTable
 from kvstore.tierset import CPU_TIER, TierSet
 from tiers.base import device_ints
-from tiers.layout import Int8Blocks, concat
-
-
-@dataclass(slots=True)
-class StoredBlocks:
-    """Blocks gathered in the format each is stored in; fp16_at / int8_at are positions in the ids asked for."""
-
-    fp16_at: list[int]
-    fp16: torch.Tensor  # [len(fp16_at), 2, H, B, D]
-    int8_at: list[int]
-    int8: Int8Blocks  # len(int8_at) blocks
+from tiers.layout import Int8Blocks
+from tiers.stored import StoredBlocks
 
 
 @dataclass(slots=True)
@@ -49,31 +41,28 @@ class Staged:
 
 
 def gather_as_stored(tiers: TierSet, ids: Sequence[int], device: torch.device) -> StoredBlocks:
-    """The blocks `ids` on `device`, each in the format its tier holds it in, verified."""
+    """The blocks `ids` on `device`, each in the format its tier holds it in, verified: one batch per format
+    (a tier's own when one tier holds all of them)."""
     fp16: list[tuple[list[int], torch.Tensor]] = []
     int8: list[tuple[list[int], Int8Blocks]] = []
     position = {block_id: i for i, block_id in enumerate(ids)}
     for tier, group in tiers.blocks.by_tier(ids).items():
         source = tiers.stack[tier]
-        if hasattr(source, "get_each"):  # a tier holding blocks of both formats: one CPU batch per format
-            each = source.get_each(group)
-            batches = []
-            for is_int8 in (False, True):
-                picked = [(i, b) for i, b in zip(group, each) if isinstance(b, Int8Blocks) == is_int8]
-                if picked:
-                    batches.append(([i for i, _ in picked], concat([b for _, b in picked])))
+        at = [position[i] for i in group]
+        if hasattr(source, "fetch_as_stored"):  # a tier holding blocks of both formats (ssd, saved)
+            got = source.fetch_as_stored(group, device)
+            fp16 += [([at[r] for r in got.fp16_at], got.fp16)] if got.fp16_at else []
+            int8 += [([at[r] for r in got.int8_at], got.int8)] if got.int8_at else []
         else:
-            batches = [(group, source.fetch(group, device))]
-        for block_ids, blocks in batches:
-            (int8 if isinstance(blocks, Int8Blocks) else fp16).append(([position[i] for i in block_ids], blocks))
+            blocks = source.fetch(group, device)
+            (int8 if isinstance(blocks, Int8Blocks) else fp16).append((at, blocks))
     layout = tiers.layout
-    fp16_blocks = torch.cat([b.to(device, non_blocking=True) for _, b in fp16]) if fp16 else \
+    fp16_blocks = fp16[0][1] if len(fp16) == 1 else torch.cat([b for _, b in fp16]) if fp16 else \
         layout.empty_fp16(0, device)
-    int8_blocks = Int8Blocks(*(torch.cat([t.to(device, non_blocking=True) for t in fields])
-                               for fields in zip(*(b.tensors() for _, b in int8)))) if int8 else \
+    int8_blocks = int8[0][1] if len(int8) == 1 else \
+        Int8Blocks(*(torch.cat(fields) for fields in zip(*(b.tensors() for _, b in int8)))) if int8 else \
         layout.empty_int8(0, device)
-    return StoredBlocks([i for at, _ in fp16 for i in at], fp16_blocks, [i for at, _ in int8 for i in at],
-                        int8_blocks)
+    return StoredBlocks([i for at, _ in fp16 for i in at], fp16_blocks, [i for at, _ in int8 for i in at], int8_blocks)
 
 
 def stage(tiers: TierSet, table: LayerTable, selected: torch.Tensor, slots: torch.Tensor,

@@ -46,7 +46,7 @@ class KVStore:
         values = values_store(self.tiers.cold)  # None: the sidecar's cold tier holds no saved contexts
         self.saved = None if values is None else SavedContexts(values, self.tiers, self.contexts.root)
         if values is not None:
-            self.tiers.saved.serve_from(values.get)
+            self.tiers.saved.serve_from(values)
         self.policies: dict[str, Policy] = {name: cls() for name, cls in POLICIES.items()}  # mode -> default policy
 
     # -- sequences ---------------------------------------------------------------------------

@@ -45,7 +45,7 @@ class LayerTable:
 
 
 class TableTensors:
-    """Grows and writes the device tensors of LayerTables (capacity doubles)."""
+    """Grows and writes the device tensors of LayerTables (capacity doubles; a new table has 1/16 to spare)."""
 
     def __init__(self, num_kv_heads: int, head_dim: int, block_tokens: int, device: torch.device) -> None:
         self.num_kv_heads = num_kv_heads
@@ -57,7 +57,9 @@ class TableTensors:
         capacity = 0 if table.summaries is None else table.summaries.shape[0]
         if num_blocks <= capacity:
             return
-        new = max(num_blocks, 2 * capacity, 16)
+        # a table made at its full length (open, fork) gets room to grow, so its first new block does not
+        # reallocate and copy every tensor of a long context
+        new = max(num_blocks, 2 * capacity) if capacity else num_blocks + max(16, num_blocks // 16)
         h, d, dev = self.num_kv_heads, self.head_dim, self.device
         grown = (
             torch.empty((new, 2, h, d), dtype=torch.float16, device=dev),

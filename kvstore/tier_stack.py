@@ -20,7 +20,7 @@ from tiers.base import Tier
 from tiers.cpu import CpuTier
 from tiers.hot import HotTier
 from tiers.layout import BlockLayout
-from tiers.saved import SavedTier
+from tiers.saved import LmdbValues, SavedTier
 from tiers.ssd import SsdTier
 from tiers.warm import WarmTier
 
@@ -81,7 +81,7 @@ def open_tiers(c: Config, layout: BlockLayout, placement: Placement, tempdir: st
         WarmTier(layout, warm_bytes, device, staging_blocks=c.staging_tokens // c.block_tokens),
         CpuTier(layout, c.cpu_bytes, c.cpu_dtype, pin=device.type == "cuda", memory_reserve=c.host_memory_reserve),
         cold,
-        SavedTier(layout, cold.get_values if isinstance(cold, SsdTier) else None),
+        SavedTier(layout, LmdbValues(cold.env) if isinstance(cold, SsdTier) else None),
     ]
 
 

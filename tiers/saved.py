@@ -2,8 +2,9 @@
 the two key-value stores saved contexts live in.
 
 Read-only. `adopt` maps block ids onto stored values (codec format: header, payload,
-checksum) under keys the saver chose; `get` reads and verifies them through `get_values` (the
-values store's `get`); `delete` forgets the mapping and leaves the saved value where it is.
+checksum) under keys the saver chose; `fetch_as_stored` reads and verifies them where they lie in the
+values store (its `view`: LMDB's mapped pages) into one batch per format (tiers/stored.py); `delete`
+forgets the mapping and leaves the saved value where it is.
 Nothing is ever put here: blocks leave (promoted to a GPU tier when selected) and never come back.
 
 Values stores (one protocol: put, put_new, get, view, exists, delete, keys, delete_prefix, sync, commit):
@@ -18,6 +19,7 @@ Values stores (one protocol: put, put_new, get, view, exists, delete, keys, dele
 from __future__ import annotations
 
 import threading
+from functools import partial
 from typing import Callable, Iterator, Sequence, TypeVar
 
 import lmdb
@@ -27,8 +29,8 @@ import torch
 from tiers.base import IntegrityError
 from tiers.codec import Codec
 from tiers.errors import BlockMissingError
-from tiers.layout import BlockLayout, Blocks, concat
-from tiers.quant import one_format
+from tiers.layout import BlockLayout, Blocks
+from tiers.stored import StoredBlocks, decode_as_stored
 
 T = TypeVar("T")
 
@@ -36,20 +38,20 @@ T = TypeVar("T")
 class SavedTier:
     name = "saved"
 
-    def __init__(self, layout: BlockLayout, get_values: Callable[[list[bytes]], list[bytes | None]] | None) -> None:
+    def __init__(self, layout: BlockLayout, source: LmdbValues | RedisValues | None) -> None:
         self.layout = layout
         self.block_bytes = layout.fp16_bytes
-        self.get_values = get_values  # None: the cold tier holds no saved contexts (nothing is ever adopted)
+        self.source = source  # None: the cold tier holds no saved contexts (nothing is ever adopted)
         self.key_of: dict[int, bytes] = {}  # block id -> key of its saved value
         self.integrity_errors = 0
         self._local = threading.local()
 
-    def serve_from(self, get_values: Callable[[list[bytes]], list[bytes | None]]) -> None:
-        """Read adopted values through `get_values` (the saved contexts' values store)."""
-        self.get_values = get_values
+    def serve_from(self, source: LmdbValues | RedisValues) -> None:
+        """Read adopted values from `source` (the saved contexts' values store)."""
+        self.source = source
 
     def adopt(self, ids: Sequence[int], keys: Sequence[bytes]) -> None:
-        if self.get_values is None:
+        if self.source is None:
             raise ValueError("saved tier: this store's cold tier holds no saved contexts")
         clash = [i for i in ids if i in self.key_of]
         if clash or len(ids) != len(keys):
@@ -62,34 +64,36 @@ class SavedTier:
 
     def values(self, ids: Sequence[int]) -> list[bytes | None]:
         """The saved values of adopted blocks as they are stored (None: gone)."""
-        return self.get_values([self.key_of[i] for i in ids])
+        return self.source.get([self.key_of[i] for i in ids])
 
     # -- protocol ------------------------------------------------------------------------
     def put(self, ids: Sequence[int], blocks: Blocks) -> None:
         raise MemoryError("the saved tier is read-only")
 
     def get(self, ids: Sequence[int]) -> Blocks:
-        """Verified blocks, in order; a batch mixing fp16 and int8 blocks comes back fp16 (get_each does not)."""
-        parts = self.get_each(ids)
-        return concat(one_format(parts)) if parts else self.layout.empty_fp16(0, "cpu")
+        """Verified blocks, in order; a batch mixing fp16 and int8 blocks comes back fp16 (unlike fetch_as_stored)."""
+        return self.fetch_as_stored(ids, "cpu").one_format()
 
-    def get_each(self, ids: Sequence[int]) -> list[Blocks]:
-        """Each block as a batch of one, in the format it was saved in (fp16 or int8), verified."""
+    def fetch_as_stored(self, ids: Sequence[int], device: torch.device | str) -> StoredBlocks:
+        """The blocks on `device`, each in the format it was saved in (fp16 or int8), verified where they lie
+        (LMDB: in the mapped pages, one read transaction) and copied once into one batch per format."""
         if not hasattr(self._local, "codec"):
             self._local.codec = Codec()  # decode reads the compression from each value's header
-        values = self.values(ids)
+        return self.source.view([self.key_of[i] for i in ids], partial(self._decode, ids, device))
+
+    def _decode(self, ids: Sequence[int], device: torch.device | str, values: list) -> StoredBlocks:
         missing = [i for i, v in zip(ids, values) if v is None]
         if missing:
             raise BlockMissingError(f"saved tier: the saved values of blocks {missing[:8]} are gone "
                                     "(the context was deleted or replaced after it was opened)")
         try:
-            return [self._local.codec.decode(self.layout, v, f"saved block {i}") for i, v in zip(ids, values)]
+            return decode_as_stored(self._local.codec, self.layout, ids, values, "saved", device)
         except IntegrityError:
             self.integrity_errors += 1
             raise
 
     def fetch(self, ids: Sequence[int], device: torch.device) -> Blocks:
-        return self.get(ids).to(device, non_blocking=True)
+        return self.fetch_as_stored(ids, device).one_format()
 
     def delete(self, ids: Sequence[int]) -> None:
         missing = [i for i in ids if i not in self.key_of]
@@ -120,7 +124,7 @@ class SavedTier:
         return 0
 
     def check_integrity(self) -> None:
-        if self.key_of and None in self.get_values(list(self.key_of.values())):
+        if self.key_of and None in self.source.get(list(self.key_of.values())):
             raise AssertionError("saved tier: an adopted block's saved value is gone")
 
     def close(self) -> None:

@@ -15,11 +15,12 @@ from concurrent.futures import Future
 from typing import Callable, Sequence
 
 import lmdb
+import torch
 
 from tiers.base import BudgetedTier, IntegrityError, check_ids
 from tiers.codec import HEADER_BYTES, Codec
-from tiers.layout import BlockLayout, Blocks, concat, num_blocks
-from tiers.quant import one_format
+from tiers.layout import BlockLayout, Blocks, num_blocks
+from tiers.stored import StoredBlocks, decode_as_stored
 
 _MAX_BATCH = 256  # queued write requests folded into one transaction
 
@@ -86,24 +87,24 @@ class SsdTier(BudgetedTier):
 
     def get(self, ids: Sequence[int]) -> Blocks:
         """Decodes and verifies every block; a batch mixing fp16 and int8 blocks comes back fp16."""
-        parts = self.get_each(ids)
-        return concat(one_format(parts)) if parts else self.layout.empty_fp16(0, "cpu")
+        return self.fetch_as_stored(ids, "cpu").one_format()
 
-    def get_each(self, ids: Sequence[int]) -> list[Blocks]:
-        """Each block as a batch of one, in the format it was stored in (fp16 or int8), verified."""
-        codec = self.codec()
-        try:
-            return [codec.decode(self.layout, v, f"ssd block {i}") for i, v in zip(ids, self._read_checked(ids))]
-        except IntegrityError:
-            self.integrity_errors += 1
-            raise
+    def fetch(self, ids: Sequence[int], device: torch.device) -> Blocks:
+        return self.fetch_as_stored(ids, device).one_format()
 
-    def _read_checked(self, ids: Sequence[int]) -> list[bytes]:
-        values = self.get_values([self.key(i) for i in ids])
-        missing = [i for i, v in zip(ids, values) if v is None]
-        if missing:
-            raise KeyError(f"ssd: blocks not stored: {missing[:8]}")
-        return values
+    def fetch_as_stored(self, ids: Sequence[int], device: torch.device | str) -> StoredBlocks:
+        """The blocks on `device`, each in the format it was stored in (fp16 or int8), verified where they lie in
+        the map (one read transaction) and copied once into one batch per format (tiers/stored.py)."""
+        with self.env.begin(buffers=True) as txn:  # the views are valid until the transaction ends
+            values = [txn.get(self.key(i)) for i in ids]
+            missing = [i for i, v in zip(ids, values) if v is None]
+            if missing:
+                raise KeyError(f"ssd: blocks not stored: {missing[:8]}")
+            try:
+                return decode_as_stored(self.codec(), self.layout, ids, values, "ssd", device)
+            except IntegrityError:
+                self.integrity_errors += 1
+                raise
 
     def delete(self, ids: Sequence[int]) -> None:
         keys = [self.key(i) for i in ids]

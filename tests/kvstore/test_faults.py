@@ -77,10 +77,10 @@ class FaultyTier:
     def fetch(self, ids, device):
         return self.get(ids).to(device)
 
-    def get_each(self, ids):  # what decode staging reads from a tier holding both formats
+    def fetch_as_stored(self, ids, device):  # what decode staging reads from a tier holding both formats
         if self.damage_gets:
             raise IntegrityError("damaged in transit (injected)")
-        return self.inner.get_each(ids)
+        return self.inner.fetch_as_stored(ids, device)
 
 
 def inject(store: KVStore, index: int, error: Exception) -> FaultyTier:

@@ -1,5 +1,5 @@
 """A damaged saved context is refused where it lies (open reads summaries, H2O scores and token ids in
-place in the LMDB map), before the store holds anything of it; the sketch codes when first read."""
+place in the LMDB map), before the store holds anything of it; the sketch codes and blocks when first read."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 
 from kvstore import KVStore
 from tests.kvstore.test_saved import NUM_TOKENS, attend_all, config, filled, query
-from tiers.errors import IntegrityError
+from kvstore.tierset import SAVED_TIER
+from tiers.errors import BlockMissingError, IntegrityError
 
 
 def flip_byte(store: KVStore, value: bytes) -> None:
@@ -70,3 +71,29 @@ def test_an_opened_context_reads_equal_summaries_and_damaged_sketch_codes_fail_o
     store.free(opened)
     store.check_integrity()
     assert store.stats()["blocks"]["stored"] == 0
+
+
+@pytest.mark.parametrize("damage", ["flip", "delete"])
+def test_a_damaged_or_missing_block_fails_the_attend_that_selects_it_and_the_others_still_read(saved, damage):
+    """Blocks are verified one by one where they lie, in the batch a step fetches (tiers/stored.py)."""
+    store, want = saved
+    opened = store.open("doc")
+    index = 40  # a block of layer 1 that stays in the saved tier until selected
+    block = store.sequences[opened][1].block_ids[index]
+    assert store.tiers.blocks.tier_of[block] == SAVED_TIER
+    value = b"b/" + LAYER_1 + index.to_bytes(8, "big")
+    if damage == "flip":
+        flip_byte(store, value)
+    else:
+        with store.saved.values.env.begin(write=True) as txn:
+            save_id = json.loads(txn.get(b"ctx/name/doc"))["save_id"].encode()
+            assert txn.delete(b"ctx/data/" + save_id + b"/" + value)
+    q = query(8)
+    assert torch.equal(store.attend(opened, 0, q, "dense", budget=64), want[0])  # layer 0 reads as before
+    error, match = (IntegrityError, f"saved block {block}: checksum mismatch") if damage == "flip" else \
+        (BlockMissingError, "are gone")
+    with pytest.raises(error, match=match):
+        store.attend(opened, 1, q, "dense", budget=64)
+    assert store.stats()["integrity_errors"] == (damage == "flip")
+    store.free(opened)
+    store.check_integrity()
