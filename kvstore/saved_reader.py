@@ -127,6 +127,7 @@ class SavedReader:
     def _layer(self, name: str, data: bytes, layer: int, entry: dict, chain: list[bytes],
                part_blocks: int) -> SavedLayer:
         n, dropped = entry["num_blocks"], entry["dropped"]
+        self._check_layer(name, layer, entry, len(chain))
         keys = value_keys(data, layer, n, entry["keyed"], chain)
         if dropped:
             gone = set(dropped)
@@ -135,6 +136,16 @@ class SavedReader:
         self.code_readers[codes] = data[len(DATA):-1].decode()
         return SavedLayer(entry["num_tokens"], n, sorted(dropped), keys,
                           partial(self._read_layer, name, data, layer, entry), codes)
+
+    def _check_layer(self, name: str, layer: int, entry: dict, chained: int) -> None:
+        """IntegrityError unless the layer's entry is consistent in itself (checked before the store holds
+        anything of the context): a block count that covers its tokens, dropped blocks in range and unique,
+        content-keyed blocks that the token ids' hash chain reaches."""
+        n, tokens, dropped, keyed = entry["num_blocks"], entry["num_tokens"], entry["dropped"], entry["keyed"]
+        if n != -(-tokens // self.block_tokens) or len(set(dropped)) != len(dropped) or \
+                any(not 0 <= i < n for i in dropped) or not 0 <= keyed <= min(n, chained):
+            raise IntegrityError(f"saved context {name!r}: layer {layer}'s manifest entry is damaged ({n} blocks, "
+                                 f"{tokens} tokens, {len(dropped)} dropped, {keyed} content-keyed)")
 
     def _read_layer(self, name: str, data: bytes, layer: int, entry: dict, summaries: torch.Tensor,
                     scores: torch.Tensor) -> None:
@@ -171,20 +182,18 @@ def _copy_verified(what: str, digests: list[int], out: torch.Tensor | None, valu
     if any(v is None for v in values):
         raise BlockMissingError(f"{what} are gone (deleted or replaced after it was opened, or evicted by Redis's "
                                 "maxmemory policy)")
-    size = sum(len(v) for v in values) if out is None else out.numel() * out.element_size()
+    total = sum(len(v) for v in values)
+    size = total if out is None else out.numel() * out.element_size()
+    if total != size:  # more values than the geometry needs, or fewer: the manifest and the data disagree
+        raise IntegrityError(f"{what} are damaged ({total} bytes where the manifest's geometry needs {size})")
     dst = torch.empty(size, dtype=torch.uint8) if out is None else out.view(-1).view(torch.uint8)
     host = dst if dst.device.type == "cpu" else torch.empty(size, dtype=torch.uint8, pin_memory=True)
     into, pos = host.numpy(), 0
     for value, want in zip(values, digests):
         if xxhash.xxh3_64_intdigest(value) != want:
             raise IntegrityError(f"{what} are damaged (checksum mismatch)")
-        if pos + len(value) > size:
-            break
         into[pos: pos + len(value)] = np.frombuffer(value, dtype=np.uint8)
         pos += len(value)
-    if pos != size:
-        raise IntegrityError(f"{what} are damaged ({sum(len(v) for v in values)} bytes where the manifest's "
-                             f"geometry needs {size})")
     if host is not dst:
         dst.copy_(host, non_blocking=True)
     return dst

@@ -49,13 +49,29 @@ def test_a_damaged_summary_score_or_token_value_refuses_the_open_and_the_store_h
     store.check_integrity()
 
 
-def test_a_manifest_whose_geometry_disagrees_with_its_values_is_refused(saved):
+def shorter_by_one_block(layer: dict, block_tokens: int) -> None:
+    """A consistent entry one block shorter than the values it names: its summaries hold one row too many."""
+    layer["num_blocks"] -= 1
+    layer["num_tokens"] -= block_tokens
+    layer["dropped"] = [i for i in layer["dropped"] if i < layer["num_blocks"]]
+    layer["keyed"] = min(layer["keyed"], layer["num_blocks"])
+
+
+@pytest.mark.parametrize("damage, message", [
+    (shorter_by_one_block, "layer 0's summaries are damaged .* bytes where"),
+    (lambda layer, _: layer.update(num_blocks=layer["num_blocks"] - 1), "layer 0's manifest entry is damaged"),
+    (lambda layer, _: layer.update(dropped=[layer["num_blocks"]]), "layer 0's manifest entry is damaged"),
+    (lambda layer, _: layer.update(dropped=[3, 3]), "layer 0's manifest entry is damaged"),
+])
+def test_a_manifest_whose_geometry_disagrees_with_its_values_is_refused(saved, damage, message):
+    """Refused before the store holds anything: a block count that does not cover the tokens, dropped blocks out
+    of range or repeated, or summaries with more (or fewer) bytes than the entry's blocks need."""
     store, _ = saved
     with store.saved.values.env.begin(write=True) as txn:
         manifest = json.loads(txn.get(b"ctx/name/doc"))
-        manifest["layers"][0]["num_blocks"] -= 1  # the summaries hold one row more than the manifest says
+        damage(manifest["layers"][0], store.config.block_tokens)
         txn.put(b"ctx/name/doc", json.dumps(manifest).encode())
-    with pytest.raises(IntegrityError, match="layer 0's summaries are damaged .* bytes where"):
+    with pytest.raises(IntegrityError, match=message):
         store.open("doc")
     assert not store.sequences and store.stats()["blocks"]["stored"] == 0
     store.check_integrity()
