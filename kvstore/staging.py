@@ -1,15 +1,19 @@
 """Staging: the cold blocks a decode step selected, fetched for that step in the format they are stored in.
 
-A block attends bit for bit the same whichever tier it is read from, so a sequence decodes the same
-tokens whether its blocks sit in the GPU pools, were cooled to cpu or ssd, or were saved and opened in
-another process (kvstore/saved.py):
+A block attends bit for bit the same whichever tier it is read from while it keeps its format, so a
+sequence decodes the same tokens whether its blocks sit in the GPU pools, were cooled to cpu or ssd, or
+were saved and opened in another process (kvstore/saved.py). Two moves change a block's format: a warm
+int8 block cooling into an fp16 cpu tier is dequantized, and an fp16 cold block fetched PROMOTE_AFTER
+times (decode.py) is quantized into the warm tier; with cpu_dtype="int8" (the h200 preset) neither
+happens to a value the kernel reads, otherwise a reopened sequence, whose fetch counts start at zero,
+may promote at other steps than the writer would have.
   - an fp16 block (hot, or held fp16 by a cold tier) is read by the kernel's fp16 path, an int8 block
     (warm, or held int8 by cpu, ssd or a save) by its int8 path: cold blocks are staged in the format
     their tier holds, fp16 ones into the hot pool's staging rows, int8 ones into the warm pool's;
   - more selected cold blocks than staging rows: the step attends over temporary pools of every
     selected block, again one pool per format;
-  - the kernel always gets both pools (empty only when the config has no warm pool at all), so which
-    build and walk it runs never depends on where the step's blocks happen to be.
+  - the kernel always gets both pools (the warm one always has its staging rows), so which build and walk
+    it runs never depends on where the step's blocks happen to be.
 The ssd and saved tiers report each block's own format (`fetch_as_stored`: verified where the values lie,
 one batch per format, one host-to-device copy); the sidecar and redis tiers hand a batch mixing fp16 and
 int8 back as fp16.
