@@ -320,3 +320,32 @@ def test_a_failed_save_leaves_nothing_and_the_earlier_save_intact(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(attend_all(store, store.open("doc"), q), want))
     store.check_integrity()
     store.close()
+
+
+def continue_decoding(store: KVStore, seq: int, steps: int) -> list[torch.Tensor]:
+    """`steps` more tokens (K/V appended to every layer, id recorded), attending after each."""
+    outs = []
+    for step in range(steps):
+        store.extend_tokens(seq, [500 + step])
+        for layer in range(SPEC.num_layers):
+            store.append(seq, layer, *kv(1, seed=1000 + 10 * step + layer))
+        outs += attend_all(store, seq, query(100 + step))
+    return outs
+
+
+def test_an_opened_context_decodes_step_after_step_what_the_writer_did(tmp_path):
+    """Beyond the first step: the writer had fetched and promoted blocks before it saved, the reader starts with no
+    fetch history, so they promote and stage at other steps; with cold tiers holding int8 (no block changes format)
+    their outputs stay bit-equal token after token, blocks cooling out of the windows included."""
+    path = tmp_path / "ssd"
+    with KVStore(opened_config(path, 64)) as writer:
+        seq = filled(writer, NUM_TOKENS, seed=5)
+        for _ in range(3):
+            attend_all(writer, seq, query(9))  # fetch history: repeatedly selected cold blocks are promoted
+        assert writer.stats()["attend"]["promotions"] > 0
+        writer.save(seq, "doc")
+        want = continue_decoding(writer, seq, 40)  # 5 blocks of new tokens: blocks leave the hot window
+    with KVStore(opened_config(path, 64)) as reader:
+        got = continue_decoding(reader, reader.open("doc"), 40)
+        assert reader.stats()["attend"]["cold_blocks_fetched"] > 0
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
