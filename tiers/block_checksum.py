@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tiers.block_rows import normal_device
+
 _BLOCK = 2048  # 32-bit words per loop step of a program (8 KiB in flight)
 _K = 0x5851F42D4C957F2D  # odd
 
@@ -81,9 +83,7 @@ def block_sums(fields: Sequence[torch.Tensor], rows: torch.Tensor | None = None,
     data, k_scale, v_scale), each row a whole number of 32-bit words, on `device` or in pinned host
     memory that the device reads itself. `device` defaults to that of rows, else of fields[0]."""
     words = _checked_words(fields)
-    device = torch.device(device) if device is not None else rows.device if rows is not None else fields[0].device
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = normal_device(device if device is not None else rows.device if rows is not None else fields[0].device)
     for i, w in enumerate(words):
         if w.device != device and not (w.device.type == "cpu" and device.type == "cuda" and w.is_pinned()):
             raise ValueError(f"fields[{i}]: expected on {device} or pinned host memory, "

@@ -29,7 +29,8 @@ import xxhash
 
 from tiers.base import IntegrityError, PooledTier, SlotPool, block_checksums, check_ids
 from tiers.block_checksum import block_sums
-from tiers.block_rows import byte_rows, copy_rows, device_of, fields, int32_words, row_slice, to_device
+from tiers.block_rows import (byte_rows, copy_rows, device_of, fields, host_int64, int32_words, normal_device,
+                               row_slice, to_device)
 from tiers.fetch_kernel import SlabTable, gather_slab_rows, slab_table
 from tiers.layout import BlockLayout, Blocks, Int8Blocks
 from tiers.quant import dequantize, quantize
@@ -145,7 +146,7 @@ class CpuTier(PooledTier):
         itself, every slab and field in one launch, and (block sums) sums them in the same launch and
         compares the sums on the device, or (xxh3) worker threads check the stored rows meanwhile.
         Damaged blocks raise: nothing is returned."""
-        device = _normal(torch.device(device))
+        device = normal_device(device)
         if self.sum_device is not None and device == self.sum_device:
             out = self._empty(len(ids), device)
             slots = _slot_tensor(self.slots.lookup(ids), device)
@@ -195,7 +196,7 @@ class CpuTier(PooledTier):
     def _plan(self, slots: list[int]) -> tuple[torch.Tensor, list[tuple[int, slice]]]:
         """index int64 [3, n]: row 0 the slot of each batch position; rows 1 and 2 the row in its slab and
         the batch position, grouped by slab; and [(slab, its columns of rows 1 and 2)]."""
-        slot = _int64(slots)
+        slot = host_int64(slots)
         slab_of = slot // self.slab_blocks
         order = torch.argsort(slab_of, stable=True)
         index = torch.stack([slot, slot[order] % self.slab_blocks, order])
@@ -299,20 +300,9 @@ def _sum_device(checksums: str, pin: bool) -> torch.device | None:
         raise ValueError(f"cpu tier: checksums: expected a cpu or cuda device, got {device}")
     if device.type == "cuda" and not (pin and torch.cuda.is_available()):
         raise ValueError(f"cpu tier: checksums on {device} need CUDA and pinned slabs (pin=True)")
-    return _normal(device)
+    return normal_device(device)
 
 
 def _slot_tensor(slots: list[int], device: torch.device) -> torch.Tensor:
     """Slots as int64 [n] on `device`, queued without a host sync."""
-    return to_device(_int64(slots), device)
-
-
-def _int64(values: list[int]) -> torch.Tensor:
-    """int64 [n] on the host, through numpy: torch.tensor of a list of 2,000 ints takes ~4x as long."""
-    return torch.from_numpy(np.fromiter(values, dtype=np.int64, count=len(values)))
-
-
-def _normal(device: torch.device) -> torch.device:
-    """cuda -> cuda:<current>, so that devices compare equal however they were named."""
-    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None \
-        else device
+    return to_device(host_int64(slots), device)

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from tiers.block_checksum import block_sums_ref, multipliers
+from tiers.block_rows import normal_device
 
 _BLOCK = 2048  # 32-bit words per program: 8 KiB in flight per program
 
@@ -152,9 +153,7 @@ class SlabTable:
 def slab_table(slabs: Sequence[Sequence[torch.Tensor]], device: torch.device | str) -> SlabTable:
     """The SlabTable of `slabs` (at least one; each 1 to 3 contiguous int32 [slab_rows, words] fields, the
     same shapes in every slab, 16-byte aligned) for `device`; one tiny launch per field."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = normal_device(device)
     if not slabs or not 1 <= len(slabs[0]) <= 3:
         raise ValueError(f"slabs: expected at least one slab of 1 to 3 fields, got {len(slabs)} slabs")
     shapes = [tuple(f.shape) for f in slabs[0]]
