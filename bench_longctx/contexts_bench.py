@@ -46,6 +46,7 @@ from kvstore.store import KVStore
 BLOCK_TOKENS = 32
 CHUNK = 8192
 VOCAB = 32000
+NEXT_TOKENS = 4  # decoded and timed after the first one in the new process
 MODES = ("topk", "sketch", "dense")  # topk: min/max summaries (Quest); sketch: the 4-bit key sketch (eviction/)
 PRESETS = {  # the cpu preset is what CI runs (tests/bench_longctx); h200 keeps 1M on a 235 GiB disk
     "cpu": dict(geometry="smollm2-135m", layers=4, contexts="8K,32K", open_tokens="32K", fork_tokens="32K",
@@ -189,10 +190,16 @@ def open_in_this_process(args: argparse.Namespace) -> None:
             logits, token_s = first_token(dec, seq, args.last, args)
         if profiler is not None:
             pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
+        fetched = store.stats()["attend"]["cold_blocks_fetched"]
+        next_s, token = [], int(logits.argmax())
+        for _ in range(NEXT_TOKENS):  # the steps after: promotions of blocks fetched twice, then steady state
+            out, seconds = first_token(dec, seq, token, args)
+            next_s.append(seconds)
+            token = int(out.argmax())
         result = {"store_init_s": init_s, "model_init_s": model_s, "process_warm_up_s": warm_s, "open_s": open_s,
                   "open_read_bytes": open_bytes, "first_token_s": token_s, "open_to_first_token_s": open_s + token_s,
-                  "blocks_read_for_first_token": store.stats()["attend"]["cold_blocks_fetched"],
-                  "logits": logits.tolist()}
+                  "blocks_read_for_first_token": fetched, "next_tokens_s": next_s,
+                  "promotions_in_next_tokens": store.stats()["attend"]["promotions"], "logits": logits.tolist()}
     Path(args.out).write_text(json.dumps(result))
 
 
@@ -247,7 +254,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{opened['token_equal']}, max |logit diff| {opened['max_abs_logit_diff']:.2e}")
         warm = opened["warmed_up_process"]
         print(f"  after a warm-up step ({warm['process_warm_up_s']:.2f} s): open {warm['open_s']:.2f} s + first "
-              f"token {warm['first_token_s']:.2f} s; token equal {warm['token_equal']}")
+              f"token {warm['first_token_s']:.2f} s; token equal {warm['token_equal']}; next tokens "
+              f"{', '.join(f'{t:.2f}' for t in warm['next_tokens_s'])} s")
         forks = run_forks(args, parse_tokens(args.fork_tokens), directory) if args.fork_tokens != "0" else None
         if forks:
             print(f"10 forks of {forks['prefix_tokens']} tokens: {forks['blocks_ratio']:.4f}x blocks, "
