@@ -13,7 +13,8 @@ Random K/V of a named geometry with token ids recorded, the store's windows (hot
                that decodes one token with a random-weight Llama of the geometry (topk, the
                default): seconds to open and to the first token, and its logits against the
                never-saved sequence's in the writer; twice: a cold process, then one that first ran a
-               step over a throwaway sequence (kernels loaded, CUDA initialised: a serving process)
+               step over a throwaway sequence (kernels loaded, CUDA initialised: a serving process) and,
+               after its first token, loads the whole context (store.load); each decodes 4 more tokens
   forks        10 sequences forked from one --fork-tokens prefix: blocks and bytes stored against
                the prefix alone (~1x: full blocks shared, one partial tail copied per fork); 0 skips it
 """
@@ -191,6 +192,7 @@ def open_in_this_process(args: argparse.Namespace) -> None:
         if profiler is not None:
             pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
         fetched = store.stats()["attend"]["cold_blocks_fetched"]
+        loaded, load_s = timed(lambda: store.load(seq), args.device) if args.warm_up else (0, 0.0)
         next_s, token = [], int(logits.argmax())
         for _ in range(NEXT_TOKENS):  # the steps after: promotions of blocks fetched twice, then steady state
             out, seconds = first_token(dec, seq, token, args)
@@ -198,7 +200,8 @@ def open_in_this_process(args: argparse.Namespace) -> None:
             token = int(out.argmax())
         result = {"store_init_s": init_s, "model_init_s": model_s, "process_warm_up_s": warm_s, "open_s": open_s,
                   "open_read_bytes": open_bytes, "first_token_s": token_s, "open_to_first_token_s": open_s + token_s,
-                  "blocks_read_for_first_token": fetched, "next_tokens_s": next_s,
+                  "blocks_read_for_first_token": fetched, "blocks_loaded_after_first_token": loaded,
+                  "load_s": load_s, "next_tokens_s": next_s,
                   "promotions_in_next_tokens": store.stats()["attend"]["promotions"], "logits": logits.tolist()}
     Path(args.out).write_text(json.dumps(result))
 
@@ -228,7 +231,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default=None)
     parser.add_argument("--path", default=None)
     parser.add_argument("--last", type=int, default=0)
-    parser.add_argument("--warm-up", action="store_true")  # the child: one step on a throwaway sequence first
+    # the child: one step on a throwaway sequence first, and store.load of the whole context after its first token
+    parser.add_argument("--warm-up", action="store_true")
     parser.add_argument("--profile", type=int, default=0)  # N: each child prints cProfile's top N of its first token
     args = parser.parse_args(argv)
     for name, value in PRESETS[args.preset].items():
@@ -254,8 +258,10 @@ def main(argv: list[str] | None = None) -> None:
               f"{opened['token_equal']}, max |logit diff| {opened['max_abs_logit_diff']:.2e}")
         warm = opened["warmed_up_process"]
         print(f"  after a warm-up step ({warm['process_warm_up_s']:.2f} s): open {warm['open_s']:.2f} s + first "
-              f"token {warm['first_token_s']:.2f} s; token equal {warm['token_equal']}; next tokens "
-              f"{', '.join(f'{t:.2f}' for t in warm['next_tokens_s'])} s")
+              f"token {warm['first_token_s']:.2f} s; token equal {warm['token_equal']}; store.load "
+              f"{warm['blocks_loaded_after_first_token']} blocks {warm['load_s']:.2f} s; next tokens "
+              f"{', '.join(f'{t:.2f}' for t in warm['next_tokens_s'])} s (without load: "
+              f"{', '.join(f'{t:.2f}' for t in opened['next_tokens_s'])} s)")
         forks = run_forks(args, parse_tokens(args.fork_tokens), directory) if args.fork_tokens != "0" else None
         if forks:
             print(f"10 forks of {forks['prefix_tokens']} tokens: {forks['blocks_ratio']:.4f}x blocks, "

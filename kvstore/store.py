@@ -101,6 +101,24 @@ class KVStore:
         tail load now. Outputs equal the saved sequence's."""
         return self.contexts.start_saved(self._saved_contexts().load(name))
 
+    def load(self, seq: int, max_blocks: int | None = None) -> int:
+        """Move up to `max_blocks` (default: all) of an opened sequence's blocks that are still read from its
+        save into the tiers their positions belong in (the hot and warm windows on the GPU, the rest in cpu),
+        newest first, into free room only (no other block cools for them; what does not fit stays in the
+        save). Call it between decode steps with a few thousand blocks at a time to load an opened context in
+        the background of decoding: a sequence whose blocks are all on the GPU decodes through the captured
+        step. Returns how many blocks moved (0: nothing left to load, or no room)."""
+        self.table(seq, 0)
+        if max_blocks is not None and (isinstance(max_blocks, bool) or not isinstance(max_blocks, int)
+                                       or max_blocks < 0):
+            raise ValueError(f"max_blocks must be an int >= 0 or None, got {max_blocks!r}")
+        moved, left = 0, float("inf") if max_blocks is None else max_blocks
+        for table in self.sequences[seq]:
+            if moved >= left:
+                break
+            moved += self.tiers.load_saved(table, int(min(left - moved, table.num_blocks)))
+        return moved
+
     def saved_contexts(self) -> list[str]:
         """Names of the contexts saved at this store's ssd_path (or in its Redis)."""
         return self._saved_contexts().names()

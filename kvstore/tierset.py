@@ -145,6 +145,29 @@ class TierSet:
                     moved += len(group)
         return moved
 
+    def load_saved(self, table: LayerTable, limit: int) -> int:
+        """Move up to `limit` of `table`'s blocks that an opened context left in the saved tier into the tier
+        their position belongs in (hot or warm window, else cpu), newest first and into free room only: no
+        block cools to make room, and what does not fit stays saved (still read when selected). Returns how
+        many moved."""
+        n = table.num_blocks
+        saved = torch.nonzero(table.tier_map[:n] == SAVED_TIER).flatten().tolist() if n else []  # one sync
+        wanted: dict[int, list[int]] = {}
+        for index in reversed(saved[-limit:] if limit < len(saved) else saved):
+            wanted.setdefault(self.first_tier(index, table.num_tokens), []).append(table.block_ids[index])
+        moved = 0
+        for dst, ids in sorted(wanted.items()):
+            group = ids[:min(limit - moved, self.stack[dst].free_blocks())]
+            if not group:
+                continue
+            with self._moving(group):
+                try:
+                    self.move(group, SAVED_TIER, dst, coldest=dst)
+                except CapacityError:  # the tier's own budget (bytes, host memory) refused: they stay saved
+                    continue
+            moved += len(group)
+        return moved
+
     def cool(self, table: LayerTable, old_tokens: int, new_tokens: int | None = None) -> None:
         """Demote blocks of `table` that left the hot or warm window as it grew from `old_tokens` to
         `new_tokens` (default: its length now; a captured step cools just before its token lands).
