@@ -149,11 +149,14 @@ class TierSet:
         """Move up to `limit` of `table`'s blocks that an opened context left in the saved tier into the tier
         their position belongs in (hot or warm window, else cpu), newest first and into free room only: no
         block cools to make room, and what does not fit stays saved (still read when selected). Returns how
-        many moved."""
+        many moved. A damaged or missing saved block raises (IntegrityError, BlockMissingError) and its group
+        stays where it was."""
         n = table.num_blocks
-        saved = torch.nonzero(table.tier_map[:n] == SAVED_TIER).flatten().tolist() if n else []  # one sync
+        if limit <= 0 or not n:
+            return 0
+        saved = torch.nonzero(table.tier_map[:n] == SAVED_TIER).flatten().tolist()  # one sync
         wanted: dict[int, list[int]] = {}
-        for index in reversed(saved[-limit:] if limit < len(saved) else saved):
+        for index in reversed(saved[-limit:]):
             wanted.setdefault(self.first_tier(index, table.num_tokens), []).append(table.block_ids[index])
         moved = 0
         for dst, ids in sorted(wanted.items()):
