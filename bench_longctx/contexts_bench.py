@@ -163,7 +163,7 @@ def run_new_process(args: argparse.Namespace, context: int, directory: str) -> d
         [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
          ("geometry", "layers", "device", "gpu_bytes", "cpu_bytes", "ssd_bytes")]
     children = {}
-    for name, extra in (("cold", []), ("warmed_up", ["--warm-up"])):  # the second reads a page cache the first warmed
+    for name, extra in (("cold", []), ("warmed_up", ["--warm-up", "--load"])):  # the second reads a page cache the first warmed
         started = time.perf_counter()
         subprocess.run(argv + extra, check=True, cwd=Path(__file__).resolve().parents[1])
         child = json.loads(out.read_text())
@@ -192,7 +192,7 @@ def open_in_this_process(args: argparse.Namespace) -> None:
         if profiler is not None:
             pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
         fetched = store.stats()["attend"]["cold_blocks_fetched"]
-        loaded, load_s = timed(lambda: store.load(seq), args.device) if args.warm_up else (0, 0.0)
+        loaded, load_s = timed(lambda: store.load(seq), args.device) if args.load else (0, 0.0)
         next_s, token = [], int(logits.argmax())
         for _ in range(NEXT_TOKENS):  # the steps after: promotions of blocks fetched twice, then steady state
             out, seconds = first_token(dec, seq, token, args)
@@ -231,8 +231,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default=None)
     parser.add_argument("--path", default=None)
     parser.add_argument("--last", type=int, default=0)
-    # the child: one step on a throwaway sequence first, and store.load of the whole context after its first token
-    parser.add_argument("--warm-up", action="store_true")
+    parser.add_argument("--warm-up", action="store_true")  # the child: one step on a throwaway sequence first
+    parser.add_argument("--load", action="store_true")  # the child: store.load of the context after its first token
     parser.add_argument("--profile", type=int, default=0)  # N: each child prints cProfile's top N of its first token
     args = parser.parse_args(argv)
     for name, value in PRESETS[args.preset].items():
