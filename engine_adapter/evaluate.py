@@ -52,20 +52,23 @@ def read_passkey(text: str) -> str | None:
     return found.group(0) if found else None
 
 
-def passkey_by_mode(decoder: Decoder, tokenizer: Tokenizer, prompt_ids: list[int], modes: dict[str, int],
-                    max_new_tokens: int = 6, chunk_tokens: int = 512) -> dict[str, str | None]:
-    """Prefill once, then answer under each mode -> budget; returns mode -> passkey read (or None)."""
+def passkey_by_mode(decoder: Decoder, tokenizer: Tokenizer, prompt_ids: list[int],
+                    modes: dict[str, int | tuple[str, int]], max_new_tokens: int = 6,
+                    chunk_tokens: int = 512) -> dict[str, str | None]:
+    """Prefill once, then answer under each mode -> budget (or label -> (mode, budget), to run one mode at
+    several budgets); returns mode (label) -> passkey read (or None)."""
     base = decoder.store.create_sequence()
     try:
         logits = decoder.prefill(base, prompt_ids, chunk_tokens)
         answers = {}
-        for mode, budget in modes.items():
+        for label, run in modes.items():
+            mode, budget = run if isinstance(run, tuple) else (label, run)
             seq = decoder.fork(base)
             try:
                 ids = decoder.continue_greedy(seq, logits, max_new_tokens, mode, budget)
             finally:
                 decoder.free(seq)
-            answers[mode] = read_passkey(tokenizer.decode(ids))
+            answers[label] = read_passkey(tokenizer.decode(ids))
         return answers
     finally:
         decoder.free(base)
