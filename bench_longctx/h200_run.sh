@@ -36,3 +36,12 @@ if [ "$step" = all ] || [ "$step" = sketch ]; then
   timeout 500 python3 -c "from kvstore.cli import main; raise SystemExit(main())" bench quality --preset h200 \
     --no-plots --out "$out/quality-h200" 2>&1 | tail -40
 fi
+if [ "$step" = all ] || [ "$step" = contexts ]; then
+  # issue 12: save, then open in a new process (cold, then warmed up + store.load) and decode; 512K fits a 64 GiB
+  # disk (37 GB saved), 1M needs ~80 GB free (--open-tokens 1M)
+  timeout 400 python3 -m bench_longctx.contexts_bench --preset h200 --open-tokens 512K --fork-tokens 0 \
+    --out "$out/contexts_h200.json" 2>&1 | tail -4
+fi
+if [ "$step" = all ] || [ "$step" = fetch ]; then
+  timeout 120 python3 -m bench_longctx.fetch_bench --out "$out/fetch_h200.json" 2>&1 | tail -4  # issue 10
+fi
