@@ -16,7 +16,7 @@ import os
 import socket
 import uuid
 from functools import partial
-from typing import Callable
+from typing import Callable, Sequence
 
 import lmdb
 import numpy as np
@@ -26,9 +26,10 @@ import xxhash
 from kvstore.saved_reader import DATA, MANIFEST, PENDING, VERSION, SavedContext, SavedReader, Values, check_name, \
     value_keys
 from kvstore.table import DROPPED, LayerTable
-from kvstore.tierset import TierSet
+from kvstore.tierset import COLD_TIER, SAVED_TIER, TierSet
 from tiers.base import Tier
-from tiers.errors import CapacityError
+from tiers.codec import Codec
+from tiers.errors import BlockMissingError, CapacityError
 from tiers.keys import chain_hashes
 from tiers.saved import LmdbValues, RedisValues
 from tiers.ssd import SsdTier
@@ -125,6 +126,24 @@ class SavedContexts:
                 "geometry": [self.num_kv_heads, self.head_dim, self.block_tokens], "part_blocks": self.part_blocks,
                 "tokens_xxh3": None if tokens is None else xxhash.xxh3_64_intdigest(tokens)}
 
+    def stored_values(self, ids: Sequence[int]) -> list[bytes]:
+        """Each block as one stored value (tiers/codec.py), in its tier's format (fp16 or int8): values the
+        saved tier or an ssd cold tier hold are handed over as they are, the others encoded."""
+        values: dict[int, bytes] = {}
+        for tier, group in self.tiers.blocks.by_tier(ids).items():
+            if tier == SAVED_TIER:
+                got = self.tiers.saved.values(group)
+            elif tier == COLD_TIER and isinstance(self.tiers.cold, SsdTier):
+                got = self.tiers.cold.get_values([self.tiers.cold.key(i) for i in group])
+            else:
+                blocks = self.tiers.stack[tier].get(group).to("cpu")
+                codec = Codec(*getattr(self.tiers.cold, "codec_args", ("zstd", 1)))
+                got = [codec.encode(self.tiers.layout, blocks, row) for row in range(len(group))]
+            if any(v is None for v in got):
+                raise BlockMissingError(f"{self.tiers.stack[tier].name}: a block to save is gone")
+            values.update(zip(group, got))
+        return [values[i] for i in ids]
+
     def _write_blocks(self, table: LayerTable, batch: list[int], keys: list[bytes], keyed: int) -> None:
         """One batch of a layer's blocks; a content-keyed block already stored is not written again."""
         keyed_rows = [i for i in batch if i < keyed]
@@ -132,7 +151,7 @@ class SavedContexts:
         if keyed_rows:
             held = {i for i, there in zip(keyed_rows, self.values.exists([keys[i] for i in keyed_rows])) if there}
         todo = [i for i in batch if i not in held]
-        values = self.tiers.stored_values([table.block_ids[i] for i in todo]) if todo else []
+        values = self.stored_values([table.block_ids[i] for i in todo]) if todo else []
         self.values.put_new([(keys[i], v) for i, v in zip(todo, values) if i < keyed])
         self.values.put([(keys[i], v) for i, v in zip(todo, values) if i >= keyed])
 

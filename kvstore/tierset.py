@@ -26,11 +26,9 @@ from kvstore.registry import BlockRegistry
 from kvstore.table import DROPPED, LayerTable, TableTensors
 from kvstore.tier_stack import COLD_TIER, CPU_TIER, HOT_TIER, SAVED_TIER, WARM_TIER, TierStack
 from tiers.base import device_ints
-from tiers.codec import Codec
-from tiers.errors import BlockMissingError, CapacityError
+from tiers.errors import CapacityError
 from tiers.layout import BlockLayout, Blocks, Int8Blocks
 from tiers.quant import dequantize
-from tiers.ssd import SsdTier
 
 __all__ = ["COLD_TIER", "CPU_TIER", "HOT_TIER", "SAVED_TIER", "WARM_TIER", "TierSet"]  # indices: tier_stack.py
 _FIRST_TIER = {HOT: HOT_TIER, WARM: WARM_TIER, COLD: CPU_TIER}
@@ -216,24 +214,6 @@ class TierSet:
                 blocks = dequantize(blocks)
             out[device_ints([position[i] for i in group], device)] = blocks
         return out
-
-    def stored_values(self, ids: Sequence[int]) -> list[bytes]:
-        """Each block as one stored value (tiers/codec.py), in its tier's format (fp16 or int8): values the
-        saved tier or an ssd cold tier hold are handed over as they are, the others encoded."""
-        values: dict[int, bytes] = {}
-        for tier, group in self.blocks.by_tier(ids).items():
-            if tier == SAVED_TIER:
-                got = self.saved.values(group)
-            elif tier == COLD_TIER and isinstance(self.cold, SsdTier):
-                got = self.cold.get_values([self.cold.key(i) for i in group])
-            else:
-                blocks = self.stack[tier].get(group).to("cpu")
-                codec = Codec(*getattr(self.cold, "codec_args", ("zstd", 1)))
-                got = [codec.encode(self.layout, blocks, row) for row in range(len(group))]
-            if any(v is None for v in got):
-                raise BlockMissingError(f"{self.stack[tier].name}: a block to save is gone")
-            values.update(zip(group, got))
-        return [values[i] for i in ids]
 
     def delete(self, ids: Sequence[int]) -> None:
         for tier, group in self.blocks.by_tier(ids).items():

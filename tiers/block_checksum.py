@@ -145,3 +145,19 @@ def block_sums_ref(fields: Sequence[torch.Tensor], rows: torch.Tensor | None = N
     s2 = (w * multipliers(w.shape[1], torch.device("cpu"))).sum(dim=1)  # wraps mod 2^64
     out = torch.stack([w.sum(dim=1), s2], dim=1)
     return out if rows is None else out.to(rows.device)
+
+
+def sum_device(checksums: str, pin: bool) -> torch.device | None:
+    """The device computing the cpu tier's block sums for `checksums` ("auto", "host" or a device), None for
+    xxh3 on the host; pin: whether the tier's slabs are pinned (a GPU reads them itself)."""
+    if checksums == "host" or (checksums == "auto" and not (pin and torch.cuda.is_available())):
+        return None
+    try:
+        device = torch.device("cuda" if checksums == "auto" else checksums)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"cpu tier: checksums: expected 'auto', 'host' or a device, got {checksums!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"cpu tier: checksums: expected a cpu or cuda device, got {device}")
+    if device.type == "cuda" and not (pin and torch.cuda.is_available()):
+        raise ValueError(f"cpu tier: checksums on {device} need CUDA and pinned slabs (pin=True)")
+    return normal_device(device)

@@ -28,7 +28,7 @@ import torch
 import xxhash
 
 from tiers.base import IntegrityError, PooledTier, SlotPool, block_checksums, check_ids
-from tiers.block_checksum import block_sums
+from tiers.block_checksum import block_sums, sum_device
 from tiers.block_rows import (byte_rows, copy_rows, device_of, fields, host_int64, int32_words, normal_device,
                                row_slice, to_device)
 from tiers.fetch_kernel import SlabTable, gather_slab_rows, slab_table
@@ -53,7 +53,7 @@ class CpuTier(PooledTier):
         self.block_bytes = layout.bytes_for(dtype)
         self.device = torch.device("cpu")
         self.pin = torch.cuda.is_available() if pin is None else pin
-        self.sum_device = _sum_device(checksums, self.pin)  # None: xxh3 on the host
+        self.sum_device = sum_device(checksums, self.pin)  # None: xxh3 on the host
         self.memory_reserve = memory_reserve
         self.slots = SlotPool(self.name, capacity_bytes // self.block_bytes)
         self.slab_blocks = max(1, min(self.slots.num_slots, _SLAB_BYTES // self.block_bytes))
@@ -286,21 +286,6 @@ class CpuTier(PooledTier):
         if self.dtype == "int8" and not isinstance(blocks, Int8Blocks):
             return quantize(blocks)
         return blocks
-
-
-def _sum_device(checksums: str, pin: bool) -> torch.device | None:
-    """The device computing block sums for `checksums` ("auto", "host" or a device), None for xxh3."""
-    if checksums == "host" or (checksums == "auto" and not (pin and torch.cuda.is_available())):
-        return None
-    try:
-        device = torch.device("cuda" if checksums == "auto" else checksums)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"cpu tier: checksums: expected 'auto', 'host' or a device, got {checksums!r}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"cpu tier: checksums: expected a cpu or cuda device, got {device}")
-    if device.type == "cuda" and not (pin and torch.cuda.is_available()):
-        raise ValueError(f"cpu tier: checksums on {device} need CUDA and pinned slabs (pin=True)")
-    return normal_device(device)
 
 
 def _slot_tensor(slots: list[int], device: torch.device) -> torch.Tensor:

@@ -100,7 +100,7 @@ def test_repeated_re_saves_keep_the_saved_area_bounded_and_free_leaves_nothing(m
     store.attend(fork, 1, query(9), "sketch", budget=64)  # the first save is still there for the fork
     grown = store.open("doc")
 
-    encode, calls = store.tiers.stored_values, []
+    encode, calls = store.saved.stored_values, []
 
     def failing(ids):
         calls.append(ids)
@@ -108,11 +108,11 @@ def test_repeated_re_saves_keep_the_saved_area_bounded_and_free_leaves_nothing(m
             raise OSError("disk went away")
         return encode(ids)
 
-    store.tiers.stored_values = failing  # a failed re-save changes nothing
+    store.saved.stored_values = failing  # a failed re-save changes nothing
     before = saved_area(store)
     with pytest.raises(OSError, match="went away"):
         store.save(grown, "doc")
-    store.tiers.stored_values = encode
+    store.saved.stored_values = encode
     assert saved_area(store) == before
     for s in (opened, fork, grown):
         store.free(s)
