@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -57,6 +59,24 @@ def attend_all(store: KVStore, seq: int, q: torch.Tensor) -> list[torch.Tensor]:
     window's int8 blocks among those staged)."""
     return [store.attend(seq, layer, q, mode, budget=budget) for layer in range(SPEC.num_layers)
             for mode, budget in (("dense", 64), ("topk", 64), ("topk", 128))]
+
+
+@contextmanager
+def second_write_fails(store: KVStore) -> Iterator[None]:
+    """The save's second batch of block values raises OSError (the disk went away), inside the block."""
+    encode, calls = store.saved.stored_values, []
+
+    def failing(ids):
+        calls.append(ids)
+        if len(calls) == 2:
+            raise OSError("disk went away")
+        return encode(ids)
+
+    store.saved.stored_values = failing
+    try:
+        yield
+    finally:
+        store.saved.stored_values = encode
 
 
 def worker(*args: str, **kw) -> subprocess.Popen:

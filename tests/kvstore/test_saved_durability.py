@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvstore import KVStore
-from tests.kvstore.test_saved import NUM_TOKENS, attend_all, config, filled, query, worker
+from tests.kvstore.test_saved import NUM_TOKENS, attend_all, config, filled, query, second_write_fails, worker
 
 
 def data_keys(path: Path, store: KVStore | None = None) -> list[bytes]:
@@ -77,19 +77,9 @@ def test_a_failed_save_leaves_nothing_and_the_earlier_save_intact(tmp_path):
     seq = filled(store, 300, seed=9)
     store.save(seq, "doc")
     before = data_keys(path, store)
-    encode, calls = store.saved.stored_values, []
-
-    def failing(ids):
-        calls.append(ids)
-        if len(calls) == 2:
-            raise OSError("disk went away")
-        return encode(ids)
-
-    store.saved.stored_values = failing  # the blocks a save reads
-    with pytest.raises(OSError, match="went away"):
+    with second_write_fails(store), pytest.raises(OSError, match="went away"):
         store.save(filled(store, NUM_TOKENS, seed=10), "doc")
     assert data_keys(path, store) == before
-    store.saved.stored_values = encode
     q = query(5)
     want = attend_all(store, seq, q)
     assert all(torch.equal(a, b) for a, b in zip(attend_all(store, store.open("doc"), q), want))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvstore import KVStore
-from tests.kvstore.test_saved import NUM_TOKENS, SPEC, config, filled, kv, query
+from tests.kvstore.test_saved import NUM_TOKENS, SPEC, config, filled, kv, query, second_write_fails
 from tests.tiers.redis_servers import redis_server  # noqa: F401  (fixture)
 
 GROW = 21  # 1203 + 21: the saved 3-token tail fills and two more blocks start
@@ -100,19 +100,9 @@ def test_repeated_re_saves_keep_the_saved_area_bounded_and_free_leaves_nothing(m
     store.attend(fork, 1, query(9), "sketch", budget=64)  # the first save is still there for the fork
     grown = store.open("doc")
 
-    encode, calls = store.saved.stored_values, []
-
-    def failing(ids):
-        calls.append(ids)
-        if len(calls) == 2:
-            raise OSError("disk went away")
-        return encode(ids)
-
-    store.saved.stored_values = failing  # a failed re-save changes nothing
-    before = saved_area(store)
-    with pytest.raises(OSError, match="went away"):
+    before = saved_area(store)  # a failed re-save changes nothing
+    with second_write_fails(store), pytest.raises(OSError, match="went away"):
         store.save(grown, "doc")
-    store.saved.stored_values = encode
     assert saved_area(store) == before
     for s in (opened, fork, grown):
         store.free(s)
