@@ -147,6 +147,29 @@ def block_sums_ref(fields: Sequence[torch.Tensor], rows: torch.Tensor | None = N
     return out if rows is None else out.to(rows.device)
 
 
+def head_sums(fields: Sequence[torch.Tensor], num_heads: int) -> torch.Tensor:
+    """(S1, S2) of every block per kv head: int64 [n, num_heads, 2] on the fields' device, each over the words of
+    one head's slices (its K and V rows, its scales) at their positions in the whole block, so that summed over
+    the heads they are the block's block_sums (S2 mod 2^64). A step that reads one head's slice of a block
+    (kvstore/step.py, tiers/slice_gather.py) can verify it alone. fields: a block batch's (fp16: (blocks,);
+    int8: data, k_scale, v_scale), each [n, 2, H, ...] (K and V) or [n, H, ...] (scales). Torch, any device."""
+    words = _checked_words(fields)
+    device = words[0].device
+    mult = multipliers(sum(w.shape[1] for w in words), device)
+    out = torch.zeros((words[0].shape[0], num_heads, 2), dtype=torch.int64, device=device)
+    first = 0
+    for field, w in zip(fields, words):
+        parts = field.shape[1] if field.dim() == 5 else 1
+        if field.shape[field.dim() - 3 if field.dim() == 5 else 1] != num_heads:
+            raise ValueError(f"head_sums: expected {num_heads} heads in a field of shape {list(field.shape)}")
+        n, total = w.shape
+        per_head = w.to(torch.int64).view(n, parts, num_heads, -1)
+        out[..., 0] += per_head.sum(dim=(1, 3))
+        out[..., 1] += (per_head * mult[first:first + total].view(parts, num_heads, -1)).sum(dim=(1, 3))  # wraps
+        first += total
+    return out
+
+
 def sum_device(checksums: str, pin: bool) -> torch.device | None:
     """The device computing the cpu tier's block sums for `checksums` ("auto", "host" or a device), None for
     xxh3 on the host; pin: whether the tier's slabs are pinned (a GPU reads them itself)."""

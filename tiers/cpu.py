@@ -28,7 +28,7 @@ import torch
 import xxhash
 
 from tiers.base import IntegrityError, PooledTier, SlotPool, block_checksums, check_ids
-from tiers.block_checksum import block_sums, sum_device
+from tiers.block_checksum import block_sums, head_sums, sum_device
 from tiers.block_rows import (byte_rows, copy_rows, device_of, fields, host_int64, int32_words, normal_device,
                                row_slice, to_device)
 from tiers.fetch_kernel import SlabTable, gather_slab_rows, slab_table
@@ -61,6 +61,10 @@ class CpuTier(PooledTier):
         self._byte_views: list[list] = []  # per slab, numpy [rows, bytes] views of its tensors
         self._tables: dict[torch.device, SlabTable] = {}  # per reading device, built at its first fetch
         self.sums = torch.zeros((0, 2), dtype=torch.int64, device=self.sum_device or "cpu")  # [slots, 2]
+        # with block sums, also per kv head (summing to sums): a captured decode step reads and verifies one
+        # head's slice of a block (tiers/slice_gather.py)
+        self.head_sums = torch.zeros((0, layout.num_kv_heads, 2), dtype=torch.int64, device=self.sums.device)
+        self.generation = 0  # bumped whenever the slab table or the sums move: captured graphs are then stale
         self.integrity_errors = 0  # blocks found damaged by reads
         self._executor: ThreadPoolExecutor | None = None
 
@@ -91,10 +95,12 @@ class CpuTier(PooledTier):
             self.slabs.append(self._empty(self.slab_blocks))
             self._byte_views.append([byte_rows(t) for t in fields(self.slabs[-1])])  # [rows, bytes] numpy views
             self._tables.clear()
+            self.generation += 1
         if len(self.sums) < len(self.slabs) * self.slab_blocks:  # doubling: a huge tier copies it O(n) in all
-            grown = self.sums.new_zeros((max(len(self.slabs) * self.slab_blocks, 2 * len(self.sums)), 2))
-            grown[:len(self.sums)] = self.sums
-            self.sums = grown
+            rows = max(len(self.slabs) * self.slab_blocks, 2 * len(self.sums))
+            self.sums, self.head_sums = (torch.cat([t, t.new_zeros((rows - len(t), *t.shape[1:]))])
+                                         for t in (self.sums, self.head_sums))
+            self.generation += 1
 
     # -- protocol ------------------------------------------------------------------------
     def put(self, ids: Sequence[int], blocks: Blocks) -> None:
@@ -106,8 +112,8 @@ class CpuTier(PooledTier):
             return
         blocks = self._convert(blocks)
         sums = None
-        if self.sum_device is not None and self.sum_device.type == "cuda" and device_of(blocks) == self.sum_device:
-            sums = block_sums([f.contiguous() for f in fields(blocks)])  # on the GPU, before the block leaves it
+        if self.sum_device is not None:  # where the sums are kept; from the GPU, before the block leaves it
+            sums = self._head_sums(blocks if device_of(blocks) == self.sum_device else blocks.to(self.sum_device))
         host = blocks.to("cpu")
         slots = self.slots.allocate(ids)
         try:
@@ -115,23 +121,31 @@ class CpuTier(PooledTier):
             index, groups = self._plan(slots)
             for slab, cols in groups:
                 copy_rows(host, index[2, cols], self.slabs[slab], index[1, cols])
-            self._record_sums(host, slots, index, groups, sums)
+            self._record_sums(host, slots, sums)
         except BaseException:
             self.slots.release(ids)
             raise
 
-    def _record_sums(self, host: Blocks, slots: list[int], index: torch.Tensor,
-                     groups: list[tuple[int, slice]], sums: torch.Tensor | None) -> None:
-        if self.sum_device is None:
+    def _record_sums(self, host: Blocks, slots: list[int], sums: torch.Tensor | None) -> None:
+        if sums is None:
             self._digests()[slots] = block_checksums(host)
             return
-        if sums is not None:
-            self.sums[to_device(index[0], self.sum_device)] = sums
-            return
-        index = to_device(index, self.sum_device)  # host blocks: summed where they now are, in the pinned slabs
-        for slab, cols in groups:
-            rows = index[1, cols]
-            self.sums[rows + slab * self.slab_blocks] = block_sums(fields(self.slabs[slab]), rows)
+        index = to_device(host_int64(slots), self.sum_device)
+        self.head_sums[index] = sums
+        self.sums[index] = sums.sum(dim=1)  # wraps mod 2^64, as block sums do
+
+    def _head_sums(self, blocks: Blocks) -> torch.Tensor:
+        """head_sums of `blocks` (on the sum device), in pieces of 64 blocks (its int64 copy is 2x a block)."""
+        n = len(blocks)
+        parts = [head_sums([f.contiguous() for f in fields(row_slice(blocks, lo, min(lo + 64, n)))],
+                           self.layout.num_kv_heads) for lo in range(0, n, 64)]
+        return torch.cat(parts) if parts else self.head_sums[:0]
+
+    def slab_table(self, device: torch.device) -> SlabTable:
+        """The slabs as `device` reads them (built at its first use; rebuilt after the slabs grow)."""
+        if device not in self._tables:
+            self._tables[device] = slab_table([[int32_words(f) for f in fields(s)] for s in self.slabs], device)
+        return self._tables[device]
 
     def get(self, ids: Sequence[int]) -> Blocks:
         """Gathers `ids` into one (pinned) batch, verifying every block's checksum."""
@@ -188,10 +202,7 @@ class CpuTier(PooledTier):
         every slab and field in one launch; with `sums` (int64 [n, 2] zeros) also each block's block sums."""
         if not len(slots):
             return
-        device = device_of(out)
-        if device not in self._tables:
-            self._tables[device] = slab_table([[int32_words(f) for f in fields(s)] for s in self.slabs], device)
-        gather_slab_rows(self._tables[device], slots, [int32_words(f) for f in fields(out)], sums)
+        gather_slab_rows(self.slab_table(device_of(out)), slots, [int32_words(f) for f in fields(out)], sums)
 
     def _plan(self, slots: list[int]) -> tuple[torch.Tensor, list[tuple[int, slice]]]:
         """index int64 [3, n]: row 0 the slot of each batch position; rows 1 and 2 the row in its slab and
@@ -278,7 +289,8 @@ class CpuTier(PooledTier):
         self.slabs.clear()
         self._byte_views.clear()
         self._tables.clear()
-        self.sums = self.sums[:0]
+        self.sums, self.head_sums = self.sums[:0], self.head_sums[:0]
+        self.generation += 1
 
     def _convert(self, blocks: Blocks) -> Blocks:
         if self.dtype == "float16" and isinstance(blocks, Int8Blocks):

@@ -1,0 +1,108 @@
+"""Staging one kv head's slice of the cpu blocks a step selected (tiers/slice_gather.py): the kernel
+(TRITON_INTERPRET=1 on CPU; pinned host -> GPU on CUDA) against its torch reference and against the
+blocks the tier holds; per-head sums that add up to the block sums; a damaged slice counted only where
+it is read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiers.block_checksum import block_sums_ref, head_sums
+from tiers.block_rows import fields
+from tiers.cpu import CpuTier
+from tiers.layout import BlockLayout, Int8Blocks
+from tiers.slice_gather import stage_cold_slices, stage_cold_slices_ref
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+LAYOUT = BlockLayout(num_kv_heads=3, block_tokens=8, head_dim=16)
+CPU, WARM = 2, 1
+NUM_BLOCKS, POSITIONS, K, FIRST = 10, 24, 5, 4
+
+
+def blocks(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((n, *LAYOUT.shape), generator=g).half()
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float16"])
+def test_head_sums_add_up_to_the_block_sums(dtype):
+    tier = CpuTier(LAYOUT, 1 << 20, dtype, pin=False, checksums="cpu")
+    tier.put(list(range(6)), blocks(6, 0))
+    batch = tier.get(list(range(6)))
+    heads = head_sums(fields(batch), LAYOUT.num_kv_heads)  # [6, H, 2]
+    assert torch.equal(heads.sum(dim=1), block_sums_ref(fields(batch)))
+    slots = torch.tensor(tier.slots.lookup(list(range(6))))
+    assert torch.equal(tier.head_sums[slots], heads)  # what put recorded
+    damaged = [f.clone() for f in fields(batch)]
+    damaged[0][2, 1, 1, 3, 5] += 1  # block 2, V, head 1
+    moved = head_sums(damaged, LAYOUT.num_kv_heads) != heads
+    assert moved[2, 1].any() and not moved[2, 0].any() and not moved[2, 2].any() and not moved[[0, 1, 3, 4, 5]].any()
+
+
+def case(dtype: str, seed: int):
+    """A cpu tier holding NUM_BLOCKS blocks, a table of POSITIONS entries (cpu ones point at them, the others
+    say warm), a selection [H, K], the step's block table for it and a pool with staging rows."""
+    tier = CpuTier(LAYOUT, 1 << 20, dtype, pin=DEVICE.type == "cuda", checksums=str(DEVICE))
+    tier.put(list(range(100, 100 + NUM_BLOCKS)), blocks(NUM_BLOCKS, seed).to(DEVICE))
+    g = torch.Generator().manual_seed(seed)
+    tier_map = torch.full((POSITIONS,), WARM, dtype=torch.int8)
+    slot_map = torch.randint(0, 50, (POSITIONS,), generator=g, dtype=torch.int32)
+    cold = torch.randperm(POSITIONS, generator=g)[:NUM_BLOCKS]
+    tier_map[cold] = CPU
+    slot_map[cold] = torch.tensor(tier.slots.lookup(list(range(100, 100 + NUM_BLOCKS))), dtype=torch.int32)
+    selected = torch.stack([torch.randperm(POSITIONS, generator=g)[:K].sort().values for _ in range(3)])
+    slots = slot_map[selected].clone()
+    is_int8 = torch.ones_like(selected, dtype=torch.bool)
+    pool = LAYOUT.empty_int8(FIRST + K + 2, DEVICE) if dtype == "int8" else LAYOUT.empty_fp16(FIRST + K + 2, DEVICE)
+    for f in fields(pool):
+        f.view(torch.uint8).fill_(0xAB)
+    dev = [x.to(DEVICE) for x in (tier_map, slot_map, selected, slots, is_int8)]
+    return tier, dev, pool
+
+
+@pytest.mark.parametrize("dtype, seed", [("int8", 1), ("float16", 2), ("int8", 3)])
+def test_slices_match_the_reference_and_the_tier(dtype, seed):
+    tier, (tier_map, slot_map, selected, slots, is_int8), pool = case(dtype, seed)
+    table = tier.slab_table(DEVICE)
+    want = [slots.clone(), is_int8.clone(), [f.clone() for f in fields(pool)], torch.zeros(2, dtype=torch.int64)]
+    counts = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    stage_cold_slices(selected, tier_map, slot_map, slots, is_int8, table, tier.head_sums, fields(pool), FIRST, CPU,
+                      counts)
+    per_head = [w // (3 * (2 if i == 0 else 1)) for i, w in enumerate(table.words)] + [0, 0]
+    stage_cold_slices_ref(selected, tier_map, slot_map, want[0], want[1], table, tier.head_sums,
+                          [f.view(f.shape[0], -1).view(torch.int32) for f in want[2]], FIRST, CPU, want[3], per_head)
+    assert torch.equal(slots, want[0]) and torch.equal(is_int8, want[1])
+    assert all(torch.equal(a, b) for a, b in zip(fields(pool), want[2]))
+    cold = (tier_map[selected] == CPU).cpu()
+    assert counts.tolist() == want[3].tolist() == [0, int(cold.sum())]
+    # what the attention kernel will read for each entry: head h of its row is the block's head h
+    ids = {int(s): 100 + i for i, s in enumerate(tier.slots.lookup(list(range(100, 100 + NUM_BLOCKS))))}
+    for h, j in cold.nonzero().tolist():
+        assert int(slots[h, j]) == FIRST + j and bool(is_int8[h, j]) == (dtype == "int8")
+        block = tier.get([ids[int(slot_map[selected[h, j]])]])
+        if isinstance(block, Int8Blocks):
+            assert torch.equal(pool.data[FIRST + j, :, h].cpu(), block.data[0, :, h])
+            assert torch.equal(pool.k_scale[FIRST + j, h].cpu(), block.k_scale[0, h])
+            assert torch.equal(pool.v_scale[FIRST + j, h].cpu(), block.v_scale[0, h])
+        else:
+            assert torch.equal(pool[FIRST + j, :, h].cpu(), block[0, :, h])
+    warm = ~cold
+    assert torch.equal(slots.cpu()[warm], slot_map.cpu()[selected.cpu()][warm])  # GPU-held entries untouched
+    assert bool(is_int8.cpu()[warm].all())
+    assert all(bool((f[:FIRST].view(torch.uint8) == 0xAB).all()) for f in fields(pool))  # rows below FIRST untouched
+
+
+def test_a_damaged_slice_is_counted_where_it_is_read():
+    tier, (tier_map, slot_map, selected, slots, is_int8), pool = case("int8", 4)
+    cold = (tier_map[selected] == CPU).cpu()
+    h, j = cold.nonzero()[0].tolist()
+    slot = int(slot_map[selected[h, j]])
+    slab, row = divmod(slot, tier.slab_blocks)
+    tier.slabs[slab].data[row, 0, h, 2, 3] ^= 4  # one bit of head h's K
+    reads = sum(1 for hh, jj in cold.nonzero().tolist()
+                if hh == h and int(slot_map[selected[hh, jj]]) == slot)
+    counts = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    stage_cold_slices(selected, tier_map, slot_map, slots, is_int8, tier.slab_table(DEVICE), tier.head_sums,
+                      fields(pool), FIRST, CPU, counts)
+    assert counts.tolist() == [reads, int(cold.sum())] and reads >= 1
