@@ -93,11 +93,13 @@ def e2e_store(spec: ModelSpec, p: E2EPreset, device: torch.device, reserve: int 
     staging = staging_bytes(BlockLayout.of(spec, 32), 4096)
     room = available_bytes(device) - reserve - 2 * hot - staging
     warm_tokens = max(0, min(p.context + p.steps * 8, int(room / per_token) - 64)) // 32 * 32  # 4 paths append
+    if p.warm_tokens:
+        warm_tokens = min(warm_tokens, p.warm_tokens)
     cold_tokens = p.context - p.hot_tokens - warm_tokens
     cpu_bytes = int(max(0, cold_tokens + 4096) * per_token * 1.1)
     return model_store(spec, device, hot_tokens=p.hot_tokens, warm_tokens=warm_tokens, sink_tokens=sink,
                        recent_tokens=p.recent_tokens, sequences=1, cpu_bytes=max(cpu_bytes, 64 << 20),
-                       block_tokens=p.block_tokens)
+                       block_tokens=p.block_tokens, cpu_dtype="int8", staging_tokens=max(4096, p.budget))
 
 
 def fill_random(store: KVStore, seq: int, context: int, seed: int, progress) -> None:
@@ -212,7 +214,8 @@ def timed_paths(decoder: Decoder, seq: int, p: E2EPreset, deadline: Deadline) ->
     eager = Decoder(decoder.model, store, graphs=False)
     kinds = (("graph", decoder), ("eager", eager)) if store.device.type == "cuda" else (("eager", eager),)
     for kind, dec in kinds:
-        for mode in ("topk", "sketch", "dense") if kind == "graph" else ("topk", "dense"):
+        modes = [m for m in ("topk", "sketch", "dense") if m in p.modes.split(",") and (kind == "graph" or m != "sketch")]
+        for mode in modes:
             if deadline.expired():
                 notes.append(f"{kind}_{mode} skipped: time budget")
                 continue

@@ -20,7 +20,7 @@ from bench_longctx.timing import Deadline, rate, release, time_ms
 from eviction.select import num_selected
 from kvstore.config import ModelSpec
 from kvstore.placement import WARM
-from kvstore.step import GraphedSteps
+from kvstore.graph_steps import GraphedSteps
 from kvstore.store import KVStore
 from tiers.layout import BlockLayout
 

@@ -90,6 +90,9 @@ class E2EPreset:
     block_tokens: int = 32
     fill: str = "auto"  # "prefill" (the model's own KV), "random" (K/V written directly), "auto"
     max_prefill: int = 16384  # auto: prefill up to this context, random beyond
+    warm_tokens: int = 0  # 0: int8 on the GPU for as much of the context as it holds; else at most this many
+    # tokens there, the rest int8 in pinned host memory (the cpu tier, which the captured step reads itself)
+    modes: str = "topk,sketch,dense"  # the decode modes timed, each on the graph and eager paths
 
 
 @dataclass(frozen=True)

@@ -133,18 +133,22 @@ class Decoder:
     def decode_step(self, seq: int, token_id: int, mode: str = "dense", budget: int = 4096) -> torch.Tensor:
         """Append one token and attend through the store; returns fp32 logits [vocab].
 
-        On CUDA, dense and topk run the captured step (engine_adapter/graph_decode.py: every layer's
-        append, select and attend in one graph replay) whenever every block is on the GPU; otherwise,
-        and on CPU, the eager path below (store.append + store.attend per layer, same contract)."""
+        On CUDA, dense, topk and sketch run the captured step (engine_adapter/graph_decode.py: every
+        layer's append, select and attend in one graph replay) whenever the step can serve every block
+        (on the GPU, or selected from a cpu tier: kvstore/step.py); otherwise, and on CPU, the eager path
+        below (store.append + store.attend per layer, same contract)."""
         graph, recorded = self._graph_decoder(seq, mode, budget), False
         if graph is not None and graph.ready():
             if not (isinstance(token_id, int) and 0 <= token_id < self.model.args.vocab_size):
                 raise ValueError(f"token id must be an int in [0, {self.model.args.vocab_size}), got {token_id!r}")
             self._record_tokens(seq, [token_id])
             try:
-                return graph(token_id).clone()
+                logits = graph(token_id).clone()
             except StepNotReady:  # nothing of this token's K/V happened: the eager path below runs it
                 recorded = True
+            else:
+                graph.step.verify()  # IntegrityError if a cpu block it read was damaged (syncs only if it read one)
+                return logits
         ids = self._tokens([token_id])
         if not recorded:
             self._record_tokens(seq, ids)
@@ -176,8 +180,8 @@ class Decoder:
             if step.length + 1 <= step.capacity * step.block_tokens:
                 return None  # not for want of capacity (cold blocks, full GPU pools): this token goes the eager way
         tables = [self.store.table(seq, i) for i in range(self.model.args.num_layers)]
-        if any(t.num_cold or t.num_dropped for t in tables):
-            return None  # this token goes the eager way
+        if any(t.num_far or t.num_dropped for t in tables):
+            return None  # this token goes the eager way (blocks the step cannot reach, or dropped ones)
         for other in [k for k in self._graphs if k[0] == seq]:  # a new capacity moves the tables' tensors that
             del self._graphs[other]  # every graph of this sequence captured
         self._graphs[key] = graph = GraphDecoder(self.model, self.store, seq, mode, budget)  # new, or more capacity
@@ -234,6 +238,8 @@ class Decoder:
                 logits = self.decode_step(seq, token, mode, budget)  # records the token's id itself
                 recorded = i + 1
             ids[i + 1] = logits.argmax()
+        for graph in [g for key, g in self._graphs.items() if key[0] == seq]:
+            graph.step.verify()  # every cpu slice read on the way was intact, or IntegrityError
         record(num_new)
         return ids[1:].tolist()
 

@@ -89,6 +89,8 @@ class Config:
     staging_tokens: int | None = None  # GPU slots (fp16 and int8 each) cold blocks are fetched into per step (None: hot_tokens)
     cpu_bytes: int = 4 << 30  # cold host tier
     cpu_dtype: str = "float16"  # "float16" (exact) or "int8" (half the bytes)
+    cpu_checksums: str = "auto"  # "auto": block sums on the GPU beside pinned slabs (what a captured step verifies
+    # cpu blocks with), else xxh3 on the host; "host"; or a device ("cpu": block sums in torch, slow: tests)
     ssd_path: str | None = None  # None: a temporary directory removed on close()
     ssd_bytes: int = 64 << 30
     ssd_compression: str = "zstd"  # "zstd", "zstd-split" (byte planes first) or "none"; BENCHMARKS.md: ratios
@@ -125,6 +127,8 @@ class Config:
             raise ValueError(f"cpu_dtype must be 'float16' or 'int8', got {self.cpu_dtype!r}")
         if self.ssd_compression not in ("zstd-split", "zstd", "none"):
             raise ValueError(f"ssd_compression must be 'zstd-split', 'zstd' or 'none', got {self.ssd_compression!r}")
+        if not isinstance(self.cpu_checksums, str):
+            raise ValueError(f"Config.cpu_checksums must be a str, got {self.cpu_checksums!r}")
         for name in ("ssd_path", "remote_url", "remote_token", "redis_url", "redis_namespace"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ValueError(f"Config.{name} must be a str or None, got {getattr(self, name)!r}")

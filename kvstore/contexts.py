@@ -285,7 +285,7 @@ class Contexts:
         except BaseException:
             self.tiers.holders.unshare(seq, layer, table, shared)
             table.block_ids.clear()
-            table.num_tokens = table.num_warm = table.num_cold = table.num_dropped = 0
+            table.num_tokens = table.num_warm = table.num_cold = table.num_far = table.num_dropped = 0
             raise
 
     def free(self, seq: int) -> None:

@@ -37,6 +37,7 @@ class AttendStats:
     context_tokens: int = 0  # tokens the sequences held
     attended_tokens: int = 0  # tokens the kernel read
     cold_blocks_fetched: int = 0
+    cold_slices_staged: int = 0  # one kv head's slice of a cpu block, read by a captured step (DecodeStep.verify)
     promotions: int = 0
     mass_measured: int = 0
     mass_captured: float = 0.0  # summed over measured calls

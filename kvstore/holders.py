@@ -48,9 +48,10 @@ class Holders:
         self.set_maps(table, list(indices), tier)
 
     def set_maps(self, table: LayerTable, indices: list[int], tier: int) -> None:
-        """Point the table's device maps for entries `indices` at `tier` (slots only in the GPU pools)."""
-        gpu = HOT_TIER <= tier < CPU_TIER
-        slots = self.stack[tier].slots.lookup([table.block_ids[i] for i in indices]) if gpu else [-1] * len(indices)
+        """Point the table's device maps for entries `indices` at `tier` (slots in the GPU pools and the cpu tier,
+        which a captured step reads itself: tiers/slice_gather.py)."""
+        pooled = HOT_TIER <= tier <= CPU_TIER
+        slots = self.stack[tier].slots.lookup([table.block_ids[i] for i in indices]) if pooled else [-1] * len(indices)
         self.tensors.set_location(table, indices, slots, tier)
 
     def count(self, ids: Sequence[int], tier: int, sign: int) -> None:
@@ -71,6 +72,7 @@ class Holders:
             groups.setdefault(self.blocks.tier_of[table.block_ids[i]], []).append(i)
         table.num_warm = len(groups.get(WARM_TIER, ()))
         table.num_cold = sum(len(g) for t, g in groups.items() if t > WARM_TIER)
+        table.num_far = sum(len(g) for t, g in groups.items() if t > CPU_TIER)
         for tier, group in groups.items():
             self.set_maps(table, group, tier)
 
@@ -100,3 +102,5 @@ def count_in(table: LayerTable, tier: int, delta: int) -> None:
         table.num_warm += delta
     elif tier > WARM_TIER:
         table.num_cold += delta
+        if tier > CPU_TIER:
+            table.num_far += delta

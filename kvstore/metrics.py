@@ -35,6 +35,7 @@ ATTEND_COUNTERS = (  # stats()["attend"] key -> (metric name, help)
     ("context_tokens", "context_tokens", "Tokens the attended sequences held, summed over steps"),
     ("attended_tokens", "attended_tokens", "Tokens the kernel read, summed over steps"),
     ("cold_blocks_fetched", "cold_blocks_fetched", "Blocks fetched from cpu/ssd tiers for a step"),
+    ("cold_slices_staged", "cold_slices_staged", "Head slices of cpu blocks a captured step read (verified)"),
     ("promotions", "promotions", "Blocks promoted to the warm tier after repeated cold fetches"),
     ("certified_calls", "certified_calls", "Steps whose selection certified its omitted softmax mass"),
     ("certified_omitted", "certified_omitted_mass", "Sum of certified upper bounds on the omitted softmax mass"),

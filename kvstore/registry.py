@@ -171,9 +171,10 @@ class BlockRegistry:
         if any(b not in self.tier_of for _, b in live):
             raise AssertionError(f"{where}: a table points at a block no tier holds")
         tiers = [self.tier_of[b] for _, b in live]
-        counts = (sum(t == 1 for t in tiers), sum(t >= 2 for t in tiers), table.block_ids.count(DROPPED))
-        if counts != (table.num_warm, table.num_cold, table.num_dropped):  # tiers: 1 warm, 2+ cpu and colder
-            raise AssertionError(f"{where}: warm/cold/dropped counts {counts} are stale")
+        counts = (sum(t == 1 for t in tiers), sum(t >= 2 for t in tiers), sum(t >= 3 for t in tiers),
+                  table.block_ids.count(DROPPED))
+        if counts != (table.num_warm, table.num_cold, table.num_far, table.num_dropped):  # 1 warm, 2 cpu, 3+ beyond
+            raise AssertionError(f"{where}: warm/cold/far/dropped counts {counts} are stale")
         if table.block_ids and tiers and self.tier_of.get(table.block_ids[-1]) != hot_tier:
             raise AssertionError(f"{where}: the tail block left the hot tier")
         if table.num_blocks:

@@ -21,13 +21,19 @@ Quest scores masked from the device count in one launch, then (k <= 256 blocks o
 in two stages whose second writes the kernel's block table.
 Host work happens between tokens and only at block boundaries: the sketch codes of the tail block a
 token filled (`end_token`), a new tail block per layer and cooling of blocks the next token pushes out
-of their windows (`begin_token`). A sequence with blocks in cpu/ssd tiers cannot be served from
-device state: `ready()` says so and callers use the eager path for that token.
+of their windows (`begin_token`).
+Cold blocks: in the topk phase, selected blocks in the cpu tier are read inside the step, one kv head's
+slice each, from the pinned slabs into k staging rows of the pool of the tier's format, and verified on
+the device against per-head block sums (tiers/slice_gather.py); a damaged slice is counted on the device
+and `verify()` (called wherever the host syncs anyway) raises IntegrityError. Blocks beyond the cpu tier
+(ssd, remote, saved), a dense phase over cold blocks, too few staging rows (staging_tokens < budget) or a
+cpu tier checksummed on the host (xxh3) cannot be served from device state: `ready()` says so and callers
+use the eager path for that token (store.load brings saved blocks into the cpu tier and the GPU pools).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,8 +45,10 @@ from eviction.topk_kernel import can_select, topk_block_table, two_stage
 from kvstore.append_kernel import append_token, append_token_ref
 from kvstore.decode import attended_lse, block_table
 from kvstore.table import DROPPED
-from kvstore.tierset import HOT_TIER, WARM_TIER
-from tiers.base import device_ints
+from kvstore.tierset import CPU_TIER, HOT_TIER, WARM_TIER
+from tiers.base import IntegrityError, device_ints
+from tiers.block_rows import fields
+from tiers.slice_gather import stage_cold_slices
 
 if TYPE_CHECKING:  # the store builds steps (KVStore.decode_step); annotations only
     from kvstore.store import KVStore
@@ -82,6 +90,10 @@ class DecodeStep:
         self.all_blocks = self.positions.expand(h, self.capacity)  # [H, N] the dense table
         self._scores = quest_scores_live if dev.type == "cuda" else quest_scores_live_ref
         self._append_token = append_token if dev.type == "cuda" else append_token_ref  # one launch on the GPU
+        self.cold_counts = torch.zeros(2, dtype=torch.int64, device=dev)  # damaged and staged cpu slices, summed
+        self._counts_seen = [0, 0]  # cold_counts as verify() last read them
+        self._unverified = False  # a token staged cold blocks since verify() last read cold_counts
+        self.stages_cold = False  # this token stages cpu blocks (fixed per token: part of the graph's key)
         self.phase = self._phase(length + 1)
         self._next_layer = 0
         self._sync_tail_slots()
@@ -92,21 +104,51 @@ class DecodeStep:
         return self.tables[0].num_tokens
 
     def ready(self) -> bool:
-        """Whether the next token can run from device state: every block on the GPU, room in capacity, and
-        at a block boundary room in the GPU pools for new tail blocks without spilling anything to cpu."""
+        """Whether the next token can run from device state: every block on the GPU or servable in the cpu
+        tier (module docstring), room in capacity, and at a block boundary room in the GPU pools for new
+        tail blocks without spilling anything to cpu."""
         tiers, n = self.store.tiers, len(self.tables)
         if self.length % self.block_tokens == 0 and tiers.hot.free_blocks() + tiers.warm.free_blocks() < n:
             return False
-        return self.length + 1 <= self.capacity * self.block_tokens and \
-            not any(t.num_cold or t.num_dropped for t in self.tables)
+        return self.length + 1 <= self.capacity * self.block_tokens and self._cold_servable(self.length + 1) and \
+            not any(t.num_dropped for t in self.tables)
+
+    def _cold_servable(self, num_tokens: int) -> bool:
+        """Whether the step serves the tables' cold blocks at num_tokens tokens (none, or all in a cpu tier the
+        device reads and verifies, in the topk phase, with a staging row per selected block)."""
+        if not any(t.num_cold for t in self.tables):
+            return True
+        cpu = self.store.tiers.cpu
+        pool = self.store.tiers.warm if cpu.dtype == "int8" else self.store.tiers.hot
+        return not any(t.num_far for t in self.tables) and self._phase(num_tokens) == "topk" and \
+            cpu.sum_device == self.store.device and pool.staging_blocks >= self.k
+
+    def graph_key(self) -> tuple:
+        """What a captured graph of this token depends on beyond device state: its phase, whether it stages cpu
+        blocks and, if so, the cpu tier's slab table and sums (they move when the tier grows)."""
+        return (self.phase, self.stages_cold, self.store.tiers.cpu.generation if self.stages_cold else 0)
+
+    def verify(self) -> None:
+        """IntegrityError if a cpu slice the steps since the last call read failed its checksum (one host sync;
+        nothing to read when no step staged cold blocks). Tokens after the damaged read are not to be trusted."""
+        if not self._unverified:
+            return
+        damaged, staged = self.cold_counts.tolist()
+        new_damage = damaged - self._counts_seen[0]
+        self.store.decode.stats.cold_slices_staged += staged - self._counts_seen[1]
+        self._counts_seen, self._unverified = [damaged, staged], False
+        if new_damage:
+            self.store.tiers.cpu.integrity_errors += new_damage
+            raise IntegrityError(f"cpu tier: {new_damage} block slices read by the captured decode step failed "
+                                 f"their checksums; the tokens since the last verified one are not to be trusted")
 
     def begin_token(self) -> str:
         """Host work before a token: at a block boundary, open the next tail block in every layer.
         Returns the token's phase, "dense" or "topk": a captured graph is valid for one phase (a
         sequence of at most k blocks attends all of them, then topk takes over for good)."""
         if not self.ready():
-            raise StepNotReady("DecodeStep: the sequence has cold blocks, reached its capacity or the GPU pools "
-                               "are full; use store.append and store.attend for this token")
+            raise StepNotReady("DecodeStep: the sequence has cold blocks the step cannot serve, reached its "
+                               "capacity or the GPU pools are full; use store.append and store.attend for this token")
         if self._synced_length != self.length:  # tokens were appended eagerly since the last step
             self._sync_tail_slots()
         self._next_layer = 0  # a token that failed part way left nothing on the device count: start over
@@ -114,8 +156,10 @@ class DecodeStep:
         if self._crosses_window(self.length):  # as store.append does: cool, then the token attends
             for table in self.tables:
                 self.store.tiers.cool(table, self.length, self.length + 1)
-            if any(t.num_cold for t in self.tables):  # a block left the warm window for cpu: not servable here
-                raise StepNotReady("DecodeStep: this token cools a block to cpu; use store.append and store.attend")
+            if not self._cold_servable(self.length + 1):  # a block left the warm window for a tier out of reach
+                raise StepNotReady("DecodeStep: this token cools a block to a tier the step cannot serve; use "
+                                   "store.append and store.attend")
+        self.stages_cold = any(t.num_cold for t in self.tables)
         if self.length % self.block_tokens == 0:
             tiers, b, spec = self.store.tiers, self.block_tokens, self.store.spec
             tiers.check_room(len(self.tables))
@@ -149,6 +193,7 @@ class DecodeStep:
         stats.attended_tokens += len(self.tables) * ((k - 1) * self.block_tokens + (old % self.block_tokens) + 1)
         if self.phase == "topk" and isinstance(self.policy, SketchTopK):
             stats.add_certified(self.certified.clone())  # a device copy: the next replay rewrites the buffer
+        self._unverified |= self.stages_cold
         self._synced_length = old + 1  # the step advanced the device count itself
 
     def _phase(self, num_tokens: int) -> str:
@@ -183,6 +228,12 @@ class DecodeStep:
         self._append(layer, table, k, v)
         selected, slots, is_int8, upper = self._select(table, q)  # [H, k] ascending, the tail block last
         tiers = self.store.tiers
+        if self.stages_cold:  # selected cpu blocks: one head's slice each into the staging rows, verified
+            cpu = tiers.cpu
+            pool = tiers.warm if cpu.dtype == "int8" else tiers.hot
+            stage_cold_slices(selected, table.tier_map, table.slot_map, slots, is_int8,
+                              cpu.slab_table(self.store.device), cpu.head_sums, fields(pool.pool),
+                              pool.slots.num_slots, CPU_TIER, self.cold_counts)
         warm = tiers.warm.pool  # always both pools: blocks cool into int8 while a capture stays valid
         out, mass = self.store.decode.kernel(q[None], tiers.hot.pool, warm.data, warm.k_scale, warm.v_scale,
                                              slots[None], is_int8[None], self.kernel_tokens,
@@ -229,41 +280,3 @@ class DecodeStep:
             return (*topk_block_table(scores, self.k, table.slot_map, table.tier_map, WARM_TIER), None)
         selected = top_blocks(scores, self.k)
         return (selected, *block_table(table, selected), None)
-
-
-class GraphedSteps:
-    """Runs `forward` (one token's device work over `step`, e.g. a model's layers around step.attend) with
-    the host work around it, as one CUDA graph replay per phase; eagerly off CUDA.
-
-    The first token of a phase runs for real on a side stream (compiling every kernel), then the same
-    forward is recorded; recording runs nothing, so that token runs once."""
-
-    def __init__(self, step: DecodeStep, forward: Callable[[], torch.Tensor]) -> None:
-        self.step, self.forward = step, forward
-        self.graphs: dict[str, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # phase -> (graph, output)
-
-    def __call__(self) -> torch.Tensor:
-        """The forward's output (on CUDA a buffer the next call overwrites: clone to keep)."""
-        phase = self.step.begin_token()
-        if self.step.store.device.type != "cuda":
-            out = self.forward()
-        elif phase in self.graphs:
-            graph, out = self.graphs[phase]
-            graph.replay()
-        else:
-            out = self._capture(phase)
-        self.step.end_token()
-        return out
-
-    def _capture(self, phase: str) -> torch.Tensor:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            out = self.forward().clone()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            recorded = self.forward()
-        self.graphs[phase] = (graph, recorded)
-        return out
-

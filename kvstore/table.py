@@ -5,7 +5,7 @@ For every block of a table the store keeps, on its device:
   sketch     uint8 [n, H, 2, B, D/4]  4-bit codes of every key on the summary's grid (eviction/sketch.py);
                                  a block's codes are written when it is created and again when it fills
                                  (a partial tail block is always attended, so its codes may lag)
-  slot_map   int32 [n]          slot in the hot or warm pool (-1 when cold or dropped)
+  slot_map   int32 [n]          slot in the hot or warm pool or the cpu tier (-1 beyond it or dropped)
   tier_map   int8 [n]           tier index: 0 hot, 1 warm, 2 cpu, 3 cold (ssd/remote/redis), -1 dropped
 so one decode step turns a selection into a kernel block table without a host round trip.
 """
@@ -35,6 +35,7 @@ class LayerTable:
     tier_map: torch.Tensor | None = None  # int8 [capacity]
     num_warm: int = 0  # blocks in the warm tier
     num_cold: int = 0  # blocks in the cpu or ssd tier (the decode path stages them)
+    num_far: int = 0  # of those, blocks beyond the cpu tier (ssd, remote, saved): no captured step reaches them
     num_dropped: int = 0  # blocks H2O drop mode freed
     h2o_scores: torch.Tensor | None = None  # fp32 [H, capacity]: accumulated attention mass
     cold_hits: dict[int, int] = field(default_factory=dict)  # block index -> times fetched while cold
@@ -102,7 +103,7 @@ class TableTensors:
         and counts (a fork; the tier set then makes the copy a holder of those blocks)."""
         n = table.num_blocks
         out = LayerTable(list(table.block_ids), table.num_tokens, num_warm=table.num_warm,
-                         num_cold=table.num_cold, num_dropped=table.num_dropped)
+                         num_cold=table.num_cold, num_far=table.num_far, num_dropped=table.num_dropped)
         if n:
             self.reserve(out, n)
             out.summaries[:n] = table.summaries[:n]

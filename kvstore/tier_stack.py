@@ -79,7 +79,8 @@ def open_tiers(c: Config, layout: BlockLayout, placement: Placement, tempdir: st
     return [
         HotTier(layout, hot_bytes, device, staging_blocks=c.staging_tokens // c.block_tokens),
         WarmTier(layout, warm_bytes, device, staging_blocks=c.staging_tokens // c.block_tokens),
-        CpuTier(layout, c.cpu_bytes, c.cpu_dtype, pin=device.type == "cuda", memory_reserve=c.host_memory_reserve),
+        CpuTier(layout, c.cpu_bytes, c.cpu_dtype, pin=device.type == "cuda", memory_reserve=c.host_memory_reserve,
+                checksums=c.cpu_checksums),
         cold,
         SavedTier(layout, LmdbValues(cold.env) if isinstance(cold, SsdTier) else None),
     ]

@@ -11,6 +11,7 @@ import torch
 from engine_adapter.decoder import Decoder
 from engine_adapter.weights import random_llama
 from kvstore import Config, KVStore, ModelSpec
+from tiers.errors import IntegrityError
 
 pytestmark = pytest.mark.cuda
 
@@ -18,12 +19,13 @@ SPEC = ModelSpec.preset("llama3-8b", num_layers=4)
 PROMPT, NEW = 3000, 150
 
 
-def run(mode: str, graphs: bool, forced: list[int] | None = None) -> tuple[list[int], torch.Tensor, torch.Tensor, dict]:
+def run(mode: str, graphs: bool, forced: list[int] | None = None, **overrides) -> tuple[list[int], torch.Tensor,
+                                                                                        torch.Tensor, dict]:
     """Greedy decode after a prefill; with `forced`, the inputs are those tokens (teacher forcing), so two
     runs compare logits on identical inputs even where a near-tie flips one argmax."""
     model = random_llama(SPEC, seed=0, dtype=torch.float16, device="cuda")
-    config = Config(model=SPEC, block_tokens=64, sink_tokens=64, hot_tokens=1024, warm_tokens=65536,
-                    recent_tokens=256, gpu_bytes=4 << 30, cpu_bytes=1 << 30, device="cuda")
+    config = Config(**{**dict(model=SPEC, block_tokens=64, sink_tokens=64, hot_tokens=1024, warm_tokens=65536,
+                              recent_tokens=256, gpu_bytes=4 << 30, cpu_bytes=1 << 30, device="cuda"), **overrides})
     ids = torch.randint(0, model.args.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(0))
     with KVStore(config) as store:
         decoder = Decoder(model, store, graphs=graphs)
@@ -53,7 +55,7 @@ def test_captured_decode_generates_what_eager_decode_does(mode):
 @pytest.mark.parametrize("prompt, warm_tokens", [
     (PROMPT, 65536),  # captured throughout, topk from the start
     (900, 65536),  # starts dense (the budget covers the context), turns topk at 1024 tokens
-    (2048, 1024),  # blocks cool out of the warm window into cpu mid-run: later tokens go the eager way
+    (2048, 1024),  # blocks cool out of the warm window into (fp16) cpu mid-run: the step stages them
 ])
 def test_greedy_run_ahead_equals_the_per_token_captured_loop(prompt, warm_tokens):
     """continue_greedy with no eos_id queues token t + 1 before token t's id reaches the host; it must
@@ -84,3 +86,46 @@ def test_greedy_run_ahead_equals_the_per_token_captured_loop(prompt, warm_tokens
     (out_a, (k_a, v_a)), (out_b, (k_b, v_b)) = runs
     assert out_a == out_b
     assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
+
+
+@pytest.mark.parametrize("cpu_dtype", ["int8", "float16"])
+def test_captured_decode_reads_cpu_blocks_as_the_eager_path_does(cpu_dtype):
+    """Most of the context in the cpu tier: the captured step stages the selected blocks' head slices itself
+    (verified on the GPU) and generates what the eager path, which fetches whole blocks, generates."""
+    cold = dict(warm_tokens=512, cpu_dtype=cpu_dtype)
+    eager_tokens, eager_logits, eager_k, eager_stats = run("topk", graphs=False, **cold)
+    graph_tokens, graph_logits, graph_k, stats = run("topk", graphs=True, forced=eager_tokens, **cold)
+    assert stats["attend"]["cold_slices_staged"] > 0 and stats["attend"]["cold_blocks_fetched"] == 0
+    assert eager_stats["attend"]["cold_blocks_fetched"] > 0
+    torch.testing.assert_close(graph_logits, eager_logits, atol=2e-2, rtol=2e-2)
+    agree = sum(a == b for a, b in zip(graph_tokens[1:], eager_tokens[1:])) / NEW
+    assert agree >= 0.97
+    assert torch.equal(graph_k, eager_k)
+
+
+def test_captured_sketch_decode_over_cpu_blocks_equals_it_over_gpu_blocks():
+    """The same int8 bytes, staged from the cpu tier or held in the warm pool: the same logits (the sketch's
+    eager selection differs from the step's two-level one on short contexts, so the reference is the step)."""
+    warm_tokens, warm_logits, warm_k, _ = run("sketch", graphs=True)
+    cold_tokens, cold_logits, cold_k, stats = run("sketch", graphs=True, forced=warm_tokens, warm_tokens=512,
+                                                  cpu_dtype="int8")
+    assert stats["attend"]["cold_slices_staged"] > 0
+    torch.testing.assert_close(cold_logits, warm_logits, atol=1e-3, rtol=1e-3)
+    assert torch.equal(cold_k, warm_k)
+
+
+def test_a_damaged_cpu_block_read_by_the_captured_step_raises():
+    model = random_llama(SPEC, seed=0, dtype=torch.float16, device="cuda")
+    config = Config(model=SPEC, block_tokens=64, sink_tokens=64, hot_tokens=1024, warm_tokens=512,
+                    recent_tokens=256, gpu_bytes=4 << 30, cpu_bytes=1 << 30, cpu_dtype="int8", device="cuda")
+    ids = torch.randint(0, model.args.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(0))
+    with KVStore(config) as store:
+        decoder = Decoder(model, store)
+        seq = store.create_sequence()
+        logits = decoder.prefill(seq, ids, chunk_tokens=1024)
+        token = int(decoder.decode_step(seq, int(logits.argmax()), "topk", budget=1024).argmax())  # captured, intact
+        for slab in store.tiers.cpu.slabs:
+            slab.data[:, :, :, 0, 0] ^= 1  # every head of every cpu block: whatever the step selects is damaged
+        with pytest.raises(IntegrityError, match="checksums"):
+            decoder.decode_step(seq, token, "topk", budget=1024)
+        assert store.tiers.cpu.integrity_errors > 0

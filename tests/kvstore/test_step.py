@@ -10,6 +10,7 @@ import torch
 
 from kvstore import Config, KVStore, ModelSpec
 from kvstore.step import StepNotReady
+from tiers.errors import IntegrityError
 
 SPEC = ModelSpec(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=32)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -119,3 +120,82 @@ def test_a_token_that_cools_a_block_to_cpu_goes_the_eager_way_and_nothing_half_h
     store.check_integrity()
     got_k, _ = store.read(seq, 0, handed_over - 8, handed_over + 1)
     assert torch.equal(got_k[-1], k[handed_over])
+
+
+CHECKSUMS = "auto" if DEVICE == "cuda" else "cpu"  # block sums where the step verifies cpu slices
+
+
+def cold_pair(tmp_path, name="c", **overrides):
+    """Two stores whose small GPU windows push most of a 600-token prefill into an int8 cpu tier the step can
+    serve (block sums on the step's device, staging rows for the whole budget); the same prefill in both."""
+    config = {**dict(hot_tokens=64, warm_tokens=64, cpu_bytes=16 << 20, cpu_dtype="int8", cpu_checksums=CHECKSUMS,
+                     staging_tokens=128), **overrides}
+    eager, stepped = make_store(tmp_path, name + "e", **config), make_store(tmp_path, name + "s", **config)
+    g = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(600, 2, 32, generator=g).half().to(DEVICE) for _ in range(2))
+    k[:, :, :4] *= 4  # a few outlier channels, as real keys have: selections differ by head
+    seqs = []
+    for store in (eager, stepped):
+        seqs.append(store.create_sequence())
+        for layer in range(SPEC.num_layers):
+            store.append(seqs[-1], layer, k, v)
+    return eager, stepped, seqs
+
+
+@pytest.mark.parametrize("mode", ["topk", "sketch"])
+def test_step_serves_selected_cpu_blocks_like_gpu_held_ones(tmp_path, mode):
+    """Against the same step over a store whose warm window holds every block (the same int8 bytes on the GPU:
+    bit-equal) and, for topk, the eager path (the sketch's eager selection is one 4-bit pass over every block
+    of a short context where the step's is two-level, so they may pick different blocks there)."""
+    eager, stepped, (sa, sb) = cold_pair(tmp_path)
+    _, warm, (_, sw) = cold_pair(tmp_path, "w", warm_tokens=1024)
+    assert stepped.table(sb, 0).num_cold > 20 and warm.table(sw, 0).num_cold == 0
+    step, warm_step = (s.decode_step(q, mode=mode, budget=128) for s, q in ((stepped, sb), (warm, sw)))
+    assert step.ready()  # every cold block is in the cpu tier, staged inside the step
+    work = tokens(40, seed=6)  # 600 -> 640: block boundaries and blocks cooling into cpu on the way
+    for t in range(40):
+        step.begin_token(), warm_step.begin_token()
+        assert step.stages_cold and not warm_step.stages_cold
+        for layer in range(SPEC.num_layers):
+            q, k, v = work[t * SPEC.num_layers + layer]
+            got = step.attend(layer, q, k, v)
+            assert torch.equal(got, warm_step.attend(layer, q, k, v))
+            if mode == "topk":
+                eager.append(sa, layer, k[None], v[None])
+                want = eager.attend(sa, layer, q, mode=mode, budget=128)
+                torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-3)
+        step.end_token(), warm_step.end_token()
+    step.verify()
+    assert stepped.stats()["attend"]["cold_slices_staged"] > 40
+    stepped.check_integrity()
+    for layer in range(SPEC.num_layers):
+        assert torch.equal(warm.read(sw, layer)[0], stepped.read(sb, layer)[0])
+    eager.close(), stepped.close(), warm.close()
+
+
+def test_a_damaged_cpu_slice_read_by_the_step_raises_at_verify(tmp_path):
+    _, store, (_, seq) = cold_pair(tmp_path)
+    step = store.decode_step(seq, mode="topk", budget=128)
+    cpu = store.tiers.cpu
+    for slab in cpu.slabs:  # one bit of every head's first key in every cpu block: whatever is selected is damaged
+        slab.data[:, 0, :, 0, 0] ^= 1
+    q, k, v = tokens(1, seed=7)[0]
+    step.begin_token()
+    for layer in range(SPEC.num_layers):
+        step.attend(layer, q, k, v)
+    step.end_token()
+    with pytest.raises(IntegrityError, match="failed their checksums"):
+        step.verify()
+    assert cpu.integrity_errors > 0
+    step.verify()  # reported once
+
+
+def test_the_step_refuses_cold_blocks_it_cannot_reach(tmp_path):
+    _, store, (_, seq) = cold_pair(tmp_path, "a", cpu_bytes=64 << 10)  # most cold blocks spill past cpu to ssd
+    assert store.table(seq, 0).num_far > 0
+    assert not store.decode_step(seq, mode="topk", budget=128).ready()
+    _, store, (_, seq) = cold_pair(tmp_path, "b", staging_tokens=64)  # fewer staging rows than selected blocks
+    assert not store.decode_step(seq, mode="topk", budget=128).ready()
+    _, store, (_, seq) = cold_pair(tmp_path, "c")
+    assert store.decode_step(seq, mode="topk", budget=128).ready()
+    assert not store.decode_step(seq, mode="dense").ready()  # a dense step would read every cold block
