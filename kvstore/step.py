@@ -47,7 +47,7 @@ from kvstore.decode import attended_lse, block_table
 from kvstore.table import DROPPED
 from kvstore.tierset import CPU_TIER, HOT_TIER, WARM_TIER
 from tiers.base import IntegrityError, device_ints
-from tiers.block_rows import fields
+from tiers.block_rows import fields, normal_device
 from tiers.slice_gather import stage_cold_slices
 
 if TYPE_CHECKING:  # the store builds steps (KVStore.decode_step); annotations only
@@ -121,7 +121,7 @@ class DecodeStep:
         cpu = self.store.tiers.cpu
         pool = self.store.tiers.warm if cpu.dtype == "int8" else self.store.tiers.hot
         return not any(t.num_far for t in self.tables) and self._phase(num_tokens) == "topk" and \
-            cpu.sum_device == self.store.device and pool.staging_blocks >= self.k
+            cpu.sum_device == normal_device(self.store.device) and pool.staging_blocks >= self.k
 
     def graph_key(self) -> tuple:
         """What a captured graph of this token depends on beyond device state: its phase, whether it stages cpu

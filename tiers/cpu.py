@@ -143,6 +143,7 @@ class CpuTier(PooledTier):
 
     def slab_table(self, device: torch.device) -> SlabTable:
         """The slabs as `device` reads them (built at its first use; rebuilt after the slabs grow)."""
+        device = normal_device(device)
         if device not in self._tables:
             self._tables[device] = slab_table([[int32_words(f) for f in fields(s)] for s in self.slabs], device)
         return self._tables[device]
