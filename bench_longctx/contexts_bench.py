@@ -5,7 +5,8 @@
     python -m bench_longctx.contexts_bench --preset cpu --contexts '' --fork-tokens 0 --profile 25  # + its profile
 
 Random K/V of a named geometry with token ids recorded, the store's windows (hot and warm on the
-"GPU" pools, the rest in cpu int8 and ssd):
+"GPU" pools, the rest in cpu int8 and ssd; --warm-tokens 1048576 --gpu-bytes 75161927680 keeps a 1M context
+int8 on the GPU, so that a writer saving into /dev/shm does not also hold it in pinned host memory):
   contexts     per length: save seconds and bytes, then store.open in a fresh store on the same
                ssd_path: seconds, bytes read (summaries, H2O scores, token ids; sketch codes are not
                read until mode="sketch"), and the first attend per mode beside the never-saved one's
@@ -51,15 +52,16 @@ NEXT_TOKENS = 4  # decoded and timed after the first one in the new process
 MODES = ("topk", "sketch", "dense")  # topk: min/max summaries (Quest); sketch: the 4-bit key sketch (eviction/)
 PRESETS = {  # the cpu preset is what CI runs (tests/bench_longctx); h200 keeps 1M on a 235 GiB disk
     "cpu": dict(geometry="smollm2-135m", layers=4, contexts="8K,32K", open_tokens="32K", fork_tokens="32K",
-                device="cpu", gpu_bytes=256 << 20, cpu_bytes=256 << 20, ssd_bytes=16 << 30),
+                device="cpu", gpu_bytes=256 << 20, cpu_bytes=256 << 20, ssd_bytes=16 << 30, warm_tokens=2048),
     "h200": dict(geometry="llama3-8b", layers=32, contexts="", open_tokens="1M", fork_tokens="128K",
-                 device="cuda", gpu_bytes=16 << 30, cpu_bytes=48 << 30, ssd_bytes=96 << 30),
+                 device="cuda", gpu_bytes=16 << 30, cpu_bytes=48 << 30, ssd_bytes=96 << 30, warm_tokens=2048),
 }
 
 
 def bench_config(args: argparse.Namespace, path: str) -> Config:
     spec = ModelSpec.preset(args.geometry, num_layers=args.layers)
-    return Config(model=spec, block_tokens=BLOCK_TOKENS, hot_tokens=1024, warm_tokens=2048, gpu_bytes=args.gpu_bytes,
+    return Config(model=spec, block_tokens=BLOCK_TOKENS, hot_tokens=1024, warm_tokens=args.warm_tokens,
+                  gpu_bytes=args.gpu_bytes,
                   cpu_bytes=args.cpu_bytes, cpu_dtype="int8", ssd_path=path, ssd_bytes=args.ssd_bytes,
                   ssd_compression="none", device=args.device, host_memory_reserve=0, model_id="contexts-bench")
 
@@ -161,7 +163,7 @@ def run_new_process(args: argparse.Namespace, context: int, directory: str) -> d
     argv = [sys.executable, "-m", "bench_longctx.contexts_bench", "open", "--path", path, "--out", str(out),
             "--last", str(ids[-1] % VOCAB), f"--profile={args.profile}"] + \
         [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-         ("geometry", "layers", "device", "gpu_bytes", "cpu_bytes", "ssd_bytes")]
+         ("geometry", "layers", "device", "gpu_bytes", "cpu_bytes", "ssd_bytes", "warm_tokens")]
     children = {}
     for name, extra in (("cold", []), ("warmed_up", ["--warm-up", "--load"])):  # the second reads a page cache the first warmed
         started = time.perf_counter()
@@ -202,7 +204,10 @@ def open_in_this_process(args: argparse.Namespace) -> None:
                   "open_read_bytes": open_bytes, "first_token_s": token_s, "open_to_first_token_s": open_s + token_s,
                   "blocks_read_for_first_token": fetched, "blocks_loaded_after_first_token": loaded,
                   "load_s": load_s, "next_tokens_s": next_s,
-                  "promotions_in_next_tokens": store.stats()["attend"]["promotions"], "logits": logits.tolist()}
+                  "promotions_in_next_tokens": store.stats()["attend"]["promotions"],
+                  "cold_blocks_fetched_in_all": store.stats()["attend"]["cold_blocks_fetched"],
+                  "cold_slices_staged_by_captured_steps": store.stats()["attend"]["cold_slices_staged"],
+                  "logits": logits.tolist()}
     Path(args.out).write_text(json.dumps(result))
 
 
