@@ -147,8 +147,9 @@ def warm_up(dec: Decoder, store: KVStore, args: argparse.Namespace) -> float:
     return timed(step, args.device)[1]
 
 
-def run_new_process(args: argparse.Namespace, context: int, directory: str) -> dict:
-    path, out = str(Path(directory) / "open"), Path(directory) / "child.json"
+def write_and_save(args: argparse.Namespace, context: int, path: str) -> tuple[list[int], dict, torch.Tensor]:
+    """The writer: fill, save, one decoded token of the never-saved sequence: (token ids, timings, its logits).
+    Its store and model are gone when this returns."""
     with KVStore(bench_config(args, path)) as store:
         (seq, ids), fill_s = timed(lambda: fill(store, context))
         print(f"writer: {context} tokens filled in {fill_s:.1f} s", flush=True)
@@ -157,6 +158,13 @@ def run_new_process(args: argparse.Namespace, context: int, directory: str) -> d
         saved_bytes = sum(store.stats()["tiers"][t]["bytes"] for t in ("hot", "warm", "cpu", "ssd"))
         want, writer_s = first_token(decoder(store, args), seq, ids[-1] % VOCAB, args)
     print(f"writer: first token of the never-saved sequence in {writer_s:.2f} s", flush=True)
+    return ids, {"fill_s": fill_s, "save_s": save_s, "stored_bytes_before_save": saved_bytes,
+                 "writer_first_token_s": writer_s}, want
+
+
+def run_new_process(args: argparse.Namespace, context: int, directory: str) -> dict:
+    path, out = str(Path(directory) / "open"), Path(directory) / "child.json"
+    ids, writer, want = write_and_save(args, context, path)
     if args.device == "cuda":  # the writer's cached allocations would leave the child too little of the GPU
         gc.collect()
         torch.cuda.empty_cache()
@@ -174,8 +182,7 @@ def run_new_process(args: argparse.Namespace, context: int, directory: str) -> d
                           "token_equal": int(got.argmax()) == int(want.argmax()),
                           "max_abs_logit_diff": float((got - want).abs().max())}
     shutil.rmtree(path, ignore_errors=True)
-    return {"context": context, "fill_s": fill_s, "save_s": save_s, "stored_bytes_before_save": saved_bytes,
-            "writer_first_token_s": writer_s, **children["cold"], "warmed_up_process": children["warmed_up"]}
+    return {"context": context, **writer, **children["cold"], "warmed_up_process": children["warmed_up"]}
 
 
 def open_in_this_process(args: argparse.Namespace) -> None:
