@@ -118,10 +118,13 @@ class DecodeStep:
         device reads and verifies, in the topk phase, with a staging row per selected block)."""
         if not any(t.num_cold for t in self.tables):
             return True
-        cpu = self.store.tiers.cpu
-        pool = self.store.tiers.warm if cpu.dtype == "int8" else self.store.tiers.hot
         return not any(t.num_far for t in self.tables) and self._phase(num_tokens) == "topk" and \
-            cpu.sum_device == normal_device(self.store.device) and pool.staging_blocks >= self.k
+            self.store.tiers.cpu.sum_device == normal_device(self.store.device) and \
+            self._staging_pool().staging_blocks >= self.k
+
+    def _staging_pool(self):
+        """The GPU tier whose staging rows take cpu blocks: the warm (int8) or hot (fp16) one, as the cpu tier holds."""
+        return self.store.tiers.warm if self.store.tiers.cpu.dtype == "int8" else self.store.tiers.hot
 
     def graph_key(self) -> tuple:
         """What a captured graph of this token depends on beyond device state: its phase, whether it stages cpu
@@ -194,6 +197,8 @@ class DecodeStep:
         if self.phase == "topk" and isinstance(self.policy, SketchTopK):
             stats.add_certified(self.certified.clone())  # a device copy: the next replay rewrites the buffer
         self._unverified |= self.stages_cold
+        if self.stages_cold and self.store.device.type == "cuda":  # the GPU may still be reading pinned rows: no
+            self.store.tiers.cpu.reading_on_device(torch.cuda.Event())  # put may overwrite a slot freed meanwhile
         self._synced_length = old + 1  # the step advanced the device count itself
 
     def _phase(self, num_tokens: int) -> str:
@@ -229,8 +234,7 @@ class DecodeStep:
         selected, slots, is_int8, upper = self._select(table, q)  # [H, k] ascending, the tail block last
         tiers = self.store.tiers
         if self.stages_cold:  # selected cpu blocks: one head's slice each into the staging rows, verified
-            cpu = tiers.cpu
-            pool = tiers.warm if cpu.dtype == "int8" else tiers.hot
+            cpu, pool = tiers.cpu, self._staging_pool()
             stage_cold_slices(selected, table.tier_map, table.slot_map, slots, is_int8,
                               cpu.slab_table(self.store.device), cpu.head_sums, fields(pool.pool),
                               pool.slots.num_slots, CPU_TIER, self.cold_counts)

@@ -6,40 +6,39 @@ below the reserve (the store then spills to ssd instead of being OOM-killed).
 
 Every block is verified on every read, against one checksum per slot kept in `sums`
 (int64 [slots in slabs, 2]) on the tier's checksum device:
-- beside a GPU (pinned slabs): block sums (tiers/block_checksum.py), computed on the GPU.
-  A block put from that GPU is summed there before it leaves it; one put from host memory
-  (from ssd) is summed by the GPU reading its pinned slab row. fetch(ids, gpu) gathers the
-  rows of every slab in one launch that also sums them on their way (tiers/fetch_kernel.py),
-  and compares the sums on the GPU: one host sync, no second pass over the rows. get() copies
-  rows on the host, then the GPU sums the pinned result.
-- host only: xxh3 on the host, (digest, 0) per slot, checked by worker threads; xxh3 runs
-  at ~29 GB/s a core where block sums in torch run at 0.2-0.5 GB/s (block_checksum.py).
+- beside a GPU (pinned slabs): block sums (tiers/block_checksum.py), computed on the GPU, per
+  kv head too (`head_sums` [slots, H, 2], adding up to `sums`: a captured decode step reads and
+  verifies one head's slice of a block, tiers/slice_gather.py). A block put from the GPU is
+  summed there before it leaves it; one put from host memory (from ssd) is copied to the GPU to
+  be summed. fetch(ids, gpu) gathers the rows of every slab in one launch that also sums them on
+  their way (tiers/fetch_kernel.py), and compares the sums on the GPU: one host sync, no second
+  pass over the rows. get() copies rows on the host, then the GPU sums the pinned result.
+- host only: xxh3 on the host, (digest, 0) per slot, checked by worker threads (tiers/cpu_host.py);
+  xxh3 runs at ~29 GB/s a core where block sums in torch run at 0.2-0.5 GB/s (block_checksum.py).
+Device reads of slab rows a captured step queued (`reading_on_device`) finish before a put writes rows.
 """
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-import numpy as np
 import psutil
 import torch
-import xxhash
 
 from tiers.base import IntegrityError, PooledTier, SlotPool, block_checksums, check_ids
 from tiers.block_checksum import block_sums, head_sums, sum_device
 from tiers.block_rows import (byte_rows, copy_rows, device_of, fields, host_int64, int32_words, normal_device,
                                row_slice, to_device)
+from tiers.cpu_host import HostRows
 from tiers.fetch_kernel import SlabTable, gather_slab_rows, slab_table
 from tiers.layout import BlockLayout, Blocks, Int8Blocks
 from tiers.quant import dequantize, quantize
 
 _SLAB_BYTES = 256 << 20
-_CHUNK_BYTES = 8 << 20  # gathered (and, on the host, verified) as one piece
 
 
-class CpuTier(PooledTier):
+class CpuTier(HostRows, PooledTier):
     name = "cpu"
 
     def __init__(
@@ -66,6 +65,7 @@ class CpuTier(PooledTier):
         self.head_sums = torch.zeros((0, layout.num_kv_heads, 2), dtype=torch.int64, device=self.sums.device)
         self.generation = 0  # bumped whenever the slab table or the sums move: captured graphs are then stale
         self.integrity_errors = 0  # blocks found damaged by reads
+        self._device_reads: torch.cuda.Event | None = None  # queued device reads of slab rows (a captured step)
         self._executor: ThreadPoolExecutor | None = None
 
     # -- memory --------------------------------------------------------------------------
@@ -115,6 +115,9 @@ class CpuTier(PooledTier):
         if self.sum_device is not None:  # where the sums are kept; from the GPU, before the block leaves it
             sums = self._head_sums(blocks if device_of(blocks) == self.sum_device else blocks.to(self.sum_device))
         host = blocks.to("cpu")
+        if self._device_reads is not None:  # a slot freed since may still be read by queued work: let it finish
+            self._device_reads.synchronize()
+            self._device_reads = None
         slots = self.slots.allocate(ids)
         try:
             self._grow_to(max(slots))
@@ -140,6 +143,12 @@ class CpuTier(PooledTier):
         parts = [head_sums([f.contiguous() for f in fields(row_slice(blocks, lo, min(lo + 64, n)))],
                            self.layout.num_kv_heads) for lo in range(0, n, 64)]
         return torch.cat(parts) if parts else self.head_sums[:0]
+
+    def reading_on_device(self, event: torch.cuda.Event) -> None:
+        """Queued device work reads slab rows directly (tiers/slice_gather.py): `event` is recorded after it, and
+        the next put waits for it before it writes rows (host copies are not ordered with the device's stream)."""
+        event.record()
+        self._device_reads = event
 
     def slab_table(self, device: torch.device) -> SlabTable:
         """The slabs as `device` reads them (built at its first use; rebuilt after the slabs grow)."""
@@ -216,68 +225,9 @@ class CpuTier(PooledTier):
         ends = counts.cumsum(0).tolist()
         return index, [(s, slice(end - c, end)) for s, c, end in zip(slabs.tolist(), counts.tolist(), ends)]
 
-    # -- host-side gathers and xxh3 ------------------------------------------------------
-    def _verify(self, ids: Sequence[int], slots: list[int], lo: int, hi: int) -> None:
-        """xxh3 of stored rows, hashed in place through numpy views: no torch call per block, so
-        worker threads hold the GIL only briefly (xxhash releases it while hashing)."""
-        digests = self._digests()
-        for block_id, slot in zip(ids[lo:hi], slots[lo:hi]):
-            views, row = self._byte_views[slot // self.slab_blocks], slot % self.slab_blocks
-            if len(views) == 1:  # fp16: one buffer; the one-shot digest equals the streaming one
-                digest = xxhash.xxh3_64_intdigest(views[0][row])
-            else:
-                h = xxhash.xxh3_64()
-                for rows in views:
-                    h.update(rows[row])
-                digest = h.intdigest()
-            if digest != digests[slot]:
-                self.integrity_errors += 1
-                raise IntegrityError(f"cpu tier: block {block_id} failed its checksum")
-
-    def _digests(self) -> np.ndarray:
-        """The xxh3 digest of every slot: a uint64 numpy view of sums[:, 0]."""
-        return self.sums.numpy()[:, 0].view(np.uint64)
-
-    def _chunks(self, n: int) -> list[tuple[int, int]]:
-        step = max(1, _CHUNK_BYTES // self.block_bytes)
-        return [(lo, min(lo + step, n)) for lo in range(0, n, step)]
-
     def _empty(self, n: int, device: torch.device | str = "cpu") -> Blocks:
         empty = self.layout.empty_fp16 if self.dtype == "float16" else self.layout.empty_int8
         return empty(n, device, pin=self.pin and torch.device(device).type == "cpu")
-
-    def _gather(self, ids: Sequence[int], out: Blocks, verify: bool) -> list[int]:
-        """Fill host batch `out` with `ids`, in chunks on a thread pool (with `verify`, each checked by
-        xxh3); returns their slots."""
-        slots = self.slots.lookup(ids)
-        chunks = self._chunks(len(ids))
-        if len(chunks) <= 1:  # no thread hand-off for one chunk
-            for lo, hi in chunks:
-                self._gather_chunk(ids, slots, out, lo, hi, verify)
-            return slots
-        futures = [self._pool().submit(self._gather_chunk, ids, slots, out, lo, hi, verify) for lo, hi in chunks]
-        for future in futures:
-            future.result()
-        return slots
-
-    def _gather_chunk(self, ids: Sequence[int], slots: list[int], out: Blocks, lo: int, hi: int,
-                      verify: bool) -> None:
-        index, groups = self._plan(slots[lo:hi])
-        for slab, cols in groups:
-            copy_rows(self.slabs[slab], index[1, cols], out, index[2, cols] + lo)
-        if not verify:
-            return
-        digests = self._digests()
-        for block_id, slot, got in zip(ids[lo:hi], slots[lo:hi], block_checksums(row_slice(out, lo, hi))):
-            if got != digests[slot]:
-                self.integrity_errors += 1
-                raise IntegrityError(f"cpu tier: block {block_id} failed its checksum")
-
-    def _pool(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            # 4 threads: host-side hashing peaked there on the H200 host (results/hash_threads_h200.txt)
-            self._executor = ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="kvtier-cpu")
-        return self._executor
 
     def check_integrity(self) -> None:
         self.slots.check()
