@@ -106,8 +106,8 @@ class KVStore:
         save into the tiers their positions belong in (the hot and warm windows on the GPU, the rest in cpu),
         newest first, into free room only (no other block cools for them; what does not fit stays in the
         save). Call it between decode steps with a few thousand blocks at a time to load an opened context in
-        the background of decoding: a sequence whose blocks are all on the GPU decodes through the captured
-        step. Returns how many blocks moved (0: nothing left to load, or no room)."""
+        the background of decoding: a sequence whose blocks are all on the GPU or in the cpu tier decodes
+        through the captured step. Returns how many blocks moved (0: nothing left to load, or no room)."""
         self.table(seq, 0)
         if max_blocks is not None and (isinstance(max_blocks, bool) or not isinstance(max_blocks, int)
                                        or max_blocks < 0):

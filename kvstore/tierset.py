@@ -32,6 +32,7 @@ from tiers.quant import dequantize
 
 __all__ = ["COLD_TIER", "CPU_TIER", "HOT_TIER", "SAVED_TIER", "WARM_TIER", "TierSet"]  # indices: tier_stack.py
 _FIRST_TIER = {HOT: HOT_TIER, WARM: WARM_TIER, COLD: CPU_TIER}
+LOAD_BATCH = 2048  # blocks a load_saved move reads at once (128 MiB of llama3-8b int8 blocks at 32 tokens)
 
 
 class TierSet:
@@ -114,8 +115,11 @@ class TierSet:
 
     def move(self, ids: list[int], src: int, dst: int, coldest: int | None = None) -> None:
         """Move blocks between tiers: put in `dst` (or colder, down to `coldest`, but never back into `src`),
-        then delete from `src`."""
-        blocks = self.stack[src].get(ids)  # verified: a damaged block raises here, before anything moved
+        then delete from `src`. Into a GPU pool from a host-side tier, the source delivers on the device itself
+        (pinned buffers, the cpu tier's gather kernel) rather than through pageable host memory."""
+        into_gpu = dst < CPU_TIER <= src
+        blocks = self.stack[src].fetch(ids, self.device) if into_gpu else self.stack[src].get(ids)  # verified: a
+        # damaged block raises here, before anything moved
         with self._moving(ids):
             self.place(ids, blocks, dst, coldest=coldest if coldest is not None else src - 1 if dst < src else None)
         self.stack[src].delete(ids)
@@ -159,14 +163,14 @@ class TierSet:
         moved = 0
         for dst, ids in sorted(wanted.items()):
             group = ids[:min(limit - moved, self.stack[dst].free_blocks())]
-            if not group:
-                continue
-            with self._moving(group):
-                try:
-                    self.move(group, SAVED_TIER, dst, coldest=dst)
-                except CapacityError:  # the tier's own budget (bytes, host memory) refused: they stay saved
-                    continue
-            moved += len(group)
+            for lo in range(0, len(group), LOAD_BATCH):  # bounded (pinned) buffers, reused batch after batch
+                batch = group[lo: lo + LOAD_BATCH]
+                with self._moving(batch):
+                    try:
+                        self.move(batch, SAVED_TIER, dst, coldest=dst)
+                    except CapacityError:  # the tier's own budget (bytes, host memory) refused: they stay saved
+                        break
+                moved += len(batch)
         return moved
 
     def cool(self, table: LayerTable, old_tokens: int, new_tokens: int | None = None) -> None:
