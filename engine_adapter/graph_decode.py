@@ -31,7 +31,7 @@ class GraphDecoder:
         self.steps = GraphedSteps(self.step, self._forward)
 
     def ready(self) -> bool:
-        """False when the next token must go the eager way (blocks in cpu/ssd, or capacity reached)."""
+        """False when the next token must go the eager way (blocks the step cannot serve, or capacity reached)."""
         return self.step.ready()
 
     @torch.no_grad()

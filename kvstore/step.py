@@ -57,7 +57,7 @@ STEP_MODES = ("dense", "topk", "sketch")
 
 
 class StepNotReady(ValueError):
-    """This token cannot run from device state (blocks in cpu/ssd, capacity reached, GPU pools full):
+    """This token cannot run from device state (blocks the step cannot reach, capacity reached, GPU pools full):
     nothing of it has happened; run it through store.append + store.attend."""
 
 

@@ -85,7 +85,7 @@ def test_step_hands_over_to_the_eager_path_when_blocks_go_cold(tmp_path):
     for layer in range(SPEC.num_layers):
         store.append(seq, layer, k, v)
     step = store.decode_step(seq, mode="topk", budget=128)
-    assert not step.ready()  # blocks beyond the GPU pools live in cpu/ssd
+    assert not step.ready()  # 1 MiB of cpu tier: most blocks beyond the GPU pools spill to ssd, out of its reach
     with pytest.raises(ValueError, match="cold blocks"):
         step.begin_token()
     with pytest.raises(ValueError, match="mode"):
