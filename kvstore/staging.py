@@ -30,7 +30,7 @@ from kvstore.table import LayerTable
 from kvstore.tierset import CPU_TIER, TierSet
 from tiers.base import device_ints
 from tiers.layout import Int8Blocks
-from tiers.stored import StoredBlocks
+from tiers.stored import MixedFormatTier, StoredBlocks
 
 
 @dataclass(slots=True)
@@ -53,7 +53,7 @@ def gather_as_stored(tiers: TierSet, ids: Sequence[int], device: torch.device) -
     for tier, group in tiers.blocks.by_tier(ids).items():
         source = tiers.stack[tier]
         at = [position[i] for i in group]
-        if hasattr(source, "fetch_as_stored"):  # a tier holding blocks of both formats (ssd, saved)
+        if isinstance(source, MixedFormatTier):  # a tier holding blocks of both formats (ssd, saved)
             got = source.fetch_as_stored(group, device)
             fp16 += [([at[r] for r in got.fp16_at], got.fp16)] if got.fp16_at else []
             int8 += [([at[r] for r in got.int8_at], got.int8)] if got.int8_at else []

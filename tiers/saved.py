@@ -26,11 +26,10 @@ import lmdb
 import redis
 import torch
 
-from tiers.base import IntegrityError
 from tiers.codec import Codec
 from tiers.errors import BlockMissingError
 from tiers.layout import BlockLayout, Blocks
-from tiers.stored import StoredBlocks, decode_as_stored
+from tiers.stored import StoredBlocks, decode_tier_values
 
 T = TypeVar("T")
 
@@ -82,15 +81,9 @@ class SavedTier:
         return self.source.view([self.key_of[i] for i in ids], partial(self._decode, ids, device))
 
     def _decode(self, ids: Sequence[int], device: torch.device | str, values: list) -> StoredBlocks:
-        missing = [i for i, v in zip(ids, values) if v is None]
-        if missing:
-            raise BlockMissingError(f"saved tier: the saved values of blocks {missing[:8]} are gone "
-                                    "(the context was deleted or replaced after it was opened)")
-        try:
-            return decode_as_stored(self._local.codec, self.layout, ids, values, "saved", device)
-        except IntegrityError:
-            self.integrity_errors += 1
-            raise
+        return decode_tier_values(self, self._local.codec, ids, values, "saved", device, lambda gone: BlockMissingError(
+            f"saved tier: the saved values of blocks {gone} are gone (the context was deleted or replaced after "
+            "it was opened)"))
 
     def fetch(self, ids: Sequence[int], device: torch.device) -> Blocks:
         return self.fetch_as_stored(ids, device).one_format()

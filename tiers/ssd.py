@@ -17,10 +17,10 @@ from typing import Callable, Sequence
 import lmdb
 import torch
 
-from tiers.base import BudgetedTier, IntegrityError, check_ids
+from tiers.base import BudgetedTier, check_ids
 from tiers.codec import HEADER_BYTES, Codec
 from tiers.layout import BlockLayout, Blocks, num_blocks
-from tiers.stored import StoredBlocks, decode_as_stored
+from tiers.stored import StoredBlocks, decode_tier_values
 
 _MAX_BATCH = 256  # queued write requests folded into one transaction
 
@@ -97,14 +97,8 @@ class SsdTier(BudgetedTier):
         the map (one read transaction) and copied once into one batch per format (tiers/stored.py)."""
         with self.env.begin(buffers=True) as txn:  # the views are valid until the transaction ends
             values = [txn.get(self.key(i)) for i in ids]
-            missing = [i for i, v in zip(ids, values) if v is None]
-            if missing:
-                raise KeyError(f"ssd: blocks not stored: {missing[:8]}")
-            try:
-                return decode_as_stored(self.codec(), self.layout, ids, values, "ssd", device)
-            except IntegrityError:
-                self.integrity_errors += 1
-                raise
+            return decode_tier_values(self, self.codec(), ids, values, "ssd", device,
+                                      lambda gone: KeyError(f"ssd: blocks not stored: {gone}"))
 
     def delete(self, ids: Sequence[int]) -> None:
         keys = [self.key(i) for i in ids]

@@ -12,13 +12,14 @@ where they lie (LMDB: views of the mapped pages), so a block's bytes are copied 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
 
 from tiers.base import device_ints
 from tiers.codec import Codec
+from tiers.errors import IntegrityError
 from tiers.layout import BlockLayout, Int8Blocks
 from tiers.quant import dequantize
 
@@ -45,6 +46,28 @@ class StoredBlocks:
         out[device_ints(self.fp16_at, out.device)] = self.fp16
         out[device_ints(self.int8_at, out.device)] = dequantize(self.int8)
         return out
+
+
+@runtime_checkable
+class MixedFormatTier(Protocol):
+    """A tier that holds blocks of both formats and hands each back in its own (ssd, saved): kvstore/staging.py
+    stages such blocks in the format they were stored in."""
+
+    def fetch_as_stored(self, ids: Sequence[int], device: torch.device | str) -> StoredBlocks: ...
+
+
+def decode_tier_values(tier, codec: Codec, ids: Sequence[int], values: Sequence, what: str,
+                       device: torch.device | str, missing: Callable[[list[int]], Exception]) -> StoredBlocks:
+    """decode_as_stored of the values a tier read for `ids`: raises missing(the first ids whose value is gone),
+    and counts a damaged batch in tier.integrity_errors before re-raising."""
+    gone = [i for i, v in zip(ids, values) if v is None]
+    if gone:
+        raise missing(gone[:8])
+    try:
+        return decode_as_stored(codec, tier.layout, ids, values, what, device)
+    except IntegrityError:
+        tier.integrity_errors += 1
+        raise
 
 
 def decode_as_stored(codec: Codec, layout: BlockLayout, ids: Sequence[int], values: Sequence[bytes | memoryview],
