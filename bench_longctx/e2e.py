@@ -90,7 +90,8 @@ def e2e_store(spec: ModelSpec, p: E2EPreset, device: torch.device, reserve: int 
     sink = 64
     hot = store_bytes(spec, 32, p.hot_tokens, 0, sink)
     per_token = spec.num_layers * BlockLayout.of(spec, 32).int8_bytes / 32
-    staging = staging_bytes(BlockLayout.of(spec, 32), 4096)
+    staging_tokens = max(4096, p.budget)  # a staging row per selected block: the step reads cpu blocks itself
+    staging = staging_bytes(BlockLayout.of(spec, p.block_tokens), staging_tokens)
     room = available_bytes(device) - reserve - 2 * hot - staging
     warm_tokens = max(0, min(p.context + p.steps * 8, int(room / per_token) - 64)) // 32 * 32  # 4 paths append
     if p.warm_tokens:
@@ -99,7 +100,7 @@ def e2e_store(spec: ModelSpec, p: E2EPreset, device: torch.device, reserve: int 
     cpu_bytes = int(max(0, cold_tokens + 4096) * per_token * 1.1)
     return model_store(spec, device, hot_tokens=p.hot_tokens, warm_tokens=warm_tokens, sink_tokens=sink,
                        recent_tokens=p.recent_tokens, sequences=1, cpu_bytes=max(cpu_bytes, 64 << 20),
-                       block_tokens=p.block_tokens, cpu_dtype="int8", staging_tokens=max(4096, p.budget))
+                       block_tokens=p.block_tokens, cpu_dtype="int8", staging_tokens=staging_tokens)
 
 
 def fill_random(store: KVStore, seq: int, context: int, seed: int, progress) -> None:

@@ -159,8 +159,8 @@ def head_sums(fields: Sequence[torch.Tensor], num_heads: int) -> torch.Tensor:
     out = torch.zeros((words[0].shape[0], num_heads, 2), dtype=torch.int64, device=device)
     first = 0
     for field, w in zip(fields, words):
-        parts = field.shape[1] if field.dim() == 5 else 1
-        if field.shape[field.dim() - 3 if field.dim() == 5 else 1] != num_heads:
+        parts, heads = (field.shape[1], field.shape[2]) if field.dim() == 5 else (1, field.shape[1])
+        if heads != num_heads:
             raise ValueError(f"head_sums: expected {num_heads} heads in a field of shape {list(field.shape)}")
         n, total = w.shape
         per_head = w.to(torch.int64).view(n, parts, num_heads, -1)
