@@ -9,12 +9,13 @@ state, so one capture stays valid while the sequence grows:
     tail_slot    int64 [L]   hot-pool slot of each layer's tail block
 per layer, inside the step (no host sync):
     1. append    k, v of the new token -> the tail block at offset num_tokens % B; widen its summary
-    2. select    dense: every block up to capacity (the kernel reads only ceil(n / B) of them);
+    2. select    dense: the table itself, viewed up to a bucket of blocks (a power of two >= ceil(n / B),
+                 so a short sequence in a long capacity gets a short table's kernel; one graph per bucket);
                  topk (Quest's min/max bound) or sketch (the 4-bit key sketch, select_masked):
                  block scores over capacity, invalid blocks -inf, sinks and the recent window +inf,
                  top k (k fixed: budget // B), ascending
     3. attend    the paged kernel over that block table, token count computed on the device
-    4. account   the kernel's block mass into the table's H2O scores
+    4. account   the kernel's block mass into the table's H2O scores (added by the kernel's merge)
 Counts that depend only on the token (tokens the kernel reads, the sketch's live/protected masks) are
 computed once per token, in layer 0 (so a token's layers run in order). On CUDA the topk select is
 Quest scores masked from the device count in one launch, then (k <= 256 blocks of a long table) top-k
@@ -95,6 +96,7 @@ class DecodeStep:
         self._unverified = False  # a token staged cold blocks since verify() last read cold_counts
         self.stages_cold = False  # this token stages cpu blocks (fixed per token: part of the graph's key)
         self.phase = self._phase(length + 1)
+        self.dense_blocks = self._dense_bucket(length + 1)  # the dense table's length (part of the graph's key)
         self._next_layer = 0
         self._sync_tail_slots()
 
@@ -128,8 +130,9 @@ class DecodeStep:
 
     def graph_key(self) -> tuple:
         """What a captured graph of this token depends on beyond device state: its phase, whether it stages cpu
-        blocks and, if so, the cpu tier's slab table and sums (they move when the tier grows)."""
-        return (self.phase, self.stages_cold, self.store.tiers.cpu.generation if self.stages_cold else 0)
+        blocks and, if so, the cpu tier's slab table and sums (they move when the tier grows); dense: its bucket."""
+        return (self.phase, self.stages_cold, self.store.tiers.cpu.generation if self.stages_cold else 0,
+                self.dense_blocks if self.phase == "dense" else 0)
 
     def verify(self) -> None:
         """IntegrityError if a cpu slice the steps since the last call read failed its checksum (one host sync;
@@ -156,6 +159,7 @@ class DecodeStep:
             self._sync_tail_slots()
         self._next_layer = 0  # a token that failed part way left nothing on the device count: start over
         self.phase = self._phase(self.length + 1)
+        self.dense_blocks = self._dense_bucket(self.length + 1)
         if self._crosses_window(self.length):  # as store.append does: cool, then the token attends
             for table in self.tables:
                 self.store.tiers.cool(table, self.length, self.length + 1)
@@ -204,6 +208,12 @@ class DecodeStep:
     def _phase(self, num_tokens: int) -> str:
         return "dense" if self.mode == "dense" or -(-num_tokens // self.block_tokens) <= self.k else "topk"
 
+    def _dense_bucket(self, num_tokens: int) -> int:
+        """Blocks of the dense table at num_tokens: the next power of two (>= 16) of the blocks held, at most
+        capacity. The kernel picks its walk by the table's length; a graph serves one bucket."""
+        blocks = -(-num_tokens // self.block_tokens)
+        return min(self.capacity, max(16, 1 << (blocks - 1).bit_length()))
+
     def _crosses_window(self, old: int) -> bool:
         """Whether growing from old to old + 1 tokens moves some block out of the hot or warm window."""
         c, b = self.store.config, self.block_tokens
@@ -239,10 +249,9 @@ class DecodeStep:
                               cpu.slab_table(self.store.device), cpu.head_sums, fields(pool.pool),
                               pool.slots.num_slots, CPU_TIER, self.cold_counts)
         warm = tiers.warm.pool  # always both pools: blocks cool into int8 while a capture stays valid
-        out, mass = self.store.decode.kernel(q[None], tiers.hot.pool, warm.data, warm.k_scale, warm.v_scale,
-                                             slots[None], is_int8[None], self.kernel_tokens,
-                                             return_block_mass=True)
-        table.h2o_scores[:, : self.capacity].scatter_add_(1, selected, mass[0])
+        out, _ = self.store.decode.kernel(q[None], tiers.hot.pool, warm.data, warm.k_scale, warm.v_scale,
+                                          slots[None], is_int8[None], self.kernel_tokens,
+                                          add_mass_to=(table.h2o_scores, selected))
         if upper is not None:  # the sketch's certified omitted mass, kept on the device (end_token counts it)
             lse = attended_lse(q, tiers.hot.pool, warm, slots, is_int8, (self._n - 1) % self.block_tokens + 1)
             self.certified[layer] = certified_omitted_mass(upper, selected, lse).mean()
@@ -271,8 +280,10 @@ class DecodeStep:
 
     def _select(self, table, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(selected [H, k], slots int32 [H, k], is_int8 [H, k], the sketch's block upper bounds [Hq, N] or None)."""
-        if self.phase == "dense":
-            return (self.all_blocks, *block_table(table, self.all_blocks), None)
+        if self.phase == "dense":  # the table itself: slots and flags shared by the kv heads (stride 0), no gather
+            m, h = self.dense_blocks, self.store.spec.num_kv_heads
+            is_int8 = (table.tier_map[:m] == WARM_TIER)[None].expand(h, m)
+            return self.all_blocks[:, :m], table.slot_map[None, :m].expand(h, m), is_int8, None
         if isinstance(self.policy, SketchTopK):
             selected, upper = self.policy.select_masked(q, table.summaries[: self.capacity],
                                                         table.sketch[: self.capacity], self._valid, self._protected,

@@ -5,7 +5,9 @@ output and its log2-sum-exp2, and per (row, q head, block) the block's log2-sum-
 runs a program per (row, kv head, p): each finds its group's log-sum-exp over the splits (a few hundred
 floats), program p < GROUP also weights q head p's splits by exp2(lse_split - lse) into the output, and
 program p turns chunk p of the block log-sums into softmax mass averaged over the group's q heads (what
-H2O adds up). One launch where a combine and a mass kernel used to wait on each other.
+H2O adds up). One launch where a combine and a mass kernel used to wait on each other. With a score table
+(batch 1, the decode step's H2O scores) the mass is added into it where the block table's entries came
+from, instead of into a buffer a scatter would read: one launch less per layer.
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ _MASS_CHUNK = 256  # blocks per program of the mass
 
 @triton.jit
 def _merge_kernel(
-    o_part_ptr, lse_part_ptr, lse_block_ptr, num_tokens_ptr, out_ptr, mass_ptr,
-    s_out_batch, s_out_head, num_kv_heads, num_splits, max_blocks,
+    o_part_ptr, lse_part_ptr, lse_block_ptr, num_tokens_ptr, out_ptr, mass_ptr, scores_ptr, index_ptr,
+    s_out_batch, s_out_head, num_kv_heads, num_splits, max_blocks, s_sc_head, s_ix_head, s_ix_blk,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-    SPLIT_CHUNK: tl.constexpr, MASS_CHUNK: tl.constexpr, RETURN_MASS: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr, MASS_CHUNK: tl.constexpr, RETURN_MASS: tl.constexpr, STORE_MASS: tl.constexpr,
+    ADD_MASS: tl.constexpr,
 ):
-    """Program (b, kv head, p): out of q head p of the group (p < GROUP); mass[b, head, chunk p] (RETURN_MASS).
+    """Program (b, kv head, p): out of q head p of the group (p < GROUP); the mass of chunk p of the row's blocks
+    (RETURN_MASS): stored in mass[b, head] (STORE_MASS) and/or added to scores[head, index[head, j]] (ADD_MASS,
+    batch 1; a head's index entries are distinct, so no two programs touch one score).
 
     One pass over the splits, online: the group's running max m and sum of exp2 [G], and q head p's
     weighted output. Every load of a step is issued at once (the block log-sums before the pass), so a
@@ -77,25 +82,36 @@ def _merge_kernel(
         lse = tl.where(total > 0, m + tl.log2(tl.where(total > 0, total, 1.0)), 0.0)  # [G]
         ok = g_ok[:, None] & (offs_j < n_blocks)[None, :]  # [G, C]
         mass = tl.sum(tl.exp2(tl.where(ok, lse_block - lse[:, None], float("-inf"))), 0) / GROUP
-        tl.store(mass_ptr + (b * num_kv_heads + head) * max_blocks + offs_j, mass, mask=offs_j < max_blocks)
+        if STORE_MASS:
+            tl.store(mass_ptr + (b * num_kv_heads + head) * max_blocks + offs_j, mass, mask=offs_j < max_blocks)
+        if ADD_MASS:
+            live = offs_j < n_blocks
+            idx = tl.load(index_ptr + head * s_ix_head + offs_j * s_ix_blk, mask=live, other=0)
+            score_ptrs = scores_ptr + head * s_sc_head + idx
+            tl.store(score_ptrs, tl.load(score_ptrs, mask=live, other=0.0) + mass, mask=live)
 
 
 def merge_splits(
     o_part: torch.Tensor, lse_part: torch.Tensor, lse_block: torch.Tensor, num_tokens: torch.Tensor,
-    geom: DecodeGeometry, return_block_mass: bool,
+    geom: DecodeGeometry, return_block_mass: bool, add_mass_to: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """o_part f32 [B, Hq, S, D], lse_part f32 [B, Hq, S], lse_block f32 [B, Hq, max_blocks] (read only with
-    return_block_mass) -> (out fp16 [B, Hq, D], block mass f32 [B, H, max_blocks] or None)."""
+    return_block_mass or add_mass_to) -> (out fp16 [B, Hq, D], block mass f32 [B, H, max_blocks] or None).
+    add_mass_to: (scores f32 [H, n], index int [H, max_blocks]), batch 1: scores[h, index[h, j]] += mass of
+    block j of row h, for the row's live blocks (see paged_decode)."""
     b, nq, num_splits, d = o_part.shape
     h, max_blocks = geom.num_kv_heads, geom.max_blocks
     out = torch.empty((b, nq, d), dtype=torch.float16, device=o_part.device)  # [B, Hq, D]
     mass = torch.empty((b, h, max_blocks) if return_block_mass else (1,), dtype=torch.float32,
                        device=o_part.device)  # [B, H, max_blocks]
-    programs = max(geom.group, triton.cdiv(max_blocks, _MASS_CHUNK) if return_block_mass else 0)
+    with_mass = return_block_mass or add_mass_to is not None
+    scores, index = add_mass_to if add_mass_to is not None else (mass, mass.view(1, -1))  # unread without ADD_MASS
+    programs = max(geom.group, triton.cdiv(max_blocks, _MASS_CHUNK) if with_mass else 0)
     _merge_kernel[(b, h, programs)](
-        o_part, lse_part, lse_block, num_tokens, out, mass, out.stride(0), out.stride(1), h, num_splits, max_blocks,
+        o_part, lse_part, lse_block, num_tokens, out, mass, scores, index, out.stride(0), out.stride(1), h,
+        num_splits, max_blocks, scores.stride(0), index.stride(0), index.stride(1),
         GROUP=geom.group, GROUP_PAD=triton.next_power_of_2(geom.group), HEAD_DIM=d, BLOCK_TOKENS=geom.block_tokens,
         SPLIT_CHUNK=min(_MAX_SPLIT_CHUNK, triton.next_power_of_2(num_splits)), MASS_CHUNK=_MASS_CHUNK,
-        RETURN_MASS=return_block_mass, num_warps=4,
+        RETURN_MASS=with_mass, STORE_MASS=return_block_mass, ADD_MASS=add_mass_to is not None, num_warps=4,
     )
     return out, (mass if return_block_mass else None)

@@ -33,7 +33,7 @@ from kvstore.attention.merge import merge_splits
 from kvstore.attention.one_tile import one_tile_partials
 from kvstore.attention.partition import partition_table
 from kvstore.attention.plan import (DecodeConfig, DecodeGeometry, check_decode_inputs, check_kernel_layout,
-                                   decode_config)
+                                   check_mass_target, decode_config)
 from kvstore.attention.tiles import entries, load_kv
 
 LOG2E = 1.4426950408889634
@@ -204,7 +204,7 @@ def paged_decode(
     warm_v_scale: torch.Tensor, block_table: torch.Tensor, block_is_int8: torch.Tensor, num_tokens: torch.Tensor,
     *, sm_scale: float | None = None, return_block_mass: bool = False, num_splits: int | None = None,
     blocks_per_iter: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-    walk: str = "auto", int8_loop: str = "tile",
+    walk: str = "auto", int8_loop: str = "tile", add_mass_to: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decode step of attention over paged KV: returns (out fp16 [B, Hq, D], block_mass f32 [B, H, max_blocks]).
 
@@ -223,6 +223,8 @@ def paged_decode(
         raise ValueError(f"walk: expected one of {WALKS}, got {walk!r}")
     if int8_loop not in INT8_LOOPS:
         raise ValueError(f"int8_loop: expected one of {INT8_LOOPS}, got {int8_loop!r}")
+    check_mass_target(add_mass_to, geom, q.device)
+    with_mass = return_block_mass or add_mass_to is not None
     cfg = decode_config(geom, q.device, num_splits=num_splits, blocks_per_iter=blocks_per_iter,
                         num_warps=num_warps, num_stages=num_stages,
                         one_tile=None if walk == "auto" else walk == "one_tile")
@@ -232,11 +234,10 @@ def paged_decode(
     warm_words = warm_data.view(torch.int32)  # [n_warm, 2, H, T, D / 4]: 4 int8 per word
     args = (q, hot_pool, warm_words, warm_k_scale, warm_v_scale, block_table, block_is_int8, num_tokens)
     if cfg.one_tile:
-        parts = one_tile_partials(*args, geom, cfg, scale, return_block_mass, _use_asm(q.device))
+        parts = one_tile_partials(*args, geom, cfg, scale, with_mass, _use_asm(q.device))
     else:
-        parts = split_partials(*args, geom, cfg, scale, return_block_mass, "partition" if walk == "auto" else walk,
-                               int8_loop)
-    return merge_splits(*parts, num_tokens, geom, return_block_mass)
+        parts = split_partials(*args, geom, cfg, scale, with_mass, "partition" if walk == "auto" else walk, int8_loop)
+    return merge_splits(*parts, num_tokens, geom, return_block_mass, add_mass_to)
 
 
 def split_partials(

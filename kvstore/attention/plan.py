@@ -24,11 +24,11 @@ _MIN_ITERS_PER_SPLIT = 4  # below this, a split's fixed cost (q load, partial st
 # The one-tile walk (one_tile.py): tokens per program (64 at head_dim 128: 95 registers at 4 warps with
 # both pools, 5 programs per SM, so a 4096-token budget's 512 programs run in one wave; offline sm_90
 # compile, triton 3.6), and the most table tokens (summed over rows and kv heads) per SM it is chosen
-# for: 8 kv heads x 8K tokens on 132 SMs; past that the split walk's loops. H200 (attention_variants,
+# for: 8 kv heads x 16K tokens on 132 SMs; past that the split walk's loops. H200 (attention_variants,
 # results/h200-attention): the default was the fastest at budget 4096 and 8K dense; at 16K int8 a 64-token
-# tile (29.7 us) beat the split walk the threshold picks (34.6).
+# tile (29.7 us) beat the split walk (34.6), which the old limit (512, 8 kv heads x 8K) picked there.
 _ONE_TILE_TOKENS = 64
-_ONE_TILE_MAX_TOKENS_PER_SM = 512
+_ONE_TILE_MAX_TOKENS_PER_SM = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +104,19 @@ def check_decode_inputs(
         raise ValueError(f"head_dim: expected a power of two in 16..256, block_tokens: a power of two; "
                          f"got {head_dim} and {block_tokens}")
     return DecodeGeometry(batch, num_q_heads, num_kv_heads, head_dim, block_tokens, max_blocks)
+
+
+def check_mass_target(add_mass_to: tuple | None, geom: DecodeGeometry, device: torch.device) -> None:
+    """paged_decode's add_mass_to: None, or (scores f32 [H, n], index int64 [H, max_blocks]) for a batch of 1."""
+    if add_mass_to is None:
+        return
+    if geom.batch != 1:
+        raise ValueError(f"add_mass_to: serves a batch of 1, got batch {geom.batch}")
+    scores, index = add_mass_to
+    _check_tensor("add_mass_to scores", scores, (torch.float32,), (geom.num_kv_heads, None), device)
+    _check_tensor("add_mass_to index", index, (torch.int64,), (geom.num_kv_heads, geom.max_blocks), device)
+    if scores.stride(-1) != 1:
+        raise ValueError(f"add_mass_to scores: expected a contiguous last dim, got strides {scores.stride()}")
 
 
 def check_kernel_layout(q: torch.Tensor, hot_pool: torch.Tensor, warm_data: torch.Tensor,

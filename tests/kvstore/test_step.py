@@ -45,10 +45,11 @@ def test_step_equals_append_plus_attend(tmp_path, mode, budget):
         eager.append(sa, layer, prefill_k, prefill_v)
         stepped.append(sb, layer, prefill_k, prefill_v)
     step = stepped.decode_step(sb, mode=mode, budget=budget, capacity_tokens=1024)
-    phases = set()
-    work = tokens(140, seed=1)  # 100 -> 240 tokens: 9 block boundaries, cooling, the topk phase from 128
-    for t in range(140):
+    phases, buckets = set(), set()
+    work = tokens(170, seed=1)  # 100 -> 270 tokens: 11 block boundaries, cooling, the topk phase from 128,
+    for t in range(170):  # dense tables of 16 blocks, then 32 (the 17th block opens at 257)
         phases.add(step.begin_token())
+        buckets.add(step.graph_key()[-1])
         for layer in range(SPEC.num_layers):
             q, k, v = work[t * SPEC.num_layers + layer]
             eager.append(sa, layer, k[None], v[None])
@@ -57,11 +58,12 @@ def test_step_equals_append_plus_attend(tmp_path, mode, budget):
             torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-3)
         step.end_token()
     assert phases == ({"dense"} if mode == "dense" else {"dense", "topk"})
+    assert buckets == ({16, 32} if mode == "dense" else {16, 0})  # topk keys carry no bucket
     stepped.check_integrity()
     assert stepped.stats()["tiers"]["warm"]["blocks"] > 0  # blocks cooled to int8 under the step
     for layer in range(SPEC.num_layers):
         ta, tb = eager.table(sa, layer), stepped.table(sb, layer)
-        assert ta.num_tokens == tb.num_tokens == 240
+        assert ta.num_tokens == tb.num_tokens == 270
         ka, va = eager.read(sa, layer)
         kb, vb = stepped.read(sb, layer)
         assert torch.equal(ka, kb) and torch.equal(va, vb)

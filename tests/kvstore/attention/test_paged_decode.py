@@ -9,6 +9,8 @@ stray read shows up as NaN or a wrong answer. On CPU this runs under TRITON_INTE
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 import pytest
@@ -206,6 +208,33 @@ def test_block_mass_sums_to_one_per_row_and_zero_on_padding() -> None:
     padding = torch.arange(mass.shape[-1], device=DEVICE)[None, None, :] >= n_blocks[:, None, None]
     assert torch.all(mass[padding.expand_as(mass)] == 0)
     assert torch.all(mass[~padding.expand_as(mass)] > 0)
+
+
+@pytest.mark.parametrize("walk", ["one_tile", "partition"])
+@pytest.mark.parametrize("name", ["gqa8_d128", "block_tokens_128", "hot_pool_empty"])
+def test_mass_added_into_scores_where_the_table_came_from(name: str, walk: str) -> None:
+    """add_mass_to (the decode step's H2O account, in the merge): scores[h, index[h, j]] += mass[h, j] for live
+    j, the rest untouched; kernel and reference alike."""
+    case, kwargs = _build(name)
+    case = dataclasses.replace(case, num_tokens=case.num_tokens[:1])  # batch 1: one row of each table
+    args = list(case.args())
+    args[0], args[5], args[6] = args[0][:1], args[5][:1], args[6][:1]
+    heads, max_blocks = args[5].shape[1:]
+    gen = torch.Generator().manual_seed(3)
+    index = torch.stack([torch.randperm(3 * max_blocks, generator=gen)[:max_blocks] for _ in range(heads)])
+    scores0 = torch.rand((heads, 3 * max_blocks), generator=gen)
+    _, mass = paged_decode_ref(*args, return_block_mass=True)
+    n_blocks = -(-int(case.num_tokens[0]) // case.hot.shape[3])
+    expected = scores0.clone()
+    expected.scatter_add_(1, index[:, :n_blocks], mass[0, :, :n_blocks].cpu())
+    run = {k: v for k, v in kwargs.items() if walk == "partition" or k != "num_splits"}
+    for fn, extra in ((paged_decode, {"walk": walk, **run}), (paged_decode_ref, {})):
+        scores = scores0.clone().to(DEVICE)
+        out, none = fn(*args, add_mass_to=(scores, index.to(DEVICE)), **extra)
+        assert none is None
+        torch.testing.assert_close(scores.cpu(), expected, atol=1e-4, rtol=1e-3)
+    with pytest.raises(ValueError, match="add_mass_to index"):
+        paged_decode(*args, add_mass_to=(scores, index[:, :-1].to(DEVICE)))
 
 
 @pytest.mark.parametrize("config", [{"blocks_per_iter": 2}, {"blocks_per_iter": 4, "num_warps": 8},
