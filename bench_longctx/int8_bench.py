@@ -17,8 +17,8 @@ count; each case then also runs with the fastest config of its pool ("best"; mix
 GB/s counts the bytes a case needs (fp16 blocks 4 T D, int8 blocks 2 T D + 4 (D + T) per kv head);
 of_ceiling divides by the device copy rate measured in the same run. Ends with each variant checked
 against paged_decode_ref. Needs ~12 GB of GPU memory; ~3 minutes on an H200.
---loops instead compares the split walk's two int8 loops (paged_decode's int8_loop: dequantized tiles, the
-scales folded into q and p) at 1M on the int8, int8+hot and sinks_recent cases, the folded loop over warps,
+--loops instead compares the split walk's int8 loops (paged_decode's int8_loop: dequantized tiles, the
+scales folded into q and p, folded with the next entry prefetched) at 1M on the int8 and int8+hot cases, the folded loop over warps,
 stages and split count; writes int8_loops.json.
 """
 
@@ -46,8 +46,8 @@ ONE_POOL = ("fp16", "int8")
 BOTH = ("int8+hot", "fp16+warm", "sinks_recent", "alternate")
 TARGET_INT8_VS_SDPA = 1.7  # issue 10: int8 warm-only at 1M; mixed tables never slower than our fp16
 SPLIT_WALKS = ("partition", "fused", "dispatch")  # paged_decode's walks over two pools of a long table
-LOOP_CASES = ("int8", "int8+hot", "sinks_recent")
-LOOP_SWEEP = dict(warps=(4, 8), stages=(2, 3, 4), split_factor=(1.0, 2.0))
+LOOP_CASES = ("int8", "int8+hot")
+LOOP_SWEEP = dict(warps=(2, 4), stages=(1, 2), split_factor=(1.0, 2.0, 4.0))
 SWEEP = dict(warps=(4, 8), tokens=(128, 64), stages=(2, 1, 3), split_factor=(1.0, 0.5, 2.0))  # likeliest first
 
 
@@ -188,7 +188,8 @@ def compare_loops(q: torch.Tensor, sdpa: float, ceiling: float) -> list[dict]:
             for w, st, f in itertools.product(LOOP_SWEEP["warps"], LOOP_SWEEP["stages"], LOOP_SWEEP["split_factor"])]
         for case in LOOP_CASES:
             args = case_args(pools, case, q)
-            for loop, (label, config) in [("tile", configs[0])] + [("folded", c) for c in configs]:
+            runs = [("tile", configs[0])] + [(loop, c) for loop in ("folded", "prefetch") for c in configs]
+            for loop, (label, config) in runs:
                 kwargs = {**config, "int8_loop": loop, "walk": "partition"}
                 ms = time_ms(lambda: paged_decode(*args, return_block_mass=True, **kwargs), q.device)
                 rows.append(row(pools, case, loop, ms, sdpa, ceiling, config=label, mass=True, **config))
@@ -213,7 +214,8 @@ def main() -> None:
     q = torch.randn((1, NUM_Q_HEADS, HEAD_DIM), dtype=torch.float16, device=device)  # [1, Hq, D]
     if opts.loops:
         correctness = check_correctness(device, [{"walk": "partition", "int8_loop": "folded"},
-                                                 {"walk": "partition", "int8_loop": "folded", "num_warps": 8}])
+                                                 {"walk": "partition", "int8_loop": "prefetch"},
+                                                 {"walk": "partition", "int8_loop": "prefetch", "num_warps": 2}])
         print("correctness vs reference:", json.dumps(correctness), flush=True)
         sdpa = sdpa_ms(CONTEXTS[-1], q)
         rows = compare_loops(q, sdpa, ceiling)

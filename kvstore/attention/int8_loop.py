@@ -23,6 +23,26 @@ from kvstore.attention.plan import DecodeConfig, DecodeGeometry
 
 
 @triton.jit
+def _load_block(slot_row, pos_row, s_tab_blk, j, hi, n_tok, head, warm_ptr, k_scale_ptr, v_scale_ptr, tile,
+                offs_d, offs_t, s_warm_slot, s_warm_kv, s_warm_head, s_ks_slot, s_ks_head, s_vs_slot, s_vs_head,
+                BLOCK_TOKENS: tl.constexpr, PARTITIONED: tl.constexpr):
+    """Entry j of the row: int8 K and V [T, D], K's scales [D], V's scales [T], its position in the table and
+    which of its tokens are live. Past the range (j >= hi) nothing is read: zeros, no live token."""
+    jc = tl.maximum(tl.minimum(j, hi - 1), 0)  # an entry of the table, whatever j is
+    slot = tl.load(slot_row + jc * s_tab_blk).to(tl.int64)
+    pos = tl.load(pos_row + jc * s_tab_blk) if PARTITIONED else jc
+    ok_t = (offs_t * 0 + j) < hi  # [T]
+    base = warm_ptr + slot * s_warm_slot + head * s_warm_head
+    k8 = tl.load(base + tile, mask=ok_t[:, None], other=0)
+    v8 = tl.load(base + s_warm_kv + tile, mask=ok_t[:, None], other=0)
+    k_scale = tl.load(k_scale_ptr + slot * s_ks_slot + head * s_ks_head + offs_d, mask=(offs_d * 0 + j) < hi,
+                      other=0.0)
+    tok_ok = (pos * BLOCK_TOKENS + offs_t < n_tok) & ok_t
+    v_scale = tl.load(v_scale_ptr + slot * s_vs_slot + head * s_vs_head + offs_t, mask=tok_ok, other=0.0)
+    return k8, v8, k_scale, v_scale, pos, tok_ok
+
+
+@triton.jit
 def _int8_split_kernel(
     q_ptr, warm_ptr, k_scale_ptr, v_scale_ptr, table_ptr, pos_ptr, num_tokens_ptr, num_fp16_ptr,
     o_part_ptr, lse_part_ptr, lse_block_ptr,
@@ -31,9 +51,10 @@ def _int8_split_kernel(
     s_tab_batch, s_tab_head, s_tab_blk, s_nf_batch, s_nf_head,
     qk_scale, blocks_per_split, pool_splits, split_base, num_splits, max_blocks, num_q_heads,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-    PARTITIONED: tl.constexpr, RETURN_MASS: tl.constexpr,
+    PARTITIONED: tl.constexpr, RETURN_MASS: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    """Program (b, kv head, split): the group's q heads over one range of int8 entries, online softmax."""
+    """Program (b, kv head, split): the group's q heads over one range of int8 entries, online softmax.
+    PREFETCH: entry j + 1's loads are issued before entry j's math (registers double-buffered)."""
     V_BOOST: tl.constexpr = 256.0  # p * v_scale * 256: out of fp16's subnormals (as in paged_decode._attend)
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -64,15 +85,19 @@ def _int8_split_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    load_args = (n_tok, head, warm_ptr, k_scale_ptr, v_scale_ptr, tile, offs_d, offs_t, s_warm_slot, s_warm_kv,
+                 s_warm_head, s_ks_slot, s_ks_head, s_vs_slot, s_vs_head)
+    if PREFETCH:
+        nk8, nv8, nks, nvs, npos, nok = _load_block(slot_row, pos_row, s_tab_blk, lo, hi, *load_args,
+                                                    BLOCK_TOKENS, PARTITIONED)
     for j in range(lo, hi):
-        slot = tl.load(slot_row + j * s_tab_blk).to(tl.int64)
-        pos = tl.load(pos_row + j * s_tab_blk) if PARTITIONED else j
-        base = warm_ptr + slot * s_warm_slot + head * s_warm_head
-        k8 = tl.load(base + tile)  # int8 [T, D]
-        v8 = tl.load(base + s_warm_kv + tile)
-        k_scale = tl.load(k_scale_ptr + slot * s_ks_slot + head * s_ks_head + offs_d)  # [D]
-        tok_ok = pos * BLOCK_TOKENS + offs_t < n_tok  # [T]
-        v_scale = tl.load(v_scale_ptr + slot * s_vs_slot + head * s_vs_head + offs_t, mask=tok_ok, other=0.0)
+        if PREFETCH:
+            k8, v8, k_scale, v_scale, pos, tok_ok = nk8, nv8, nks, nvs, npos, nok
+            nk8, nv8, nks, nvs, npos, nok = _load_block(slot_row, pos_row, s_tab_blk, j + 1, hi, *load_args,
+                                                        BLOCK_TOKENS, PARTITIONED)
+        else:
+            k8, v8, k_scale, v_scale, pos, tok_ok = _load_block(slot_row, pos_row, s_tab_blk, j, hi, *load_args,
+                                                                BLOCK_TOKENS, PARTITIONED)
         s = tl.dot((q * k_scale[None, :]).to(tl.float16), tl.trans(k8.to(tl.float16)))  # [M, T]
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -97,7 +122,7 @@ def launch_int8_loop(
     table: torch.Tensor, positions: torch.Tensor, num_tokens: torch.Tensor, num_fp16: torch.Tensor,
     o_part: torch.Tensor, lse_part: torch.Tensor, lse_block: torch.Tensor,
     geom: DecodeGeometry, cfg: DecodeConfig, scale: float, split_base: int, grid_splits: int,
-    partitioned: bool, return_block_mass: bool,
+    partitioned: bool, return_block_mass: bool, prefetch: bool = False,
 ) -> None:
     """The int8 entries' launch of the split walk (paged_decode.split_partials' arguments; warm_data int8).
     Splits: cfg.num_splits per pool, cfg.blocks_per_split blocks each when direct."""
@@ -110,6 +135,6 @@ def launch_int8_loop(
         *table.stride(), *num_fp16.stride(),
         scale, cfg.blocks_per_split, cfg.num_splits, split_base, total_splits, geom.max_blocks, geom.num_q_heads,
         GROUP=geom.group, GROUP_PAD=max(16, triton.next_power_of_2(geom.group)), HEAD_DIM=geom.head_dim,
-        BLOCK_TOKENS=geom.block_tokens, PARTITIONED=partitioned, RETURN_MASS=return_block_mass,
+        BLOCK_TOKENS=geom.block_tokens, PARTITIONED=partitioned, RETURN_MASS=return_block_mass, PREFETCH=prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -41,8 +41,9 @@ LOG2E = 1.4426950408889634
 # or the split walk, which over two non-empty pools partitions the table, or fuses both pools' launches, or
 # dispatches per split (over one pool the last three are the same direct walk)
 WALKS = ("auto", "one_tile", "partition", "fused", "dispatch")
-# how the split walk reads int8 entries: dequantized tiles (tiles.py) or the scales folded into q and p (int8_loop.py)
-INT8_LOOPS = ("tile", "folded")
+# how the split walk reads int8 entries: dequantized tiles (tiles.py) or the scales folded into q and p (int8_loop.py),
+# loading each entry in its iteration or the next one's during it (prefetch)
+INT8_LOOPS = ("tile", "folded", "prefetch")
 
 
 @triton.jit
@@ -248,7 +249,7 @@ def split_partials(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The split walk (walk: partition, fused or dispatch): (o_part, lse_part, lse_block) as merge_splits reads
     them. Arguments as paged_decode checked them (warm_words: warm_data viewed as int32, flags as int8).
-    int8_loop "folded": a launch over int8 entries only runs int8_loop.py's loop."""
+    int8_loop "folded" or "prefetch": a launch over int8 entries only runs int8_loop.py's loop."""
     has_hot, has_warm = hot_pool.shape[0] > 0, warm_words.shape[0] > 0
     partitioned = has_hot and has_warm and walk != "dispatch"
     total_splits = 2 * cfg.num_splits if partitioned else cfg.num_splits
@@ -263,10 +264,10 @@ def split_partials(
         table, positions, num_fp16 = part.slots, part.positions, part.num_fp16
 
     def launch(split_base: int, grid_splits: int, hot: bool, warm: bool) -> None:
-        if warm and not hot and int8_loop == "folded":
+        if warm and not hot and int8_loop != "tile":
             launch_int8_loop(q, warm_words.view(torch.int8), warm_k_scale, warm_v_scale, table, positions,
                              num_tokens, num_fp16, o_part, lse_part, lse_block, geom, cfg, scale, split_base,
-                             grid_splits, partitioned, return_block_mass)
+                             grid_splits, partitioned, return_block_mass, prefetch=int8_loop == "prefetch")
             return
         _split_kernel[(b, h, grid_splits)](
             q, hot_pool, warm_words, warm_k_scale, warm_v_scale, table, positions, block_is_int8, num_tokens,
