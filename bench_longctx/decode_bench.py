@@ -51,8 +51,9 @@ APPEND_ROOM = 32768  # tokens the timed appending steps may add (do_bench calls 
 
 def build_store(ctx: int, block_tokens: int, int8: bool, needle: tuple[int, torch.Tensor] | None,
                 spec: ModelSpec = SPEC, device: str = "cuda", recent_tokens: int = 1024) -> tuple[KVStore, int]:
-    """A one-layer store holding ctx random tokens, all fp16 (hot) or all int8 (warm) but the window."""
-    token_bytes = 2 * spec.num_kv_heads * spec.head_dim * 2
+    """A store holding ctx random tokens in every layer of `spec` (the same ones), all fp16 (hot) or all int8
+    (warm) but the window."""
+    token_bytes = 2 * spec.num_kv_heads * spec.head_dim * 2 * spec.num_layers
     hot = 1024 if int8 else ctx + APPEND_ROOM  # the appending step benchmarks add a token per call
     gpu = int((hot + 2 * block_tokens + 64 + APPEND_ROOM + (ctx * 0.56 if int8 else 0)) * token_bytes) + (8 << 20) + \
         staging_bytes(BlockLayout.of(spec, block_tokens), 4096)
@@ -69,8 +70,9 @@ def build_store(ctx: int, block_tokens: int, int8: bool, needle: tuple[int, torc
         if needle and start <= needle[0] < start + n:
             k[needle[0] - start] = needle[1]
             v[needle[0] - start] = 4.0
-        store.append(seq, 0, k.half(), v.half())
-    assert store.table(seq, 0).num_cold == 0
+        for layer in range(spec.num_layers):
+            store.append(seq, layer, k.half(), v.half())
+    assert not any(store.table(seq, layer).num_cold for layer in range(spec.num_layers))
     return store, seq
 
 

@@ -1,6 +1,6 @@
 """int8 (warm) blocks with both pools present: paged decode at 128K and 1M tokens against SDPA and the copy ceiling.
 
-    python -m bench_longctx.int8_bench --out DIR [--quick] [--sweep-seconds S] [--loops]
+    python -m bench_longctx.int8_bench --out DIR [--quick] [--sweep-seconds S]
 
 One layer of Llama-3-8B attention (32 q / 8 kv heads, head_dim 128), batch 1, block sizes 32 and 64,
 a random permutation of the blocks as the table (one row expanded over the kv heads, as the decode
@@ -17,9 +17,6 @@ count; each case then also runs with the fastest config of its pool ("best"; mix
 GB/s counts the bytes a case needs (fp16 blocks 4 T D, int8 blocks 2 T D + 4 (D + T) per kv head);
 of_ceiling divides by the device copy rate measured in the same run. Ends with each variant checked
 against paged_decode_ref. Needs ~12 GB of GPU memory; ~3 minutes on an H200.
---loops instead compares the split walk's int8 loops (paged_decode's int8_loop: dequantized tiles, the
-scales folded into q and p, folded with the next entry prefetched) at 1M on the int8 and int8+hot cases, the folded loop over warps,
-stages and split count; writes int8_loops.json.
 """
 
 from __future__ import annotations
@@ -46,8 +43,6 @@ ONE_POOL = ("fp16", "int8")
 BOTH = ("int8+hot", "fp16+warm", "sinks_recent", "alternate")
 TARGET_INT8_VS_SDPA = 1.7  # issue 10: int8 warm-only at 1M; mixed tables never slower than our fp16
 SPLIT_WALKS = ("partition", "fused", "dispatch")  # paged_decode's walks over two pools of a long table
-LOOP_CASES = ("int8", "int8+hot")
-LOOP_SWEEP = dict(warps=(2, 4), stages=(1, 2), split_factor=(1.0, 2.0, 4.0))
 SWEEP = dict(warps=(4, 8), tokens=(128, 64), stages=(2, 1, 3), split_factor=(1.0, 0.5, 2.0))  # likeliest first
 
 
@@ -177,52 +172,17 @@ def print_rows(rows: list[dict]) -> None:
               f"{str(r['mass']):<5} {r['ms']:>8.4f} {r['GBps']:>6.0f} {r['of_ceiling']:>5.2f} {r['speed_vs_sdpa']:>6.2f}x")
 
 
-def compare_loops(q: torch.Tensor, sdpa: float, ceiling: float) -> list[dict]:
-    """At 1M, per block size and LOOP_CASES case (with mass, the partition walk): the tile loop at its default
-    config, the folded loop at its default and over LOOP_SWEEP."""
-    rows = []
-    for block_tokens in BLOCK_SIZES:
-        pools = make_pools(CONTEXTS[-1], block_tokens, q.device)
-        configs = [("default", {})] + [
-            (f"w{w}s{st}f{f}", resolve(dict(tokens=block_tokens, warps=w, stages=st, split_factor=f), pools, q.device))
-            for w, st, f in itertools.product(LOOP_SWEEP["warps"], LOOP_SWEEP["stages"], LOOP_SWEEP["split_factor"])]
-        for case in LOOP_CASES:
-            args = case_args(pools, case, q)
-            runs = [("tile", configs[0])] + [(loop, c) for loop in ("folded", "prefetch") for c in configs]
-            for loop, (label, config) in runs:
-                kwargs = {**config, "int8_loop": loop, "walk": "partition"}
-                ms = time_ms(lambda: paged_decode(*args, return_block_mass=True, **kwargs), q.device)
-                rows.append(row(pools, case, loop, ms, sdpa, ceiling, config=label, mass=True, **config))
-                print(f"{block_tokens:>3} {case:<13} {loop:<7} {label:<12} {ms:.4f} ms "
-                      f"{rows[-1]['of_ceiling']:.2f} of ceiling {rows[-1]['speed_vs_sdpa']:.2f}x sdpa", flush=True)
-        del pools
-        torch.cuda.empty_cache()
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="directory for int8_bench.json")
     parser.add_argument("--quick", action="store_true", help="default configs only, no sweep")
     parser.add_argument("--sweep-seconds", type=float, default=40.0, help="time budget of the 1M sweeps")
-    parser.add_argument("--loops", action="store_true", help="compare the int8 loops at 1M (int8_loops.json)")
     opts = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
     start = time.time()
     ceiling = copy_ceiling_GBps(device)
     q = torch.randn((1, NUM_Q_HEADS, HEAD_DIM), dtype=torch.float16, device=device)  # [1, Hq, D]
-    if opts.loops:
-        correctness = check_correctness(device, [{"walk": "partition", "int8_loop": "folded"},
-                                                 {"walk": "partition", "int8_loop": "prefetch"},
-                                                 {"walk": "partition", "int8_loop": "prefetch", "num_warps": 2}])
-        print("correctness vs reference:", json.dumps(correctness), flush=True)
-        sdpa = sdpa_ms(CONTEXTS[-1], q)
-        rows = compare_loops(q, sdpa, ceiling)
-        result = {**environment(device), "copy_ceiling_GBps": ceiling, "sdpa_1M_ms": sdpa, "rows": rows,
-                  "correctness": correctness, "seconds": time.time() - start}
-        print("wrote", write_json(opts.out, "int8_loops.json", result))
-        return
     sdpa = {n: sdpa_ms(n, q) for n in CONTEXTS}
     rows, sweep_rows, best_configs = [], [], {}
     for block_tokens in BLOCK_SIZES:

@@ -4,7 +4,11 @@ Per context, measured in the same run: torch SDPA over contiguous fp16 K/V (the 
 kvtier dense over an all-fp16 store and over an all-int8 store (store.attend end to end),
 and top-K at each budget (store.attend eager; on CUDA also the captured layer step users run
 through Decoder.decode_step: append + select + attend + H2O, one graph replay per token, the
-host work around it included; and the paged kernel alone). Every case reports the bytes it
+host work around it included; and the paged kernel alone). Up to TOKEN_STEP_MAX_CONTEXT tokens the dense
+step is also timed as a model runs it: a token of every layer of the geometry in one graph replay (host
+work once per token), reported per layer (`kvtier_dense_graphed_per_layer`); so is the top-K step at each
+budget over a store of every layer, int8 (warm) but the window, where it fits in GPU memory
+(`topk_B_graphed_per_layer`: the store the e2e benchmark decodes from). Every case reports the bytes it
 must read (K/V, int8 scales, key summaries for top-K), achieved GB/s, its share of the
 copy ceiling measured at the start of the run, and its speedup over SDPA.
 """
@@ -61,6 +65,36 @@ def topk_cases(store: KVStore, seq: int, q: torch.Tensor, p: DecodePreset, base:
     return out
 
 
+TOKEN_STEP_MAX_CONTEXT = 32768  # the all-layer store holds ctx tokens in each layer: 4 GiB at 32K for llama3-8b
+
+
+def all_layers_fit(geometry: str, ctx: int, int8: bool, device: torch.device) -> bool:
+    """Whether a store of every layer holding ctx tokens (fp16 or int8 K/V) takes under 3/4 of the free GPU memory."""
+    spec = ModelSpec.preset(geometry)
+    per_token = 2 * spec.num_kv_heads * spec.head_dim * (1 if int8 else 2) * spec.num_layers
+    return ctx * per_token * 1.1 < 0.75 * torch.cuda.mem_get_info(device)[0]
+
+
+def token_step_per_layer_ms(geometry: str, ctx: int, p: DecodePreset, device: torch.device, mode: str,
+                            budget: int, int8: bool = False) -> float:
+    """A token of every layer (a store with all the geometry's layers, each holding ctx tokens), appended,
+    selected, attended and accounted in one graph replay with the host work between tokens: ms per layer."""
+    spec = ModelSpec.preset(geometry)
+    store, seq = decode_bench.build_store(ctx, p.block_tokens, int8=int8, needle=None, spec=spec,
+                                          device=str(device), recent_tokens=p.recent_tokens)
+    try:
+        step = store.decode_step(seq, mode=mode, budget=budget)
+        g = torch.Generator(device=device).manual_seed(1)
+        q = torch.randn((spec.num_q_heads, spec.head_dim), device=device, generator=g).half()
+        k = torch.randn((spec.num_kv_heads, spec.head_dim), device=device, generator=g).half()
+        steps = GraphedSteps(step, lambda: [step.attend(layer, q, k, k) for layer in range(spec.num_layers)][-1])
+        return time_ms(steps, device) / spec.num_layers
+    finally:
+        store.close()
+        del store
+        release(device)
+
+
 def appending_layer_step(store: KVStore, seq: int, q: torch.Tensor, mode: str, budget: int) -> GraphedSteps:
     """Layer 0's decode step as users run it (kvstore/step.py): every call appends a token's K/V, selects,
     attends and accounts, one graph replay plus the host work between tokens."""
@@ -94,6 +128,13 @@ def measure_context(spec: ModelSpec, ctx: int, p: DecodePreset, device: torch.de
         store.close()
         del store
         release(device)
+    if device.type == "cuda" and ctx <= TOKEN_STEP_MAX_CONTEXT:
+        ms = token_step_per_layer_ms(p.geometry, ctx, p, device, "dense", 0)
+        modes["kvtier_dense_graphed_per_layer"] = rate(ms, kv_bytes, *base)
+    if device.type == "cuda" and all_layers_fit(p.geometry, ctx, True, device):
+        for budget in p.budgets:
+            ms = token_step_per_layer_ms(p.geometry, ctx, p, device, "topk", budget, int8=True)
+            modes[f"topk_{budget}_graphed_per_layer"] = rate(ms, modes[f"topk_{budget}"]["bytes"], *base)
     store, seq = decode_bench.build_store(ctx, p.block_tokens, int8=True, needle=None, **build)
     try:
         int8 = time_ms(lambda: store.attend(seq, 0, q, mode="dense"), device, repeat)

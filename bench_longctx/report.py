@@ -36,7 +36,8 @@ def decode_table(r: dict) -> str:
     frac = [[row["context"], *[row["modes"].get(m, {}).get("of_copy_ceiling") for m in modes]] for row in rows]
     errors = [f"- {row['context']}: {row['error']}" for row in r["rows"] if "error" in row]
     return "\n\n".join([
-        f"Decode step, one {r['geometry']} layer: ms (copy ceiling {r['copy_ceiling_GBps']:.1f} GB/s)",
+        f"Decode step, one {r['geometry']} layer: ms (copy ceiling {r['copy_ceiling_GBps']:.1f} GB/s); `_per_layer`: "
+        f"a token of every layer in one graph replay over a store of every layer, divided by the layers",
         md_table(["context", *modes], table), "Speedup over SDPA (same run)", md_table(["context", *modes], speed),
         "Achieved bandwidth as a fraction of the copy ceiling", md_table(["context", *modes], frac), *errors])
 

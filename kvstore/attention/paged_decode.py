@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kvstore.attention.int8_loop import launch_int8_loop
 from kvstore.attention.merge import merge_splits
 from kvstore.attention.one_tile import one_tile_partials
 from kvstore.attention.partition import partition_table
@@ -41,9 +40,6 @@ LOG2E = 1.4426950408889634
 # or the split walk, which over two non-empty pools partitions the table, or fuses both pools' launches, or
 # dispatches per split (over one pool the last three are the same direct walk)
 WALKS = ("auto", "one_tile", "partition", "fused", "dispatch")
-# how the split walk reads int8 entries: dequantized tiles (tiles.py) or the scales folded into q and p (int8_loop.py),
-# loading each entry in its iteration or the next one's during it (prefetch)
-INT8_LOOPS = ("tile", "folded", "prefetch")
 
 
 @triton.jit
@@ -205,7 +201,7 @@ def paged_decode(
     warm_v_scale: torch.Tensor, block_table: torch.Tensor, block_is_int8: torch.Tensor, num_tokens: torch.Tensor,
     *, sm_scale: float | None = None, return_block_mass: bool = False, num_splits: int | None = None,
     blocks_per_iter: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-    walk: str = "auto", int8_loop: str = "tile", add_mass_to: tuple[torch.Tensor, torch.Tensor] | None = None,
+    walk: str = "auto", add_mass_to: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decode step of attention over paged KV: returns (out fp16 [B, Hq, D], block_mass f32 [B, H, max_blocks]).
 
@@ -222,8 +218,6 @@ def paged_decode(
     check_kernel_layout(q, hot_pool, warm_data, warm_k_scale, warm_v_scale)
     if walk not in WALKS:
         raise ValueError(f"walk: expected one of {WALKS}, got {walk!r}")
-    if int8_loop not in INT8_LOOPS:
-        raise ValueError(f"int8_loop: expected one of {INT8_LOOPS}, got {int8_loop!r}")
     check_mass_target(add_mass_to, geom, q.device)
     with_mass = return_block_mass or add_mass_to is not None
     cfg = decode_config(geom, q.device, num_splits=num_splits, blocks_per_iter=blocks_per_iter,
@@ -237,7 +231,7 @@ def paged_decode(
     if cfg.one_tile:
         parts = one_tile_partials(*args, geom, cfg, scale, with_mass, _use_asm(q.device))
     else:
-        parts = split_partials(*args, geom, cfg, scale, with_mass, "partition" if walk == "auto" else walk, int8_loop)
+        parts = split_partials(*args, geom, cfg, scale, with_mass, "partition" if walk == "auto" else walk)
     return merge_splits(*parts, num_tokens, geom, return_block_mass, add_mass_to)
 
 
@@ -245,11 +239,9 @@ def split_partials(
     q: torch.Tensor, hot_pool: torch.Tensor, warm_words: torch.Tensor, warm_k_scale: torch.Tensor,
     warm_v_scale: torch.Tensor, block_table: torch.Tensor, block_is_int8: torch.Tensor, num_tokens: torch.Tensor,
     geom: DecodeGeometry, cfg: DecodeConfig, scale: float, return_block_mass: bool, walk: str,
-    int8_loop: str = "tile",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The split walk (walk: partition, fused or dispatch): (o_part, lse_part, lse_block) as merge_splits reads
-    them. Arguments as paged_decode checked them (warm_words: warm_data viewed as int32, flags as int8).
-    int8_loop "folded" or "prefetch": a launch over int8 entries only runs int8_loop.py's loop."""
+    them. Arguments as paged_decode checked them (warm_words: warm_data viewed as int32, flags as int8)."""
     has_hot, has_warm = hot_pool.shape[0] > 0, warm_words.shape[0] > 0
     partitioned = has_hot and has_warm and walk != "dispatch"
     total_splits = 2 * cfg.num_splits if partitioned else cfg.num_splits
@@ -264,11 +256,6 @@ def split_partials(
         table, positions, num_fp16 = part.slots, part.positions, part.num_fp16
 
     def launch(split_base: int, grid_splits: int, hot: bool, warm: bool) -> None:
-        if warm and not hot and int8_loop != "tile":
-            launch_int8_loop(q, warm_words.view(torch.int8), warm_k_scale, warm_v_scale, table, positions,
-                             num_tokens, num_fp16, o_part, lse_part, lse_block, geom, cfg, scale, split_base,
-                             grid_splits, partitioned, return_block_mass, prefetch=int8_loop == "prefetch")
-            return
         _split_kernel[(b, h, grid_splits)](
             q, hot_pool, warm_words, warm_k_scale, warm_v_scale, table, positions, block_is_int8, num_tokens,
             num_fp16, o_part, lse_part, lse_block,

@@ -43,25 +43,6 @@ def test_both_pool_walks_match_reference(name: str, walk: str) -> None:
     torch.testing.assert_close(mass, ref_mass, atol=1e-3, rtol=1e-2)
 
 
-@pytest.mark.parametrize("int8_loop", ["folded", "prefetch"])
-@pytest.mark.parametrize("name", sorted(VARIANT_CASES) + ["hot_pool_empty", "empty_row"])
-def test_folded_int8_loop_matches_reference(name: str, int8_loop: str) -> None:
-    """The split walk with int8 entries read by int8_loop.py (scales folded into q and p): over both pools
-    (partitioned) and over the warm pool alone (direct), poisoned tails and empty rows included."""
-    case, kwargs = _build_variant(name) if name in VARIANT_CASES else _build(name)
-    kwargs = {k: v for k, v in kwargs.items() if k == "num_splits"}
-    out, mass = paged_decode(*case.args(), return_block_mass=True, walk="partition", int8_loop=int8_loop, **kwargs)
-    ref_out, ref_mass = paged_decode_ref(*case.args(), return_block_mass=True)
-    torch.testing.assert_close(out.float(), ref_out.float(), atol=4e-3, rtol=1e-2)
-    torch.testing.assert_close(mass, ref_mass, atol=1e-3, rtol=1e-2)
-
-
-def test_int8_loop_is_checked() -> None:
-    case, _ = _build("gqa4_mixed")
-    with pytest.raises(ValueError, match="int8_loop"):
-        paged_decode(*case.args(), int8_loop="dequant")
-
-
 @pytest.mark.parametrize("name", ["gqa4_mixed", "shared_table_dense_mode", "empty_row", "all_int8_hot_present"])
 def test_partition_matches_reference(name: str) -> None:
     case, _ = _build(name)
