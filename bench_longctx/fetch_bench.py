@@ -12,6 +12,7 @@
                          GPU, one host sync (fused)
     unfused_verified_fetch  the same fetch unfused: the tier's gather, then block_sums over the gathered
                          rows, then the comparison (the previous fetch, less its launch per slab)
+    verified_fetch_wall  verified_fetch by the host's clock over 20 back-to-back calls (what a caller waits)
     host_verified_fetch  the old fetch: xxh3 of the stored rows on 4 worker threads while the GPU gathers
     get / host_get       get(ids) into pinned host memory: rows copied on the host, then checked on the GPU / by xxh3
     put_from_gpu         put of GPU blocks (summed on the GPU, copied to the host), 512 at a time
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 
@@ -71,6 +73,21 @@ def unfused_fetch(tier: CpuTier, ids: list[int], device: torch.device):
     return out
 
 
+def wall_GBps(fn, nbytes: int, device: torch.device, calls: int = 20) -> float:
+    """GB/s of `calls` back-to-back calls by the host's clock, as a caller waiting on each one sees them (the
+    fetch syncs: it returns verified blocks). The do_bench figures time each call between CUDA events, after
+    a cache flush queued before it."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return round(calls * nbytes / (time.perf_counter() - start) / 1e9, 2)
+
+
 def same(a, b) -> bool:
     pairs = zip(a.tensors(), b.tensors()) if isinstance(a, Int8Blocks) else [(a, b)]
     return all(torch.equal(x, y) for x, y in pairs)
@@ -109,6 +126,7 @@ def run_format(layout: BlockLayout, dtype: str, num_blocks: int, picked: list[in
         "get_GBps": gbps(lambda: new.get(picked)),
         "host_get_GBps": gbps(lambda: old.get(picked)),
         "put_from_gpu_GBps": round(num_blocks * block_bytes / put_s / 1e9, 2),
+        "verified_fetch_wall_GBps": wall_GBps(lambda: new.fetch(picked, device), nbytes, device),
     }
     fused = new.fetch(picked, device)
     if not (same(fused, old.fetch(picked, device)) and same(fused, unfused_fetch(new, picked, device))):
