@@ -9,8 +9,8 @@ state, so one capture stays valid while the sequence grows:
     tail_slot    int64 [L]   hot-pool slot of each layer's tail block
 per layer, inside the step (no host sync):
     1. append    k, v of the new token -> the tail block at offset num_tokens % B; widen its summary
-    2. select    dense: the table itself, viewed up to a bucket of blocks (a power of two >= ceil(n / B),
-                 so a short sequence in a long capacity gets a short table's kernel; one graph per bucket);
+    2. select    dense: the table itself, viewed up to a bucket of blocks (ceil(n / B) rounded up by at most
+                 1.25x, so a short sequence in a long capacity gets a short table's kernel; one graph per bucket);
                  topk (Quest's min/max bound) or sketch (the 4-bit key sketch, select_masked):
                  block scores over capacity, invalid blocks -inf, sinks and the recent window +inf,
                  top k (k fixed: budget // B), ascending
@@ -209,10 +209,12 @@ class DecodeStep:
         return "dense" if self.mode == "dense" or -(-num_tokens // self.block_tokens) <= self.k else "topk"
 
     def _dense_bucket(self, num_tokens: int) -> int:
-        """Blocks of the dense table at num_tokens: the next power of two (>= 16) of the blocks held, at most
-        capacity. The kernel picks its walk by the table's length; a graph serves one bucket."""
+        """Blocks of the dense table at num_tokens: the blocks held rounded up to a multiple of a quarter of the
+        power of two below them (at most 1.25x; >= 16), at most capacity. The kernel sizes its walk and grid by
+        the table's length; a graph serves one bucket, four per doubling of the context."""
         blocks = -(-num_tokens // self.block_tokens)
-        return min(self.capacity, max(16, 1 << (blocks - 1).bit_length()))
+        quarter = max(1, (1 << max(0, (blocks - 1).bit_length() - 1)) // 4)
+        return min(self.capacity, max(16, -(-blocks // quarter) * quarter))
 
     def _crosses_window(self, old: int) -> bool:
         """Whether growing from old to old + 1 tokens moves some block out of the hot or warm window."""
