@@ -55,6 +55,7 @@ if TYPE_CHECKING:  # the store builds steps (KVStore.decode_step); annotations o
     from kvstore.store import KVStore
 
 STEP_MODES = ("dense", "topk", "sketch")
+assert (HOT_TIER, WARM_TIER) == (0, 1), "the dense step passes tier codes as the kernel's int8 flags"
 
 
 class StepNotReady(ValueError):
@@ -282,10 +283,10 @@ class DecodeStep:
 
     def _select(self, table, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(selected [H, k], slots int32 [H, k], is_int8 [H, k], the sketch's block upper bounds [Hq, N] or None)."""
-        if self.phase == "dense":  # the table itself: slots and flags shared by the kv heads (stride 0), no gather
-            m, h = self.dense_blocks, self.store.spec.num_kv_heads
-            is_int8 = (table.tier_map[:m] == WARM_TIER)[None].expand(h, m)
-            return self.all_blocks[:, :m], table.slot_map[None, :m].expand(h, m), is_int8, None
+        if self.phase == "dense":  # the table itself, shared by the kv heads (stride 0): no gather, no launch.
+            m, h = self.dense_blocks, self.store.spec.num_kv_heads  # The tier codes are the kernel's flags: a dense
+            flags = table.tier_map[None, :m].expand(h, m)  # phase holds hot (0: fp16) and warm (1: int8) blocks only
+            return self.all_blocks[:, :m], table.slot_map[None, :m].expand(h, m), flags, None
         if isinstance(self.policy, SketchTopK):
             selected, upper = self.policy.select_masked(q, table.summaries[: self.capacity],
                                                         table.sketch[: self.capacity], self._valid, self._protected,

@@ -207,9 +207,9 @@ def paged_decode(
 
     q: fp16 [B, Hq, D]. hot_pool: fp16 [n_hot, 2, H, T, D]. warm_data: int8 [n_warm, 2, H, T, D] with
     warm_k_scale f32 [n_warm, H, D] and warm_v_scale f32 [n_warm, H, T]. block_table: int32 [B, H, max_blocks]
-    slot ids per kv head (stride 0 over H is fine); block_is_int8: bool/int8, same shape, True -> warm pool.
-    num_tokens: int32 [B]; row b uses its first ceil(num_tokens[b] / T) table entries. A row with no tokens
-    gets zeros. block_mass (if asked): softmax mass per block averaged over each group's q heads.
+    slot ids per kv head (stride 0 over H is fine); block_is_int8: bool, or int8 read as nonzero, same shape,
+    True -> warm pool. num_tokens: int32 [B]; row b uses its first ceil(num_tokens[b] / T) table entries. A row
+    with no tokens gets zeros. block_mass (if asked): softmax mass per block averaged over each group's q heads.
     num_splits, blocks_per_iter, num_warps, num_stages override the config (see decode_config; a forced
     num_splits takes the split walk); with both pools num_splits is per pool. walk: one of WALKS.
     """
