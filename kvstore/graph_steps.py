@@ -1,8 +1,8 @@
 """GraphedSteps: a DecodeStep's token (a model's layers around step.attend) replayed as one CUDA graph.
 
-A graph is captured per DecodeStep.graph_key() (the phase, whether the token stages cpu blocks and the cpu
-tier's slab generation) and replayed for every later token with that key; between tokens only the host
-work DecodeStep.begin_token / end_token names runs.
+A graph is captured per DecodeStep.graph_key() (the phase, whether the token stages cpu blocks, the cpu
+tier's slab generation and, dense, the table's bucket) and replayed for every later token with that key;
+between tokens only the host work DecodeStep.begin_token / end_token names runs.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ class GraphedSteps:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             recorded = self.forward()
-        for stale in [k for k in self.graphs if k[:2] == key[:2]]:  # the cpu tier's slabs moved since
-            del self.graphs[stale]
+        for stale in [k for k in self.graphs if k[:2] == key[:2]]:  # the cpu tier's slabs moved since, or the
+            del self.graphs[stale]  # dense table outgrew its bucket: never replayed again
         self.graphs[key] = (graph, recorded)
         return out
 
