@@ -283,9 +283,11 @@ class DecodeStep:
 
     def _select(self, table, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(selected [H, k], slots int32 [H, k], is_int8 [H, k], the sketch's block upper bounds [Hq, N] or None)."""
-        if self.phase == "dense":  # the table itself, shared by the kv heads (stride 0): no gather, no launch.
-            m, h = self.dense_blocks, self.store.spec.num_kv_heads  # The tier codes are the kernel's flags: a dense
-            flags = table.tier_map[None, :m].expand(h, m)  # phase holds hot (0: fp16) and warm (1: int8) blocks only
+        if self.phase == "dense":
+            # the table itself, shared by the kv heads (stride 0): no gather, no launch. Its tier codes are the
+            # kernel's int8 flags: a dense phase holds hot (0: fp16) and warm (1: int8) blocks only
+            m, h = self.dense_blocks, self.store.spec.num_kv_heads
+            flags = table.tier_map[None, :m].expand(h, m)
             return self.all_blocks[:, :m], table.slot_map[None, :m].expand(h, m), flags, None
         if isinstance(self.policy, SketchTopK):
             selected, upper = self.policy.select_masked(q, table.summaries[: self.capacity],

@@ -85,7 +85,7 @@ def _merge_kernel(
         if STORE_MASS:
             tl.store(mass_ptr + (b * num_kv_heads + head) * max_blocks + offs_j, mass, mask=offs_j < max_blocks)
         if ADD_MASS:
-            live = offs_j < n_blocks
+            live = (offs_j < n_blocks) & (offs_j < max_blocks)
             idx = tl.load(index_ptr + head * s_ix_head + offs_j * s_ix_blk, mask=live, other=0)
             score_ptrs = scores_ptr + head * s_sc_head + idx
             tl.store(score_ptrs, tl.load(score_ptrs, mask=live, other=0.0) + mass, mask=live)

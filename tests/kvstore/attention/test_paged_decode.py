@@ -9,9 +9,7 @@ stray read shows up as NaN or a wrong answer. On CPU this runs under TRITON_INTE
 
 from __future__ import annotations
 
-import dataclasses
-
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -216,7 +214,7 @@ def test_mass_added_into_scores_where_the_table_came_from(name: str, walk: str) 
     """add_mass_to (the decode step's H2O account, in the merge): scores[h, index[h, j]] += mass[h, j] for live
     j, the rest untouched; kernel and reference alike."""
     case, kwargs = _build(name)
-    case = dataclasses.replace(case, num_tokens=case.num_tokens[:1])  # batch 1: one row of each table
+    case = replace(case, num_tokens=case.num_tokens[:1])  # batch 1: one row of each table
     args = list(case.args())
     args[0], args[5], args[6] = args[0][:1], args[5][:1], args[6][:1]
     heads, max_blocks = args[5].shape[1:]
