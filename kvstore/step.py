@@ -21,12 +21,13 @@ computed once per token, in layer 0 (so a token's layers run in order). On CUDA 
 Quest scores masked from the device count in one launch, then (k <= 256 blocks of a long table) top-k
 in two stages whose second writes the kernel's block table.
 Host work happens between tokens and only at block boundaries: the sketch codes of the tail block a
-token filled (`end_token`), a new tail block per layer and cooling of blocks the next token pushes out
-of their windows (`begin_token`).
-Cold blocks: in the topk phase, selected blocks in the cpu tier are read inside the step, one kv head's
-slice each, from the pinned slabs into k staging rows of the pool of the tier's format, and verified on
-the device against per-head block sums (tiers/slice_gather.py); a damaged slice is counted on the device
-and `verify()` (called wherever the host syncs anyway) raises IntegrityError. Blocks beyond the cpu tier
+token filled and promotion of cpu blocks the step keeps reading (`end_token`), a new tail block per layer
+and cooling of blocks the next token pushes out of their windows (`begin_token`).
+Cold blocks (kvstore/step_cold.py): in the topk phase, selected blocks in the cpu tier are read inside the
+step, one kv head's slice each, from the pinned slabs into k staging rows of the pool of the tier's format,
+and verified on the device against per-head block sums (tiers/slice_gather.py); a damaged slice is counted
+on the device and `verify()` (called wherever the host syncs anyway) raises IntegrityError; blocks read
+again and again move up to the warm tier at block boundaries. Blocks beyond the cpu tier
 (ssd, remote, saved), a dense phase over cold blocks, too few staging rows (staging_tokens < budget) or a
 cpu tier checksummed on the host (xxh3) cannot be served from device state: `ready()` says so and callers
 use the eager path for that token (store.load brings saved blocks into the cpu tier and the GPU pools).
@@ -46,10 +47,9 @@ from eviction.topk_kernel import can_select, topk_block_table, two_stage
 from kvstore.append_kernel import append_token, append_token_ref
 from kvstore.decode import attended_lse, block_table
 from kvstore.table import DROPPED
-from kvstore.tierset import CPU_TIER, HOT_TIER, WARM_TIER
-from tiers.base import IntegrityError, device_ints
-from tiers.block_rows import fields, normal_device
-from tiers.slice_gather import stage_cold_slices
+from kvstore.step_cold import StepColdBlocks
+from kvstore.tierset import HOT_TIER, WARM_TIER
+from tiers.base import device_ints
 
 if TYPE_CHECKING:  # the store builds steps (KVStore.decode_step); annotations only
     from kvstore.store import KVStore
@@ -92,9 +92,7 @@ class DecodeStep:
         self.all_blocks = self.positions.expand(h, self.capacity)  # [H, N] the dense table
         self._scores = quest_scores_live if dev.type == "cuda" else quest_scores_live_ref
         self._append_token = append_token if dev.type == "cuda" else append_token_ref  # one launch on the GPU
-        self.cold_counts = torch.zeros(2, dtype=torch.int64, device=dev)  # damaged and staged cpu slices, summed
-        self._counts_seen = [0, 0]  # cold_counts as verify() last read them
-        self._unverified = False  # a token staged cold blocks since verify() last read cold_counts
+        self.cold = StepColdBlocks(store, spec.num_layers, self.capacity)  # staging, verifying, promoting
         self.stages_cold = False  # this token stages cpu blocks (fixed per token: part of the graph's key)
         self.phase = self._phase(length + 1)
         self.dense_blocks = self._dense_bucket(length + 1)  # the dense table's length (part of the graph's key)
@@ -121,13 +119,7 @@ class DecodeStep:
         device reads and verifies, in the topk phase, with a staging row per selected block)."""
         if not any(t.num_cold for t in self.tables):
             return True
-        return not any(t.num_far for t in self.tables) and self._phase(num_tokens) == "topk" and \
-            self.store.tiers.cpu.sum_device == normal_device(self.store.device) and \
-            self._staging_pool().staging_blocks >= self.k
-
-    def _staging_pool(self):
-        """The GPU tier whose staging rows take cpu blocks: the warm (int8) or hot (fp16) one, as the cpu tier holds."""
-        return self.store.tiers.warm if self.store.tiers.cpu.dtype == "int8" else self.store.tiers.hot
+        return self._phase(num_tokens) == "topk" and self.cold.servable(self.tables, self.k)
 
     def graph_key(self) -> tuple:
         """What a captured graph of this token depends on beyond device state: its phase, whether it stages cpu
@@ -138,16 +130,7 @@ class DecodeStep:
     def verify(self) -> None:
         """IntegrityError if a cpu slice the steps since the last call read failed its checksum (one host sync;
         nothing to read when no step staged cold blocks). Tokens after the damaged read are not to be trusted."""
-        if not self._unverified:
-            return
-        damaged, staged = self.cold_counts.tolist()
-        new_damage = damaged - self._counts_seen[0]
-        self.store.decode.stats.cold_slices_staged += staged - self._counts_seen[1]
-        self._counts_seen, self._unverified = [damaged, staged], False
-        if new_damage:
-            self.store.tiers.cpu.integrity_errors += new_damage
-            raise IntegrityError(f"cpu tier: {new_damage} block slices read by the captured decode step failed "
-                                 f"their checksums; the tokens since the last verified one are not to be trusted")
+        self.cold.verify()
 
     def begin_token(self) -> str:
         """Host work before a token: at a block boundary, open the next tail block in every layer.
@@ -201,9 +184,9 @@ class DecodeStep:
         stats.attended_tokens += len(self.tables) * ((k - 1) * self.block_tokens + (old % self.block_tokens) + 1)
         if self.phase == "topk" and isinstance(self.policy, SketchTopK):
             stats.add_certified(self.certified.clone())  # a device copy: the next replay rewrites the buffer
-        self._unverified |= self.stages_cold
-        if self.stages_cold and self.store.device.type == "cuda":  # the GPU may still be reading pinned rows: no
-            self.store.tiers.cpu.reading_on_device(torch.cuda.Event())  # put may overwrite a slot freed meanwhile
+        self.cold.token_done(self.stages_cold)
+        if (old + 1) % self.block_tokens == 0:  # cpu blocks this sequence keeps reading move up (a sync, if any)
+            self.cold.promote(self.tables)
         self._synced_length = old + 1  # the step advanced the device count itself
 
     def _phase(self, num_tokens: int) -> str:
@@ -247,10 +230,7 @@ class DecodeStep:
         selected, slots, is_int8, upper = self._select(table, q)  # [H, k] ascending, the tail block last
         tiers = self.store.tiers
         if self.stages_cold:  # selected cpu blocks: one head's slice each into the staging rows, verified
-            cpu, pool = tiers.cpu, self._staging_pool()
-            stage_cold_slices(selected, table.tier_map, table.slot_map, slots, is_int8,
-                              cpu.slab_table(self.store.device), cpu.head_sums, fields(pool.pool),
-                              pool.slots.num_slots, CPU_TIER, self.cold_counts)
+            self.cold.stage(layer, table, selected, slots, is_int8)
         warm = tiers.warm.pool  # always both pools: blocks cool into int8 while a capture stays valid
         out, _ = self.store.decode.kernel(q[None], tiers.hot.pool, warm.data, warm.k_scale, warm.v_scale,
                                           slots[None], is_int8[None], self.kernel_tokens,

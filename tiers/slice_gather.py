@@ -12,7 +12,8 @@ first + j), so k staging rows serve any selection, and every layer reuses them i
 A slice whose sums differ adds 1 to `damaged` (its data is attended anyway: the step cannot stop
 half way); the host reads the counter when it next syncs and raises IntegrityError then
 (DecodeStep.verify). A head's slice of a 64-token int8 block is 1/8 of the block: a step reads only
-what the kernel will attend.
+what the kernel will attend. Each staged slice also adds 1 to its block's entry of `reads` (table
+positions), which the step reads at block boundaries to promote the blocks it keeps reading.
 
 Layout: kernel -> launcher -> torch reference. Imports only torch, triton and tiers/.
 """
@@ -51,7 +52,7 @@ def _copy_slice(address_ptr, row, row_words, dst_ptr, dst_row, offset, count, fi
 
 @triton.jit
 def _stage_slices_kernel(sel_ptr, tier_ptr, slot_map_ptr, slots_ptr, flags_ptr, addresses_ptr, slab_rows,
-                         sums_ptr, mult_ptr, counts_ptr, d0_ptr, d1_ptr, d2_ptr, c0, c1, c2, first_row,
+                         sums_ptr, mult_ptr, counts_ptr, reads_ptr, d0_ptr, d1_ptr, d2_ptr, c0, c1, c2, first_row,
                          num_heads, cpu_tier, s_sel, s_slots, s_flags,
                          NUM_FIELDS: tl.constexpr, IS_INT8: tl.constexpr, BLOCK: tl.constexpr):
     h = tl.program_id(0)
@@ -78,13 +79,14 @@ def _stage_slices_kernel(sel_ptr, tier_ptr, slot_map_ptr, slots_ptr, flags_ptr, 
         bad = (tl.sum(s1, axis=0) != tl.load(want)) | (tl.sum(s2, axis=0) != tl.load(want + 1))
         tl.atomic_add(counts_ptr, bad.to(tl.int64), sem="relaxed")
         tl.atomic_add(counts_ptr + 1, tl.full((), 1, tl.int64), sem="relaxed")
+        tl.atomic_add(reads_ptr + pos, tl.full((), 1, tl.int32), sem="relaxed")  # heads may share a block
         tl.store(slots_ptr + h * s_slots + j, dst_row.to(tl.int32))
         tl.store(flags_ptr + h * s_flags + j, IS_INT8)
 
 
 def stage_cold_slices(selected: torch.Tensor, tier_map: torch.Tensor, slot_map: torch.Tensor, slots: torch.Tensor,
                       is_int8: torch.Tensor, table: SlabTable, head_sums: torch.Tensor, pool: Sequence[torch.Tensor],
-                      first_row: int, cpu_tier: int, counts: torch.Tensor) -> None:
+                      first_row: int, cpu_tier: int, counts: torch.Tensor, reads: torch.Tensor) -> None:
     """For every entry (h, j) of `selected` (int64 [H, k] table positions) whose tier_map entry is cpu_tier: head h's
     slice of the cpu block in slot slot_map[pos] copied into row first_row + j of `pool`, verified against
     head_sums[slot, h], and slots[h, j] = first_row + j, is_int8[h, j] = the pool is int8. Sync-free, one launch.
@@ -92,12 +94,16 @@ def stage_cold_slices(selected: torch.Tensor, tier_map: torch.Tensor, slot_map: 
     tier_map int8 and slot_map int32 [>= positions]; slots int32 and is_int8 bool [H, k], contiguous, rewritten in
     place; table: the cpu tier's slabs as this device reads them; head_sums int64 [cpu slots, H, 2]; pool: the
     GPU pool's fields in the cpu tier's format (fp16: (pool,); int8: data, k_scale, v_scale), rows the block
-    layout's; counts int64 [2]: damaged slices and staged slices are added to counts[0] and counts[1]."""
+    layout's; counts int64 [2]: damaged slices and staged slices are added to counts[0] and counts[1];
+    reads int32 [>= positions]: reads[pos] += 1 per slice staged from the block at table position pos."""
     heads, k = selected.shape
     fields = [p.view(p.shape[0], -1).view(torch.int32) for p in pool]
     if len(fields) not in (1, 3) or len(fields) != len(table.words) or any(
             f.shape[1] != w for f, w in zip(fields, table.words)):
         raise ValueError(f"pool: expected fields of {table.words} words a row, got {[f.shape[1] for f in fields]}")
+    if reads.dtype != torch.int32 or not reads.is_contiguous() or reads.device != selected.device:
+        raise ValueError(f"reads: expected contiguous int32 on {selected.device}, got {reads.dtype} on "
+                         f"{reads.device}")
     if first_row + k > fields[0].shape[0]:
         raise ValueError(f"pool: {k} staging rows from {first_row} do not fit {fields[0].shape[0]} rows")
     if slots.shape != (heads, k) or is_int8.shape != (heads, k) or not (slots.is_contiguous() and
@@ -108,18 +114,19 @@ def stage_cold_slices(selected: torch.Tensor, tier_map: torch.Tensor, slot_map: 
     per_head = [w // (heads * (2 if i == 0 else 1)) for i, w in enumerate(table.words)] + [0, 0]
     if not _triton_runs_on(selected.device):
         return stage_cold_slices_ref(selected, tier_map, slot_map, slots, is_int8, table, head_sums, fields,
-                                     first_row, cpu_tier, counts, per_head)
+                                     first_row, cpu_tier, counts, reads, per_head)
     padded = fields + [fields[0]] * (3 - len(fields))
     _stage_slices_kernel[(heads, k)](
         selected, tier_map, slot_map, slots, is_int8.view(torch.int8), table.addresses, table.slab_rows, head_sums,
-        multipliers(sum(table.words), selected.device), counts, *padded, *per_head[:3], first_row, heads, cpu_tier,
+        multipliers(sum(table.words), selected.device), counts, reads, *padded, *per_head[:3], first_row, heads,
+        cpu_tier,
         selected.stride(0), slots.stride(0), is_int8.stride(0),
         NUM_FIELDS=len(fields), IS_INT8=int(len(fields) == 3), BLOCK=_BLOCK, num_warps=4,
     )  # fmt: skip
 
 
 def stage_cold_slices_ref(selected, tier_map, slot_map, slots, is_int8, table, head_sums, fields, first_row, cpu_tier,
-                          counts, per_head) -> None:
+                          counts, reads, per_head) -> None:
     """stage_cold_slices in torch (host syncs; the CPU path and the kernel's reference)."""
     heads, k = selected.shape
     mult = multipliers(sum(table.words), torch.device("cpu"))
@@ -147,5 +154,6 @@ def stage_cold_slices_ref(selected, tier_map, slot_map, slots, is_int8, table, h
             want = head_sums[slot, h].cpu()
             counts[0] += int(bool(s1 != want[0]) or bool(s2 != want[1]))
             counts[1] += 1
+            reads[sel[h, j]] += 1
             slots[h, j] = first_row + j
             is_int8[h, j] = len(fields) == 3

@@ -147,11 +147,13 @@ def cold_pair(tmp_path, name="c", **overrides):
 @pytest.mark.parametrize("mode", ["topk", "sketch"])
 def test_step_serves_selected_cpu_blocks_like_gpu_held_ones(tmp_path, mode):
     """Against the same step over a store whose warm window holds every block (the same int8 bytes on the GPU:
-    bit-equal) and, for topk, the eager path (the sketch's eager selection is one 4-bit pass over every block
-    of a short context where the step's is two-level, so they may pick different blocks there)."""
+    bit-equal, also after the step promoted the blocks it kept reading) and, for topk, the eager path (the
+    sketch's eager selection is one 4-bit pass over every block of a short context where the step's is
+    two-level, so they may pick different blocks there)."""
     eager, stepped, (sa, sb) = cold_pair(tmp_path)
     _, warm, (_, sw) = cold_pair(tmp_path, "w", warm_tokens=1024)
-    assert stepped.table(sb, 0).num_cold > 20 and warm.table(sw, 0).num_cold == 0
+    cold_before = stepped.table(sb, 0).num_cold
+    assert cold_before > 20 and warm.table(sw, 0).num_cold == 0
     step, warm_step = (s.decode_step(q, mode=mode, budget=128) for s, q in ((stepped, sb), (warm, sw)))
     assert step.ready()  # every cold block is in the cpu tier, staged inside the step
     work = tokens(40, seed=6)  # 600 -> 640: block boundaries and blocks cooling into cpu on the way
@@ -168,7 +170,10 @@ def test_step_serves_selected_cpu_blocks_like_gpu_held_ones(tmp_path, mode):
                 torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-3)
         step.end_token(), warm_step.end_token()
     step.verify()
-    assert stepped.stats()["attend"]["cold_slices_staged"] > 40
+    attend = stepped.stats()["attend"]
+    assert attend["cold_slices_staged"] > 40
+    # blocks read again and again moved up at block boundaries (the same int8 bytes: outputs stayed equal)
+    assert attend["promotions"] > 0 and stepped.table(sb, 0).num_cold < cold_before
     stepped.check_integrity()
     for layer in range(SPEC.num_layers):
         assert torch.equal(warm.read(sw, layer)[0], stepped.read(sb, layer)[0])

@@ -67,15 +67,22 @@ def test_slices_match_the_reference_and_the_tier(dtype, seed):
     table = tier.slab_table(DEVICE)
     want = [slots.clone(), is_int8.clone(), [f.clone() for f in fields(pool)], torch.zeros(2, dtype=torch.int64)]
     counts = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    reads = torch.full((POSITIONS,), 5, dtype=torch.int32, device=DEVICE)
+    want_reads = reads.clone()
     stage_cold_slices(selected, tier_map, slot_map, slots, is_int8, table, tier.head_sums, fields(pool), FIRST, CPU,
-                      counts)
+                      counts, reads)
     per_head = [w // (3 * (2 if i == 0 else 1)) for i, w in enumerate(table.words)] + [0, 0]
     stage_cold_slices_ref(selected, tier_map, slot_map, want[0], want[1], table, tier.head_sums,
-                          [f.view(f.shape[0], -1).view(torch.int32) for f in want[2]], FIRST, CPU, want[3], per_head)
+                          [f.view(f.shape[0], -1).view(torch.int32) for f in want[2]], FIRST, CPU, want[3],
+                          want_reads, per_head)
     assert torch.equal(slots, want[0]) and torch.equal(is_int8, want[1])
     assert all(torch.equal(a, b) for a, b in zip(fields(pool), want[2]))
     cold = (tier_map[selected] == CPU).cpu()
     assert counts.tolist() == want[3].tolist() == [0, int(cold.sum())]
+    # reads: one per head that staged the block (heads may pick the same block), added to what was there
+    expected = torch.full((POSITIONS,), 5, dtype=torch.int32)
+    expected.index_add_(0, selected.cpu()[cold], torch.ones(int(cold.sum()), dtype=torch.int32))
+    assert torch.equal(reads.cpu(), expected) and torch.equal(want_reads.cpu(), expected)
     # what the attention kernel will read for each entry: head h of its row is the block's head h
     ids = {int(s): 100 + i for i, s in enumerate(tier.slots.lookup(list(range(100, 100 + NUM_BLOCKS))))}
     for h, j in cold.nonzero().tolist():
@@ -104,5 +111,5 @@ def test_a_damaged_slice_is_counted_where_it_is_read():
                 if hh == h and int(slot_map[selected[hh, jj]]) == slot)
     counts = torch.zeros(2, dtype=torch.int64, device=DEVICE)
     stage_cold_slices(selected, tier_map, slot_map, slots, is_int8, tier.slab_table(DEVICE), tier.head_sums,
-                      fields(pool), FIRST, CPU, counts)
+                      fields(pool), FIRST, CPU, counts, torch.zeros(POSITIONS, dtype=torch.int32, device=DEVICE))
     assert counts.tolist() == [reads, int(cold.sum())] and reads >= 1
