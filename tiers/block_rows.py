@@ -53,6 +53,20 @@ def copy_rows(src: Blocks, src_rows: torch.Tensor, dst: Blocks, dst_rows: torch.
         d2[d_idx] = s2[s_idx]
 
 
+def copy_row_runs(src: Blocks, src_rows: torch.Tensor, dst: Blocks, dst_rows: torch.Tensor) -> None:
+    """dst[dst_rows] = src[src_rows] with one copy per run of rows consecutive on both sides, for a source on
+    any device and a host destination: from a GPU into pinned rows each run is one DMA, queued (non_blocking;
+    the caller synchronizes before the host reads the rows). Rows as host int64 tensors."""
+    s, d = src_rows.tolist(), dst_rows.tolist()
+    start = 0
+    for i in range(1, len(s) + 1):
+        if i < len(s) and s[i] == s[i - 1] + 1 and d[i] == d[i - 1] + 1:
+            continue
+        for df, sf in zip(fields(dst), fields(src)):
+            df[d[start]: d[i - 1] + 1].copy_(sf[s[start]: s[i - 1] + 1], non_blocking=True)
+        start = i
+
+
 def byte_rows(t: torch.Tensor):
     """A [rows, bytes] uint8 numpy view of a CPU tensor."""
     return t.view(t.shape[0], -1).view(torch.uint8).numpy()

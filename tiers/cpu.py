@@ -28,8 +28,8 @@ import torch
 
 from tiers.base import IntegrityError, PooledTier, SlotPool, block_checksums, check_ids
 from tiers.block_checksum import block_sums, head_sums, sum_device
-from tiers.block_rows import (byte_rows, copy_rows, device_of, fields, host_int64, int32_words, normal_device,
-                               row_slice, to_device)
+from tiers.block_rows import (byte_rows, copy_row_runs, copy_rows, device_of, fields, host_int64, int32_words,
+                               normal_device, row_slice, to_device)
 from tiers.cpu_host import HostRows
 from tiers.fetch_kernel import SlabTable, gather_slab_rows, slab_table
 from tiers.layout import BlockLayout, Blocks, Int8Blocks
@@ -114,7 +114,10 @@ class CpuTier(HostRows, PooledTier):
         sums = None
         if self.sum_device is not None:  # where the sums are kept; from the GPU, before the block leaves it
             sums = self._head_sums(blocks if device_of(blocks) == self.sum_device else blocks.to(self.sum_device))
-        host = blocks.to("cpu")
+        # From a GPU with the sums taken there, the rows go straight into the pinned slabs (a DMA per run of
+        # consecutive slots); else through one host batch (xxh3 digests read it)
+        direct = sums is not None and self.pin and device_of(blocks).type == "cuda"
+        host = blocks if direct else blocks.to("cpu")
         if self._device_reads is not None:  # a slot freed since may still be read by queued work: let it finish
             self._device_reads.synchronize()
             self._device_reads = None
@@ -123,7 +126,9 @@ class CpuTier(HostRows, PooledTier):
             self._grow_to(max(slots))
             index, groups = self._plan(slots)
             for slab, cols in groups:
-                copy_rows(host, index[2, cols], self.slabs[slab], index[1, cols])
+                (copy_row_runs if direct else copy_rows)(host, index[2, cols], self.slabs[slab], index[1, cols])
+            if direct:  # the rows are the host's to read once put returns
+                torch.cuda.current_stream(device_of(blocks)).synchronize()
             self._record_sums(host, slots, sums)
         except BaseException:
             self.slots.release(ids)

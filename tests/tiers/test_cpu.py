@@ -178,3 +178,24 @@ def test_fetch_sums_while_it_gathers_across_slabs(dtype, monkeypatch):
     assert tier.integrity_errors == 1 + 2 + 3
     assert same(fetch([9, 0, 3]), fetched.index(torch.tensor([0, 4, 3])) if dtype == "int8" else fetched[[0, 4, 3]])
     tier.check_integrity()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_row_runs_copy_what_row_copies_copy(dtype):
+    """copy_row_runs (put's path from a GPU into pinned slabs: one copy per run of rows consecutive on both sides)
+    writes what copy_rows writes: runs, single rows, descending rows, a run broken on one side only."""
+    from tiers.block_rows import copy_row_runs, copy_rows, fields
+
+    x = blocks(9, 7)
+    src = x if dtype == "float16" else quantize(x)
+    src_rows = torch.tensor([0, 1, 2, 5, 4, 3, 6, 7, 8])
+    dst_rows = torch.tensor([10, 11, 12, 3, 2, 1, 7, 8, 0])  # runs [0-2], single rows, [6-7] then a jump
+    empty = LAYOUT.empty_fp16 if dtype == "float16" else LAYOUT.empty_int8
+    got, want = empty(14, "cpu"), empty(14, "cpu")
+    for f, g in zip(fields(got), fields(want)):
+        f.view(torch.uint8).fill_(0x5A)
+        g.view(torch.uint8).fill_(0x5A)
+    copy_row_runs(src, src_rows, got, dst_rows)
+    copy_rows(src, src_rows, want, dst_rows)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(fields(got), fields(want)))
+    assert bool((fields(got)[0][[4, 5, 6, 9, 13]].view(torch.uint8) == 0x5A).all())  # rows not written stay
