@@ -17,7 +17,7 @@ from kvstore.step import DecodeStep
 class GraphedSteps:
     """Runs `forward` (one token's device work over `step`, e.g. a model's layers around step.attend) with
     the host work around it, as one CUDA graph replay per step.graph_key() (phase, cpu blocks staged or
-    not); eagerly off CUDA.
+    not, the cpu slab generation, the dense bucket); eagerly off CUDA.
 
     The first token of a phase runs for real on a side stream (compiling every kernel), then the same
     forward is recorded; recording runs nothing, so that token runs once."""

@@ -93,13 +93,19 @@ class StepColdBlocks:
             return 0
         self.verify()
         self._read = False
-        heads = self.store.spec.num_kv_heads
-        layers, positions = torch.nonzero(self.reads >= PROMOTE_AFTER * heads, as_tuple=True)  # one sync
-        self.reads[layers, positions] = 0
-        tiers = self.store.tiers
-        ids = [b for b in (tables[layer].block_ids[pos] for layer, pos in zip(layers.tolist(), positions.tolist()))
-               if tiers.blocks.tier_of[b] == CPU_TIER]
-        ids = ids[:min(MAX_PROMOTIONS, tiers.cpu.free_blocks())]  # the warm blocks making room go to cpu
+        tiers, heads = self.store.tiers, self.store.spec.num_kv_heads
+        hot = torch.nonzero(self.reads >= PROMOTE_AFTER * heads).tolist()  # [[layer, position]]: one sync
+        room = min(MAX_PROMOTIONS, tiers.cpu.free_blocks())  # the warm blocks making room go to cpu
+        ids, counted = [], []  # blocks to promote; entries whose count restarts (promoted, or out of cpu already)
+        for layer, pos in hot:
+            block = tables[layer].block_ids[pos]
+            in_cpu = tiers.blocks.tier_of[block] == CPU_TIER
+            if in_cpu and len(ids) == room:
+                continue  # keeps its count for the next boundary
+            ids += [block] if in_cpu else []
+            counted.append((layer, pos))
+        if counted:
+            self.reads[tuple(zip(*counted))] = 0
         moved = tiers.promote(ids, WARM_TIER) if ids else 0
         self.store.decode.stats.promotions += moved
         return moved
