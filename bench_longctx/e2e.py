@@ -126,7 +126,7 @@ def decode_path(decoder: Decoder, seq: int, mode: str, p: E2EPreset, steps: int,
     generate` runs (no eos: the captured path queues each token before the last one's id reaches the
     host), or with per_token from one Decoder.decode_step per token and its id synced to the host each
     time (what an engine stepping token by token gets)."""
-    start = decoder.length(seq)
+    start, before = decoder.length(seq), cold_counts(decoder.store)
     logits, setup = timed(lambda: decoder.decode_step(seq, 1, mode, p.budget), decoder.store.device)
     tokens = [1]
 
@@ -139,9 +139,18 @@ def decode_path(decoder: Decoder, seq: int, mode: str, p: E2EPreset, steps: int,
             tokens.extend(decoder.continue_greedy(seq, logits, steps + 1, mode, p.budget))
 
     out = tokens_per_s(run, steps, decoder.store.device)
+    after = cold_counts(decoder.store)
+    out["cold"] = {k: after[k] - before[k] for k in after}  # over the path's tokens, warm-up included
     return {**out, "appends": True, "appended_verified": appended_kv_matches(decoder, seq, start, tokens[:-1]),
             "first_token_s": setup, "graphs": bool(decoder.graphs and decoder.store.device.type == "cuda"),
             "loop": "decode_step per token, id synced" if per_token else "continue_greedy"}
+
+
+def cold_counts(store: KVStore) -> dict:
+    """The store's counters of cold reads: head slices a captured step staged, whole blocks the eager path
+    fetched, blocks promoted to the warm tier."""
+    attend = store.stats()["attend"]
+    return {k: attend[k] for k in ("cold_slices_staged", "cold_blocks_fetched", "promotions")}
 
 
 def appended_kv_matches(decoder: Decoder, seq: int, start: int, token_ids: list[int]) -> bool:
