@@ -113,7 +113,7 @@ def _split_kernel(
     s_warm_slot, s_warm_kv, s_warm_head, s_warm_tok,
     s_ks_slot, s_ks_head, s_vs_slot, s_vs_head,
     s_tab_batch, s_tab_head, s_tab_blk, s_i8_batch, s_i8_head, s_i8_blk, s_nf_batch, s_nf_head,
-    qk_scale, blocks_per_split, hot_splits, warm_splits, split_base, num_splits, max_blocks, num_q_heads,
+    qk_scale, blocks_per_split, pool_splits, split_base, num_splits, max_blocks, num_q_heads,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr,
     HAS_HOT: tl.constexpr, HAS_WARM: tl.constexpr, PARTITIONED: tl.constexpr, RETURN_MASS: tl.constexpr,
@@ -124,9 +124,9 @@ def _split_kernel(
     Direct (PARTITIONED false): table_ptr is the block table and split s walks its blocks
     [s * blocks_per_split, ...). With both pools, a split whose blocks are all fp16 or all int8 runs
     a loop specialised to that pool; mixed splits load from both.
-    PARTITIONED: table_ptr / pos_ptr are partition.py's slots / positions; splits [0, hot_splits) share
-    the row's fp16 entries, [hot_splits, hot_splits + warm_splits) its int8 ones (split = split_base +
-    program id; one launch per pool, each in its own loop's tile, or one for both when HAS_HOT and HAS_WARM).
+    PARTITIONED: table_ptr / pos_ptr are partition.py's slots / positions; splits [0, pool_splits) share
+    the row's fp16 entries, [pool_splits, 2 pool_splits) its int8 ones (split = split_base + program id;
+    one launch per pool, or one for both when HAS_HOT and HAS_WARM).
     """
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -135,12 +135,11 @@ def _split_kernel(
     n_blocks = tl.minimum(tl.cdiv(n_tok, BLOCK_TOKENS), max_blocks)
     if PARTITIONED:
         n_fp16 = tl.load(num_fp16_ptr + b * s_nf_batch + head * s_nf_head)
-        is_warm = split >= hot_splits
+        is_warm = split >= pool_splits
         pool_lo = tl.where(is_warm, n_fp16, 0)
         pool_hi = tl.where(is_warm, n_blocks, n_fp16)
-        pool_splits = tl.where(is_warm, warm_splits, hot_splits)
         per_split = tl.cdiv(tl.cdiv(pool_hi - pool_lo, pool_splits), BLOCKS_PER_ITER) * BLOCKS_PER_ITER
-        lo = pool_lo + (split - tl.where(is_warm, hot_splits, 0)) * per_split
+        lo = pool_lo + (split % pool_splits) * per_split
         hi = tl.minimum(lo + per_split, pool_hi)
     else:
         lo = split * blocks_per_split
@@ -212,8 +211,7 @@ def paged_decode(
     True -> warm pool. num_tokens: int32 [B]; row b uses its first ceil(num_tokens[b] / T) table entries. A row
     with no tokens gets zeros. block_mass (if asked): softmax mass per block averaged over each group's q heads.
     num_splits, blocks_per_iter, num_warps, num_stages override the config (see decode_config; a forced
-    num_splits takes the split walk); they apply to the loop of either pool (with both, num_splits is per
-    pool). walk: one of WALKS.
+    num_splits takes the split walk); with both pools num_splits is per pool. walk: one of WALKS.
     """
     geom = check_decode_inputs(q, hot_pool, warm_data, warm_k_scale, warm_v_scale, block_table, block_is_int8,
                                num_tokens)
@@ -222,8 +220,9 @@ def paged_decode(
         raise ValueError(f"walk: expected one of {WALKS}, got {walk!r}")
     check_mass_target(add_mass_to, geom, q.device)
     with_mass = return_block_mass or add_mass_to is not None
-    forced = dict(num_splits=num_splits, blocks_per_iter=blocks_per_iter, num_warps=num_warps, num_stages=num_stages)
-    cfg = decode_config(geom, q.device, **forced, one_tile=None if walk == "auto" else walk == "one_tile")
+    cfg = decode_config(geom, q.device, num_splits=num_splits, blocks_per_iter=blocks_per_iter,
+                        num_warps=num_warps, num_stages=num_stages,
+                        one_tile=None if walk == "auto" else walk == "one_tile")
     if block_is_int8.dtype == torch.bool:
         block_is_int8 = block_is_int8.view(torch.int8)  # same bytes; keeps expanded strides
     scale = (sm_scale if sm_scale is not None else geom.head_dim**-0.5) * LOG2E
@@ -231,26 +230,21 @@ def paged_decode(
     args = (q, hot_pool, warm_words, warm_k_scale, warm_v_scale, block_table, block_is_int8, num_tokens)
     if cfg.one_tile:
         parts = one_tile_partials(*args, geom, cfg, scale, with_mass, _use_asm(q.device))
-    else:  # each pool's loop in its own tile and split count (plan._LOOPS)
-        loops = {"fp16": cfg, "int8": decode_config(geom, q.device, **forced, one_tile=False, pool="int8")}
-        parts = split_partials(*args, geom, loops, scale, with_mass, "partition" if walk == "auto" else walk)
+    else:
+        parts = split_partials(*args, geom, cfg, scale, with_mass, "partition" if walk == "auto" else walk)
     return merge_splits(*parts, num_tokens, geom, return_block_mass, add_mass_to)
 
 
 def split_partials(
     q: torch.Tensor, hot_pool: torch.Tensor, warm_words: torch.Tensor, warm_k_scale: torch.Tensor,
     warm_v_scale: torch.Tensor, block_table: torch.Tensor, block_is_int8: torch.Tensor, num_tokens: torch.Tensor,
-    geom: DecodeGeometry, loops: dict[str, DecodeConfig], scale: float, return_block_mass: bool, walk: str,
+    geom: DecodeGeometry, cfg: DecodeConfig, scale: float, return_block_mass: bool, walk: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The split walk (walk: partition, fused or dispatch): (o_part, lse_part, lse_block) as merge_splits reads
-    them. loops: the config of the fp16 and the int8 loop (a launch over both pools takes fp16's). Arguments as
-    paged_decode checked them (warm_words: warm_data viewed as int32, flags as int8)."""
+    them. Arguments as paged_decode checked them (warm_words: warm_data viewed as int32, flags as int8)."""
     has_hot, has_warm = hot_pool.shape[0] > 0, warm_words.shape[0] > 0
     partitioned = has_hot and has_warm and walk != "dispatch"
-    hot_cfg = loops["fp16"] if has_hot else loops["int8"]  # the first (or only) launch
-    warm_cfg = loops["int8"] if partitioned and walk == "partition" else hot_cfg
-    hot_splits, warm_splits = hot_cfg.num_splits, warm_cfg.num_splits if partitioned else 0
-    total_splits = hot_splits + warm_splits
+    total_splits = 2 * cfg.num_splits if partitioned else cfg.num_splits
     b, nq, h, d, max_blocks = geom.batch, geom.num_q_heads, geom.num_kv_heads, geom.head_dim, geom.max_blocks
     dev, f32 = q.device, torch.float32
     o_part = torch.empty((b, nq, total_splits, d), dtype=f32, device=dev)  # [B, Hq, S, D]
@@ -261,7 +255,7 @@ def split_partials(
         part = partition_table(block_table, block_is_int8, num_tokens, geom.block_tokens)
         table, positions, num_fp16 = part.slots, part.positions, part.num_fp16
 
-    def launch(cfg: DecodeConfig, split_base: int, grid_splits: int, hot: bool, warm: bool) -> None:
+    def launch(split_base: int, grid_splits: int, hot: bool, warm: bool) -> None:
         _split_kernel[(b, h, grid_splits)](
             q, hot_pool, warm_words, warm_k_scale, warm_v_scale, table, positions, block_is_int8, num_tokens,
             num_fp16, o_part, lse_part, lse_block,
@@ -270,7 +264,7 @@ def split_partials(
             warm_words.stride(0), warm_words.stride(1), warm_words.stride(2), warm_words.stride(3),
             warm_k_scale.stride(0), warm_k_scale.stride(1), warm_v_scale.stride(0), warm_v_scale.stride(1),
             *table.stride(), *block_is_int8.stride(), *num_fp16.stride(),
-            scale, cfg.blocks_per_split, hot_splits, warm_splits, split_base, total_splits, max_blocks, nq,
+            scale, cfg.blocks_per_split, cfg.num_splits, split_base, total_splits, max_blocks, nq,
             GROUP=geom.group, GROUP_PAD=max(16, triton.next_power_of_2(geom.group)), HEAD_DIM=d,
             BLOCK_TOKENS=geom.block_tokens, BLOCKS_PER_ITER=cfg.blocks_per_iter,
             HAS_HOT=hot, HAS_WARM=warm, PARTITIONED=partitioned, RETURN_MASS=return_block_mass,
@@ -278,8 +272,8 @@ def split_partials(
         )
 
     if partitioned and walk == "partition":
-        launch(hot_cfg, 0, hot_splits, True, False)  # the fp16 entries
-        launch(warm_cfg, hot_splits, warm_splits, False, True)  # the int8 entries
+        launch(0, cfg.num_splits, True, False)  # the fp16 entries
+        launch(cfg.num_splits, cfg.num_splits, False, True)  # the int8 entries
     else:
-        launch(hot_cfg, 0, total_splits, has_hot, has_warm)
+        launch(0, total_splits, has_hot, has_warm)
     return o_part, lse_part, lse_block

@@ -17,13 +17,13 @@ _TILE_ELEMENTS = 16384  # K elements per iteration: 128 tokens at head_dim 128 (
 # 16-token tiles compute wrong results compiled on the H200 (triton 3.6; right in the interpreter): refused.
 _MIN_TOKENS_PER_ITER = 32
 _MAX_TOKENS_PER_ITER = 128  # the score tile [16, tokens] in fp32 must stay in registers too
-# The split loops, per pool format (results/h200-session7 call 2, 1M tokens, 64-token blocks, H200):
-# (tile: K elements per iteration, programs per SM the split count aims at). Each SM runs ceil(programs /
-# SMs) programs, so a count that is not a multiple of the SMs leaves a tail: the old 3 per SM (400 programs
-# on 132 SMs) took fp16 1.28 ms and int8 1.47 ms where 264 / 528 programs took 0.99 and 1.00. The int8 loop
-# holds a dequantized tile in registers: half fp16's tile, and twice the programs, keep its bytes in flight
-# (128-token tiles at 2 per SM: 1.14 ms).
-_LOOPS = {"fp16": (_TILE_ELEMENTS, 2), "int8": (_TILE_ELEMENTS // 2, 4)}
+# Programs per SM the split count aims at, as balanced_splits spreads them. Each SM runs ceil(programs /
+# SMs) programs, so a count that is not a multiple of the SMs leaves a tail: the old cdiv(3 x SMs, rows) gave
+# 400 programs on 132 SMs (llama3-8b, batch 1) and took fp16 1.28 ms, int8 1.47 ms at 1M, where 264
+# programs take 0.99 and 1.14 (results/h200-session7 calls 2-4; 128-token tiles). A 64-token int8 tile at 4
+# per SM reads a warm-only table in 1.03 ms, but is 23-35% slower in the partition walk the decode step
+# runs (call 4): one tile for every loop.
+_PROGRAMS_PER_SM = 2
 _MIN_ITERS_PER_SPLIT = 4  # below this, a split's fixed cost (q load, partial store) dominates
 # The one-tile walk (one_tile.py): tokens per program (64 at head_dim 128: 95 registers at 4 warps with
 # both pools, 5 programs per SM, so a 4096-token budget's 512 programs run in one wave; offline sm_90
@@ -182,14 +182,11 @@ def balanced_splits(rows: int, sms: int, per_sm: int, most: int) -> int:
 def decode_config(
     geom: DecodeGeometry, device: torch.device, *, num_splits: int | None = None,
     blocks_per_iter: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-    one_tile: bool | None = None, pool: str = "fp16",
+    one_tile: bool | None = None,
 ) -> DecodeConfig:
     """one_tile None: the one-tile walk when the table is short (one_tile_fits) and num_splits is not forced.
-    One tile: _ONE_TILE_TOKENS per program. Splits: the loop over `pool`'s format ("fp16" or "int8"; the
-    fused and dispatch walks load both in the fp16 loop's tile): its _LOOPS tile per iteration and a
-    balanced_splits count."""
-    if pool not in _LOOPS:
-        raise ValueError(f"pool: expected one of {tuple(_LOOPS)}, got {pool!r}")
+    One tile: _ONE_TILE_TOKENS per program. Splits: ~_TILE_ELEMENTS of K per iteration; balanced_splits
+    for _PROGRAMS_PER_SM programs on every SM."""
     if one_tile is None:
         one_tile = num_splits is None and one_tile_fits(geom, device)
     if one_tile:
@@ -200,14 +197,13 @@ def decode_config(
         _check_launch(num_warps, num_stages)
         tiles = max(1, triton.cdiv(geom.max_blocks, blocks_per_iter))
         return DecodeConfig(blocks_per_iter, tiles, blocks_per_iter, num_warps, num_stages, one_tile=True)
-    tile_elements, per_sm = _LOOPS[pool]
     if blocks_per_iter is None:
-        tokens = min(_MAX_TOKENS_PER_ITER, max(_MIN_TOKENS_PER_ITER, tile_elements // geom.head_dim))
+        tokens = min(_MAX_TOKENS_PER_ITER, max(_MIN_TOKENS_PER_ITER, _TILE_ELEMENTS // geom.head_dim))
         blocks_per_iter = max(1, tokens // geom.block_tokens)
     blocks_per_iter = _tile_blocks(geom, blocks_per_iter)
     iters = max(1, triton.cdiv(geom.max_blocks, blocks_per_iter))
     if num_splits is None:
-        num_splits = balanced_splits(max(1, geom.batch * geom.num_kv_heads), _sm_count(device), per_sm,
+        num_splits = balanced_splits(max(1, geom.batch * geom.num_kv_heads), _sm_count(device), _PROGRAMS_PER_SM,
                                      max(1, iters // _MIN_ITERS_PER_SPLIT))
     if num_splits < 1:
         raise ValueError(f"num_splits: expected >= 1, got {num_splits}")

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kvstore.attention.paged_decode import paged_decode
-from kvstore.attention.plan import DecodeGeometry, balanced_splits, decode_config
+from kvstore.attention.plan import balanced_splits
 from kvstore.attention.reference import paged_decode_ref
 from tiers.quant import dequantize, quantize
 
@@ -236,27 +236,12 @@ def test_mass_added_into_scores_where_the_table_came_from(name: str, walk: str) 
         paged_decode(*args, add_mass_to=(scores, index[:, :-1].to(DEVICE)))
 
 
-def test_partition_walk_runs_each_pool_in_its_own_loop() -> None:
-    """Both pools of a long table: the fp16 and the int8 launch differ in tile and split count (plan._LOOPS),
-    and write disjoint ranges of the partials, which the merge combines as the reference does."""
-    case = make_case([1500, 900], 2, 4, 128, 16, 0.5, seed=11)
-    geom = DecodeGeometry(2, 8, 2, 128, 16, case.table.shape[-1])
-    fp16, int8 = (decode_config(geom, case.q.device, one_tile=False, pool=p) for p in ("fp16", "int8"))
-    assert fp16.blocks_per_iter != int8.blocks_per_iter and fp16.num_splits != int8.num_splits
-    out, mass = paged_decode(*case.args(), return_block_mass=True, walk="partition")
-    ref_out, ref_mass = paged_decode_ref(*case.args(), return_block_mass=True)
-    torch.testing.assert_close(out.float(), ref_out.float(), atol=4e-3, rtol=1e-2)
-    torch.testing.assert_close(mass, ref_mass, atol=1e-3, rtol=1e-2)
-
-
 def test_balanced_split_counts_fill_every_sm_evenly() -> None:
     """llama3-8b at batch 1 on 132 SMs: 8 kv heads x splits programs, a multiple of the SMs (the old 3 per SM
     gave 400 programs: 4 SMs ran a fourth program while the rest idled); a cap on splits is kept."""
     assert [balanced_splits(8, 132, per_sm, 4096) for per_sm in (2, 4)] == [33, 66]
     assert balanced_splits(3, 132, 4, 4096) * 3 % 132 == 0  # SmolLM2's 3 kv heads
     assert balanced_splits(8, 132, 4, 10) == 10
-    with pytest.raises(ValueError, match="pool"):
-        decode_config(DecodeGeometry(1, 8, 2, 64, 16, 64), torch.device("cpu"), pool="int4")
 
 
 @pytest.mark.parametrize("config", [{"blocks_per_iter": 2}, {"blocks_per_iter": 4, "num_warps": 8},
