@@ -15,7 +15,9 @@
     verified_fetch_wall  verified_fetch by the host's clock over 20 back-to-back calls (what a caller waits)
     host_verified_fetch  the old fetch: xxh3 of the stored rows on 4 worker threads while the GPU gathers
     get / host_get       get(ids) into pinned host memory: rows copied on the host, then checked on the GPU / by xxh3
-    put_from_gpu         put of GPU blocks (summed on the GPU, copied to the host), 512 at a time
+    put_from_gpu         put of GPU blocks (summed on the GPU, copied to the host), 512 at a time, into a fresh
+                         tier (the puts grow it: new pinned slabs)
+    put_from_gpu_steady  the last 512 deleted and put again, into slabs that exist (median of 3)
 
 and one big pinned H2D copy of the same bytes as the ceiling. Results are checked (the fused, unfused and
 host-verified fetches agree; the summed gather's sums are block_sums' and the recorded ones; a flipped bit
@@ -48,8 +50,9 @@ _PUT_BATCH = 512
 
 
 def filled_tiers(layout: BlockLayout, dtype: str, num_blocks: int,
-                 device: torch.device) -> tuple[CpuTier, CpuTier, float]:
-    """(block-sum tier, xxh3 tier, seconds the block-sum tier took to put every block from `device`)."""
+                 device: torch.device) -> tuple[CpuTier, CpuTier, float, float]:
+    """(block-sum tier, xxh3 tier, seconds the block-sum tier took to put every block from `device`, the median
+    seconds of putting the last batch again after deleting it: slabs already there)."""
     capacity = num_blocks * layout.bytes_for(dtype)
     new = CpuTier(layout, capacity, dtype, memory_reserve=0, checksums=str(device))
     old = CpuTier(layout, capacity, dtype, memory_reserve=0, checksums="host")
@@ -61,7 +64,11 @@ def filled_tiers(layout: BlockLayout, dtype: str, num_blocks: int,
         part = x if dtype == "float16" else quantize(x)
         put_s += timed(lambda: new.put(ids, part), device)[1]
         old.put(ids, part)
-    return new, old, put_s
+    again = []
+    for _ in range(3):
+        new.delete(ids)
+        again.append(timed(lambda: new.put(ids, part), device)[1])
+    return new, old, put_s, sorted(again)[1] * num_blocks / len(ids)
 
 
 def unfused_fetch(tier: CpuTier, ids: list[int], device: torch.device):
@@ -94,7 +101,7 @@ def same(a, b) -> bool:
 
 
 def run_format(layout: BlockLayout, dtype: str, num_blocks: int, picked: list[int], device: torch.device) -> dict:
-    new, old, put_s = filled_tiers(layout, dtype, num_blocks, device)
+    new, old, put_s, steady_s = filled_tiers(layout, dtype, num_blocks, device)
     block_bytes = layout.bytes_for(dtype)
     nbytes = len(picked) * block_bytes
 
@@ -126,6 +133,7 @@ def run_format(layout: BlockLayout, dtype: str, num_blocks: int, picked: list[in
         "get_GBps": gbps(lambda: new.get(picked)),
         "host_get_GBps": gbps(lambda: old.get(picked)),
         "put_from_gpu_GBps": round(num_blocks * block_bytes / put_s / 1e9, 2),
+        "put_from_gpu_steady_GBps": round(num_blocks * block_bytes / steady_s / 1e9, 2),
         "verified_fetch_wall_GBps": wall_GBps(lambda: new.fetch(picked, device), nbytes, device),
     }
     fused = new.fetch(picked, device)
