@@ -84,6 +84,8 @@ def test_e2e_reports_speed_and_memory_per_tier(run):
     for path in e2e["paths"].values():
         assert path["tokens_per_s"] * path["ms_per_token"] == pytest.approx(1000.0)
         assert path["appends"] and path["appended_verified"]
+        assert set(path["cold"]) == {"cold_slices_staged", "cold_blocks_fetched", "promotions"}
+        assert path["cold"]["cold_slices_staged"] == 0  # only a captured step stages head slices
     ratio = e2e["paths"]["eager_topk"]["tokens_per_s"] / e2e["paths"]["eager_dense"]["tokens_per_s"]
     assert e2e["eager_topk_speedup_vs_dense"] == pytest.approx(ratio)
     tiers = e2e["memory"]["tiers"]
