@@ -196,12 +196,10 @@ class DecodePath:
             table.cold_hits[i] = table.cold_hits.get(i, 0) + 1
         num_tokens = torch.tensor([tokens_covered(table, selected.shape[1], self.block_tokens)], dtype=torch.int32)
         warm = got.warm
+        lse = torch.empty((1, q.shape[0]), dtype=torch.float32, device=self.device) if return_lse else None
         out, mass = self.kernel(q[None], got.hot_pool, warm.data, warm.k_scale, warm.v_scale, got.slots[None],
-                                got.is_int8[None], num_tokens.to(self.device), return_block_mass=True)
-        if not return_lse:
-            return out[0], mass[0]
-        tail_tokens = table.num_tokens - (table.num_blocks - 1) * self.block_tokens
-        return out[0], mass[0], attended_lse(q, got.hot_pool, warm, got.slots, got.is_int8, tail_tokens)
+                                got.is_int8[None], num_tokens.to(self.device), return_block_mass=True, lse_out=lse)
+        return (out[0], mass[0]) if lse is None else (out[0], mass[0], lse[0])
 
     def promote_if_needed(self, table: LayerTable) -> None:
         """Blocks fetched cold PROMOTE_AFTER times move up to the warm tier. Runs after the step's kernel:
@@ -213,28 +211,6 @@ class DecodePath:
                if b != DROPPED and self.tiers.blocks.tier_of[b] >= CPU_TIER]
         if ids:
             self.stats.promotions += self.tiers.promote(ids, WARM_TIER)
-
-
-def attended_lse(q: torch.Tensor, hot_pool: torch.Tensor, warm, slots: torch.Tensor, is_int8: torch.Tensor,
-                 tail_tokens: int | torch.Tensor) -> torch.Tensor:
-    """float32 [Hq]: log-sum-exp of the scaled logits over the blocks of a kernel block table (slots [H, k],
-    tail block last with `tail_tokens` tokens, an int or a device [1]), read from the pools the kernel read.
-    (The kernel computes it too, per split; until it returns it, this second pass over the K of the
-    selected blocks does: the attended tokens, not the context.)"""
-    num_kv_heads, k = slots.shape
-    heads = torch.arange(num_kv_heads, device=q.device)[:, None]  # [H, 1]
-    s = slots.long()
-    keys = hot_pool[s.clamp_max(hot_pool.shape[0] - 1), 0, heads].float()  # [H, k, B, D]
-    if warm.data.shape[0]:  # a table with int8 blocks (no host sync: both reads, then a select)
-        w = s.clamp_max(warm.data.shape[0] - 1)
-        dequant = warm.data[w, 0, heads].float() * warm.k_scale[w, heads][:, :, None, :]
-        keys = torch.where(is_int8[:, :, None, None], dequant, keys)
-    block_tokens, head_dim = keys.shape[2], keys.shape[3]
-    qg = q.float().view(num_kv_heads, -1, head_dim)  # [H, G, D]
-    logits = torch.einsum("hgd,hkbd->hgkb", qg, keys) * head_dim**-0.5
-    beyond = torch.arange(block_tokens, device=q.device) >= tail_tokens  # [B]: past the tail's tokens
-    logits[:, :, -1] = logits[:, :, -1].masked_fill(beyond, float("-inf"))
-    return torch.logsumexp(logits.flatten(2), dim=-1).flatten()
 
 
 def _live_positions(table: LayerTable, selected: torch.Tensor) -> torch.Tensor:

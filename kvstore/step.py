@@ -45,7 +45,7 @@ from eviction.select import top_blocks
 from eviction.sketch_topk import SketchTopK
 from eviction.topk_kernel import can_select, topk_block_table, two_stage
 from kvstore.append_kernel import append_token, append_token_ref
-from kvstore.decode import attended_lse, block_table
+from kvstore.decode import block_table
 from kvstore.table import DROPPED
 from kvstore.step_cold import StepColdBlocks
 from kvstore.tierset import HOT_TIER, WARM_TIER
@@ -88,6 +88,7 @@ class DecodeStep:
         self.tail_slot = torch.zeros(spec.num_layers, dtype=torch.int64, device=dev)  # [L]
         self.kernel_tokens = torch.zeros(1, dtype=torch.int32, device=dev)  # [1]
         self.certified = torch.zeros(spec.num_layers, dtype=torch.float32, device=dev)  # [L] this token's bounds
+        self._lse = torch.zeros((1, spec.num_q_heads), dtype=torch.float32, device=dev)  # the kernel's, per layer
         self.positions = torch.arange(self.capacity, device=dev)  # [N]
         self.all_blocks = self.positions.expand(h, self.capacity)  # [H, N] the dense table
         self._scores = quest_scores_live if dev.type == "cuda" else quest_scores_live_ref
@@ -234,10 +235,10 @@ class DecodeStep:
         warm = tiers.warm.pool  # always both pools: blocks cool into int8 while a capture stays valid
         out, _ = self.store.decode.kernel(q[None], tiers.hot.pool, warm.data, warm.k_scale, warm.v_scale,
                                           slots[None], is_int8[None], self.kernel_tokens,
-                                          add_mass_to=(table.h2o_scores, selected))
+                                          add_mass_to=(table.h2o_scores, selected),
+                                          lse_out=self._lse if upper is not None else None)
         if upper is not None:  # the sketch's certified omitted mass, kept on the device (end_token counts it)
-            lse = attended_lse(q, tiers.hot.pool, warm, slots, is_int8, (self._n - 1) % self.block_tokens + 1)
-            self.certified[layer] = certified_omitted_mass(upper, selected, lse).mean()
+            self.certified[layer] = certified_omitted_mass(upper, selected, self._lse[0]).mean()
         if layer == len(self.tables) - 1:
             self.num_tokens += 1
         return out[0]

@@ -24,15 +24,16 @@ _MASS_CHUNK = 256  # blocks per program of the mass
 
 @triton.jit
 def _merge_kernel(
-    o_part_ptr, lse_part_ptr, lse_block_ptr, num_tokens_ptr, out_ptr, mass_ptr, scores_ptr, index_ptr,
+    o_part_ptr, lse_part_ptr, lse_block_ptr, num_tokens_ptr, out_ptr, mass_ptr, scores_ptr, index_ptr, lse_out_ptr,
     s_out_batch, s_out_head, num_kv_heads, num_splits, max_blocks, s_sc_head, s_ix_head, s_ix_blk,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr, MASS_CHUNK: tl.constexpr, RETURN_MASS: tl.constexpr, STORE_MASS: tl.constexpr,
-    ADD_MASS: tl.constexpr,
+    ADD_MASS: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     """Program (b, kv head, p): out of q head p of the group (p < GROUP); the mass of chunk p of the row's blocks
     (RETURN_MASS): stored in mass[b, head] (STORE_MASS) and/or added to scores[head, index[head, j]] (ADD_MASS,
-    batch 1; a head's index entries are distinct, so no two programs touch one score).
+    batch 1; a head's index entries are distinct, so no two programs touch one score); with STORE_LSE, q head p's
+    log-sum-exp of the scaled logits (natural log; -inf without tokens) in lse_out[b, head * GROUP + p].
 
     One pass over the splits, online: the group's running max m and sum of exp2 [G], and q head p's
     weighted output. Every load of a step is issued at once (the block log-sums before the pass), so a
@@ -77,6 +78,10 @@ def _merge_kernel(
         total_p = tl.sum(tl.where(offs_g == p, total, 0.0), 0)
         out = acc / tl.where(total_p > 0, total_p, 1.0)
         tl.store(out_ptr + b * s_out_batch + (head * GROUP + p) * s_out_head + offs_d, out.to(tl.float16))
+        if STORE_LSE:  # base 2 of log2(e)-scaled scores -> natural log of the scaled logits
+            m_p = tl.sum(tl.where(offs_g == p, m, 0.0), 0)
+            lse2 = tl.where(total_p > 0, m_p + tl.log2(tl.where(total_p > 0, total_p, 1.0)), float("-inf"))
+            tl.store(lse_out_ptr + row_p, lse2 * 0.6931471805599453)
     if RETURN_MASS:
         m = tl.where(m == float("-inf"), 0.0, m)
         lse = tl.where(total > 0, m + tl.log2(tl.where(total > 0, total, 1.0)), 0.0)  # [G]
@@ -94,11 +99,13 @@ def _merge_kernel(
 def merge_splits(
     o_part: torch.Tensor, lse_part: torch.Tensor, lse_block: torch.Tensor, num_tokens: torch.Tensor,
     geom: DecodeGeometry, return_block_mass: bool, add_mass_to: tuple[torch.Tensor, torch.Tensor] | None = None,
+    lse_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """o_part f32 [B, Hq, S, D], lse_part f32 [B, Hq, S], lse_block f32 [B, Hq, max_blocks] (read only with
     return_block_mass or add_mass_to) -> (out fp16 [B, Hq, D], block mass f32 [B, H, max_blocks] or None).
     add_mass_to: (scores f32 [H, n], index int [H, max_blocks]), batch 1: scores[h, index[h, j]] += mass of
-    block j of row h, for the row's live blocks (see paged_decode)."""
+    block j of row h, for the row's live blocks (see paged_decode). lse_out f32 [B, Hq]: filled with each q
+    head's log-sum-exp of the scaled logits (see paged_decode)."""
     b, nq, num_splits, d = o_part.shape
     h, max_blocks = geom.num_kv_heads, geom.max_blocks
     out = torch.empty((b, nq, d), dtype=torch.float16, device=o_part.device)  # [B, Hq, D]
@@ -108,10 +115,12 @@ def merge_splits(
     scores, index = add_mass_to if add_mass_to is not None else (mass, mass.view(1, -1))  # unread without ADD_MASS
     programs = max(geom.group, triton.cdiv(max_blocks, _MASS_CHUNK) if with_mass else 0)
     _merge_kernel[(b, h, programs)](
-        o_part, lse_part, lse_block, num_tokens, out, mass, scores, index, out.stride(0), out.stride(1), h,
+        o_part, lse_part, lse_block, num_tokens, out, mass, scores, index, lse_out if lse_out is not None else mass,
+        out.stride(0), out.stride(1), h,
         num_splits, max_blocks, scores.stride(0), index.stride(0), index.stride(1),
         GROUP=geom.group, GROUP_PAD=triton.next_power_of_2(geom.group), HEAD_DIM=d, BLOCK_TOKENS=geom.block_tokens,
         SPLIT_CHUNK=min(_MAX_SPLIT_CHUNK, triton.next_power_of_2(num_splits)), MASS_CHUNK=_MASS_CHUNK,
-        RETURN_MASS=with_mass, STORE_MASS=return_block_mass, ADD_MASS=add_mass_to is not None, num_warps=4,
+        RETURN_MASS=with_mass, STORE_MASS=return_block_mass, ADD_MASS=add_mass_to is not None,
+        STORE_LSE=lse_out is not None, num_warps=4,
     )
     return out, (mass if return_block_mass else None)

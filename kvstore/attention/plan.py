@@ -110,6 +110,15 @@ def check_decode_inputs(
     return DecodeGeometry(batch, num_q_heads, num_kv_heads, head_dim, block_tokens, max_blocks)
 
 
+def check_lse_target(lse_out: torch.Tensor | None, geom: DecodeGeometry, device: torch.device) -> None:
+    """paged_decode's lse_out: None, or f32 [B, Hq] (contiguous) for the attended log-sum-exp."""
+    if lse_out is None:
+        return
+    _check_tensor("lse_out", lse_out, (torch.float32,), (geom.batch, geom.num_q_heads), device)
+    if not lse_out.is_contiguous():
+        raise ValueError(f"lse_out: expected a contiguous tensor, got strides {lse_out.stride()}")
+
+
 def check_mass_target(add_mass_to: tuple | None, geom: DecodeGeometry, device: torch.device) -> None:
     """paged_decode's add_mass_to: None, or (scores f32 [H, n], index int64 [H, max_blocks]) for a batch of 1."""
     if add_mass_to is None:

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from kvstore.attention.plan import check_decode_inputs, check_mass_target
+from kvstore.attention.plan import check_decode_inputs, check_lse_target, check_mass_target
 
 
 def gather_kv(
@@ -34,12 +34,15 @@ def paged_decode_ref(
     q: torch.Tensor, hot_pool: torch.Tensor, warm_data: torch.Tensor, warm_k_scale: torch.Tensor,
     warm_v_scale: torch.Tensor, block_table: torch.Tensor, block_is_int8: torch.Tensor, num_tokens: torch.Tensor,
     *, sm_scale: float | None = None, return_block_mass: bool = False, num_splits: int | None = None,
-    add_mass_to: tuple[torch.Tensor, torch.Tensor] | None = None,
+    add_mass_to: tuple[torch.Tensor, torch.Tensor] | None = None, lse_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same contract as paged_decode (num_splits is accepted and ignored)."""
     geom = check_decode_inputs(q, hot_pool, warm_data, warm_k_scale, warm_v_scale, block_table, block_is_int8,
                                num_tokens)
     check_mass_target(add_mass_to, geom, q.device)
+    check_lse_target(lse_out, geom, q.device)
+    if lse_out is not None:
+        lse_out.fill_(float("-inf"))  # rows without tokens
     group, block_tokens = geom.group, geom.block_tokens
     scale = sm_scale if sm_scale is not None else geom.head_dim**-0.5
     out = torch.zeros_like(q)  # [B, Hq, D]
@@ -53,7 +56,10 @@ def paged_decode_ref(
             slots, is_int8 = block_table[b, h, :n_blocks], block_is_int8[b, h, :n_blocks].bool()
             k, v = gather_kv(hot_pool, warm_data, warm_k_scale, warm_v_scale, slots, is_int8, h)
             q_group = q[b, h * group : (h + 1) * group].float()  # [G, D]
-            p = torch.softmax(q_group @ k[:n].T * scale, dim=-1)  # [G, n]
+            logits = q_group @ k[:n].T * scale  # [G, n]
+            p = torch.softmax(logits, dim=-1)
+            if lse_out is not None:
+                lse_out[b, h * group : (h + 1) * group] = torch.logsumexp(logits, dim=-1)
             out[b, h * group : (h + 1) * group] = (p @ v[:n]).half()
             p_blocks = torch.nn.functional.pad(p, (0, n_blocks * block_tokens - n))  # [G, n_blocks * T]
             mass[b, h, :n_blocks] = p_blocks.view(group, n_blocks, block_tokens).sum(-1).mean(0)

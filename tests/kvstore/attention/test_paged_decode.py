@@ -254,6 +254,37 @@ def test_configs_agree(config: dict) -> None:
     torch.testing.assert_close(mass, base_mass, atol=1e-4, rtol=1e-3)
 
 
+def _dense_lse(case: Case) -> torch.Tensor:
+    """float32 [B, Hq]: log-sum-exp of each q head's scaled logits over its row's true keys (-inf: no tokens)."""
+    batch, num_q_heads, head_dim = case.q.shape
+    group = num_q_heads // case.table.shape[1]
+    lse = torch.full((batch, num_q_heads), float("-inf"))
+    for b, n in enumerate(case.num_tokens.tolist()):
+        if n:
+            k = case.k_true[b, :, :n].repeat_interleave(group, 0)  # [Hq, n, D]
+            lse[b] = torch.logsumexp((k @ case.q[b].float().cpu()[:, :, None])[..., 0] * head_dim**-0.5, -1)
+    return lse
+
+
+@pytest.mark.parametrize("walk", ["one_tile", "partition", "fused"])
+@pytest.mark.parametrize("name", ["gqa4_mixed", "empty_row", "hot_pool_empty", "gqa8_d128"])
+def test_lse_out_is_the_log_sum_exp_of_the_attended_logits(name: str, walk: str) -> None:
+    """lse_out (what the certified omitted mass needs, from the merge): every walk and the reference give the
+    dense log-sum-exp over the row's tokens; outputs unchanged."""
+    case, kwargs = _build(name)
+    expected = _dense_lse(case)
+    run = {k: v for k, v in kwargs.items() if walk != "one_tile" or k != "num_splits"}
+    plain, _ = paged_decode(*case.args(), walk=walk, **run)
+    for fn, extra in ((paged_decode, {"walk": walk, **run}), (paged_decode_ref, {})):
+        lse = torch.zeros(case.q.shape[:2], device=DEVICE)
+        out, _ = fn(*case.args(), lse_out=lse, **extra)
+        torch.testing.assert_close(lse.cpu(), expected, atol=2e-3, rtol=1e-4)
+        if fn is paged_decode:
+            assert torch.equal(out, plain)
+    with pytest.raises(ValueError, match="lse_out"):
+        paged_decode(*case.args(), lse_out=torch.zeros(case.q.shape[:2], dtype=torch.float16, device=DEVICE))
+
+
 def test_sm_scale_int8_flags_and_no_mass() -> None:
     case, _ = _build("gqa3_partial")
     args = list(case.args())
