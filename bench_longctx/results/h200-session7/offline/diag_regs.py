@@ -1,6 +1,6 @@
 """Offline sm_90 compile (triton of the CPU box, 3.9; the device runs 3.6: indicative) of the split kernel's int8 (warm-only) and fp16 loops: registers, shared memory, programs per SM. Writes /tmp/sass/<label>.{cubin,sass,ttgir}."""
 import re, subprocess, sys, os, itertools
-sys.path.insert(0, "/work/main")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../../.."))
 import triton
 from triton.compiler import ASTSource, compile as tcompile
 from triton.backends.compiler import GPUTarget
