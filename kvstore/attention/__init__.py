@@ -4,7 +4,8 @@
     one_tile.py      short tables (a top-k budget): one program per tile, each in its own pool's format, one launch
     tiles.py         one tile of K/V: table entries -> slots, fp16 rows, int8 rows dequantized in registers
     partition.py     a mixed long table reordered per row on the device, fp16 entries then int8 ones (one launch each)
-    merge.py         merges the splits and turns per-block log-sums into attention mass for H2O (one launch)
+    merge.py         merges the splits, turns per-block log-sums into attention mass for H2O, and can return
+                     each q head's log-sum-exp (one launch)
     plan.py          input checks and the launch configuration per geometry (which walk, tiles, splits)
     reference.py     the pure-torch references with the same contracts (what CPU runs)
 """
