@@ -93,6 +93,7 @@ def test_planner_takes_one_tile_for_a_budget_and_splits_for_long_tables(monkeypa
     assert dense_8k.one_tile
     long = decode_config(DecodeGeometry(1, 32, 8, 128, 64, 16384), cuda)  # 1M tokens
     assert not long.one_tile and long.num_splits > 1 and long.blocks_per_split > long.blocks_per_iter
+    assert long.num_splits * 8 % 132 == 0  # every SM runs as many programs (plan.balanced_splits)
     forced = decode_config(DecodeGeometry(1, 32, 8, 128, 64, 64), cuda, num_splits=4)
     assert not forced.one_tile and forced.num_splits == 4
     with pytest.raises(ValueError, match="one split per tile"):
