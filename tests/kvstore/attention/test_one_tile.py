@@ -1,5 +1,5 @@
 """The one-tile walk (one_tile.py) and the one-launch merge (merge.py) against their references, and the
-planner's choice between the one-tile and split walks. Cases come from test_paged_decode.make_case
+planner's choice between the one-tile and split walks. Cases come from cases.make_case
 (poisoned pools and garbage slots past each row's end: a stray read shows up as NaN or a wrong answer)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import torch
 from kvstore.attention import plan
 from kvstore.attention.merge import merge_splits
 from kvstore.attention.paged_decode import paged_decode
-from kvstore.attention.plan import DecodeGeometry, decode_config
+from kvstore.attention.plan import DecodeGeometry, balanced_splits, decode_config
 from kvstore.attention.reference import merge_splits_ref, paged_decode_ref
-from tests.kvstore.attention.test_paged_decode import CASE_KEYS, CASES, DEVICE, make_case
+from tests.kvstore.attention.cases import CASE_KEYS, CASES, DEVICE, make_case
 
 ONE_TILE_CASES = {  # lengths, kv heads, group, head_dim, block_tokens, fraction int8, kwargs
     # the decode step's table in small: fp16 sink and recent blocks around int8 ones, a part-filled tail
@@ -112,3 +112,11 @@ def test_one_tile_caps_rows_at_the_table() -> None:
     torch.testing.assert_close(long_mass, mass, atol=0, rtol=0)
     torch.testing.assert_close(out.float(), ref_out.float(), atol=4e-3, rtol=1e-2)
     torch.testing.assert_close(mass, ref_mass, atol=1e-3, rtol=1e-2)
+
+
+def test_balanced_split_counts_fill_every_sm_evenly() -> None:
+    """llama3-8b at batch 1 on 132 SMs: 8 kv heads x splits programs, a multiple of the SMs (the old 3 per SM
+    gave 400 programs: 4 SMs ran a fourth program while the rest idled); a cap on splits is kept."""
+    assert [balanced_splits(8, 132, per_sm, 4096) for per_sm in (2, 4)] == [33, 66]
+    assert balanced_splits(3, 132, 4, 4096) * 3 % 132 == 0  # SmolLM2's 3 kv heads
+    assert balanced_splits(8, 132, 4, 10) == 10

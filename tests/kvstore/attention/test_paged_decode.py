@@ -1,187 +1,21 @@
-"""paged_decode (Triton) against paged_decode_ref (torch), and the reference against dense SDPA.
-
-Cases are built from dense K/V: each used (row, kv head, block) gets its own slot in the hot or
-warm pool; everything the kernel must not read is poisoned (NaN in unused slots and heads, in
-the tails of partial blocks and in their v_scale; garbage slot ids past each row's end), so a
-stray read shows up as NaN or a wrong answer. On CPU this runs under TRITON_INTERPRET=1
-(tests/conftest.py), on a GPU natively.
+"""paged_decode (Triton) against paged_decode_ref (torch), the reference against dense SDPA, configs and argument
+checks. Cases: tests/kvstore/attention/cases.py (poisoned pools: a stray read shows up as NaN or a wrong answer).
+On CPU this runs under TRITON_INTERPRET=1 (tests/conftest.py), on a GPU natively.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kvstore.attention.paged_decode import paged_decode
-from kvstore.attention.plan import balanced_splits
 from kvstore.attention.reference import paged_decode_ref
-from tiers.quant import dequantize, quantize
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SPARE_SLOTS = 3  # never referenced: poisoned
-
-
-@dataclass
-class Case:
-    q: torch.Tensor  # fp16 [B, Hq, D]
-    hot: torch.Tensor  # fp16 [n_hot, 2, H, T, D]
-    warm_data: torch.Tensor  # int8 [n_warm, 2, H, T, D]
-    k_scale: torch.Tensor  # f32 [n_warm, H, D]
-    v_scale: torch.Tensor  # f32 [n_warm, H, T]
-    table: torch.Tensor  # int32 [B, H, max_blocks]
-    is_int8: torch.Tensor  # bool [B, H, max_blocks]
-    num_tokens: torch.Tensor  # int32 [B]
-    k_true: torch.Tensor  # f32 [B, H, max_blocks * T, D]: what the pools hold, int8 blocks dequantized
-    v_true: torch.Tensor
-
-    def args(self) -> tuple[torch.Tensor, ...]:
-        return (self.q, self.hot, self.warm_data, self.k_scale, self.v_scale, self.table, self.is_int8,
-                self.num_tokens)
-
-
-def _assign_slots(used: torch.Tensor, is_int8: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """A distinct slot per used entry in its pool; garbage (never a valid read) elsewhere."""
-    table = torch.randint(-(2**30), 2**30, used.shape, generator=gen, dtype=torch.int32)
-    for pool in (used & ~is_int8, used & is_int8):
-        n = int(pool.sum())
-        table[pool] = torch.randperm(n + SPARE_SLOTS, generator=gen)[:n].int()
-    return table
-
-
-def _fill_pools(case_shape, table, is_int8, used, k, v):
-    """Scatter dense K/V [B, H, S, D] into the pools; returns (hot, warm fp16, warm rows that hold data)."""
-    batch, heads, block_tokens, head_dim = case_shape
-    n_hot = int((used & ~is_int8).sum()) + SPARE_SLOTS
-    n_warm = int((used & is_int8).sum()) + SPARE_SLOTS
-    hot = torch.full((n_hot, 2, heads, block_tokens, head_dim), float("nan"), dtype=torch.float16)
-    warm = torch.randn((n_warm, 2, heads, block_tokens, head_dim)).half()  # unused heads: quantized noise
-    warm_used = torch.zeros((n_warm, heads), dtype=torch.bool)
-    for b, th, j in used.nonzero().tolist():
-        slot = int(table[b, th, j])
-        for h in range(heads) if table.shape[1] == 1 else [th]:
-            tokens = slice(j * block_tokens, (j + 1) * block_tokens)
-            pool = warm if is_int8[b, th, j] else hot
-            pool[slot, 0, h], pool[slot, 1, h] = k[b, h, tokens], v[b, h, tokens]
-            if is_int8[b, th, j]:
-                warm_used[slot, h] = True
-    return hot, warm, warm_used
-
-
-def make_case(lengths: list[int], heads: int, group: int, head_dim: int, block_tokens: int, frac_int8: float,
-              *, seed: int = 0, shared_table: bool = False, pad_blocks: int = 2, empty_pool: str | None = None,
-              sinks_recent: tuple[int, int] | None = None) -> Case:
-    gen = torch.Generator().manual_seed(seed)
-    batch = len(lengths)
-    n_blocks = [-(-n // block_tokens) for n in lengths]
-    max_blocks = max(n_blocks) + pad_blocks
-    k = torch.randn((batch, heads, max_blocks * block_tokens, head_dim), generator=gen).half()
-    v = torch.randn((batch, heads, max_blocks * block_tokens, head_dim), generator=gen).half()
-    q = (torch.randn((batch, heads * group, head_dim), generator=gen) * 1.5).half()
-    table_heads = 1 if shared_table else heads
-    is_int8 = torch.rand((batch, table_heads, max_blocks), generator=gen) < frac_int8
-    if empty_pool is not None:
-        is_int8[:] = empty_pool == "hot"
-    if sinks_recent is not None:  # the decode step's table: first and last blocks of each row fp16, the rest int8
-        for b, nb in enumerate(n_blocks):
-            is_int8[b] = True
-            is_int8[b, :, : sinks_recent[0]] = False
-            is_int8[b, :, max(0, nb - sinks_recent[1]) : nb] = False
-    used = torch.arange(max_blocks)[None, None, :] < torch.tensor(n_blocks)[:, None, None]
-    used = used.expand(batch, table_heads, max_blocks)
-    table = _assign_slots(used, is_int8, gen)
-    hot, warm_fp16, warm_used = _fill_pools((batch, heads, block_tokens, head_dim), table, is_int8, used, k, v)
-    warm = quantize(warm_fp16)
-    k_true, v_true = _true_kv(k, v, table, is_int8, used, dequantize(warm), block_tokens)
-    warm.k_scale[~warm_used] = float("nan")
-    warm.v_scale[~warm_used] = float("nan")
-    _poison_tails(lengths, n_blocks, table, is_int8, hot, warm, block_tokens)
-    if empty_pool == "hot":
-        hot = hot[:0]
-    if empty_pool == "warm":
-        warm = warm.index(slice(0, 0))
-    expand = (batch, heads, max_blocks)
-    return Case(q.to(DEVICE), hot.to(DEVICE), warm.data.to(DEVICE), warm.k_scale.to(DEVICE),
-                warm.v_scale.to(DEVICE), table.to(DEVICE).expand(expand), is_int8.to(DEVICE).expand(expand),
-                torch.tensor(lengths, dtype=torch.int32, device=DEVICE), k_true, v_true)
-
-
-def _true_kv(k, v, table, is_int8, used, warm_deq, block_tokens):
-    """Dense K/V as the pools hold them: fp16 blocks exact, int8 blocks after the codec's round trip."""
-    k_true, v_true = k.float(), v.float()
-    for b, th, j in (used & is_int8).nonzero().tolist():
-        slot, tokens = int(table[b, th, j]), slice(j * block_tokens, (j + 1) * block_tokens)
-        for h in range(k.shape[1]) if table.shape[1] == 1 else [th]:
-            k_true[b, h, tokens] = warm_deq[slot, 0, h].float()
-            v_true[b, h, tokens] = warm_deq[slot, 1, h].float()
-    return k_true, v_true
-
-
-def _poison_tails(lengths, n_blocks, table, is_int8, hot, warm, block_tokens):
-    """Tokens past num_tokens in each row's last block: NaN (fp16) or garbage data and NaN v_scale (int8)."""
-    for b, (n, nb) in enumerate(zip(lengths, n_blocks)):
-        r = n - (nb - 1) * block_tokens
-        for th in range(table.shape[1]):
-            if n == 0 or r == block_tokens:
-                continue
-            slot = int(table[b, th, nb - 1])
-            for h in range(hot.shape[2]) if table.shape[1] == 1 else [th]:
-                if is_int8[b, th, nb - 1]:
-                    warm.data[slot, :, h, r:] = 127
-                    warm.v_scale[slot, h, r:] = float("nan")
-                else:
-                    hot[slot, :, h, r:] = float("nan")
-
-
-def _dense_expected(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
-    """SDPA over the true K/V of each row, and the per-block mass from an explicit softmax."""
-    batch, num_q_heads, head_dim = case.q.shape
-    heads, max_blocks = case.table.shape[1], case.table.shape[2]
-    block_tokens = case.hot.shape[3]
-    out = torch.zeros((batch, num_q_heads, head_dim))
-    mass = torch.zeros((batch, heads, max_blocks))
-    for b, n in enumerate(case.num_tokens.tolist()):
-        if n == 0:
-            continue
-        q, k, v = case.q[b].float().cpu()[None, :, None], case.k_true[b, :, :n][None], case.v_true[b, :, :n][None]
-        out[b] = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)[0, :, 0]
-        group = num_q_heads // heads
-        scores = q[0] @ k[0].repeat_interleave(group, 0).transpose(1, 2) * head_dim**-0.5  # [Hq, 1, n]
-        p = F.pad(torch.softmax(scores[:, 0], -1), (0, max_blocks * block_tokens - n))  # [Hq, S]
-        mass[b] = p.view(heads, group, max_blocks, block_tokens).sum(-1).mean(1)
-    return out, mass
-
-
-CASES = {  # lengths, kv heads, group, head_dim, block_tokens, fraction int8, kwargs
-    "gqa4_mixed": ([37, 70, 5], 2, 4, 64, 16, 0.5, {}),
-    "gqa1_tiny_blocks": ([50, 13], 3, 1, 32, 8, 0.3, {"num_splits": 3}),
-    "gqa3_partial": ([100, 33], 2, 3, 64, 32, 0.7, {}),
-    "gqa8_d128": ([61], 1, 8, 128, 16, 0.5, {"num_splits": 2}),
-    "all_fp16_warm_present": ([45, 80], 2, 4, 32, 16, 0.0, {}),
-    "all_int8_hot_present": ([45, 80], 2, 4, 32, 16, 1.0, {}),
-    "shared_table_dense_mode": ([29, 64], 2, 2, 32, 16, 0.5, {"shared_table": True}),
-    "full_blocks_only": ([64, 32], 2, 2, 32, 16, 0.5, {}),
-    "empty_row": ([0, 40], 2, 2, 32, 16, 0.5, {}),
-    "warm_pool_empty": ([77], 2, 4, 32, 16, 0.0, {"empty_pool": "warm"}),
-    "hot_pool_empty": ([77], 2, 4, 32, 16, 1.0, {"empty_pool": "hot"}),
-    "block_tokens_128": ([300], 1, 4, 32, 128, 0.5, {"num_splits": 2}),
-}
-CASE_KEYS = ("shared_table", "empty_pool", "sinks_recent")
-
-
-def _build(name: str) -> tuple[Case, dict]:
-    lengths, heads, group, head_dim, block_tokens, frac, kwargs = CASES[name]
-    build = {k: v for k, v in kwargs.items() if k in CASE_KEYS}
-    run = {k: v for k, v in kwargs.items() if k not in CASE_KEYS}
-    seed = sum(map(ord, name))
-    return make_case(lengths, heads, group, head_dim, block_tokens, frac, seed=seed, **build), run
+from tests.kvstore.attention.cases import CASES, build_case, dense_expected
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_kernel_matches_reference(name: str) -> None:
-    case, kwargs = _build(name)
+    case, kwargs = build_case(name)
     out, mass = paged_decode(*case.args(), return_block_mass=True, **kwargs)
     ref_out, ref_mass = paged_decode_ref(*case.args(), return_block_mass=True)
     assert out.dtype == torch.float16 and out.shape == case.q.shape
@@ -192,101 +26,25 @@ def test_kernel_matches_reference(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["gqa4_mixed", "gqa3_partial", "shared_table_dense_mode", "empty_row"])
 def test_reference_matches_dense_sdpa(name: str) -> None:
-    case, _ = _build(name)
+    case, _ = build_case(name)
     ref_out, ref_mass = paged_decode_ref(*case.args(), return_block_mass=True)
-    out, mass = _dense_expected(case)
+    out, mass = dense_expected(case)
     torch.testing.assert_close(ref_out.float().cpu(), out, atol=2e-3, rtol=1e-2)
     torch.testing.assert_close(ref_mass.cpu(), mass, atol=1e-5, rtol=1e-4)
-
-
-def test_block_mass_sums_to_one_per_row_and_zero_on_padding() -> None:
-    case, _ = _build("gqa4_mixed")
-    _, mass = paged_decode(*case.args(), return_block_mass=True)
-    n_blocks = (case.num_tokens + 15) // 16
-    torch.testing.assert_close(mass.sum(-1), torch.ones_like(mass[..., 0]), atol=1e-4, rtol=0)
-    padding = torch.arange(mass.shape[-1], device=DEVICE)[None, None, :] >= n_blocks[:, None, None]
-    assert torch.all(mass[padding.expand_as(mass)] == 0)
-    assert torch.all(mass[~padding.expand_as(mass)] > 0)
-
-
-@pytest.mark.parametrize("walk", ["one_tile", "partition"])
-@pytest.mark.parametrize("name", ["gqa8_d128", "block_tokens_128", "hot_pool_empty"])
-def test_mass_added_into_scores_where_the_table_came_from(name: str, walk: str) -> None:
-    """add_mass_to (the decode step's H2O account, in the merge): scores[h, index[h, j]] += mass[h, j] for live
-    j, the rest untouched; kernel and reference alike."""
-    case, kwargs = _build(name)
-    case = replace(case, num_tokens=case.num_tokens[:1])  # batch 1: one row of each table
-    args = list(case.args())
-    args[0], args[5], args[6] = args[0][:1], args[5][:1], args[6][:1]
-    heads, max_blocks = args[5].shape[1:]
-    gen = torch.Generator().manual_seed(3)
-    index = torch.stack([torch.randperm(3 * max_blocks, generator=gen)[:max_blocks] for _ in range(heads)])
-    scores0 = torch.rand((heads, 3 * max_blocks), generator=gen)
-    _, mass = paged_decode_ref(*args, return_block_mass=True)
-    n_blocks = -(-int(case.num_tokens[0]) // case.hot.shape[3])
-    expected = scores0.clone()
-    expected.scatter_add_(1, index[:, :n_blocks], mass[0, :, :n_blocks].cpu())
-    run = {k: v for k, v in kwargs.items() if walk == "partition" or k != "num_splits"}
-    for fn, extra in ((paged_decode, {"walk": walk, **run}), (paged_decode_ref, {})):
-        scores = scores0.clone().to(DEVICE)
-        out, none = fn(*args, add_mass_to=(scores, index.to(DEVICE)), **extra)
-        assert none is None
-        torch.testing.assert_close(scores.cpu(), expected, atol=1e-4, rtol=1e-3)
-    with pytest.raises(ValueError, match="add_mass_to index"):
-        paged_decode(*args, add_mass_to=(scores, index[:, :-1].to(DEVICE)))
-
-
-def test_balanced_split_counts_fill_every_sm_evenly() -> None:
-    """llama3-8b at batch 1 on 132 SMs: 8 kv heads x splits programs, a multiple of the SMs (the old 3 per SM
-    gave 400 programs: 4 SMs ran a fourth program while the rest idled); a cap on splits is kept."""
-    assert [balanced_splits(8, 132, per_sm, 4096) for per_sm in (2, 4)] == [33, 66]
-    assert balanced_splits(3, 132, 4, 4096) * 3 % 132 == 0  # SmolLM2's 3 kv heads
-    assert balanced_splits(8, 132, 4, 10) == 10
 
 
 @pytest.mark.parametrize("config", [{"blocks_per_iter": 2}, {"blocks_per_iter": 4, "num_warps": 8},
                                     {"num_splits": 1, "num_stages": 1}, {"num_splits": 9}])
 def test_configs_agree(config: dict) -> None:
-    case, _ = _build("gqa4_mixed")
+    case, _ = build_case("gqa4_mixed")
     base, base_mass = paged_decode(*case.args(), return_block_mass=True)
     out, mass = paged_decode(*case.args(), return_block_mass=True, **config)
     torch.testing.assert_close(out.float(), base.float(), atol=2e-3, rtol=1e-2)
     torch.testing.assert_close(mass, base_mass, atol=1e-4, rtol=1e-3)
 
 
-def _dense_lse(case: Case) -> torch.Tensor:
-    """float32 [B, Hq]: log-sum-exp of each q head's scaled logits over its row's true keys (-inf: no tokens)."""
-    batch, num_q_heads, head_dim = case.q.shape
-    group = num_q_heads // case.table.shape[1]
-    lse = torch.full((batch, num_q_heads), float("-inf"))
-    for b, n in enumerate(case.num_tokens.tolist()):
-        if n:
-            k = case.k_true[b, :, :n].repeat_interleave(group, 0)  # [Hq, n, D]
-            lse[b] = torch.logsumexp((k @ case.q[b].float().cpu()[:, :, None])[..., 0] * head_dim**-0.5, -1)
-    return lse
-
-
-@pytest.mark.parametrize("walk", ["one_tile", "partition", "fused"])
-@pytest.mark.parametrize("name", ["gqa4_mixed", "empty_row", "hot_pool_empty", "gqa8_d128"])
-def test_lse_out_is_the_log_sum_exp_of_the_attended_logits(name: str, walk: str) -> None:
-    """lse_out (what the certified omitted mass needs, from the merge): every walk and the reference give the
-    dense log-sum-exp over the row's tokens; outputs unchanged."""
-    case, kwargs = _build(name)
-    expected = _dense_lse(case)
-    run = {k: v for k, v in kwargs.items() if walk != "one_tile" or k != "num_splits"}
-    plain, _ = paged_decode(*case.args(), walk=walk, **run)
-    for fn, extra in ((paged_decode, {"walk": walk, **run}), (paged_decode_ref, {})):
-        lse = torch.zeros(case.q.shape[:2], device=DEVICE)
-        out, _ = fn(*case.args(), lse_out=lse, **extra)
-        torch.testing.assert_close(lse.cpu(), expected, atol=2e-3, rtol=1e-4)
-        if fn is paged_decode:
-            assert torch.equal(out, plain)
-    with pytest.raises(ValueError, match="lse_out"):
-        paged_decode(*case.args(), lse_out=torch.zeros(case.q.shape[:2], dtype=torch.float16, device=DEVICE))
-
-
 def test_sm_scale_int8_flags_and_no_mass() -> None:
-    case, _ = _build("gqa3_partial")
+    case, _ = build_case("gqa3_partial")
     args = list(case.args())
     args[6] = case.is_int8.to(torch.int8)
     out, mass = paged_decode(*args, sm_scale=0.3)
@@ -306,7 +64,7 @@ def test_sm_scale_int8_flags_and_no_mass() -> None:
     (7, lambda t: t.to("meta"), "num_tokens: expected"),
 ])
 def test_bad_arguments_raise_value_error(field: int, bad, message: str) -> None:
-    case, _ = _build("gqa4_mixed")
+    case, _ = build_case("gqa4_mixed")
     args = list(case.args())
     args[field] = bad(args[field])
     for fn in (paged_decode, paged_decode_ref):
@@ -315,7 +73,7 @@ def test_bad_arguments_raise_value_error(field: int, bad, message: str) -> None:
 
 
 def test_group_must_divide_and_config_must_be_valid() -> None:
-    case, _ = _build("gqa3_partial")
+    case, _ = build_case("gqa3_partial")
     args = list(case.args())
     args[0] = case.q[:, :5]
     with pytest.raises(ValueError, match="multiple of kv heads"):

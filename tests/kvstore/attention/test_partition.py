@@ -1,6 +1,6 @@
 """Both pools present (what the captured decode step always passes): every walk of
 paged_decode against the reference over irregular geometries and table mixes, and the partitioned
-table (partition.py) against its reference. Cases come from test_paged_decode.make_case (poisoned
+table (partition.py) against its reference. Cases come from cases.make_case (poisoned
 pools: a stray read shows up as NaN or a wrong answer)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from kvstore.attention.paged_decode import WALKS, paged_decode
 from kvstore.attention.partition import partition_table, partition_table_ref
 from kvstore.attention.reference import paged_decode_ref
-from tests.kvstore.attention.test_paged_decode import CASE_KEYS, DEVICE, Case, _build, make_case
+from tests.kvstore.attention.cases import CASE_KEYS, DEVICE, Case, build_case, make_case
 
 VARIANT_CASES = {  # both pools present; lengths, kv heads, group, head_dim, block_tokens, fraction int8, kwargs
     "gqa1_d64_bt16_mixed": ([150, 37], 2, 1, 64, 16, 0.5, {}),
@@ -45,7 +45,7 @@ def test_both_pool_walks_match_reference(name: str, walk: str) -> None:
 
 @pytest.mark.parametrize("name", ["gqa4_mixed", "shared_table_dense_mode", "empty_row", "all_int8_hot_present"])
 def test_partition_matches_reference(name: str) -> None:
-    case, _ = _build(name)
+    case, _ = build_case(name)
     block_tokens = case.hot.shape[3]
     flags = case.is_int8.view(torch.int8)
     part = partition_table(case.table, flags, case.num_tokens, block_tokens)
