@@ -91,7 +91,7 @@ def first_levels(args, q, summaries, codes, true) -> dict:
         ref = channel_block_stats_ref(q, summaries[:m], codes[:m], m * b, r)
         nbytes = summary_bytes + n * h * r * b // 2
         rows = [{"knobs": k, **timed_row(lambda k=k: channel_block_stats(q, summaries, codes, t, r, **k), nbytes, true,
-                                         ref)} for k in SCAN_SWEEP]
+                                         ref)} for k in args.scan_sweep]
         out[f"channels_{r}"] = {"sweep": rows, "best": fastest(rows), "MiB": nbytes / 2**20}
     return out
 
@@ -158,8 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=int, default=4096)
     parser.add_argument("--block", type=int, default=64)
     parser.add_argument("--channels", default="16,32,64", help="first-level channel counts to time and score")
+    parser.add_argument("--scan-sweep", default=None, help="the first level's knob settings to time, a JSON list of "
+                        "dicts (default: SCAN_SWEEP)")
     args = parser.parse_args(argv)
     args.channels = [int(c) for c in args.channels.split(",")]
+    args.scan_sweep = json.loads(args.scan_sweep) if args.scan_sweep else SCAN_SWEEP
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         print("sketch_bench needs CUDA, or TRITON_INTERPRET=1 and a small --tokens for a smoke run")

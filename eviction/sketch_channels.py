@@ -32,6 +32,7 @@ constants of eviction/sketch_kernel.py).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -40,12 +41,21 @@ import triton.language as tl
 
 from eviction.sketch_kernel import (ABSOLUTE_SLACK, FP16_MAX, FP16_REL, FP16_TINY, HALF_STEP, LEVELS, ROUNDING_SLACK,
                                     _ABSOLUTE_SLACK, _FP16_MAX, _FP16_REL, _FP16_TINY, _HALF_STEP, _LEVELS,
-                                    _ROUNDING_SLACK, check_inputs, check_kernel_layout, nibble)
+                                    _ROUNDING_SLACK, _CODE_BIAS, CODE_BIAS, check_inputs, check_kernel_layout, nibble,
+                                    use_asm, word_codes)
 
 
 # the fastest of bench_longctx/sketch_bench.py's sweep at 1M on the H200 for r = 16, 32 and 64 (194 / 244 / 353 us;
 # 8 x 4: 213 / 272 / 364; results/h200-session3 call3 and call5), although 16 x 4 spills registers at r = 32
-DEFAULT_KNOBS = dict(blocks_per_program=16, decode=1, num_warps=4, num_stages=1)
+# programs_per_sm: 0 launches a program per tile of blocks_per_program blocks; n > 0 launches about n per SM in all,
+# each walking every programs-th tile (persistent)
+DEFAULT_KNOBS = dict(blocks_per_program=16, decode=1, num_warps=4, num_stages=1, programs_per_sm=0)
+# the estimate sums CHANNELS products of magnitude <= (bias + 15) |operand_j| (bias: CODE_BIAS with decode 2, else 0)
+# and the bias comes off in fp32: every partial sum is <= (CODE_BIAS + 15) S_R, and CHANNELS + 2 roundings of at
+# most 2^-21 of it (tensor cores truncate where fp32 rounds: 2^-22, doubled; 2^-10 for fp16(q_j step_j) against
+# S_R) bound the error. Every decode's bound carries it, so kernel and reference agree whatever the knob.
+BIAS_ROUNDING = (CODE_BIAS + LEVELS) * 2.0**-21 * (1 + 2.0**-10)
+_BIAS_ROUNDING = tl.constexpr(BIAS_ROUNDING)
 
 
 @triton.jit
@@ -68,7 +78,7 @@ def _plan_kernel(q_ptr, ch_ptr, stride_qh, stride_ch, GROUP: tl.constexpr, GROUP
 def _channel_kernel(
     q_ptr,  # float16 [Hq, HEAD_DIM]
     s_ptr,  # float16 [num_blocks, 2, H, HEAD_DIM]
-    c_ptr,  # uint8 [num_blocks, H, HEAD_DIM, BLOCK_TOKENS // 2] (channel rows)
+    c_ptr,  # uint8 [num_blocks, H, HEAD_DIM, BLOCK_TOKENS // 2] (channel rows); int32 words of them (DECODE 2)
     ch_ptr,  # int32 [H, CHANNELS]: the channels to read (_plan_kernel)
     valid_ptr,  # bool [num_blocks] (HAS_VALID) or unused
     lse_ptr, upper_ptr,  # float32 [Hq, num_blocks]
@@ -77,18 +87,14 @@ def _channel_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, CHANNELS: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, HALF_PAD: tl.constexpr, BLOCKS: tl.constexpr, HAS_VALID: tl.constexpr,
     FULL: tl.constexpr,  # every token of every block is real (num_tokens = num_blocks * BLOCK_TOKENS, a power of 2)
-    DECODE: tl.constexpr,
+    DECODE: tl.constexpr,  # 0, 1: a byte per two tokens (nibble()); 2: 8 tokens a word (word_codes), BLOCK_TOKENS % 8 = 0
+    USE_ASM: tl.constexpr,  # DECODE 2 in PTX (compiled on CUDA; the interpreter runs the plain form)
 ):
     head = tl.program_id(1)
-    offs_b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_t = tl.arange(0, HALF_PAD)
     g_ok = offs_g < GROUP
-    live = offs_b < num_blocks
-    if HAS_VALID:
-        live = live & (tl.load(valid_ptr + offs_b, mask=live, other=0) != 0)
-    blocks = offs_b.to(tl.int64)
     q_row = q_ptr + (head * GROUP + offs_g) * stride_qh  # [GROUP_PAD]
     q_t = tl.load(q_row[None, :] + offs_d[:, None], mask=g_ok[None, :], other=0.0)  # fp16 [HEAD_DIM, GROUP_PAD]
     ch = tl.load(ch_ptr + head * stride_chh + tl.arange(0, CHANNELS))  # int32 [CHANNELS]
@@ -98,58 +104,89 @@ def _channel_kernel(
     q_r = tl.where(read[:, None], q_t, zero)
     u_pos, u_neg = tl.maximum(q_u, zero), tl.minimum(q_u, zero)  # (all exact in fp16)
     r_pos, r_neg = tl.maximum(q_r, zero), tl.minimum(q_r, zero)
-    # every per-block sum over channels is a tensor-core dot of the fp16 summaries against a q column set: exact
-    # fp16 products summed in fp32 (errors inside slack * size)
-    s_rows = s_ptr + blocks[:, None] * stride_sn + head * stride_sh + offs_d[None, :]
-    k_min = tl.load(s_rows, mask=live[:, None], other=0.0)  # fp16 [BLOCKS, HEAD_DIM]
-    k_max = tl.load(s_rows + stride_sm, mask=live[:, None], other=0.0)
-    top_u = tl.dot(k_max, u_pos) + tl.dot(k_min, u_neg)  # [BLOCKS, GROUP_PAD]: max of q_U . k_U over the box
-    bottom_u = tl.dot(k_max, u_neg) + tl.dot(k_min, u_pos)  # its min
-    quest_r = tl.dot(k_max, r_pos) + tl.dot(k_min, r_neg)  # Quest on the read channels
-    base = tl.dot(k_min, q_r)  # q_R . min_R
-    spread = (tl.dot(k_max, r_pos - r_neg) - tl.dot(k_min, r_pos - r_neg)) / _LEVELS  # S_R = sum_R |q_j| step_j
     q_abs = tl.abs(q_t)
-    size = tl.dot(tl.abs(k_min), q_abs) + tl.dot(tl.abs(k_max), q_abs)  # |q| . (|min| + |max|)
-    slack = _ROUNDING_SLACK * size
-    # the read channels' codes against fp16(q_j step_j); size / 15 bounds every |q_j step_j| (fp16 overflow check)
     q_j = tl.load(q_row[:, None] + ch[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)  # [GROUP_PAD, CH]
-    r_rows = s_ptr + blocks[:, None] * stride_sn + head * stride_sh + ch[None, :]
-    r_min = tl.load(r_rows, mask=live[:, None], other=0.0).to(tl.float32)  # [BLOCKS, CHANNELS]
-    r_max = tl.load(r_rows + stride_sm, mask=live[:, None], other=0.0).to(tl.float32)
-    qs = q_j[None, :, :] * ((r_max - r_min) / _LEVELS)[:, None, :]  # [BLOCKS, GROUP_PAD, CHANNELS]
-    operand = tl.minimum(tl.maximum(qs, -_FP16_MAX), _FP16_MAX).to(tl.float16)
-    fits = size < _LEVELS * _FP16_MAX
-    codes = (c_ptr + blocks[:, None, None] * stride_cn + head * stride_ch
-             + ch[None, :, None] * (BLOCK_TOKENS // 2) + offs_t[None, None, :])
-    byte = tl.load(codes, mask=live[:, None, None] & (offs_t < BLOCK_TOKENS // 2)[None, None, :], other=0)
-    operand_t = tl.permute(operand, (0, 2, 1))  # [BLOCKS, CHANNELS, GROUP_PAD]
-    est_lo = tl.dot(tl.permute(nibble(byte, 0, DECODE), (0, 2, 1)), operand_t)  # [BLOCKS, HALF_PAD, GROUP_PAD]
-    est_hi = tl.dot(tl.permute(nibble(byte, 1, DECODE), (0, 2, 1)), operand_t)  # tokens 2t (lo), 2t + 1 (hi)
+    q_r_abs = r_pos - r_neg
     log2_scale = scale * 1.4426950408889634  # logits in base 2: exp2 needs no extra multiply
-    logit_lo = (est_lo + base[:, None, :]) * log2_scale  # [BLOCKS, HALF_PAD, GROUP_PAD]
-    logit_hi = (est_hi + base[:, None, :]) * log2_scale
-    if not FULL:  # a partial tail block (or a block size below a power of two): mask the missing tokens
-        first = offs_b[:, None] * BLOCK_TOKENS + 2 * offs_t[None, :]  # [BLOCKS, HALF_PAD]
-        ok_lo = (2 * offs_t < BLOCK_TOKENS)[None, :] & (first < num_tokens)
-        ok_hi = (2 * offs_t + 1 < BLOCK_TOKENS)[None, :] & (first + 1 < num_tokens)
-        logit_lo = tl.where(ok_lo[:, :, None], logit_lo, float("-inf"))
-        logit_hi = tl.where(ok_hi[:, :, None], logit_hi, float("-inf"))
-        n_real = tl.sum(ok_lo.to(tl.float32), 1) + tl.sum(ok_hi.to(tl.float32), 1)  # [BLOCKS]
-    else:
-        n_real = tl.full((BLOCKS,), BLOCK_TOKENS, tl.float32)
-    top = tl.maximum(tl.max(logit_lo, 1), tl.max(logit_hi, 1))  # [BLOCKS, GROUP_PAD]
-    top = tl.where(top == float("-inf"), 0.0, top)  # a block past the end: no NaN from -inf - -inf
-    total = tl.sum(tl.exp2(logit_lo - top[:, None, :]), 1) + tl.sum(tl.exp2(logit_hi - top[:, None, :]), 1)
-    partial = (top + tl.log2(total)) * 0.6931471805599453  # log sum_t exp(scale partial_t)
-    err = _HALF_STEP * spread + _LEVELS * (_FP16_REL * spread + CHANNELS * _LEVELS * _FP16_TINY)
-    quest_upper = tl.log(n_real)[:, None] + (top_u + quest_r + slack) * scale
-    upper = tl.where(fits, tl.minimum(partial + (top_u + err + slack) * scale, quest_upper), quest_upper)
-    upper += _ABSOLUTE_SLACK
-    lse = partial + 0.5 * (top_u + bottom_u) * scale
-    out = (head * GROUP + offs_g)[None, :] * stride_oh + offs_b[:, None]  # [BLOCKS, GROUP_PAD]
-    out_ok = (offs_b < num_blocks)[:, None] & g_ok[None, :]
-    tl.store(lse_ptr + out, tl.where(live[:, None], lse, float("-inf")), mask=out_ok)
-    tl.store(upper_ptr + out, tl.where(live[:, None], upper, float("-inf")), mask=out_ok)
+    # a persistent loop: the program walks tiles pid, pid + programs, ..; the loads of the next tile can be issued
+    # while this one computes (num_stages), and q's per-head terms above are computed once
+    for tile in tl.range(tl.program_id(0), tl.cdiv(num_blocks, BLOCKS), tl.num_programs(0)):
+        offs_b = tile * BLOCKS + tl.arange(0, BLOCKS)
+        live = offs_b < num_blocks
+        if HAS_VALID:
+            live = live & (tl.load(valid_ptr + offs_b, mask=live, other=0) != 0)
+        blocks = offs_b.to(tl.int64)
+        # every per-block sum over channels is a tensor-core dot of the fp16 summaries against a q column set: exact
+        # fp16 products summed in fp32 (errors inside slack * size)
+        s_rows = s_ptr + blocks[:, None] * stride_sn + head * stride_sh + offs_d[None, :]
+        k_min = tl.load(s_rows, mask=live[:, None], other=0.0)  # fp16 [BLOCKS, HEAD_DIM]
+        k_max = tl.load(s_rows + stride_sm, mask=live[:, None], other=0.0)
+        top_u = tl.dot(k_max, u_pos) + tl.dot(k_min, u_neg)  # [BLOCKS, GROUP_PAD]: max of q_U . k_U over the box
+        bottom_u = tl.dot(k_max, u_neg) + tl.dot(k_min, u_pos)  # its min
+        quest_r = tl.dot(k_max, r_pos) + tl.dot(k_min, r_neg)  # Quest on the read channels
+        base = tl.dot(k_min, q_r)  # q_R . min_R
+        spread = (tl.dot(k_max, q_r_abs) - tl.dot(k_min, q_r_abs)) / _LEVELS  # S_R = sum_R |q_j| step_j
+        size = tl.dot(tl.abs(k_min), q_abs) + tl.dot(tl.abs(k_max), q_abs)  # |q| . (|min| + |max|)
+        slack = _ROUNDING_SLACK * size
+        # the read channels' codes against fp16(q_j step_j); size / 15 bounds every |q_j step_j| (fp16 overflow check)
+        r_rows = s_ptr + blocks[:, None] * stride_sn + head * stride_sh + ch[None, :]
+        r_min = tl.load(r_rows, mask=live[:, None], other=0.0).to(tl.float32)  # [BLOCKS, CHANNELS]
+        r_max = tl.load(r_rows + stride_sm, mask=live[:, None], other=0.0).to(tl.float32)
+        qs = q_j[None, :, :] * ((r_max - r_min) / _LEVELS)[:, None, :]  # [BLOCKS, GROUP_PAD, CHANNELS]
+        operand = tl.minimum(tl.maximum(qs, -_FP16_MAX), _FP16_MAX).to(tl.float16)
+        fits = size < _LEVELS * _FP16_MAX
+        operand_t = tl.permute(operand, (0, 2, 1))  # [BLOCKS, CHANNELS, GROUP_PAD]
+        if DECODE == 2:  # int32 words of 8 tokens: every code arrives as CODE_BIAS + code, in token order
+            offs_w = tl.arange(0, 2 * HALF_PAD // 8)
+            codes = (c_ptr + blocks[:, None, None] * stride_cn + head * stride_ch
+                     + ch[None, :, None] * (BLOCK_TOKENS // 8) + offs_w[None, None, :])
+            words = tl.load(codes, mask=live[:, None, None] & (offs_w < BLOCK_TOKENS // 8)[None, None, :], other=0)
+            code = tl.reshape(word_codes(words, USE_ASM), [BLOCKS, CHANNELS, 2 * HALF_PAD])
+            est = tl.dot(tl.permute(code, (0, 2, 1)), operand_t)  # [BLOCKS, TOKENS, GROUP_PAD]
+            base_b = base - _CODE_BIAS * tl.sum(operand.to(tl.float32), 2)  # the bias off, once per block
+            logit = (est + base_b[:, None, :]) * log2_scale
+            offs_tok = tl.arange(0, 2 * HALF_PAD)
+            if not FULL:  # a partial tail block (or a block size below a power of two): mask the missing tokens
+                ok = (offs_tok < BLOCK_TOKENS)[None, :] & (offs_b[:, None] * BLOCK_TOKENS + offs_tok[None, :]
+                                                            < num_tokens)  # [BLOCKS, TOKENS]
+                logit = tl.where(ok[:, :, None], logit, float("-inf"))
+                n_real = tl.sum(ok.to(tl.float32), 1)  # [BLOCKS]
+            else:
+                n_real = tl.full((BLOCKS,), BLOCK_TOKENS, tl.float32)
+            top = tl.max(logit, 1)  # [BLOCKS, GROUP_PAD]
+            top = tl.where(top == float("-inf"), 0.0, top)  # a block past the end: no NaN from -inf - -inf
+            total = tl.sum(tl.exp2(logit - top[:, None, :]), 1)
+        else:  # a byte per two tokens, one dot per nibble
+            codes = (c_ptr + blocks[:, None, None] * stride_cn + head * stride_ch
+                     + ch[None, :, None] * (BLOCK_TOKENS // 2) + offs_t[None, None, :])
+            byte = tl.load(codes, mask=live[:, None, None] & (offs_t < BLOCK_TOKENS // 2)[None, None, :], other=0)
+            est_lo = tl.dot(tl.permute(nibble(byte, 0, DECODE), (0, 2, 1)), operand_t)  # [BLOCKS, HALF_PAD, GROUP_PAD]
+            est_hi = tl.dot(tl.permute(nibble(byte, 1, DECODE), (0, 2, 1)), operand_t)  # tokens 2t (lo), 2t + 1 (hi)
+            logit_lo = (est_lo + base[:, None, :]) * log2_scale  # [BLOCKS, HALF_PAD, GROUP_PAD]
+            logit_hi = (est_hi + base[:, None, :]) * log2_scale
+            if not FULL:
+                first = offs_b[:, None] * BLOCK_TOKENS + 2 * offs_t[None, :]  # [BLOCKS, HALF_PAD]
+                ok_lo = (2 * offs_t < BLOCK_TOKENS)[None, :] & (first < num_tokens)
+                ok_hi = (2 * offs_t + 1 < BLOCK_TOKENS)[None, :] & (first + 1 < num_tokens)
+                logit_lo = tl.where(ok_lo[:, :, None], logit_lo, float("-inf"))
+                logit_hi = tl.where(ok_hi[:, :, None], logit_hi, float("-inf"))
+                n_real = tl.sum(ok_lo.to(tl.float32), 1) + tl.sum(ok_hi.to(tl.float32), 1)  # [BLOCKS]
+            else:
+                n_real = tl.full((BLOCKS,), BLOCK_TOKENS, tl.float32)
+            top = tl.maximum(tl.max(logit_lo, 1), tl.max(logit_hi, 1))  # [BLOCKS, GROUP_PAD]
+            top = tl.where(top == float("-inf"), 0.0, top)
+            total = tl.sum(tl.exp2(logit_lo - top[:, None, :]), 1) + tl.sum(tl.exp2(logit_hi - top[:, None, :]), 1)
+        partial = (top + tl.log2(total)) * 0.6931471805599453  # log sum_t exp(scale partial_t)
+        err = _HALF_STEP * spread + _LEVELS * (_FP16_REL * spread + CHANNELS * _LEVELS * _FP16_TINY) \
+            + _BIAS_ROUNDING * (CHANNELS + 2) * spread
+        quest_upper = tl.log(n_real)[:, None] + (top_u + quest_r + slack) * scale
+        upper = tl.where(fits, tl.minimum(partial + (top_u + err + slack) * scale, quest_upper), quest_upper)
+        upper += _ABSOLUTE_SLACK
+        lse = partial + 0.5 * (top_u + bottom_u) * scale
+        out = (head * GROUP + offs_g)[None, :] * stride_oh + offs_b[:, None]  # [BLOCKS, GROUP_PAD]
+        out_ok = (offs_b < num_blocks)[:, None] & g_ok[None, :]
+        tl.store(lse_ptr + out, tl.where(live[:, None], lse, float("-inf")), mask=out_ok)
+        tl.store(upper_ptr + out, tl.where(live[:, None], upper, float("-inf")), mask=out_ok)
 
 
 def channel_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, num_tokens: int,
@@ -180,18 +217,29 @@ def channel_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.T
     channels = torch.empty(num_kv_heads, num_channels, dtype=torch.int32, device=q.device)  # [H, r]
     _plan_kernel[(num_kv_heads,)](q, channels, q.stride(0), channels.stride(0), GROUP=group,
                                   GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, CHANNELS=num_channels)
-    _channel_kernel[(triton.cdiv(num_blocks, per_program), num_kv_heads)](
-        q, summaries, codes, channels, lse if valid is None else valid, lse, upper, num_tokens, num_blocks,
-        1.0 / math.sqrt(head_dim) if scale is None else scale,
-        q.stride(0), summaries.stride(0), summaries.stride(1), summaries.stride(2), codes.stride(0), codes.stride(1),
-        channels.stride(0), lse.stride(0),
+    tiles = triton.cdiv(num_blocks, per_program)
+    per_sm = knobs["programs_per_sm"]
+    programs = min(tiles, triton.cdiv(per_sm * sm_count(q.device), num_kv_heads)) if per_sm > 0 else tiles
+    decode = knobs["decode"] if block_tokens % 8 == 0 else min(knobs["decode"], 1)  # words: 8 tokens each
+    words = 4 if decode == 2 else 1  # bytes per element the kernel loads
+    _channel_kernel[(programs, num_kv_heads)](
+        q, summaries, codes.view(torch.int32) if decode == 2 else codes, channels, lse if valid is None else valid,
+        lse, upper, num_tokens, num_blocks, 1.0 / math.sqrt(head_dim) if scale is None else scale,
+        q.stride(0), summaries.stride(0), summaries.stride(1), summaries.stride(2), codes.stride(0) // words,
+        codes.stride(1) // words, channels.stride(0), lse.stride(0),
         GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 2), HEAD_DIM=head_dim, CHANNELS=num_channels,
         BLOCK_TOKENS=block_tokens, HALF_PAD=triton.next_power_of_2(block_tokens // 2), BLOCKS=per_program,
-        HAS_VALID=valid is not None, DECODE=knobs["decode"], num_warps=knobs["num_warps"],
+        HAS_VALID=valid is not None, DECODE=decode, USE_ASM=use_asm(q.device), num_warps=knobs["num_warps"],
         FULL=num_tokens == num_blocks * block_tokens and block_tokens & (block_tokens - 1) == 0,
         num_stages=knobs["num_stages"],
     )  # fmt: skip
     return lse, upper
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 4 elsewhere (the interpreter: a few programs share the tiles)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def _check_channels(num_channels: int, head_dim: int, valid: torch.Tensor | None, num_blocks: int) -> None:
@@ -241,7 +289,8 @@ def channel_block_stats_ref(q: torch.Tensor, summaries: torch.Tensor, codes: tor
     real = torch.arange(num_blocks * block_tokens, device=q.device).view(num_blocks, block_tokens) < num_tokens
     partial = torch.logsumexp((partial * scale).masked_fill(~real, float("-inf")), dim=-1)  # [H, G, N]
     spread = qs.abs().sum(-1)
-    err = HALF_STEP * spread + LEVELS * (FP16_REL * spread + idx.shape[1] * LEVELS * FP16_TINY)
+    err = HALF_STEP * spread + LEVELS * (FP16_REL * spread + idx.shape[1] * LEVELS * FP16_TINY) \
+        + BIAS_ROUNDING * (idx.shape[1] + 2) * spread
     quest_r = torch.maximum(q_r[:, :, None] * r_high[:, None], q_r[:, :, None] * r_low[:, None]).sum(-1)
     quest_upper = real.sum(-1).float().log() + (top_u + quest_r + slack) * scale
     upper = torch.minimum(partial + (top_u + err + slack) * scale, quest_upper)
