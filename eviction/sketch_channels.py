@@ -24,7 +24,12 @@ fp16's range (never for real keys) keeps Quest's bound alone. Garbage in blocks 
 their lse and upper are -inf.
 Instruction counts (sm_90 SASS, triton 3.6, offline) steered the form: per-block sums by dots instead of
 cross-lane reductions (982 -> 792 warp-instructions per block and kv head at r = 16), no token masks when every
-block is full (1128 -> 982), a channel-at-a-time FMA loop was 3x worse.
+block is full (1128 -> 982), a channel-at-a-time FMA loop was 3x worse. Codes decoded 8 tokens a word (one shift,
+two ANDs and four byte permutes for 8 nibbles, each 64 + code in fp16, the bias taken off once per block) issued
+fewer instructions but went to the dot as an fp16 tile through shared memory (131 KB a program at 16 blocks, where
+the byte tile's is 16 KB) and ran 2x slower (H200, results/h200-session8 call 1): the layout conversion, not the
+decode, sets the form. At r = 64 the pass issues ~1,160 warp-instructions per block and kv head: ~145 us of issue
+at 1M tokens before any stall, against ~70 us to read its bytes.
 
 Layout: kernels -> launcher -> pure-torch reference. Imports only torch and triton (and the nibble decoder and
 constants of eviction/sketch_kernel.py).
@@ -41,21 +46,16 @@ import triton.language as tl
 
 from eviction.sketch_kernel import (ABSOLUTE_SLACK, FP16_MAX, FP16_REL, FP16_TINY, HALF_STEP, LEVELS, ROUNDING_SLACK,
                                     _ABSOLUTE_SLACK, _FP16_MAX, _FP16_REL, _FP16_TINY, _HALF_STEP, _LEVELS,
-                                    _ROUNDING_SLACK, _CODE_BIAS, CODE_BIAS, check_inputs, check_kernel_layout, nibble,
-                                    use_asm, word_codes)
+                                    _ROUNDING_SLACK, check_inputs, check_kernel_layout, nibble)
 
 
-# the fastest of bench_longctx/sketch_bench.py's sweep at 1M on the H200 for r = 16, 32 and 64 (194 / 244 / 353 us;
-# 8 x 4: 213 / 272 / 364; results/h200-session3 call3 and call5), although 16 x 4 spills registers at r = 32
-# programs_per_sm: 0 launches a program per tile of blocks_per_program blocks; n > 0 launches about n per SM in all,
-# each walking every programs-th tile (persistent)
-DEFAULT_KNOBS = dict(blocks_per_program=16, decode=1, num_warps=4, num_stages=1, programs_per_sm=0)
-# the estimate sums CHANNELS products of magnitude <= (bias + 15) |operand_j| (bias: CODE_BIAS with decode 2, else 0)
-# and the bias comes off in fp32: every partial sum is <= (CODE_BIAS + 15) S_R, and CHANNELS + 2 roundings of at
-# most 2^-21 of it (tensor cores truncate where fp32 rounds: 2^-22, doubled; 2^-10 for fp16(q_j step_j) against
-# S_R) bound the error. Every decode's bound carries it, so kernel and reference agree whatever the knob.
-BIAS_ROUNDING = (CODE_BIAS + LEVELS) * 2.0**-21 * (1 + 2.0**-10)
-_BIAS_ROUNDING = tl.constexpr(BIAS_ROUNDING)
+# the fastest of bench_longctx/sketch_bench.py's sweeps at 1M on the H200: 16 blocks a program at 4 warps for r = 16,
+# 32 and 64 (194 / 244 / 353 us; 8 x 4: 213 / 272 / 364; results/h200-session3 call3 and call5), although 16 x 4
+# spills registers at r = 32; programs_per_sm: 0 launches a program per tile of blocks_per_program blocks, n > 0
+# about n per SM in all, each walking every programs-th tile (persistent). At r = 64, 2 per SM took 346 us against
+# 373 for a program per tile, in the same run; smaller tiles, more per SM and 2-3 stages were slower, 410-1320 us
+# (results/h200-session8 call 1)
+DEFAULT_KNOBS = dict(blocks_per_program=16, decode=1, num_warps=4, num_stages=1, programs_per_sm=2)
 
 
 @triton.jit
@@ -78,7 +78,7 @@ def _plan_kernel(q_ptr, ch_ptr, stride_qh, stride_ch, GROUP: tl.constexpr, GROUP
 def _channel_kernel(
     q_ptr,  # float16 [Hq, HEAD_DIM]
     s_ptr,  # float16 [num_blocks, 2, H, HEAD_DIM]
-    c_ptr,  # uint8 [num_blocks, H, HEAD_DIM, BLOCK_TOKENS // 2] (channel rows); int32 words of them (DECODE 2)
+    c_ptr,  # uint8 [num_blocks, H, HEAD_DIM, BLOCK_TOKENS // 2] (channel rows)
     ch_ptr,  # int32 [H, CHANNELS]: the channels to read (_plan_kernel)
     valid_ptr,  # bool [num_blocks] (HAS_VALID) or unused
     lse_ptr, upper_ptr,  # float32 [Hq, num_blocks]
@@ -87,8 +87,7 @@ def _channel_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, CHANNELS: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, HALF_PAD: tl.constexpr, BLOCKS: tl.constexpr, HAS_VALID: tl.constexpr,
     FULL: tl.constexpr,  # every token of every block is real (num_tokens = num_blocks * BLOCK_TOKENS, a power of 2)
-    DECODE: tl.constexpr,  # 0, 1: a byte per two tokens (nibble()); 2: 8 tokens a word (word_codes), BLOCK_TOKENS % 8 = 0
-    USE_ASM: tl.constexpr,  # DECODE 2 in PTX (compiled on CUDA; the interpreter runs the plain form)
+    DECODE: tl.constexpr,
 ):
     head = tl.program_id(1)
     offs_g = tl.arange(0, GROUP_PAD)
@@ -136,49 +135,27 @@ def _channel_kernel(
         operand = tl.minimum(tl.maximum(qs, -_FP16_MAX), _FP16_MAX).to(tl.float16)
         fits = size < _LEVELS * _FP16_MAX
         operand_t = tl.permute(operand, (0, 2, 1))  # [BLOCKS, CHANNELS, GROUP_PAD]
-        if DECODE == 2:  # int32 words of 8 tokens: every code arrives as CODE_BIAS + code, in token order
-            offs_w = tl.arange(0, 2 * HALF_PAD // 8)
-            codes = (c_ptr + blocks[:, None, None] * stride_cn + head * stride_ch
-                     + ch[None, :, None] * (BLOCK_TOKENS // 8) + offs_w[None, None, :])
-            words = tl.load(codes, mask=live[:, None, None] & (offs_w < BLOCK_TOKENS // 8)[None, None, :], other=0)
-            code = tl.reshape(word_codes(words, USE_ASM), [BLOCKS, CHANNELS, 2 * HALF_PAD])
-            est = tl.dot(tl.permute(code, (0, 2, 1)), operand_t)  # [BLOCKS, TOKENS, GROUP_PAD]
-            base_b = base - _CODE_BIAS * tl.sum(operand.to(tl.float32), 2)  # the bias off, once per block
-            logit = (est + base_b[:, None, :]) * log2_scale
-            offs_tok = tl.arange(0, 2 * HALF_PAD)
-            if not FULL:  # a partial tail block (or a block size below a power of two): mask the missing tokens
-                ok = (offs_tok < BLOCK_TOKENS)[None, :] & (offs_b[:, None] * BLOCK_TOKENS + offs_tok[None, :]
-                                                            < num_tokens)  # [BLOCKS, TOKENS]
-                logit = tl.where(ok[:, :, None], logit, float("-inf"))
-                n_real = tl.sum(ok.to(tl.float32), 1)  # [BLOCKS]
-            else:
-                n_real = tl.full((BLOCKS,), BLOCK_TOKENS, tl.float32)
-            top = tl.max(logit, 1)  # [BLOCKS, GROUP_PAD]
-            top = tl.where(top == float("-inf"), 0.0, top)  # a block past the end: no NaN from -inf - -inf
-            total = tl.sum(tl.exp2(logit - top[:, None, :]), 1)
-        else:  # a byte per two tokens, one dot per nibble
-            codes = (c_ptr + blocks[:, None, None] * stride_cn + head * stride_ch
-                     + ch[None, :, None] * (BLOCK_TOKENS // 2) + offs_t[None, None, :])
-            byte = tl.load(codes, mask=live[:, None, None] & (offs_t < BLOCK_TOKENS // 2)[None, None, :], other=0)
-            est_lo = tl.dot(tl.permute(nibble(byte, 0, DECODE), (0, 2, 1)), operand_t)  # [BLOCKS, HALF_PAD, GROUP_PAD]
-            est_hi = tl.dot(tl.permute(nibble(byte, 1, DECODE), (0, 2, 1)), operand_t)  # tokens 2t (lo), 2t + 1 (hi)
-            logit_lo = (est_lo + base[:, None, :]) * log2_scale  # [BLOCKS, HALF_PAD, GROUP_PAD]
-            logit_hi = (est_hi + base[:, None, :]) * log2_scale
-            if not FULL:
-                first = offs_b[:, None] * BLOCK_TOKENS + 2 * offs_t[None, :]  # [BLOCKS, HALF_PAD]
-                ok_lo = (2 * offs_t < BLOCK_TOKENS)[None, :] & (first < num_tokens)
-                ok_hi = (2 * offs_t + 1 < BLOCK_TOKENS)[None, :] & (first + 1 < num_tokens)
-                logit_lo = tl.where(ok_lo[:, :, None], logit_lo, float("-inf"))
-                logit_hi = tl.where(ok_hi[:, :, None], logit_hi, float("-inf"))
-                n_real = tl.sum(ok_lo.to(tl.float32), 1) + tl.sum(ok_hi.to(tl.float32), 1)  # [BLOCKS]
-            else:
-                n_real = tl.full((BLOCKS,), BLOCK_TOKENS, tl.float32)
-            top = tl.maximum(tl.max(logit_lo, 1), tl.max(logit_hi, 1))  # [BLOCKS, GROUP_PAD]
-            top = tl.where(top == float("-inf"), 0.0, top)
-            total = tl.sum(tl.exp2(logit_lo - top[:, None, :]), 1) + tl.sum(tl.exp2(logit_hi - top[:, None, :]), 1)
+        codes = (c_ptr + blocks[:, None, None] * stride_cn + head * stride_ch
+                 + ch[None, :, None] * (BLOCK_TOKENS // 2) + offs_t[None, None, :])
+        byte = tl.load(codes, mask=live[:, None, None] & (offs_t < BLOCK_TOKENS // 2)[None, None, :], other=0)
+        est_lo = tl.dot(tl.permute(nibble(byte, 0, DECODE), (0, 2, 1)), operand_t)  # [BLOCKS, HALF_PAD, GROUP_PAD]
+        est_hi = tl.dot(tl.permute(nibble(byte, 1, DECODE), (0, 2, 1)), operand_t)  # tokens 2t (lo), 2t + 1 (hi)
+        logit_lo = (est_lo + base[:, None, :]) * log2_scale  # [BLOCKS, HALF_PAD, GROUP_PAD]
+        logit_hi = (est_hi + base[:, None, :]) * log2_scale
+        if not FULL:  # a partial tail block (or a block size below a power of two): mask the missing tokens
+            first = offs_b[:, None] * BLOCK_TOKENS + 2 * offs_t[None, :]  # [BLOCKS, HALF_PAD]
+            ok_lo = (2 * offs_t < BLOCK_TOKENS)[None, :] & (first < num_tokens)
+            ok_hi = (2 * offs_t + 1 < BLOCK_TOKENS)[None, :] & (first + 1 < num_tokens)
+            logit_lo = tl.where(ok_lo[:, :, None], logit_lo, float("-inf"))
+            logit_hi = tl.where(ok_hi[:, :, None], logit_hi, float("-inf"))
+            n_real = tl.sum(ok_lo.to(tl.float32), 1) + tl.sum(ok_hi.to(tl.float32), 1)  # [BLOCKS]
+        else:
+            n_real = tl.full((BLOCKS,), BLOCK_TOKENS, tl.float32)
+        top = tl.maximum(tl.max(logit_lo, 1), tl.max(logit_hi, 1))  # [BLOCKS, GROUP_PAD]
+        top = tl.where(top == float("-inf"), 0.0, top)  # a block past the end: no NaN from -inf - -inf
+        total = tl.sum(tl.exp2(logit_lo - top[:, None, :]), 1) + tl.sum(tl.exp2(logit_hi - top[:, None, :]), 1)
         partial = (top + tl.log2(total)) * 0.6931471805599453  # log sum_t exp(scale partial_t)
-        err = _HALF_STEP * spread + _LEVELS * (_FP16_REL * spread + CHANNELS * _LEVELS * _FP16_TINY) \
-            + _BIAS_ROUNDING * (CHANNELS + 2) * spread
+        err = _HALF_STEP * spread + _LEVELS * (_FP16_REL * spread + CHANNELS * _LEVELS * _FP16_TINY)
         quest_upper = tl.log(n_real)[:, None] + (top_u + quest_r + slack) * scale
         upper = tl.where(fits, tl.minimum(partial + (top_u + err + slack) * scale, quest_upper), quest_upper)
         upper += _ABSOLUTE_SLACK
@@ -195,7 +172,7 @@ def channel_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.T
     """(lse, upper) float32 [Hq, N] from num_channels channels of every block's codes and every block's summaries
     (module docstring); -inf outside valid (bool [N]). q float16 [Hq, D], summaries float16 [N, 2, H, D], codes
     uint8 [>= N, H, 2, B, D // 4]; D and num_channels powers of two >= 16, B even. Sync-free.
-    knobs (blocks_per_program, decode, num_warps, num_stages) override DEFAULT_KNOBS."""
+    knobs (blocks_per_program, decode, num_warps, num_stages, programs_per_sm) override DEFAULT_KNOBS."""
     num_blocks, num_kv_heads, block_tokens = check_inputs(q, summaries, codes, num_tokens)
     check_kernel_layout(q, summaries, codes, block_tokens)
     _check_channels(num_channels, summaries.shape[3], valid, num_blocks)
@@ -220,16 +197,14 @@ def channel_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.T
     tiles = triton.cdiv(num_blocks, per_program)
     per_sm = knobs["programs_per_sm"]
     programs = min(tiles, triton.cdiv(per_sm * sm_count(q.device), num_kv_heads)) if per_sm > 0 else tiles
-    decode = knobs["decode"] if block_tokens % 8 == 0 else min(knobs["decode"], 1)  # words: 8 tokens each
-    words = 4 if decode == 2 else 1  # bytes per element the kernel loads
     _channel_kernel[(programs, num_kv_heads)](
-        q, summaries, codes.view(torch.int32) if decode == 2 else codes, channels, lse if valid is None else valid,
-        lse, upper, num_tokens, num_blocks, 1.0 / math.sqrt(head_dim) if scale is None else scale,
-        q.stride(0), summaries.stride(0), summaries.stride(1), summaries.stride(2), codes.stride(0) // words,
-        codes.stride(1) // words, channels.stride(0), lse.stride(0),
+        q, summaries, codes, channels, lse if valid is None else valid, lse, upper, num_tokens, num_blocks,
+        1.0 / math.sqrt(head_dim) if scale is None else scale,
+        q.stride(0), summaries.stride(0), summaries.stride(1), summaries.stride(2), codes.stride(0), codes.stride(1),
+        channels.stride(0), lse.stride(0),
         GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 2), HEAD_DIM=head_dim, CHANNELS=num_channels,
         BLOCK_TOKENS=block_tokens, HALF_PAD=triton.next_power_of_2(block_tokens // 2), BLOCKS=per_program,
-        HAS_VALID=valid is not None, DECODE=decode, USE_ASM=use_asm(q.device), num_warps=knobs["num_warps"],
+        HAS_VALID=valid is not None, DECODE=knobs["decode"], num_warps=knobs["num_warps"],
         FULL=num_tokens == num_blocks * block_tokens and block_tokens & (block_tokens - 1) == 0,
         num_stages=knobs["num_stages"],
     )  # fmt: skip
@@ -289,8 +264,7 @@ def channel_block_stats_ref(q: torch.Tensor, summaries: torch.Tensor, codes: tor
     real = torch.arange(num_blocks * block_tokens, device=q.device).view(num_blocks, block_tokens) < num_tokens
     partial = torch.logsumexp((partial * scale).masked_fill(~real, float("-inf")), dim=-1)  # [H, G, N]
     spread = qs.abs().sum(-1)
-    err = HALF_STEP * spread + LEVELS * (FP16_REL * spread + idx.shape[1] * LEVELS * FP16_TINY) \
-        + BIAS_ROUNDING * (idx.shape[1] + 2) * spread
+    err = HALF_STEP * spread + LEVELS * (FP16_REL * spread + idx.shape[1] * LEVELS * FP16_TINY)
     quest_r = torch.maximum(q_r[:, :, None] * r_high[:, None], q_r[:, :, None] * r_low[:, None]).sum(-1)
     quest_upper = real.sum(-1).float().log() + (top_u + quest_r + slack) * scale
     upper = torch.minimum(partial + (top_u + err + slack) * scale, quest_upper)

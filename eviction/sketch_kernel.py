@@ -36,7 +36,6 @@ Layout: kernel -> launchers -> pure-torch reference. Imports only torch and trit
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -62,51 +61,6 @@ def nibble(byte, HIGH: tl.constexpr, DECODE: tl.constexpr):
         return bits.to(tl.float16, bitcast=True) - 1024.0
     else:
         return ((byte >> (4 * HIGH)) & 15).to(tl.float16)
-
-
-CODE_BIAS = 64.0  # word_codes gives 64 + code: fp16 0x5400 is 64.0, whose mantissa counts in 1/16ths
-_CODE_BIAS = tl.constexpr(CODE_BIAS)
-
-
-@triton.jit
-def _word_nibble(words, k: tl.constexpr):
-    """Token k (0..7) of each int32 word of codes as fp16 64 + code (plain Triton: the interpreter's form)."""
-    byte = (words >> (8 * (k // 2))) & 0xFF
-    high = (byte << (4 * (1 - k % 2))) & 0xF0  # the token's nibble in bits 4..7
-    return (high | 0x5400).to(tl.uint16).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def word_codes(words, USE_ASM: tl.constexpr):
-    """int32 [..., W] of packed codes (4 bytes, 8 tokens each, eviction/sketch.py's order) -> fp16 [..., W, 2, 2, 2]
-    whose [..., w, a, b, c] is token 8 w + 4 a + 2 b + c's code plus CODE_BIAS, exactly.
-
-    Each nibble goes to bits 4..7 of a 16-bit lane whose high byte is 0x54, so the lane is the fp16 64 + code:
-    one shift, two ANDs and four byte permutes per 8 tokens, no conversion and no subtraction (the caller
-    subtracts CODE_BIAS x its operand's sum once per block). USE_ASM: that as PTX; else plain Triton."""
-    if USE_ASM:
-        t0, t2, t4, t6, t1, t3, t5, t7 = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 l, h, t;
-            shl.b32 l, $8, 4;
-            and.b32 l, l, 0xF0F0F0F0;
-            and.b32 h, $8, 0xF0F0F0F0;
-            prmt.b32 t, l, 0x54545454, 0x5140;
-            mov.b32 {$0, $1}, t;
-            prmt.b32 t, l, 0x54545454, 0x7362;
-            mov.b32 {$2, $3}, t;
-            prmt.b32 t, h, 0x54545454, 0x5140;
-            mov.b32 {$4, $5}, t;
-            prmt.b32 t, h, 0x54545454, 0x7362;
-            mov.b32 {$6, $7}, t;
-            }""",
-            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r", args=[words], dtype=(tl.float16,) * 8, is_pure=True, pack=1,
-        )
-    else:
-        t0, t1, t2, t3 = _word_nibble(words, 0), _word_nibble(words, 1), _word_nibble(words, 2), _word_nibble(words, 3)
-        t4, t5, t6, t7 = _word_nibble(words, 4), _word_nibble(words, 5), _word_nibble(words, 6), _word_nibble(words, 7)
-    # tl.join adds its index last: t0 / t4 differ in the first of the three, so [.., w, a, b, c] is token 8w+4a+2b+c
-    return tl.join(tl.join(tl.join(t0, t4), tl.join(t2, t6)), tl.join(tl.join(t1, t5), tl.join(t3, t7)))
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_cols", "num_blocks"])
@@ -185,11 +139,6 @@ def _fine_kernel(
             out = (head * GROUP + offs_g) * stride_oh + col
             tl.store(lse_ptr + out, lse, mask=out_ok)
             tl.store(upper_ptr + out, upper, mask=out_ok)
-
-
-def use_asm(device: torch.device) -> bool:
-    """Whether kernels on `device` may run inline PTX: compiled for CUDA, not under the interpreter."""
-    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("0", "")
 
 
 def check_inputs(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor,
