@@ -51,11 +51,11 @@ from eviction.sketch_kernel import (ABSOLUTE_SLACK, FP16_MAX, FP16_REL, FP16_TIN
 
 # the fastest of bench_longctx/sketch_bench.py's sweeps at 1M on the H200: 16 blocks a program at 4 warps for r = 16,
 # 32 and 64 (194 / 244 / 353 us; 8 x 4: 213 / 272 / 364; results/h200-session3 call3 and call5), although 16 x 4
-# spills registers at r = 32; programs_per_sm: 0 launches a program per tile of blocks_per_program blocks, n > 0
+# spills registers at r = 32. programs_per_sm: 0 launches a program per tile of blocks_per_program blocks, n > 0
 # about n per SM in all, each walking every programs-th tile (persistent). At r = 64, 2 per SM took 346 us against
-# 373 for a program per tile, in the same run; smaller tiles, more per SM and 2-3 stages were slower, 410-1320 us
-# (results/h200-session8 call 1)
-DEFAULT_KNOBS = dict(blocks_per_program=16, decode=1, num_warps=4, num_stages=1, programs_per_sm=2)
+# 373 for a program per tile alone (smaller tiles, more per SM and 2-3 stages: 410-1320 us), but the e2e sketch
+# decode at 1M ran 47.0 tok/s with it against 48.6 without (results/h200-session8 calls 1-2): 0 stays
+DEFAULT_KNOBS = dict(blocks_per_program=16, decode=1, num_warps=4, num_stages=1, programs_per_sm=0)
 
 
 @triton.jit
