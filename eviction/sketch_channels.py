@@ -24,12 +24,7 @@ fp16's range (never for real keys) keeps Quest's bound alone. Garbage in blocks 
 their lse and upper are -inf.
 Instruction counts (sm_90 SASS, triton 3.6, offline) steered the form: per-block sums by dots instead of
 cross-lane reductions (982 -> 792 warp-instructions per block and kv head at r = 16), no token masks when every
-block is full (1128 -> 982), a channel-at-a-time FMA loop was 3x worse. Codes decoded 8 tokens a word (one shift,
-two ANDs and four byte permutes for 8 nibbles, each 64 + code in fp16, the bias taken off once per block) issued
-fewer instructions but went to the dot as an fp16 tile through shared memory (131 KB a program at 16 blocks, where
-the byte tile's is 16 KB) and ran 2x slower (H200, results/h200-session8 call 1): the layout conversion, not the
-decode, sets the form. At r = 64 the pass issues ~1,160 warp-instructions per block and kv head: ~145 us of issue
-at 1M tokens before any stall, against ~70 us to read its bytes.
+block is full (1128 -> 982), a channel-at-a-time FMA loop was 3x worse.
 
 Layout: kernels -> launcher -> pure-torch reference. Imports only torch and triton (and the nibble decoder and
 constants of eviction/sketch_kernel.py).
@@ -37,7 +32,6 @@ constants of eviction/sketch_kernel.py).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -49,13 +43,14 @@ from eviction.sketch_kernel import (ABSOLUTE_SLACK, FP16_MAX, FP16_REL, FP16_TIN
                                     _ROUNDING_SLACK, check_inputs, check_kernel_layout, nibble)
 
 
-# the fastest of bench_longctx/sketch_bench.py's sweeps at 1M on the H200: 16 blocks a program at 4 warps for r = 16,
-# 32 and 64 (194 / 244 / 353 us; 8 x 4: 213 / 272 / 364; results/h200-session3 call3 and call5), although 16 x 4
-# spills registers at r = 32. programs_per_sm: 0 launches a program per tile of blocks_per_program blocks, n > 0
-# about n per SM in all, each walking every programs-th tile (persistent). At r = 64, 2 per SM took 346 us against
-# 373 for a program per tile alone (smaller tiles, more per SM and 2-3 stages: 410-1320 us), but the e2e sketch
-# decode at 1M ran 47.0 tok/s with it against 48.6 without (results/h200-session8 calls 1-2): 0 stays
-DEFAULT_KNOBS = dict(blocks_per_program=16, decode=1, num_warps=4, num_stages=1, programs_per_sm=0)
+# the fastest of bench_longctx/sketch_bench.py's sweep at 1M on the H200 for r = 16, 32 and 64 (194 / 244 / 353 us;
+# 8 x 4: 213 / 272 / 364; results/h200-session3 call3 and call5), although 16 x 4 spills registers at r = 32.
+# Tried at r = 64 and not kept (results/h200-session8 calls 1-2): a persistent loop of 2 programs per SM took
+# 346 us against 373 alone, but the e2e sketch decode at 1M ran 47.0 tok/s with it against 48.6 without; smaller
+# tiles, more programs per SM and 2-3 stages took 410-1320 us; codes decoded 8 tokens a word (64 + code by byte
+# permutes, the bias off once per block) issued fewer instructions but reached the dot as an fp16 tile through
+# shared memory (131 KB a program at 16 blocks; the byte tile's is 16 KB) and took 2x as long
+DEFAULT_KNOBS = dict(blocks_per_program=16, decode=1, num_warps=4, num_stages=1)
 
 
 @triton.jit
@@ -90,10 +85,15 @@ def _channel_kernel(
     DECODE: tl.constexpr,
 ):
     head = tl.program_id(1)
+    offs_b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_t = tl.arange(0, HALF_PAD)
     g_ok = offs_g < GROUP
+    live = offs_b < num_blocks
+    if HAS_VALID:
+        live = live & (tl.load(valid_ptr + offs_b, mask=live, other=0) != 0)
+    blocks = offs_b.to(tl.int64)
     q_row = q_ptr + (head * GROUP + offs_g) * stride_qh  # [GROUP_PAD]
     q_t = tl.load(q_row[None, :] + offs_d[:, None], mask=g_ok[None, :], other=0.0)  # fp16 [HEAD_DIM, GROUP_PAD]
     ch = tl.load(ch_ptr + head * stride_chh + tl.arange(0, CHANNELS))  # int32 [CHANNELS]
@@ -103,67 +103,58 @@ def _channel_kernel(
     q_r = tl.where(read[:, None], q_t, zero)
     u_pos, u_neg = tl.maximum(q_u, zero), tl.minimum(q_u, zero)  # (all exact in fp16)
     r_pos, r_neg = tl.maximum(q_r, zero), tl.minimum(q_r, zero)
+    # every per-block sum over channels is a tensor-core dot of the fp16 summaries against a q column set: exact
+    # fp16 products summed in fp32 (errors inside slack * size)
+    s_rows = s_ptr + blocks[:, None] * stride_sn + head * stride_sh + offs_d[None, :]
+    k_min = tl.load(s_rows, mask=live[:, None], other=0.0)  # fp16 [BLOCKS, HEAD_DIM]
+    k_max = tl.load(s_rows + stride_sm, mask=live[:, None], other=0.0)
+    top_u = tl.dot(k_max, u_pos) + tl.dot(k_min, u_neg)  # [BLOCKS, GROUP_PAD]: max of q_U . k_U over the box
+    bottom_u = tl.dot(k_max, u_neg) + tl.dot(k_min, u_pos)  # its min
+    quest_r = tl.dot(k_max, r_pos) + tl.dot(k_min, r_neg)  # Quest on the read channels
+    base = tl.dot(k_min, q_r)  # q_R . min_R
+    spread = (tl.dot(k_max, r_pos - r_neg) - tl.dot(k_min, r_pos - r_neg)) / _LEVELS  # S_R = sum_R |q_j| step_j
     q_abs = tl.abs(q_t)
+    size = tl.dot(tl.abs(k_min), q_abs) + tl.dot(tl.abs(k_max), q_abs)  # |q| . (|min| + |max|)
+    slack = _ROUNDING_SLACK * size
+    # the read channels' codes against fp16(q_j step_j); size / 15 bounds every |q_j step_j| (fp16 overflow check)
     q_j = tl.load(q_row[:, None] + ch[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)  # [GROUP_PAD, CH]
-    q_r_abs = r_pos - r_neg
+    r_rows = s_ptr + blocks[:, None] * stride_sn + head * stride_sh + ch[None, :]
+    r_min = tl.load(r_rows, mask=live[:, None], other=0.0).to(tl.float32)  # [BLOCKS, CHANNELS]
+    r_max = tl.load(r_rows + stride_sm, mask=live[:, None], other=0.0).to(tl.float32)
+    qs = q_j[None, :, :] * ((r_max - r_min) / _LEVELS)[:, None, :]  # [BLOCKS, GROUP_PAD, CHANNELS]
+    operand = tl.minimum(tl.maximum(qs, -_FP16_MAX), _FP16_MAX).to(tl.float16)
+    fits = size < _LEVELS * _FP16_MAX
+    codes = (c_ptr + blocks[:, None, None] * stride_cn + head * stride_ch
+             + ch[None, :, None] * (BLOCK_TOKENS // 2) + offs_t[None, None, :])
+    byte = tl.load(codes, mask=live[:, None, None] & (offs_t < BLOCK_TOKENS // 2)[None, None, :], other=0)
+    operand_t = tl.permute(operand, (0, 2, 1))  # [BLOCKS, CHANNELS, GROUP_PAD]
+    est_lo = tl.dot(tl.permute(nibble(byte, 0, DECODE), (0, 2, 1)), operand_t)  # [BLOCKS, HALF_PAD, GROUP_PAD]
+    est_hi = tl.dot(tl.permute(nibble(byte, 1, DECODE), (0, 2, 1)), operand_t)  # tokens 2t (lo), 2t + 1 (hi)
     log2_scale = scale * 1.4426950408889634  # logits in base 2: exp2 needs no extra multiply
-    # a persistent loop: the program walks tiles pid, pid + programs, ..; the loads of the next tile can be issued
-    # while this one computes (num_stages), and q's per-head terms above are computed once
-    for tile in tl.range(tl.program_id(0), tl.cdiv(num_blocks, BLOCKS), tl.num_programs(0)):
-        offs_b = tile * BLOCKS + tl.arange(0, BLOCKS)
-        live = offs_b < num_blocks
-        if HAS_VALID:
-            live = live & (tl.load(valid_ptr + offs_b, mask=live, other=0) != 0)
-        blocks = offs_b.to(tl.int64)
-        # every per-block sum over channels is a tensor-core dot of the fp16 summaries against a q column set: exact
-        # fp16 products summed in fp32 (errors inside slack * size)
-        s_rows = s_ptr + blocks[:, None] * stride_sn + head * stride_sh + offs_d[None, :]
-        k_min = tl.load(s_rows, mask=live[:, None], other=0.0)  # fp16 [BLOCKS, HEAD_DIM]
-        k_max = tl.load(s_rows + stride_sm, mask=live[:, None], other=0.0)
-        top_u = tl.dot(k_max, u_pos) + tl.dot(k_min, u_neg)  # [BLOCKS, GROUP_PAD]: max of q_U . k_U over the box
-        bottom_u = tl.dot(k_max, u_neg) + tl.dot(k_min, u_pos)  # its min
-        quest_r = tl.dot(k_max, r_pos) + tl.dot(k_min, r_neg)  # Quest on the read channels
-        base = tl.dot(k_min, q_r)  # q_R . min_R
-        spread = (tl.dot(k_max, q_r_abs) - tl.dot(k_min, q_r_abs)) / _LEVELS  # S_R = sum_R |q_j| step_j
-        size = tl.dot(tl.abs(k_min), q_abs) + tl.dot(tl.abs(k_max), q_abs)  # |q| . (|min| + |max|)
-        slack = _ROUNDING_SLACK * size
-        # the read channels' codes against fp16(q_j step_j); size / 15 bounds every |q_j step_j| (fp16 overflow check)
-        r_rows = s_ptr + blocks[:, None] * stride_sn + head * stride_sh + ch[None, :]
-        r_min = tl.load(r_rows, mask=live[:, None], other=0.0).to(tl.float32)  # [BLOCKS, CHANNELS]
-        r_max = tl.load(r_rows + stride_sm, mask=live[:, None], other=0.0).to(tl.float32)
-        qs = q_j[None, :, :] * ((r_max - r_min) / _LEVELS)[:, None, :]  # [BLOCKS, GROUP_PAD, CHANNELS]
-        operand = tl.minimum(tl.maximum(qs, -_FP16_MAX), _FP16_MAX).to(tl.float16)
-        fits = size < _LEVELS * _FP16_MAX
-        operand_t = tl.permute(operand, (0, 2, 1))  # [BLOCKS, CHANNELS, GROUP_PAD]
-        codes = (c_ptr + blocks[:, None, None] * stride_cn + head * stride_ch
-                 + ch[None, :, None] * (BLOCK_TOKENS // 2) + offs_t[None, None, :])
-        byte = tl.load(codes, mask=live[:, None, None] & (offs_t < BLOCK_TOKENS // 2)[None, None, :], other=0)
-        est_lo = tl.dot(tl.permute(nibble(byte, 0, DECODE), (0, 2, 1)), operand_t)  # [BLOCKS, HALF_PAD, GROUP_PAD]
-        est_hi = tl.dot(tl.permute(nibble(byte, 1, DECODE), (0, 2, 1)), operand_t)  # tokens 2t (lo), 2t + 1 (hi)
-        logit_lo = (est_lo + base[:, None, :]) * log2_scale  # [BLOCKS, HALF_PAD, GROUP_PAD]
-        logit_hi = (est_hi + base[:, None, :]) * log2_scale
-        if not FULL:  # a partial tail block (or a block size below a power of two): mask the missing tokens
-            first = offs_b[:, None] * BLOCK_TOKENS + 2 * offs_t[None, :]  # [BLOCKS, HALF_PAD]
-            ok_lo = (2 * offs_t < BLOCK_TOKENS)[None, :] & (first < num_tokens)
-            ok_hi = (2 * offs_t + 1 < BLOCK_TOKENS)[None, :] & (first + 1 < num_tokens)
-            logit_lo = tl.where(ok_lo[:, :, None], logit_lo, float("-inf"))
-            logit_hi = tl.where(ok_hi[:, :, None], logit_hi, float("-inf"))
-            n_real = tl.sum(ok_lo.to(tl.float32), 1) + tl.sum(ok_hi.to(tl.float32), 1)  # [BLOCKS]
-        else:
-            n_real = tl.full((BLOCKS,), BLOCK_TOKENS, tl.float32)
-        top = tl.maximum(tl.max(logit_lo, 1), tl.max(logit_hi, 1))  # [BLOCKS, GROUP_PAD]
-        top = tl.where(top == float("-inf"), 0.0, top)  # a block past the end: no NaN from -inf - -inf
-        total = tl.sum(tl.exp2(logit_lo - top[:, None, :]), 1) + tl.sum(tl.exp2(logit_hi - top[:, None, :]), 1)
-        partial = (top + tl.log2(total)) * 0.6931471805599453  # log sum_t exp(scale partial_t)
-        err = _HALF_STEP * spread + _LEVELS * (_FP16_REL * spread + CHANNELS * _LEVELS * _FP16_TINY)
-        quest_upper = tl.log(n_real)[:, None] + (top_u + quest_r + slack) * scale
-        upper = tl.where(fits, tl.minimum(partial + (top_u + err + slack) * scale, quest_upper), quest_upper)
-        upper += _ABSOLUTE_SLACK
-        lse = partial + 0.5 * (top_u + bottom_u) * scale
-        out = (head * GROUP + offs_g)[None, :] * stride_oh + offs_b[:, None]  # [BLOCKS, GROUP_PAD]
-        out_ok = (offs_b < num_blocks)[:, None] & g_ok[None, :]
-        tl.store(lse_ptr + out, tl.where(live[:, None], lse, float("-inf")), mask=out_ok)
-        tl.store(upper_ptr + out, tl.where(live[:, None], upper, float("-inf")), mask=out_ok)
+    logit_lo = (est_lo + base[:, None, :]) * log2_scale  # [BLOCKS, HALF_PAD, GROUP_PAD]
+    logit_hi = (est_hi + base[:, None, :]) * log2_scale
+    if not FULL:  # a partial tail block (or a block size below a power of two): mask the missing tokens
+        first = offs_b[:, None] * BLOCK_TOKENS + 2 * offs_t[None, :]  # [BLOCKS, HALF_PAD]
+        ok_lo = (2 * offs_t < BLOCK_TOKENS)[None, :] & (first < num_tokens)
+        ok_hi = (2 * offs_t + 1 < BLOCK_TOKENS)[None, :] & (first + 1 < num_tokens)
+        logit_lo = tl.where(ok_lo[:, :, None], logit_lo, float("-inf"))
+        logit_hi = tl.where(ok_hi[:, :, None], logit_hi, float("-inf"))
+        n_real = tl.sum(ok_lo.to(tl.float32), 1) + tl.sum(ok_hi.to(tl.float32), 1)  # [BLOCKS]
+    else:
+        n_real = tl.full((BLOCKS,), BLOCK_TOKENS, tl.float32)
+    top = tl.maximum(tl.max(logit_lo, 1), tl.max(logit_hi, 1))  # [BLOCKS, GROUP_PAD]
+    top = tl.where(top == float("-inf"), 0.0, top)  # a block past the end: no NaN from -inf - -inf
+    total = tl.sum(tl.exp2(logit_lo - top[:, None, :]), 1) + tl.sum(tl.exp2(logit_hi - top[:, None, :]), 1)
+    partial = (top + tl.log2(total)) * 0.6931471805599453  # log sum_t exp(scale partial_t)
+    err = _HALF_STEP * spread + _LEVELS * (_FP16_REL * spread + CHANNELS * _LEVELS * _FP16_TINY)
+    quest_upper = tl.log(n_real)[:, None] + (top_u + quest_r + slack) * scale
+    upper = tl.where(fits, tl.minimum(partial + (top_u + err + slack) * scale, quest_upper), quest_upper)
+    upper += _ABSOLUTE_SLACK
+    lse = partial + 0.5 * (top_u + bottom_u) * scale
+    out = (head * GROUP + offs_g)[None, :] * stride_oh + offs_b[:, None]  # [BLOCKS, GROUP_PAD]
+    out_ok = (offs_b < num_blocks)[:, None] & g_ok[None, :]
+    tl.store(lse_ptr + out, tl.where(live[:, None], lse, float("-inf")), mask=out_ok)
+    tl.store(upper_ptr + out, tl.where(live[:, None], upper, float("-inf")), mask=out_ok)
 
 
 def channel_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, num_tokens: int,
@@ -172,7 +163,7 @@ def channel_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.T
     """(lse, upper) float32 [Hq, N] from num_channels channels of every block's codes and every block's summaries
     (module docstring); -inf outside valid (bool [N]). q float16 [Hq, D], summaries float16 [N, 2, H, D], codes
     uint8 [>= N, H, 2, B, D // 4]; D and num_channels powers of two >= 16, B even. Sync-free.
-    knobs (blocks_per_program, decode, num_warps, num_stages, programs_per_sm) override DEFAULT_KNOBS."""
+    knobs (blocks_per_program, decode, num_warps, num_stages) override DEFAULT_KNOBS."""
     num_blocks, num_kv_heads, block_tokens = check_inputs(q, summaries, codes, num_tokens)
     check_kernel_layout(q, summaries, codes, block_tokens)
     _check_channels(num_channels, summaries.shape[3], valid, num_blocks)
@@ -194,10 +185,7 @@ def channel_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.T
     channels = torch.empty(num_kv_heads, num_channels, dtype=torch.int32, device=q.device)  # [H, r]
     _plan_kernel[(num_kv_heads,)](q, channels, q.stride(0), channels.stride(0), GROUP=group,
                                   GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, CHANNELS=num_channels)
-    tiles = triton.cdiv(num_blocks, per_program)
-    per_sm = knobs["programs_per_sm"]
-    programs = min(tiles, triton.cdiv(per_sm * sm_count(q.device), num_kv_heads)) if per_sm > 0 else tiles
-    _channel_kernel[(programs, num_kv_heads)](
+    _channel_kernel[(triton.cdiv(num_blocks, per_program), num_kv_heads)](
         q, summaries, codes, channels, lse if valid is None else valid, lse, upper, num_tokens, num_blocks,
         1.0 / math.sqrt(head_dim) if scale is None else scale,
         q.stride(0), summaries.stride(0), summaries.stride(1), summaries.stride(2), codes.stride(0), codes.stride(1),
@@ -209,12 +197,6 @@ def channel_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.T
         num_stages=knobs["num_stages"],
     )  # fmt: skip
     return lse, upper
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; 4 elsewhere (the interpreter: a few programs share the tiles)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def _check_channels(num_channels: int, head_dim: int, valid: torch.Tensor | None, num_blocks: int) -> None:
