@@ -1,4 +1,4 @@
-"""Offline sm_90 compile (triton 3.9 of the CPU box; the device runs 3.6: indicative) of the sketch first level
+"""(Run against d0aabda, whose channel kernel had the persistent loop and DECODE 2; both removed since.) Offline sm_90 compile (triton 3.9 of the CPU box; the device runs 3.6: indicative) of the sketch first level
 (eviction/sketch_channels.py _channel_kernel): registers, shared memory, instruction mix per program.
 Usage: python sass_channel.py [module:kernel] [CHANNELS ...]"""
 import collections, importlib, os, re, subprocess, sys
