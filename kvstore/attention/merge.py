@@ -18,9 +18,7 @@ import triton.language as tl
 
 from kvstore.attention.plan import DecodeGeometry
 
-# splits per step of the merge: a short table's splits in one step (8K tokens in 64-token tiles: 128 splits, at 8
-# warps: 125 registers; offline sm_90 compile, results/h200-session8/offline/sass_merge.py)
-_MAX_SPLIT_CHUNK = 128
+_MAX_SPLIT_CHUNK = 64  # splits per step of the merge: a short table's splits in one step
 _MASS_CHUNK = 256  # blocks per program of the mass
 
 
@@ -38,8 +36,8 @@ def _merge_kernel(
     log-sum-exp of the scaled logits (natural log; -inf without tokens) in lse_out[b, head * GROUP + p].
 
     One pass over the splits, online: the group's running max m and sum of exp2 [G], and q head p's
-    weighted output. Every load of a step is issued at once (the block log-sums and the scores the mass adds
-    to before the pass), so a short table's merge waits on memory once.
+    weighted output. Every load of a step is issued at once (the block log-sums before the pass), so a
+    short table's merge waits on memory once.
     """
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -57,11 +55,6 @@ def _merge_kernel(
         lse_block = tl.load(lse_block_ptr + rows[:, None] * max_blocks + offs_j[None, :],
                             mask=g_ok[:, None] & (offs_j < max_blocks)[None, :], other=0.0)  # [G, C]
         n_blocks = tl.cdiv(tl.load(num_tokens_ptr + b), BLOCK_TOKENS)
-    if ADD_MASS:  # the scores the mass adds to, loaded with the rest (no program but this one writes them)
-        live = (offs_j < n_blocks) & (offs_j < max_blocks)
-        idx = tl.load(index_ptr + head * s_ix_head + offs_j * s_ix_blk, mask=live, other=0)
-        score_ptrs = scores_ptr + head * s_sc_head + idx
-        old_scores = tl.load(score_ptrs, mask=live, other=0.0)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([HEAD_DIM], tl.float32)
@@ -97,7 +90,10 @@ def _merge_kernel(
         if STORE_MASS:
             tl.store(mass_ptr + (b * num_kv_heads + head) * max_blocks + offs_j, mass, mask=offs_j < max_blocks)
         if ADD_MASS:
-            tl.store(score_ptrs, old_scores + mass, mask=live)
+            live = (offs_j < n_blocks) & (offs_j < max_blocks)
+            idx = tl.load(index_ptr + head * s_ix_head + offs_j * s_ix_blk, mask=live, other=0)
+            score_ptrs = scores_ptr + head * s_sc_head + idx
+            tl.store(score_ptrs, tl.load(score_ptrs, mask=live, other=0.0) + mass, mask=live)
 
 
 def merge_splits(
@@ -118,14 +114,13 @@ def merge_splits(
     with_mass = return_block_mass or add_mass_to is not None
     scores, index = add_mass_to if add_mass_to is not None else (mass, mass.view(1, -1))  # unread without ADD_MASS
     programs = max(geom.group, triton.cdiv(max_blocks, _MASS_CHUNK) if with_mass else 0)
-    chunk = min(_MAX_SPLIT_CHUNK, triton.next_power_of_2(num_splits))
     _merge_kernel[(b, h, programs)](
         o_part, lse_part, lse_block, num_tokens, out, mass, scores, index, lse_out if lse_out is not None else mass,
         out.stride(0), out.stride(1), h,
         num_splits, max_blocks, scores.stride(0), index.stride(0), index.stride(1),
         GROUP=geom.group, GROUP_PAD=triton.next_power_of_2(geom.group), HEAD_DIM=d, BLOCK_TOKENS=geom.block_tokens,
-        SPLIT_CHUNK=chunk, MASS_CHUNK=_MASS_CHUNK,
+        SPLIT_CHUNK=min(_MAX_SPLIT_CHUNK, triton.next_power_of_2(num_splits)), MASS_CHUNK=_MASS_CHUNK,
         RETURN_MASS=with_mass, STORE_MASS=return_block_mass, ADD_MASS=add_mass_to is not None,
-        STORE_LSE=lse_out is not None, num_warps=8 if chunk > 64 else 4,
+        STORE_LSE=lse_out is not None, num_warps=4,
     )
     return out, (mass if return_block_mass else None)
