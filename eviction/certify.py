@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from eviction.certify_kernel import omitted_mass_bounds_kernel
+
 
 def unselected_mask(selected: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """bool [H, num_blocks]: True for blocks a row of selected [H, k] does not hold."""
@@ -28,18 +30,37 @@ def certified_omitted_mass(block_upper: torch.Tensor, selected: torch.Tensor,
     """float32 [H]: per kv head, the group mean of an upper bound on each q head's omitted softmax mass.
 
     block_upper: float32 [Hq, N] upper bounds on each block's log-sum-exp of logits (only unselected
-    columns are read); selected: int64 [H, k] attended blocks; attended_lse: float32 [Hq] exact
-    log-sum-exp of the logits over the attended tokens. Same scale (softmax scale applied) everywhere.
+    columns are read); selected: int64 [H, k] attended blocks (distinct per row); attended_lse: float32 [Hq]
+    exact log-sum-exp of the logits over the attended tokens. Same scale (softmax scale applied) everywhere.
     """
+    bounds = omitted_mass_bounds(block_upper, selected, attended_lse)
+    return bounds.view(selected.shape[0], -1).mean(1)
+
+
+def omitted_mass_bounds(block_upper: torch.Tensor, selected: torch.Tensor, attended_lse: torch.Tensor,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [Hq]: per q head, the upper bound on its omitted softmax mass (certified_omitted_mass's inputs),
+    written into out (float32 [Hq]) when given: one launch on CUDA (eviction/certify_kernel.py), else
+    omitted_mass_bounds_ref."""
     num_q_heads, num_blocks = block_upper.shape
     num_kv_heads = selected.shape[0]
     if num_q_heads % num_kv_heads or attended_lse.shape != (num_q_heads,):
         raise ValueError(f"block_upper [Hq, N], selected [H, k], attended_lse [Hq] with Hq % H == 0; got "
                          f"{list(block_upper.shape)}, {list(selected.shape)}, {list(attended_lse.shape)}")
-    left_out = unselected_mask(selected, num_blocks).repeat_interleave(num_q_heads // num_kv_heads, dim=0)
+    if block_upper.is_cuda:
+        return omitted_mass_bounds_kernel(block_upper.float(), selected, attended_lse.float(), out)
+    bounds = omitted_mass_bounds_ref(block_upper, selected, attended_lse)
+    return bounds if out is None else out.copy_(bounds)
+
+
+def omitted_mass_bounds_ref(block_upper: torch.Tensor, selected: torch.Tensor,
+                            attended_lse: torch.Tensor) -> torch.Tensor:
+    """Pure-torch form of omitted_mass_bounds: the masked log-sum-exp of the left-out blocks' bounds, then
+    sigmoid(that - L) (module docstring)."""
+    num_q_heads, num_blocks = block_upper.shape
+    left_out = unselected_mask(selected, num_blocks).repeat_interleave(num_q_heads // selected.shape[0], dim=0)
     omitted = torch.logsumexp(block_upper.float().masked_fill(~left_out, float("-inf")), dim=1)  # [Hq]
-    bound = torch.sigmoid(omitted - attended_lse.float())  # -inf (nothing left out) -> 0
-    return bound.view(num_kv_heads, -1).mean(1)
+    return torch.sigmoid(omitted - attended_lse.float())  # -inf (nothing left out) -> 0
 
 
 def true_omitted_mass(logits: torch.Tensor, selected: torch.Tensor, block_tokens: int) -> torch.Tensor:

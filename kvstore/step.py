@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from eviction.certify import certified_omitted_mass
+from eviction.certify import omitted_mass_bounds
 from eviction.quest_kernel import live_and_protected, quest_scores_live, quest_scores_live_ref
 from eviction.select import top_blocks
 from eviction.sketch_topk import SketchTopK
@@ -87,7 +87,8 @@ class DecodeStep:
         self.num_tokens = torch.tensor([length], dtype=torch.int64, device=dev)  # [1]
         self.tail_slot = torch.zeros(spec.num_layers, dtype=torch.int64, device=dev)  # [L]
         self.kernel_tokens = torch.zeros(1, dtype=torch.int32, device=dev)  # [1]
-        self.certified = torch.zeros(spec.num_layers, dtype=torch.float32, device=dev)  # [L] this token's bounds
+        # [L, Hq] this token's bounds per layer and q head (one launch per layer writes its row)
+        self.certified = torch.zeros(spec.num_layers, spec.num_q_heads, dtype=torch.float32, device=dev)
         self._lse = torch.zeros((1, spec.num_q_heads), dtype=torch.float32, device=dev)  # the kernel's, per layer
         self.positions = torch.arange(self.capacity, device=dev)  # [N]
         self.all_blocks = self.positions.expand(h, self.capacity)  # [H, N] the dense table
@@ -184,7 +185,7 @@ class DecodeStep:
         k = self._num_selected(old + 1)
         stats.attended_tokens += len(self.tables) * ((k - 1) * self.block_tokens + (old % self.block_tokens) + 1)
         if self.phase == "topk" and isinstance(self.policy, SketchTopK):
-            stats.add_certified(self.certified.clone())  # a device copy: the next replay rewrites the buffer
+            stats.add_certified(self.certified.mean(1))  # a tensor of its own: the next replay rewrites the buffer
         self.cold.token_done(self.stages_cold)
         if (old + 1) % self.block_tokens == 0:  # cpu blocks this sequence keeps reading move up (a sync, if any)
             self.cold.promote(self.tables)
@@ -238,7 +239,7 @@ class DecodeStep:
                                           add_mass_to=(table.h2o_scores, selected),
                                           lse_out=self._lse if upper is not None else None)
         if upper is not None:  # the sketch's certified omitted mass, kept on the device (end_token counts it)
-            self.certified[layer] = certified_omitted_mass(upper, selected, self._lse[0]).mean()
+            omitted_mass_bounds(upper, selected, self._lse[0], out=self.certified[layer])
         if layer == len(self.tables) - 1:
             self.num_tokens += 1
         return out[0]

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eviction.base import ScoreContext
-from eviction.certify import attended_lse, certified_omitted_mass, true_omitted_mass
+from eviction.certify import (attended_lse, certified_omitted_mass, omitted_mass_bounds,
+                              omitted_mass_bounds_ref, true_omitted_mass)
+from eviction.certify_kernel import omitted_mass_bounds_kernel
 from eviction.sketch import sketch_keys
 from eviction.sketch_topk import SketchTopK
 
@@ -118,3 +121,36 @@ def test_kernel_path_certifies_like_the_reference() -> None:
     assert torch.equal(got[2].cpu(), want[2])
     torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-4, atol=1e-6)
     _never_below(got[0].cpu(), got[1].cpu())
+
+
+@pytest.mark.parametrize("num_blocks,k,group,spread", [(37, 5, 3, 4.0), (5000, 64, 4, 20.0), (300, 300, 1, 2.0),
+                                                      (2100, 17, 2, 200.0)])
+def test_one_launch_bound_matches_torch_and_is_never_below_it(num_blocks, k, group, spread) -> None:
+    """certify_kernel.py's single pass against the torch form: dead blocks (-inf), bounds 200 nats apart (capped
+    and underflowing terms), every block attended (k = N), two passes of its chunk (5000 > 2048)."""
+    g = torch.Generator().manual_seed(num_blocks)
+    heads = 2
+    upper = torch.randn(heads * group, num_blocks, generator=g) * spread
+    upper[:, ::7] = float("-inf")  # blocks outside the valid range
+    selected = torch.stack([torch.randperm(num_blocks, generator=g)[:k] for _ in range(heads)])
+    lse = torch.randn(heads * group, generator=g) * spread
+    want = omitted_mass_bounds_ref(upper, selected, lse)
+    got = omitted_mass_bounds_kernel(upper.to(DEVICE), selected.to(DEVICE), lse.to(DEVICE)).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert (got >= want * (1 - 1e-6)).all() and (got <= 1).all()
+    out = torch.full((heads * group,), float("nan"), device=DEVICE)
+    assert omitted_mass_bounds(upper.to(DEVICE), selected.to(DEVICE), lse.to(DEVICE), out=out) is out
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_one_launch_bound_edges() -> None:
+    """Nothing attended (L = -inf) and a live block left out: 1; every live block attended: ~0; a left-out block
+    150 nats above L: 1."""
+    upper = torch.tensor([[0.0, float("-inf"), 3.0], [float("-inf"), float("-inf"), 1.0]])
+    selected = torch.tensor([[2], [2]])
+    got = omitted_mass_bounds_kernel(upper.to(DEVICE), selected.to(DEVICE),
+                                     torch.tensor([float("-inf"), 1.0], device=DEVICE)).cpu()
+    assert got[0] == 1 and got[1] < 1e-14  # the fp64 rounding added back: (N + k + 2) 2^-52
+    far = omitted_mass_bounds_kernel(torch.tensor([[150.0, 0.0]], device=DEVICE), torch.tensor([[1]], device=DEVICE),
+                                     torch.tensor([0.0], device=DEVICE)).cpu()
+    assert far[0] == 1
