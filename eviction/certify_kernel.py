@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 CAP = 80.0  # nats above L_i a term may reach: e^80 in fp32, N of them in fp64
-CHUNK = 2048  # bounds per step of the pass
+DEFAULT_KNOBS = dict(chunk=2048, num_warps=4, num_stages=1)  # bounds per step of the pass; launch options
 
 
 @triton.jit
@@ -53,9 +53,14 @@ def _omitted_kernel(upper_ptr, sel_ptr, lse_ptr, out_ptr, num_blocks, k, stride_
 
 
 def omitted_mass_bounds_kernel(block_upper: torch.Tensor, selected: torch.Tensor, attended_lse: torch.Tensor,
-                               out: torch.Tensor | None = None) -> torch.Tensor:
+                               out: torch.Tensor | None = None, **knobs: int) -> torch.Tensor:
     """float32 [Hq]: per q head, the certified bound of certify.omitted_mass_bounds (same contract), one launch;
-    written into out (float32 [Hq], contiguous) when given. Sync-free: capturable in a CUDA graph."""
+    written into out (float32 [Hq], contiguous) when given. Sync-free: capturable in a CUDA graph.
+    knobs (chunk: a power of two, num_warps, num_stages) override DEFAULT_KNOBS."""
+    unknown = set(knobs) - set(DEFAULT_KNOBS)
+    if unknown:
+        raise ValueError(f"unknown knobs {sorted(unknown)}; expected some of {sorted(DEFAULT_KNOBS)}")
+    knobs = {**DEFAULT_KNOBS, **knobs}
     num_q_heads, num_blocks = block_upper.shape
     group = num_q_heads // selected.shape[0]
     if block_upper.dtype != torch.float32 or block_upper.stride(1) != 1 or attended_lse.dtype != torch.float32:
@@ -68,7 +73,7 @@ def omitted_mass_bounds_kernel(block_upper: torch.Tensor, selected: torch.Tensor
     lse = attended_lse.contiguous()
     _omitted_kernel[(num_q_heads,)](
         block_upper, selected, lse, out, num_blocks, selected.shape[1], block_upper.stride(0), selected.stride(0),
-        selected.stride(1), GROUP=group, K_PAD=triton.next_power_of_2(max(selected.shape[1], 1)), CHUNK=CHUNK,
-        num_warps=4,
+        selected.stride(1), GROUP=group, K_PAD=triton.next_power_of_2(max(selected.shape[1], 1)), CHUNK=knobs["chunk"],
+        num_warps=knobs["num_warps"], num_stages=knobs["num_stages"],
     )
     return out
