@@ -35,6 +35,7 @@ from eviction.select import all_blocks, num_selected, protected_mask, top_blocks
 from eviction.sketch_channels import channel_block_stats, channel_block_stats_ref
 from eviction.sketch_kernel import refine_candidates, sketch_block_stats, sketch_block_stats_ref
 from eviction.sketch_rank import block_shares, block_shares_ref
+from eviction.topk_kernel import FASTER_THAN_TORCH, topk_gather_table
 
 
 @dataclass
@@ -89,7 +90,7 @@ class SketchTopK(Policy):
             upper = torch.full((ctx.q.shape[0], ctx.num_blocks), float("-inf"), device=ctx.device)
             return all_blocks(ctx.num_kv_heads, ctx.num_blocks, ctx.device), upper
         keep = protected_mask(**counts, device=ctx.device)
-        return self._select(ctx.q, ctx.summaries, codes, ctx.num_tokens, None, keep, k, coarse)
+        return self._select(ctx.q, ctx.summaries, codes, ctx.num_tokens, None, keep, k, coarse)[:2]
 
     def select_masked(self, q: torch.Tensor, summaries: torch.Tensor, sketch: torch.Tensor, valid: torch.Tensor,
                       protected: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,20 +99,33 @@ class SketchTopK(Policy):
         summaries [N, 2, H, D] and sketch whose blocks outside `valid` (bool [N]) may hold garbage;
         `protected` (bool [N]) blocks are kept. Needs k <= the number of valid blocks."""
         num_tokens = summaries.shape[0] * sketch.shape[3]  # every token of a valid block is real but the tail's,
-        return self._select(q, summaries, sketch, num_tokens, valid, protected, k, None)  # and the tail is kept
+        return self._select(q, summaries, sketch, num_tokens, valid, protected, k, None)[:2]  # and the tail is kept
+
+    def select_masked_table(self, q: torch.Tensor, summaries: torch.Tensor, sketch: torch.Tensor, valid: torch.Tensor,
+                            protected: torch.Tensor, k: int, slot_map: torch.Tensor, tier_map: torch.Tensor,
+                            int8_tier: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`select_masked` plus the selection's kernel block table: (selected, slots int32 [H, k] =
+        slot_map[selected], is_int8 bool [H, k] = tier_map[selected] == int8_tier, block_upper). On the kernels
+        the final top-k writes the table in its own launch (eviction/topk_kernel.py topk_gather_table)."""
+        num_tokens = summaries.shape[0] * sketch.shape[3]
+        table = (slot_map, tier_map, int8_tier)
+        selected, upper, gathered = self._select(q, summaries, sketch, num_tokens, valid, protected, k, None, table)
+        slots, is_int8 = gathered if gathered is not None else (slot_map[selected], tier_map[selected] == int8_tier)
+        return selected, slots, is_int8, upper
 
     def _select(self, q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, num_tokens: int,
-                valid: torch.Tensor | None, keep: torch.Tensor, k: int,
-                first: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The selection every entry point runs, sync-free: (selected [H, k], upper [Hq, N]); `keep` counts only
-        where `valid` (None: every block) holds."""
+                valid: torch.Tensor | None, keep: torch.Tensor, k: int, first: tuple[torch.Tensor, torch.Tensor] | None,
+                table: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+        """The selection every entry point runs, sync-free: (selected [H, k], upper [Hq, N], the block table
+        (slots, is_int8) of the selection when `table` = (slot_map, tier_map, int8_tier) is given and the final
+        top-k wrote it, else None); `keep` counts only where `valid` (None: every block) holds."""
         num_blocks, num_kv_heads = summaries.shape[0], summaries.shape[2]
         shares = block_shares if self._on_kernel(q) else block_shares_ref
         if not self._two_level(k, num_blocks):
             lse, upper = self._fine(summaries, codes)(q, summaries, codes, num_tokens)  # [Hq, N] each
             if valid is not None:
                 upper = upper.masked_fill(~valid, float("-inf"))
-            return top_blocks(shares(lse, keep, valid, num_kv_heads)[0], k), upper
+            return top_blocks(shares(lse, keep, valid, num_kv_heads)[0], k), upper, None
         lse, upper = first if first is not None else self._first_level(q, summaries, codes, num_tokens, valid)
         upper = upper.clone() if first is not None else upper  # the fine bounds go in place; a reused one stays
         scores, z = shares(lse, keep, valid, num_kv_heads)  # [H, N], [Hq]
@@ -122,7 +136,10 @@ class SketchTopK(Policy):
                                      **self.candidate_knobs)
         else:
             fine = refine_candidates_ref(q, summaries, codes, candidates, z, keep, live, upper, num_tokens)
-        return candidates.gather(1, top_blocks(fine, k)), upper  # ascending: candidates are
+        if table is not None and self._on_kernel(q) and k < candidates.shape[1] <= FASTER_THAN_TORCH:
+            selected, slots, is_int8 = topk_gather_table(fine, k, candidates, *table)  # one launch for all four
+            return selected, upper, (slots, is_int8)
+        return candidates.gather(1, top_blocks(fine, k)), upper, None  # ascending: candidates are
 
     def _two_level(self, k: int, num_blocks: int) -> bool:
         return bool(self.coarse_factor) and self.num_candidates(k) < num_blocks

@@ -66,15 +66,26 @@ def _winners(key, k):
 
 
 @triton.jit
-def _row_topk_kernel(scores_ptr, s_row, n, k, out_ptr, s_out, BLOCK: tl.constexpr):
-    """One program per row: the row's k winners, ascending."""
+def _row_topk_kernel(scores_ptr, s_row, n, k, out_ptr, s_out, index_ptr, s_index,
+                     slot_map_ptr, tier_map_ptr, slots_ptr, is_int8_ptr, s_table, int8_tier,
+                     BLOCK: tl.constexpr, INDEX: tl.constexpr, TABLE: tl.constexpr):
+    """One program per row: the row's k winners, ascending; with INDEX each winner's entry of its index row
+    instead of its position, with TABLE also the winners' block table (as _merge_topk_kernel's)."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     valid = offs < n
     x = tl.load(scores_ptr + row * s_row + offs, mask=valid, other=float("-inf")).to(tl.float32)
     take = _winners(_keys(x, valid), k) & valid
     pos = tl.cumsum(take.to(tl.int32), axis=0) - 1
-    tl.store(out_ptr + row * s_out + pos, offs.to(tl.int64), mask=take)
+    idx = offs.to(tl.int64)
+    if INDEX:
+        idx = tl.load(index_ptr + row * s_index + offs, mask=take, other=0).to(tl.int64)
+    tl.store(out_ptr + row * s_out + pos, idx, mask=take)
+    if TABLE:
+        slot = tl.load(slot_map_ptr + idx, mask=take, other=0)
+        tier = tl.load(tier_map_ptr + idx, mask=take, other=0)
+        tl.store(slots_ptr + row * s_table + pos, slot, mask=take)
+        tl.store(is_int8_ptr + row * s_table + pos, tier == int8_tier, mask=take)
 
 
 @triton.jit
@@ -141,9 +152,36 @@ def topk_sorted(scores: torch.Tensor, k: int) -> torch.Tensor:
         _two_stage(scores, k, out)
         return out
     block = max(triton.next_power_of_2(n), 128)
-    _row_topk_kernel[(rows,)](scores, scores.stride(0), n, k, out, out.stride(0), BLOCK=block,
-                              num_warps=_warps(block))
+    _row_topk_kernel[(rows,)](scores, scores.stride(0), n, k, out, out.stride(0), out, 0, out, out, out, out, 0, 0,
+                              BLOCK=block, INDEX=False, TABLE=False, num_warps=_warps(block))
     return out
+
+
+def topk_gather_table(scores: torch.Tensor, k: int, index: torch.Tensor, slot_map: torch.Tensor,
+                      tier_map: torch.Tensor, int8_tier: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For rows of a few candidates (n <= FASTER_THAN_TORCH, one launch): (selected int64 [rows, k] =
+    index[row, the row's k highest scores], ascending where index rows are, slots int32 [rows, k] =
+    slot_map[selected], is_int8 bool [rows, k] = tier_map[selected] == int8_tier): what index.gather(1,
+    topk_sorted(scores, k)) and its block table take four launches for. index int64 [rows, n]."""
+    rows, n = _check(scores, k)
+    if n > FASTER_THAN_TORCH or index.shape != scores.shape or index.dtype != torch.int64:
+        raise ValueError(f"topk_gather_table: rows of at most {FASTER_THAN_TORCH} scores and an int64 index of their "
+                         f"shape, got scores {list(scores.shape)}, index {index.dtype} {list(index.shape)}")
+    _check_maps(slot_map, tier_map, 0)
+    out = torch.empty((rows, k), dtype=torch.int64, device=scores.device)
+    slots = torch.empty((rows, k), dtype=torch.int32, device=scores.device)
+    is_int8 = torch.empty((rows, k), dtype=torch.bool, device=scores.device)
+    block = max(triton.next_power_of_2(n), 128)
+    _row_topk_kernel[(rows,)](scores, scores.stride(0), n, k, out, out.stride(0), index, index.stride(0),
+                              slot_map, tier_map, slots, is_int8, slots.stride(0), int8_tier,
+                              BLOCK=block, INDEX=True, TABLE=True, num_warps=_warps(block))
+    return out, slots, is_int8
+
+
+def _check_maps(slot_map: torch.Tensor, tier_map: torch.Tensor, n: int) -> None:
+    if slot_map.dtype != torch.int32 or tier_map.dtype != torch.int8 or min(slot_map.numel(), tier_map.numel()) < n:
+        raise ValueError(f"slot_map int32 and tier_map int8 of >= {n} entries expected, "
+                         f"got {slot_map.dtype} {list(slot_map.shape)} and {tier_map.dtype} {list(tier_map.shape)}")
 
 
 def topk_block_table(scores: torch.Tensor, k: int, slot_map: torch.Tensor, tier_map: torch.Tensor,
@@ -155,9 +193,7 @@ def topk_block_table(scores: torch.Tensor, k: int, slot_map: torch.Tensor, tier_
     if not two_stage(n, k) or not can_select(n, k):
         raise ValueError(f"the fused block table needs two-stage rows (n > {2 * CHUNK}, k <= {CHUNK // 4}, "
                          f"ceil(n / {CHUNK}) * k <= {MAX_BLOCKS}), got n {n}, k {k}")
-    if slot_map.dtype != torch.int32 or tier_map.dtype != torch.int8 or min(slot_map.numel(), tier_map.numel()) < n:
-        raise ValueError(f"slot_map int32 and tier_map int8 of >= {n} entries expected, "
-                         f"got {slot_map.dtype} {list(slot_map.shape)} and {tier_map.dtype} {list(tier_map.shape)}")
+    _check_maps(slot_map, tier_map, n)
     out = torch.empty((rows, k), dtype=torch.int64, device=scores.device)
     slots = torch.empty((rows, k), dtype=torch.int32, device=scores.device)
     is_int8 = torch.empty((rows, k), dtype=torch.bool, device=scores.device)

@@ -114,6 +114,15 @@ def test_masked_selection_over_garbage_capacity_matches(coarse_factor) -> None:
         assert torch.equal(got, want)
         assert bool((upper[:, n:] == float("-inf")).all())
         torch.testing.assert_close(upper[:, : n - 1], want_upper[:, : n - 1])  # the tail (always kept) aside
+        slot_map = torch.randint(0, 1 << 20, (capacity,), dtype=torch.int32)
+        tier_map = torch.randint(0, 3, (capacity,), dtype=torch.int8)
+        for kernels in (False, True):  # the torch gather, and the kernels' fused final top-k + block table
+            fused = SketchTopK(coarse_factor=coarse_factor, min_candidates=0, use_kernel=kernels)
+            sel, slots, is_int8, up = fused.select_masked_table(ctx.q, summaries, sketch, valid, protected,
+                                                                want.shape[1], slot_map, tier_map, 1)
+            assert torch.equal(sel, want) and torch.equal(slots, slot_map[want])
+            assert torch.equal(is_int8, tier_map[want] == 1)
+            torch.testing.assert_close(up[:, : n - 1], want_upper[:, : n - 1], rtol=1e-5, atol=1e-4)
 
 
 def test_kernel_with_tuning_knobs_selects_what_the_reference_selects() -> None:

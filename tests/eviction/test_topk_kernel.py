@@ -7,7 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from eviction.topk_kernel import _winners, topk_block_table, topk_sorted, topk_sorted_ref, two_stage
+from eviction.topk_kernel import (_winners, topk_block_table, topk_gather_table, topk_sorted, topk_sorted_ref,
+                                  two_stage)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -105,6 +106,27 @@ def test_fused_block_table_gathers_the_winners():
         topk_block_table(scores[:, :1000], k, slot_map, tier_map, int8_tier=1)
     with pytest.raises(ValueError, match="int32"):
         topk_block_table(scores, k, slot_map.long(), tier_map, int8_tier=1)
+
+
+def test_gathered_block_table_of_candidates():
+    """topk_gather_table = index.gather(1, topk_sorted(scores, k)) and its block table, in one launch; ties
+    broken by the lower position, -inf and NaN last."""
+    g = torch.Generator().manual_seed(4)
+    rows, n, k = 8, 256, 64
+    scores = torch.randn((rows, n), generator=g)
+    scores[:, ::9] = float("-inf")
+    scores[:, 5] = scores[:, 6] = scores[:, 7] = 3.0  # ties at the top
+    scores[0, 10] = float("nan")
+    index = torch.sort(torch.stack([torch.randperm(20000, generator=g)[:n] for _ in range(rows)]), dim=1).values
+    slot_map = torch.randint(-1, 1 << 20, (20000,), generator=g, dtype=torch.int32)
+    tier_map = torch.randint(-1, 4, (20000,), generator=g, dtype=torch.int8)
+    dev = [t.to(DEVICE) for t in (scores, index, slot_map, tier_map)]
+    selected, slots, is_int8 = topk_gather_table(dev[0], k, dev[1], dev[2], dev[3], int8_tier=1)
+    expected = index.gather(1, topk_sorted_ref(scores, k))
+    assert torch.equal(selected.cpu(), expected) and bool((expected.diff(dim=1) > 0).all())
+    assert torch.equal(slots.cpu(), slot_map[expected]) and torch.equal(is_int8.cpu(), tier_map[expected] == 1)
+    with pytest.raises(ValueError, match="int64 index"):
+        topk_gather_table(dev[0], k, dev[1].int(), dev[2], dev[3], int8_tier=1)
 
 
 @pytest.mark.parametrize("n, k", [(3000, 100), (5000, 64), (4100, 256)])
