@@ -98,7 +98,7 @@ def first_levels(args, q, summaries, codes, true) -> dict:
 
 def stages(args, q, summaries, codes, valid, protected, k, r, knobs) -> dict:
     """The sketch selection's steps alone (eager do_bench each, fastest knobs)."""
-    n, h, t = summaries.shape[0], SPEC.num_kv_heads, summaries.shape[0] * args.block
+    h, t = SPEC.num_kv_heads, summaries.shape[0] * args.block
     keep = protected & valid
     lse, upper = channel_block_stats(q, summaries, codes, t, r, valid, **knobs)
     scores, z = block_shares(lse, keep, valid, h)

@@ -11,6 +11,8 @@ from eviction.select import protected_mask
 from eviction.sketch import sketch_keys
 from eviction.sketch_topk import SketchTopK, block_mass
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def _needle_case(seed: int, num_kv_heads: int = 2, group: int = 3, head_dim: int = 64, device: str = "cpu"):
     """Keys with a shared mean and high-variance channels; per kv head 3 needles exactly as far from the mean as
@@ -116,13 +118,16 @@ def test_masked_selection_over_garbage_capacity_matches(coarse_factor) -> None:
         torch.testing.assert_close(upper[:, : n - 1], want_upper[:, : n - 1])  # the tail (always kept) aside
         slot_map = torch.randint(0, 1 << 20, (capacity,), dtype=torch.int32)
         tier_map = torch.randint(0, 3, (capacity,), dtype=torch.int8)
-        for kernels in (False, True):  # the torch gather, and the kernels' fused final top-k + block table
+        # the torch gather on the CPU, and the kernels' fused final top-k + block table (compiled on a GPU, else
+        # under the interpreter)
+        for kernels, dev in ((False, "cpu"), (True, DEVICE)):
             fused = SketchTopK(coarse_factor=coarse_factor, min_candidates=0, use_kernel=kernels)
-            sel, slots, is_int8, up = fused.select_masked_table(ctx.q, summaries, sketch, valid, protected,
-                                                                want.shape[1], slot_map, tier_map, 1)
-            assert torch.equal(sel, want) and torch.equal(slots, slot_map[want])
-            assert torch.equal(is_int8, tier_map[want] == 1)
-            torch.testing.assert_close(up[:, : n - 1], want_upper[:, : n - 1], rtol=1e-5, atol=1e-4)
+            args = [t.to(dev) for t in (ctx.q, summaries, sketch, valid, protected)]
+            sel, slots, is_int8, up = fused.select_masked_table(*args, want.shape[1], slot_map.to(dev),
+                                                                tier_map.to(dev), 1)
+            assert torch.equal(sel.cpu(), want) and torch.equal(slots.cpu(), slot_map[want])
+            assert torch.equal(is_int8.cpu(), tier_map[want] == 1)
+            torch.testing.assert_close(up[:, : n - 1].cpu(), want_upper[:, : n - 1], rtol=1e-5, atol=1e-4)
 
 
 def test_kernel_with_tuning_knobs_selects_what_the_reference_selects() -> None:

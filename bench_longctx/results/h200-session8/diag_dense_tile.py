@@ -1,7 +1,7 @@
 """Session 8 diagnosis: the dense decode step per layer (every layer of llama3-8b in one graph replay, as
 `kvtier bench decode` reports kvtier_dense_graphed_per_layer) at 8K-16K for one-tile sizes of 64 and 128 tokens,
 against SDPA in the same process. Prints one JSON line per case."""
-import json, sys
+import json
 import torch
 from bench_longctx import latency
 from bench_longctx.presets import get_preset
