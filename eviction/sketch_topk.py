@@ -137,7 +137,7 @@ class SketchTopK(Policy):
         else:
             fine = refine_candidates_ref(q, summaries, codes, candidates, z, keep, live, upper, num_tokens)
         if table is not None and self._on_kernel(q) and k < candidates.shape[1] <= FASTER_THAN_TORCH:
-            selected, slots, is_int8 = topk_gather_table(fine, k, candidates, *table)  # one launch for all four
+            selected, slots, is_int8 = topk_gather_table(fine, k, candidates, *table)  # one launch where five were
             return selected, upper, (slots, is_int8)
         return candidates.gather(1, top_blocks(fine, k)), upper, None  # ascending: candidates are
 

@@ -162,7 +162,7 @@ def topk_gather_table(scores: torch.Tensor, k: int, index: torch.Tensor, slot_ma
     """For rows of a few candidates (n <= FASTER_THAN_TORCH, one launch): (selected int64 [rows, k] =
     index[row, the row's k highest scores], ascending where index rows are, slots int32 [rows, k] =
     slot_map[selected], is_int8 bool [rows, k] = tier_map[selected] == int8_tier): what index.gather(1,
-    topk_sorted(scores, k)) and its block table take four launches for. index int64 [rows, n]."""
+    topk_sorted(scores, k)) and its block table take five launches for. index int64 [rows, n]."""
     rows, n = _check(scores, k)
     if n > FASTER_THAN_TORCH or index.shape != scores.shape or index.dtype != torch.int64:
         raise ValueError(f"topk_gather_table: rows of at most {FASTER_THAN_TORCH} scores and an int64 index of their "
