@@ -11,15 +11,17 @@ per layer, inside the step (no host sync):
     1. append    k, v of the new token -> the tail block at offset num_tokens % B; widen its summary
     2. select    dense: the table itself, viewed up to a bucket of blocks (ceil(n / B) rounded up by at most
                  1.25x, so a short sequence in a long capacity gets a short table's kernel; one graph per bucket);
-                 topk (Quest's min/max bound) or sketch (the 4-bit key sketch, select_masked):
+                 topk (Quest's min/max bound) or sketch (the 4-bit key sketch, select_masked_table):
                  block scores over capacity, invalid blocks -inf, sinks and the recent window +inf,
                  top k (k fixed: budget // B), ascending
     3. attend    the paged kernel over that block table, token count computed on the device
-    4. account   the kernel's block mass into the table's H2O scores (added by the kernel's merge)
+    4. account   the kernel's block mass into the table's H2O scores (added by the kernel's merge); sketch:
+                 the certified omitted mass per q head from the merge's log-sum-exp (one launch)
 Counts that depend only on the token (tokens the kernel reads, the sketch's live/protected masks) are
 computed once per token, in layer 0 (so a token's layers run in order). On CUDA the topk select is
 Quest scores masked from the device count in one launch, then (k <= 256 blocks of a long table) top-k
-in two stages whose second writes the kernel's block table.
+in two stages whose second writes the kernel's block table; the sketch's final top-k over its fine
+candidates writes it too.
 Host work happens between tokens and only at block boundaries: the sketch codes of the tail block a
 token filled and promotion of cpu blocks the step keeps reading (`end_token`), a new tail block per layer
 and cooling of blocks the next token pushes out of their windows (`begin_token`).
