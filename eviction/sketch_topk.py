@@ -103,15 +103,14 @@ class SketchTopK(Policy):
 
     def select_masked_table(self, q: torch.Tensor, summaries: torch.Tensor, sketch: torch.Tensor, valid: torch.Tensor,
                             protected: torch.Tensor, k: int, slot_map: torch.Tensor, tier_map: torch.Tensor,
-                            int8_tier: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`select_masked` plus the selection's kernel block table: (selected, slots int32 [H, k] =
-        slot_map[selected], is_int8 bool [H, k] = tier_map[selected] == int8_tier, block_upper). On the kernels
-        the final top-k writes the table in its own launch (eviction/topk_kernel.py topk_gather_table)."""
+                            int8_tier: int) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+        """`select_masked` whose final top-k also writes the selection's kernel block table where it runs as a
+        kernel (eviction/topk_kernel.py topk_gather_table): (selected, block_upper, (slots int32 [H, k] =
+        slot_map[selected], is_int8 bool [H, k] = tier_map[selected] == int8_tier) or None, the caller's to
+        gather then)."""
         num_tokens = summaries.shape[0] * sketch.shape[3]
         table = (slot_map, tier_map, int8_tier)
-        selected, upper, gathered = self._select(q, summaries, sketch, num_tokens, valid, protected, k, None, table)
-        slots, is_int8 = gathered if gathered is not None else (slot_map[selected], tier_map[selected] == int8_tier)
-        return selected, slots, is_int8, upper
+        return self._select(q, summaries, sketch, num_tokens, valid, protected, k, None, table)
 
     def _select(self, q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, num_tokens: int,
                 valid: torch.Tensor | None, keep: torch.Tensor, k: int, first: tuple[torch.Tensor, torch.Tensor] | None,

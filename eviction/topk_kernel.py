@@ -66,11 +66,21 @@ def _winners(key, k):
 
 
 @triton.jit
+def _store_table(idx, take, pos, row, slot_map_ptr, tier_map_ptr, slots_ptr, is_int8_ptr, s_table, int8_tier):
+    """The winners' kernel block table: slots[row, pos] = slot_map[idx], is_int8[row, pos] = tier_map[idx] ==
+    int8_tier, where `take`."""
+    slot = tl.load(slot_map_ptr + idx, mask=take, other=0)
+    tier = tl.load(tier_map_ptr + idx, mask=take, other=0)
+    tl.store(slots_ptr + row * s_table + pos, slot, mask=take)
+    tl.store(is_int8_ptr + row * s_table + pos, tier == int8_tier, mask=take)
+
+
+@triton.jit
 def _row_topk_kernel(scores_ptr, s_row, n, k, out_ptr, s_out, index_ptr, s_index,
                      slot_map_ptr, tier_map_ptr, slots_ptr, is_int8_ptr, s_table, int8_tier,
                      BLOCK: tl.constexpr, INDEX: tl.constexpr, TABLE: tl.constexpr):
     """One program per row: the row's k winners, ascending; with INDEX each winner's entry of its index row
-    instead of its position, with TABLE also the winners' block table (as _merge_topk_kernel's)."""
+    instead of its position, with TABLE also the winners' block table (_store_table)."""
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     valid = offs < n
@@ -82,10 +92,7 @@ def _row_topk_kernel(scores_ptr, s_row, n, k, out_ptr, s_out, index_ptr, s_index
         idx = tl.load(index_ptr + row * s_index + offs, mask=take, other=0).to(tl.int64)
     tl.store(out_ptr + row * s_out + pos, idx, mask=take)
     if TABLE:
-        slot = tl.load(slot_map_ptr + idx, mask=take, other=0)
-        tier = tl.load(tier_map_ptr + idx, mask=take, other=0)
-        tl.store(slots_ptr + row * s_table + pos, slot, mask=take)
-        tl.store(is_int8_ptr + row * s_table + pos, tier == int8_tier, mask=take)
+        _store_table(idx, take, pos, row, slot_map_ptr, tier_map_ptr, slots_ptr, is_int8_ptr, s_table, int8_tier)
 
 
 @triton.jit
@@ -117,10 +124,7 @@ def _merge_topk_kernel(cand_key_ptr, cand_idx_ptr, s_cand, num_cand, k, out_ptr,
     pos = tl.cumsum(take.to(tl.int32), axis=0) - 1
     tl.store(out_ptr + row * s_out + pos, idx.to(tl.int64), mask=take)
     if TABLE:
-        slot = tl.load(slot_map_ptr + idx, mask=take, other=0)
-        tier = tl.load(tier_map_ptr + idx, mask=take, other=0)
-        tl.store(slots_ptr + row * s_table + pos, slot, mask=take)
-        tl.store(is_int8_ptr + row * s_table + pos, tier == int8_tier, mask=take)
+        _store_table(idx, take, pos, row, slot_map_ptr, tier_map_ptr, slots_ptr, is_int8_ptr, s_table, int8_tier)
 
 
 def _check(scores: torch.Tensor, k: int) -> tuple[int, int]:

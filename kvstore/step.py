@@ -274,9 +274,10 @@ class DecodeStep:
             flags = table.tier_map[None, :m].expand(h, m)
             return self.all_blocks[:, :m], table.slot_map[None, :m].expand(h, m), flags, None
         if isinstance(self.policy, SketchTopK):  # the final top-k writes the block table too (on CUDA)
-            return self.policy.select_masked_table(q, table.summaries[: self.capacity], table.sketch[: self.capacity],
-                                                   self._valid, self._protected, self.k, table.slot_map,
-                                                   table.tier_map, WARM_TIER)
+            selected, upper, gathered = self.policy.select_masked_table(
+                q, table.summaries[: self.capacity], table.sketch[: self.capacity], self._valid, self._protected,
+                self.k, table.slot_map, table.tier_map, WARM_TIER)
+            return (selected, *(gathered or block_table(table, selected)), upper)
         scores = self._scores(q, table.summaries[: self.capacity], self.num_tokens, block_tokens=self.block_tokens,
                               sink_blocks=self.sink_blocks, recent_tokens=self.recent_tokens)  # [H, N]
         if scores.is_cuda and two_stage(self.capacity, self.k) and can_select(self.capacity, self.k):

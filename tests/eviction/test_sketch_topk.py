@@ -123,8 +123,10 @@ def test_masked_selection_over_garbage_capacity_matches(coarse_factor) -> None:
         for kernels, dev in ((False, "cpu"), (True, DEVICE)):
             fused = SketchTopK(coarse_factor=coarse_factor, min_candidates=0, use_kernel=kernels)
             args = [t.to(dev) for t in (ctx.q, summaries, sketch, valid, protected)]
-            sel, slots, is_int8, up = fused.select_masked_table(*args, want.shape[1], slot_map.to(dev),
-                                                                tier_map.to(dev), 1)
+            sel, up, gathered = fused.select_masked_table(*args, want.shape[1], slot_map.to(dev), tier_map.to(dev), 1)
+            two_level = 0 < coarse_factor * want.shape[1] < capacity  # min_candidates=0: C = coarse_factor x k
+            assert (gathered is not None) == (kernels and two_level)  # the fused top-k ends the two-level path
+            slots, is_int8 = gathered or (slot_map.to(dev)[sel], tier_map.to(dev)[sel] == 1)
             assert torch.equal(sel.cpu(), want) and torch.equal(slots.cpu(), slot_map[want])
             assert torch.equal(is_int8.cpu(), tier_map[want] == 1)
             torch.testing.assert_close(up[:, : n - 1].cpu(), want_upper[:, : n - 1], rtol=1e-5, atol=1e-4)
