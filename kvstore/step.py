@@ -9,6 +9,7 @@ state, so one capture stays valid while the sequence grows:
     tail_slot    int64 [L]   hot-pool slot of each layer's tail block
 per layer, inside the step (no host sync):
     1. append    k, v of the new token -> the tail block at offset num_tokens % B; widen its summary
+                 (dense: inside the attention launch of step 3, kvstore/attention/append.py)
     2. select    dense: the table itself, viewed up to a bucket of blocks (ceil(n / B) rounded up by at most
                  1.25x, so a short sequence in a long capacity gets a short table's kernel; one graph per bucket);
                  topk (Quest's min/max bound) or sketch (the 4-bit key sketch, select_masked_table):
@@ -46,7 +47,7 @@ from eviction.quest_kernel import live_and_protected, quest_scores_live, quest_s
 from eviction.select import top_blocks
 from eviction.sketch_topk import SketchTopK
 from eviction.topk_kernel import can_select, topk_block_table, two_stage
-from kvstore.append_kernel import append_token, append_token_ref
+from kvstore.attention.append import NewToken, append_token, append_token_ref
 from kvstore.decode import block_table
 from kvstore.table import DROPPED
 from kvstore.step_cold import StepColdBlocks
@@ -227,19 +228,22 @@ class DecodeStep:
             raise ValueError(f"DecodeStep.attend: a token runs layers 0..{len(self.tables) - 1} in order; "
                              f"expected layer {self._next_layer}, got {layer}")
         self._next_layer = (layer + 1) % len(self.tables)
-        table = self.tables[layer]
+        table, tiers = self.tables[layer], self.store.tiers
         if layer == 0:  # what depends only on the token count, once per token for every layer
             self._count_tokens()
-        self._append(layer, table, k, v)
+        tail = self.tail_slot[layer: layer + 1]
+        new = NewToken(k, v, table.summaries, tail, self.num_tokens)  # dense: the attention launch appends it
+        if self.phase != "dense":  # the selection reads the tail's summary: append first
+            self._append_token(tiers.hot.pool, table.summaries, k, v, tail, self.num_tokens)
+            new = None
         selected, slots, is_int8, upper = self._select(table, q)  # [H, k] ascending, the tail block last
-        tiers = self.store.tiers
         if self.stages_cold:  # selected cpu blocks: one head's slice each into the staging rows, verified
             self.cold.stage(layer, table, selected, slots, is_int8)
         warm = tiers.warm.pool  # always both pools: blocks cool into int8 while a capture stays valid
         out, _ = self.store.decode.kernel(q[None], tiers.hot.pool, warm.data, warm.k_scale, warm.v_scale,
                                           slots[None], is_int8[None], self.kernel_tokens,
                                           add_mass_to=(table.h2o_scores, selected),
-                                          lse_out=self._lse if upper is not None else None)
+                                          lse_out=self._lse if upper is not None else None, append=new)
         if upper is not None:  # the sketch's certified omitted mass, kept on the device (end_token counts it)
             omitted_mass_bounds(upper, selected, self._lse[0], out=self.certified[layer])
         if layer == len(self.tables) - 1:
@@ -260,10 +264,6 @@ class DecodeStep:
             self._valid, self._protected = live_and_protected(self.num_tokens, self.capacity, block_tokens=b,
                                                               sink_blocks=self.sink_blocks,
                                                               recent_tokens=self.recent_tokens)
-
-    def _append(self, layer: int, table, k: torch.Tensor, v: torch.Tensor) -> None:
-        self._append_token(self.store.tiers.hot.pool, table.summaries, k, v, self.tail_slot[layer: layer + 1],
-                           self.num_tokens)
 
     def _select(self, table, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(selected [H, k], slots int32 [H, k], is_int8 [H, k], the sketch's block upper bounds [Hq, N] or None)."""

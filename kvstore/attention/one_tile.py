@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvstore.attention.append import NewToken, append_head
 from kvstore.attention.plan import DecodeConfig, DecodeGeometry
 from kvstore.attention.tiles import load_kv_at
 
@@ -26,7 +27,8 @@ from kvstore.attention.tiles import load_kv_at
 def _one_tile_kernel(
     q_ptr, hot_ptr, warm_ptr, k_scale_ptr, v_scale_ptr, table_ptr, is_int8_ptr, num_tokens_ptr,
     o_part_ptr, lse_part_ptr, lse_block_ptr,
-    s_q_batch, s_q_head,
+    new_k_ptr, new_v_ptr, sum_ptr, tail_slot_ptr, count_ptr,  # APPEND (append.py NewToken), else unused
+    s_q_batch, s_q_head, s_new_head, s_sum_blk, s_sum_kind, s_sum_head,
     s_hot_slot, s_hot_kv, s_hot_head, s_hot_tok,
     s_warm_slot, s_warm_kv, s_warm_head, s_warm_tok,
     s_ks_slot, s_ks_head, s_vs_slot, s_vs_head,
@@ -34,10 +36,12 @@ def _one_tile_kernel(
     qk_scale, max_blocks, num_q_heads,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
     BLOCKS_PER_ITER: tl.constexpr, HAS_HOT: tl.constexpr, HAS_WARM: tl.constexpr, RETURN_MASS: tl.constexpr,
-    USE_ASM: tl.constexpr,
+    USE_ASM: tl.constexpr, APPEND: tl.constexpr,
 ):
     """Program (b, kv head, tile): the group's q heads over one tile; normalized output and log2-sum-exp2 as
-    split `tile` of o_part / lse_part, and (RETURN_MASS) each block's log2-sum-exp2 in lse_block."""
+    split `tile` of o_part / lse_part, and (RETURN_MASS) each block's log2-sum-exp2 in lse_block.
+    APPEND (batch 1): the row's last token is the new one (k, v at new_k / new_v): the program whose tile holds
+    it attends it from registers, writes it to its hot tail slot and widens the block's summary (append.py)."""
     V_BOOST: tl.constexpr = 256.0  # as in paged_decode._attend
     N: tl.constexpr = BLOCKS_PER_ITER * BLOCK_TOKENS
     b = tl.program_id(0)
@@ -62,6 +66,9 @@ def _one_tile_kernel(
     tok_int8 = tl.load(is_int8_row + tok_blk * s_i8_blk, mask=tok_blk < max_blocks, other=0) != 0
     blk_int8 = tl.load(is_int8_row + blk * s_i8_blk, mask=blk < max_blocks, other=0) != 0
     q = tl.load(q_ptr + b * s_q_batch + q_head[:, None] * s_q_head + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+    if APPEND:
+        new_k = tl.load(new_k_ptr + head * s_new_head + offs_d)
+        new_v = tl.load(new_v_ptr + head * s_new_head + offs_d)
 
     n_blocks = tl.minimum(tl.cdiv(n_tok, BLOCK_TOKENS), max_blocks)
     tok_ok = (tok_blk < n_blocks) & (tok_blk * BLOCK_TOKENS + offs_n % BLOCK_TOKENS < n_tok)  # [N]
@@ -89,6 +96,14 @@ def _one_tile_kernel(
         k, v, v_mul = load_kv_at(*args, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER, HAS_HOT, HAS_WARM, False, USE_ASM,
                                  V_BOOST)
 
+    if APPEND:  # the new token: row n_tok - 1 of the table, in one tile per kv head
+        row = n_tok - 1 - j0 * BLOCK_TOKENS
+        hit = offs_n == row  # [N]: nowhere when the token lies in another tile
+        k = tl.where(hit[:, None], new_k[None, :], k)  # the bits the pool row gets below: as if appended first
+        v = tl.where(hit[:, None], new_v[None, :], v)
+        if (row >= 0) & (row < N):
+            append_head(hot_ptr, sum_ptr, tail_slot_ptr, count_ptr, new_k, new_v, head, offs_d, s_hot_slot,
+                        s_hot_kv, s_hot_head, s_hot_tok, s_sum_blk, s_sum_kind, s_sum_head, BLOCK_TOKENS)
     s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N], log2 domain
     s = tl.where(tok_ok[None, :], s, float("-inf"))
     m = tl.max(s, 1)
@@ -115,19 +130,23 @@ def one_tile_partials(
     q: torch.Tensor, hot_pool: torch.Tensor, warm_words: torch.Tensor, warm_k_scale: torch.Tensor,
     warm_v_scale: torch.Tensor, block_table: torch.Tensor, block_is_int8: torch.Tensor, num_tokens: torch.Tensor,
     geom: DecodeGeometry, cfg: DecodeConfig, qk_scale: float, return_block_mass: bool, use_asm: bool,
+    append: NewToken | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Arguments as paged_decode checked them (warm_words: warm_data viewed as int32, flags as int8) ->
+    """Arguments as paged_decode checked them (warm_words: warm_data viewed as int32, flags as int8; append:
+    a checked NewToken, batch 1, whose token is each row's last) ->
     o_part f32 [B, Hq, S, D], lse_part f32 [B, Hq, S], lse_block f32 [B, Hq, max_blocks] (or [1] without mass)
     with one split per tile: S = cfg.num_splits = ceil(max_blocks / cfg.blocks_per_iter)."""
     b, nq, h, d = geom.batch, geom.num_q_heads, geom.num_kv_heads, geom.head_dim
     num_tiles, dev, f32 = cfg.num_splits, q.device, torch.float32
+    new = append or NewToken(q[0], q[0], q[None], q, q)  # the strides of an unused NewToken
     o_part = torch.empty((b, nq, num_tiles, d), dtype=f32, device=dev)  # [B, Hq, S, D]
     lse_part = torch.empty((b, nq, num_tiles), dtype=f32, device=dev)  # [B, Hq, S]
     lse_block = torch.empty((b, nq, geom.max_blocks) if return_block_mass else (1,), dtype=f32, device=dev)
     _one_tile_kernel[(b, h, num_tiles)](
         q, hot_pool, warm_words, warm_k_scale, warm_v_scale, block_table, block_is_int8, num_tokens,
         o_part, lse_part, lse_block,
-        q.stride(0), q.stride(1),
+        *new,
+        q.stride(0), q.stride(1), new.k.stride(0), *new.summaries.stride()[:3],
         hot_pool.stride(0), hot_pool.stride(1), hot_pool.stride(2), hot_pool.stride(3),
         warm_words.stride(0), warm_words.stride(1), warm_words.stride(2), warm_words.stride(3),
         warm_k_scale.stride(0), warm_k_scale.stride(1), warm_v_scale.stride(0), warm_v_scale.stride(1),
@@ -136,6 +155,6 @@ def one_tile_partials(
         GROUP=geom.group, GROUP_PAD=max(16, triton.next_power_of_2(geom.group)), HEAD_DIM=d,
         BLOCK_TOKENS=geom.block_tokens, BLOCKS_PER_ITER=cfg.blocks_per_iter,
         HAS_HOT=hot_pool.shape[0] > 0, HAS_WARM=warm_words.shape[0] > 0, RETURN_MASS=return_block_mass,
-        USE_ASM=use_asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_ASM=use_asm, APPEND=append is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return o_part, lse_part, lse_block

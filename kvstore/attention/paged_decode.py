@@ -28,11 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kvstore.attention.append import NewToken, append_token
 from kvstore.attention.merge import merge_splits
 from kvstore.attention.one_tile import one_tile_partials
 from kvstore.attention.partition import partition_table
-from kvstore.attention.plan import (DecodeConfig, DecodeGeometry, check_decode_inputs, check_kernel_layout,
-                                   check_lse_target, check_mass_target, decode_config)
+from kvstore.attention.plan import (DecodeConfig, DecodeGeometry, check_append, check_decode_inputs,
+                                   check_kernel_layout, check_lse_target, check_mass_target, decode_config)
 from kvstore.attention.tiles import entries, load_kv
 
 LOG2E = 1.4426950408889634
@@ -202,7 +203,7 @@ def paged_decode(
     *, sm_scale: float | None = None, return_block_mass: bool = False, num_splits: int | None = None,
     blocks_per_iter: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
     walk: str = "auto", add_mass_to: tuple[torch.Tensor, torch.Tensor] | None = None,
-    lse_out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None, append: NewToken | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decode step of attention over paged KV: returns (out fp16 [B, Hq, D], block_mass f32 [B, H, max_blocks]).
 
@@ -215,6 +216,8 @@ def paged_decode(
     num_splits takes the split walk); with both pools num_splits is per pool. walk: one of WALKS.
     lse_out: f32 [B, Hq], filled with each q head's log-sum-exp of its scaled logits over the row's tokens
     (natural log, -inf for a row without tokens; the merge has it anyway): what a bound on omitted mass needs.
+    append (batch 1; append.py): the new token, stored in the hot pool before it is attended as the row's last
+    token (num_tokens counts it): inside the one-tile launch, or by append_token before the split walk.
     """
     geom = check_decode_inputs(q, hot_pool, warm_data, warm_k_scale, warm_v_scale, block_table, block_is_int8,
                                num_tokens)
@@ -223,6 +226,7 @@ def paged_decode(
         raise ValueError(f"walk: expected one of {WALKS}, got {walk!r}")
     check_mass_target(add_mass_to, geom, q.device)
     check_lse_target(lse_out, geom, q.device)
+    check_append(append, geom, hot_pool)
     with_mass = return_block_mass or add_mass_to is not None
     cfg = decode_config(geom, q.device, num_splits=num_splits, blocks_per_iter=blocks_per_iter,
                         num_warps=num_warps, num_stages=num_stages,
@@ -233,8 +237,10 @@ def paged_decode(
     warm_words = warm_data.view(torch.int32)  # [n_warm, 2, H, T, D / 4]: 4 int8 per word
     args = (q, hot_pool, warm_words, warm_k_scale, warm_v_scale, block_table, block_is_int8, num_tokens)
     if cfg.one_tile:
-        parts = one_tile_partials(*args, geom, cfg, scale, with_mass, _use_asm(q.device))
+        parts = one_tile_partials(*args, geom, cfg, scale, with_mass, _use_asm(q.device), append)
     else:
+        if append is not None:
+            append_token(hot_pool, append.summaries, append.k, append.v, append.tail_slot, append.count)
         parts = split_partials(*args, geom, cfg, scale, with_mass, "partition" if walk == "auto" else walk)
     return merge_splits(*parts, num_tokens, geom, return_block_mass, add_mass_to, lse_out)
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from kvstore.attention.append import NewToken, check_new_token
+
 _TILE_ELEMENTS = 16384  # K elements per iteration: 128 tokens at head_dim 128 (fastest in 3 of 4 H200 sweeps)
 # 16-token tiles compute wrong results compiled on the H200 (triton 3.6; right in the interpreter): refused.
 _MIN_TOKENS_PER_ITER = 32
@@ -117,6 +119,18 @@ def check_lse_target(lse_out: torch.Tensor | None, geom: DecodeGeometry, device:
     _check_tensor("lse_out", lse_out, (torch.float32,), (geom.batch, geom.num_q_heads), device)
     if not lse_out.is_contiguous():
         raise ValueError(f"lse_out: expected a contiguous tensor, got strides {lse_out.stride()}")
+
+
+def check_append(append: NewToken | None, geom: DecodeGeometry, hot_pool: torch.Tensor) -> None:
+    """paged_decode's append: None, or a NewToken (append.py) for a batch of 1 with a hot pool and the q's device."""
+    if append is None:
+        return
+    if geom.batch != 1 or hot_pool.shape[0] == 0:
+        raise ValueError(f"append: needs a batch of 1 and a hot pool, got batch {geom.batch}, "
+                         f"{hot_pool.shape[0]} hot slots")
+    check_new_token(hot_pool, append)
+    if {t.device for t in append} != {hot_pool.device}:
+        raise ValueError(f"append: expected tensors on {hot_pool.device}, got {[str(t.device) for t in append]}")
 
 
 def check_mass_target(add_mass_to: tuple | None, geom: DecodeGeometry, device: torch.device) -> None:

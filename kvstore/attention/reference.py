@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from kvstore.attention.plan import check_decode_inputs, check_lse_target, check_mass_target
+from kvstore.attention.append import NewToken, append_token_ref
+from kvstore.attention.plan import check_append, check_decode_inputs, check_lse_target, check_mass_target
 
 
 def gather_kv(
@@ -35,12 +36,16 @@ def paged_decode_ref(
     warm_v_scale: torch.Tensor, block_table: torch.Tensor, block_is_int8: torch.Tensor, num_tokens: torch.Tensor,
     *, sm_scale: float | None = None, return_block_mass: bool = False, num_splits: int | None = None,
     add_mass_to: tuple[torch.Tensor, torch.Tensor] | None = None, lse_out: torch.Tensor | None = None,
+    append: NewToken | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same contract as paged_decode (num_splits is accepted and ignored)."""
     geom = check_decode_inputs(q, hot_pool, warm_data, warm_k_scale, warm_v_scale, block_table, block_is_int8,
                                num_tokens)
     check_mass_target(add_mass_to, geom, q.device)
     check_lse_target(lse_out, geom, q.device)
+    check_append(append, geom, hot_pool)
+    if append is not None:
+        append_token_ref(hot_pool, append.summaries, append.k, append.v, append.tail_slot, append.count)
     if lse_out is not None:
         lse_out.fill_(float("-inf"))  # rows without tokens
     group, block_tokens = geom.group, geom.block_tokens

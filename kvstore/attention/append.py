@@ -1,13 +1,19 @@
-"""Append one decode token to every kv head of a tail block, and widen the block's key summary: one launch.
+"""Append one decode token to every kv head of a tail block, and widen the block's key summary.
 
 A captured decode step (kvstore/step.py) appends in every layer of every token; done with torch
 ops it is ~8 launches per layer (stack, index_put, index_select, min, max, stack, index_copy),
 which a 32-layer graph pays ~250 times per token. Positions come from device state, so the
 launch is the same for every token: slot = tail_slot[0], offset = num_tokens[0] % B, block
 index = num_tokens[0] // B.
+
+`NewToken` hands the same append to paged_decode: the one-tile walk (one_tile.py) writes the token from
+the program that attends its tile, in the same launch (no launch of its own: ~2.5 us per layer of a
+short dense step); the split walk runs `append_token` first.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -15,22 +21,40 @@ import triton.language as tl
 
 
 @triton.jit
+def append_head(hot_ptr, sum_ptr, tail_slot_ptr, count_ptr, k, v, head, offs_d, s_pool_slot, s_pool_kv,
+                s_pool_head, s_pool_tok, s_sum_blk, s_sum_kind, s_sum_head, BLOCK_TOKENS: tl.constexpr):
+    """One kv head's k, v [D] (offs_d = arange(D)) at token count % B of its tail slot; its block's summary widened."""
+    count = tl.load(count_ptr)
+    slot = tl.load(tail_slot_ptr)
+    row = hot_ptr + slot * s_pool_slot + head * s_pool_head + (count % BLOCK_TOKENS) * s_pool_tok + offs_d
+    tl.store(row, k)
+    tl.store(row + s_pool_kv, v)
+    low = sum_ptr + (count // BLOCK_TOKENS) * s_sum_blk + head * s_sum_head + offs_d
+    tl.store(low, tl.minimum(tl.load(low), k))
+    tl.store(low + s_sum_kind, tl.maximum(tl.load(low + s_sum_kind), k))
+
+
+@triton.jit
 def _append_kernel(pool_ptr, summaries_ptr, k_ptr, v_ptr, tail_slot_ptr, num_tokens_ptr,
                    s_pool_slot, s_pool_kv, s_pool_head, s_pool_tok, s_sum_blk, s_sum_kind, s_sum_head,
                    s_kv_head, BLOCK_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr):
     head = tl.program_id(0)
-    n0 = tl.load(num_tokens_ptr)
-    offset, block = n0 % BLOCK_TOKENS, n0 // BLOCK_TOKENS
-    slot = tl.load(tail_slot_ptr)
     d = tl.arange(0, HEAD_DIM)
     k = tl.load(k_ptr + head * s_kv_head + d)
     v = tl.load(v_ptr + head * s_kv_head + d)
-    row = pool_ptr + slot * s_pool_slot + head * s_pool_head + offset * s_pool_tok + d
-    tl.store(row, k)
-    tl.store(row + s_pool_kv, v)
-    low = summaries_ptr + block * s_sum_blk + head * s_sum_head + d
-    tl.store(low, tl.minimum(tl.load(low), k))
-    tl.store(low + s_sum_kind, tl.maximum(tl.load(low + s_sum_kind), k))
+    append_head(pool_ptr, summaries_ptr, tail_slot_ptr, num_tokens_ptr, k, v, head, d, s_pool_slot, s_pool_kv,
+                s_pool_head, s_pool_tok, s_sum_blk, s_sum_kind, s_sum_head, BLOCK_TOKENS)
+
+
+class NewToken(NamedTuple):
+    """A decode token to append before attending: k, v fp16 [H, D]; the layer's summaries fp16 [N, 2, H, D];
+    tail_slot int64 [1], the hot-pool slot of its tail block; count int64 [1], the tokens held before it."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    summaries: torch.Tensor
+    tail_slot: torch.Tensor
+    count: torch.Tensor
 
 
 def append_token(pool: torch.Tensor, summaries: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -57,6 +81,10 @@ def append_token_ref(pool: torch.Tensor, summaries: torch.Tensor, k: torch.Tenso
     summary = summaries.index_select(0, block)  # [1, 2, H, D]
     widened = torch.stack([torch.minimum(summary[0, 0], k), torch.maximum(summary[0, 1], k)])
     summaries.index_copy_(0, block, widened[None])
+
+
+def check_new_token(pool: torch.Tensor, new: NewToken) -> None:
+    _check(pool, new.summaries, new.k, new.v, new.tail_slot, new.count)
 
 
 def _check(pool: torch.Tensor, summaries: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
