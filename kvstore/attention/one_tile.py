@@ -41,7 +41,7 @@ def _one_tile_kernel(
     """Program (b, kv head, tile): the group's q heads over one tile; normalized output and log2-sum-exp2 as
     split `tile` of o_part / lse_part, and (RETURN_MASS) each block's log2-sum-exp2 in lse_block.
     APPEND (batch 1): the row's last token is the new one (k, v at new_k / new_v): the program whose tile holds
-    it attends it from registers, writes it to its hot tail slot and widens the block's summary (append.py)."""
+    it writes it to its hot tail slot and widens the block's summary (append.py) before it loads the tile."""
     V_BOOST: tl.constexpr = 256.0  # as in paged_decode._attend
     N: tl.constexpr = BLOCKS_PER_ITER * BLOCK_TOKENS
     b = tl.program_id(0)
@@ -80,6 +80,12 @@ def _one_tile_kernel(
         s_warm_slot, s_warm_kv, s_warm_head, s_warm_tok,
         s_ks_slot, s_ks_head, s_vs_slot, s_vs_head,
     )
+    if APPEND:  # the new token is the row's last: the program whose tile holds it stores it before the tile's
+        row = n_tok - 1 - j0 * BLOCK_TOKENS  # loads (a barrier orders them for every thread of the program), so
+        if (row >= 0) & (row < N):  # it reads the bits append-then-attend reads; the tile's pipeline stays as is
+            append_head(hot_ptr, sum_ptr, tail_slot_ptr, count_ptr, new_k, new_v, head, offs_d, s_hot_slot,
+                        s_hot_kv, s_hot_head, s_hot_tok, s_sum_blk, s_sum_kind, s_sum_head, BLOCK_TOKENS)
+            tl.debug_barrier()
     # constexprs spelled out at each call: a tuple of them compiles to tensors (the interpreter does not mind)
     if HAS_HOT and HAS_WARM:
         n_int8 = tl.sum((blk_ok & blk_int8).to(tl.int32), 0)
@@ -96,14 +102,6 @@ def _one_tile_kernel(
         k, v, v_mul = load_kv_at(*args, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER, HAS_HOT, HAS_WARM, False, USE_ASM,
                                  V_BOOST)
 
-    if APPEND:  # the new token: row n_tok - 1 of the table, in one tile per kv head
-        row = n_tok - 1 - j0 * BLOCK_TOKENS
-        hit = offs_n == row  # [N]: nowhere when the token lies in another tile
-        k = tl.where(hit[:, None], new_k[None, :], k)  # the bits the pool row gets below: as if appended first
-        v = tl.where(hit[:, None], new_v[None, :], v)
-        if (row >= 0) & (row < N):
-            append_head(hot_ptr, sum_ptr, tail_slot_ptr, count_ptr, new_k, new_v, head, offs_d, s_hot_slot,
-                        s_hot_kv, s_hot_head, s_hot_tok, s_sum_blk, s_sum_kind, s_sum_head, BLOCK_TOKENS)
     s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N], log2 domain
     s = tl.where(tok_ok[None, :], s, float("-inf"))
     m = tl.max(s, 1)
