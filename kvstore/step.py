@@ -9,7 +9,8 @@ state, so one capture stays valid while the sequence grows:
     tail_slot    int64 [L]   hot-pool slot of each layer's tail block
 per layer, inside the step (no host sync):
     1. append    k, v of the new token -> the tail block at offset num_tokens % B; widen its summary
-                 (dense: inside the attention launch of step 3, kvstore/attention/append.py)
+                 (dense and topk: inside the attention launch of step 3, kvstore/attention/append.py; the
+                 sketch, whose first level reads the tail's summary, appends first)
     2. select    dense: the table itself, viewed up to a bucket of blocks (ceil(n / B) rounded up by at most
                  1.25x, so a short sequence in a long capacity gets a short table's kernel; one graph per bucket);
                  topk (Quest's min/max bound) or sketch (the 4-bit key sketch, select_masked_table):
@@ -232,10 +233,10 @@ class DecodeStep:
         if layer == 0:  # what depends only on the token count, once per token for every layer
             self._count_tokens()
         tail = self.tail_slot[layer: layer + 1]
-        new = NewToken(k, v, table.summaries, tail, self.num_tokens)  # dense: the attention launch appends it
-        if self.phase != "dense":  # the selection reads the tail's summary: append first
-            self._append_token(tiers.hot.pool, table.summaries, k, v, tail, self.num_tokens)
-            new = None
+        new = NewToken(k, v, table.summaries, tail, self.num_tokens)  # the attention launch appends it, unless
+        if isinstance(self.policy, SketchTopK) and self.phase == "topk":  # the sketch reads the tail's summary
+            self._append_token(tiers.hot.pool, table.summaries, k, v, tail, self.num_tokens)  # (Quest scores
+            new = None  # the tail +inf, whatever its summary holds)
         selected, slots, is_int8, upper = self._select(table, q)  # [H, k] ascending, the tail block last
         if self.stages_cold:  # selected cpu blocks: one head's slice each into the staging rows, verified
             self.cold.stage(layer, table, selected, slots, is_int8)
