@@ -6,6 +6,8 @@
     partition.py     a mixed long table reordered per row on the device, fp16 entries then int8 ones (one launch each)
     merge.py         merges the splits, turns per-block log-sums into attention mass for H2O, and can return
                      each q head's log-sum-exp (one launch)
+    append.py        the decode token into its tail slot and block summary: a launch of its own, or inside the
+                     one-tile launch (paged_decode(append=NewToken(...)))
     plan.py          input checks and the launch configuration per geometry (which walk, tiles, splits)
     reference.py     the pure-torch references with the same contracts (what CPU runs)
 """
