@@ -40,8 +40,7 @@ import triton.language as tl
 
 from eviction.sketch_kernel import (ABSOLUTE_SLACK, FP16_MAX, FP16_REL, FP16_TINY, HALF_STEP, LEVELS, ROUNDING_SLACK,
                                     _ABSOLUTE_SLACK, _FP16_MAX, _FP16_REL, _FP16_TINY, _HALF_STEP, _LEVELS,
-                                    _ROUNDING_SLACK, check_inputs, check_kernel_layout, decode_mode,
-                                    nibbles)
+                                    _ROUNDING_SLACK, check_inputs, check_kernel_layout, nibble)
 
 
 # the fastest of bench_longctx/sketch_bench.py's sweep at 1M on the H200 for r = 16, 32 and 64 (194 / 244 / 353 us;
@@ -51,7 +50,7 @@ from eviction.sketch_kernel import (ABSOLUTE_SLACK, FP16_MAX, FP16_REL, FP16_TIN
 # tiles, more programs per SM and 2-3 stages took 410-1320 us; codes decoded 8 tokens a word (64 + code by byte
 # permutes, the bias off once per block) issued fewer instructions but reached the dot as an fp16 tile through
 # shared memory (131 KB a program at 16 blocks; the byte tile's is 16 KB) and took 2x as long
-DEFAULT_KNOBS = dict(blocks_per_program=16, decode=None, num_warps=4, num_stages=1)  # decode: decode_mode
+DEFAULT_KNOBS = dict(blocks_per_program=16, decode=1, num_warps=4, num_stages=1)
 
 
 @triton.jit
@@ -129,9 +128,8 @@ def _channel_kernel(
              + ch[None, :, None] * (BLOCK_TOKENS // 2) + offs_t[None, None, :])
     byte = tl.load(codes, mask=live[:, None, None] & (offs_t < BLOCK_TOKENS // 2)[None, None, :], other=0)
     operand_t = tl.permute(operand, (0, 2, 1))  # [BLOCKS, CHANNELS, GROUP_PAD]
-    code_lo, code_hi = nibbles(byte, DECODE)  # [BLOCKS, CHANNELS, HALF_PAD] each
-    est_lo = tl.dot(tl.permute(code_lo, (0, 2, 1)), operand_t)  # [BLOCKS, HALF_PAD, GROUP_PAD]
-    est_hi = tl.dot(tl.permute(code_hi, (0, 2, 1)), operand_t)  # tokens 2t (lo), 2t + 1 (hi)
+    est_lo = tl.dot(tl.permute(nibble(byte, 0, DECODE), (0, 2, 1)), operand_t)  # [BLOCKS, HALF_PAD, GROUP_PAD]
+    est_hi = tl.dot(tl.permute(nibble(byte, 1, DECODE), (0, 2, 1)), operand_t)  # tokens 2t (lo), 2t + 1 (hi)
     log2_scale = scale * 1.4426950408889634  # logits in base 2: exp2 needs no extra multiply
     logit_lo = (est_lo + base[:, None, :]) * log2_scale  # [BLOCKS, HALF_PAD, GROUP_PAD]
     logit_hi = (est_hi + base[:, None, :]) * log2_scale
@@ -194,7 +192,7 @@ def channel_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.T
         channels.stride(0), lse.stride(0),
         GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 2), HEAD_DIM=head_dim, CHANNELS=num_channels,
         BLOCK_TOKENS=block_tokens, HALF_PAD=triton.next_power_of_2(block_tokens // 2), BLOCKS=per_program,
-        HAS_VALID=valid is not None, DECODE=decode_mode(knobs["decode"], q.device), num_warps=knobs["num_warps"],
+        HAS_VALID=valid is not None, DECODE=knobs["decode"], num_warps=knobs["num_warps"],
         FULL=num_tokens == num_blocks * block_tokens and block_tokens & (block_tokens - 1) == 0,
         num_stages=knobs["num_stages"],
     )  # fmt: skip

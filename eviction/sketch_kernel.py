@@ -27,8 +27,7 @@ so kernel and reference agree to fp32 accumulation order.
 Codes are channel-major (channel_rows: [D, B/2] bytes per block and kv head, byte j = tokens 2j, 2j+1):
 a program loads a block's rows once and runs one dot per nibble, [G, D] x [D, B/2]. DECODE picks how a
 nibble becomes fp16: 0 converts the integer, 1 ORs it into the mantissa of 1024.0 and subtracts (no
-int->float conversion unit), 2 does that for 4 bytes at once in packed PTX (`nibbles`; compiled launches only,
-the default there: every DECODE gives the same fp16 codes, hence the same results). Knobs (blocks per program, DECODE, num_warps, num_stages) are swept by
+int->float conversion unit). Knobs (blocks per program, DECODE, num_warps, num_stages) are swept by
 bench_longctx/sketch_bench.py.
 
 Layout: kernel -> launchers -> pure-torch reference. Imports only torch and triton.
@@ -37,7 +36,6 @@ Layout: kernel -> launchers -> pure-torch reference. Imports only torch and trit
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -48,22 +46,11 @@ HALF_STEP = 0.5  # |k - k_hat| <= step / 2
 ROUNDING_SLACK = 1e-4  # relative slack on sum_d |q_d| (|min_d| + |max_d|): fp32 arithmetic in the bounds
 ABSOLUTE_SLACK = 1e-5  # nats: exp / log run on approximate units (relative error ~2^-22); covers size ~ 0 too
 FP16_REL, FP16_TINY, FP16_MAX = 2.0**-11, 2.0**-25, 65504.0  # fp16 rounding: relative, subnormal, largest
-DEFAULT_KNOBS = dict(blocks_per_program=1, decode=None, num_warps=2, num_stages=3)  # the old fine pass's (H200)
+DEFAULT_KNOBS = dict(blocks_per_program=1, decode=1, num_warps=2, num_stages=3)  # the old fine pass's (H200)
 # The constants as the compiled kernel sees them (a compiled kernel reads only constexpr globals)
 _LEVELS, _HALF_STEP, _ROUNDING_SLACK = tl.constexpr(LEVELS), tl.constexpr(HALF_STEP), tl.constexpr(ROUNDING_SLACK)
 _FP16_REL, _FP16_TINY, _FP16_MAX = tl.constexpr(FP16_REL), tl.constexpr(FP16_TINY), tl.constexpr(FP16_MAX)
 _ABSOLUTE_SLACK = tl.constexpr(ABSOLUTE_SLACK)
-
-
-def decode_mode(decode: int | None, device: torch.device) -> int:
-    """The DECODE a launch runs: None picks packed PTX (2) on a compiled CUDA launch, else 1 (the interpreter
-    cannot run PTX)."""
-    compiled = device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("0", "")
-    if decode is None:
-        return 2 if compiled else 1
-    if decode not in (0, 1, 2) or (decode == 2 and not compiled):
-        raise ValueError(f"decode: expected 0, 1 or (on a compiled CUDA launch) 2, got {decode!r}")
-    return decode
 
 
 @triton.jit
@@ -74,38 +61,6 @@ def nibble(byte, HIGH: tl.constexpr, DECODE: tl.constexpr):
         return bits.to(tl.float16, bitcast=True) - 1024.0
     else:
         return ((byte >> (4 * HIGH)) & 15).to(tl.float16)
-
-
-@triton.jit
-def nibbles(byte, DECODE: tl.constexpr):
-    """uint8 code bytes -> (low, high nibbles) as float16 (0..15, exact). DECODE 0 / 1: `nibble` twice. DECODE 2:
-    packed PTX on 4 bytes at a time (a compiled launch only: the interpreter cannot run PTX), where the 4 bytes are
-    4 consecutive register elements of the thread (4 channels of one token pair in the dot's operand layout): two
-    byte permutes put each byte under fp16 exponent bits 0x64; AND 0x640F keeps the low nibble (1024 + lo), AND
-    0x64F0 the high one (1024 + 16 hi); a packed subtract and a packed FMA (x / 16 - 64) make them exact codes.
-    10 instructions for 8 nibbles where `nibble` takes ~8 per byte (unpack, shift, mask, OR, subtract, repack)."""
-    if DECODE == 2:
-        lo, hi = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 t0, t1, c, s, b;
-            prmt.b32 t0, $4, 0x64646464, 0x4140;
-            prmt.b32 t1, $4, 0x64646464, 0x4342;
-            mov.b32 c, 0x64006400;
-            mov.b32 s, 0x2C002C00;
-            mov.b32 b, 0xD400D400;
-            and.b32 $0, t0, 0x640F640F;
-            and.b32 $1, t1, 0x640F640F;
-            sub.f16x2 $0, $0, c;
-            sub.f16x2 $1, $1, c;
-            and.b32 $2, t0, 0x64F064F0;
-            and.b32 $3, t1, 0x64F064F0;
-            fma.rn.f16x2 $2, $2, s, b;
-            fma.rn.f16x2 $3, $3, s, b;
-            }""",
-            constraints="=r,=r,=r,=r,r", args=[byte], dtype=(tl.float16, tl.float16), is_pure=True, pack=4,
-        )
-        return lo, hi
-    return nibble(byte, 0, DECODE), nibble(byte, 1, DECODE)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_cols", "num_blocks"])
@@ -146,9 +101,8 @@ def _fine_kernel(
         rows = c_ptr + block * stride_cn + head * stride_ch + offs_d[:, None] * (BLOCK_TOKENS // 2) + offs_t[None, :]
         row_ok = d_ok[:, None] & (offs_t < BLOCK_TOKENS // 2)[None, :]
         byte = tl.load(rows, mask=row_ok, other=0)  # uint8 [HEAD_DIM, HALF_PAD]
-        code_lo, code_hi = nibbles(byte, DECODE)  # [HEAD_DIM, HALF_PAD] each
-        est_lo = tl.dot(operand, code_lo)  # [GROUP_PAD, HALF_PAD]: tokens 0, 2, 4, ..
-        est_hi = tl.dot(operand, code_hi)  # tokens 1, 3, 5, ..
+        est_lo = tl.dot(operand, nibble(byte, 0, DECODE))  # [GROUP_PAD, HALF_PAD]: tokens 0, 2, 4, ..
+        est_hi = tl.dot(operand, nibble(byte, 1, DECODE))  # tokens 1, 3, 5, ..
         base = tl.sum(q * k_min[None, :], 1)  # [GROUP_PAD]
         spread = tl.sum(tl.abs(qs), 1)
         size = tl.sum(tl.abs(q) * (tl.abs(k_min) + tl.abs(k_max))[None, :], 1)
@@ -249,7 +203,7 @@ def _launch(q, summaries, codes, num_tokens, block_ids, scale, out, upper, merge
         ids.stride(0), out.stride(0), upper.stride(0),
         GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 2), HEAD_DIM=head_dim, BLOCK_TOKENS=block_tokens,
         HALF_PAD=triton.next_power_of_2(block_tokens // 2), HAS_IDS=block_ids is not None, MERGE=merge is not None,
-        BLOCKS_PER_PROGRAM=per_program, DECODE=decode_mode(knobs["decode"], q.device), num_warps=knobs["num_warps"],
+        BLOCKS_PER_PROGRAM=per_program, DECODE=knobs["decode"], num_warps=knobs["num_warps"],
         num_stages=knobs["num_stages"],
     )  # fmt: skip
 

@@ -10,7 +10,6 @@ import torch
 from bench_longctx.sketch_bench import true_block_lse  # the exact per-block log-sum-exp the bound must cover
 from eviction.sketch import sketch_keys
 from eviction.sketch_channels import channel_block_stats, channel_block_stats_ref, read_channels_ref
-from eviction.sketch_kernel import decode_mode, sketch_block_stats
 from tests.eviction.test_sketch_kernel import DEVICE, make_case
 
 
@@ -99,26 +98,3 @@ def test_bad_arguments_raise() -> None:
         channel_block_stats(q, summaries, codes, 64, 16, blocks_per_program=3)
     with pytest.raises(ValueError, match="valid"):
         channel_block_stats_ref(q, summaries, codes, 64, 16, torch.ones(3, dtype=torch.bool, device=DEVICE))
-
-
-@pytest.mark.cuda
-def test_packed_decode_gives_the_same_bits() -> None:
-    """DECODE 2 (packed PTX, the compiled default) decodes the same fp16 codes as DECODE 1: equal outputs, in both
-    the first level and the fine pass, over partial tails and several blocks per program."""
-    q, summaries, codes, _ = make_case(37 * 64 - 21, 64, 2, 4, 128, seed=9)
-    n = 37 * 64 - 21
-    for knobs in (dict(blocks_per_program=16), dict(blocks_per_program=4, num_warps=2)):
-        got = channel_block_stats(q, summaries, codes, n, 64, decode=2, **knobs)
-        want = channel_block_stats(q, summaries, codes, n, 64, decode=1, **knobs)
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
-    got = sketch_block_stats(q, summaries, codes, n, decode=2)
-    want = sketch_block_stats(q, summaries, codes, n, decode=1)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-
-
-def test_decode_modes_refuse_ptx_where_it_cannot_run() -> None:
-    assert decode_mode(None, torch.device("cpu")) == 1 and decode_mode(0, torch.device("cpu")) == 0
-    with pytest.raises(ValueError, match="decode"):
-        decode_mode(2, torch.device("cpu"))
-    with pytest.raises(ValueError, match="decode"):
-        decode_mode(3, torch.device("cpu"))
