@@ -49,7 +49,9 @@ from eviction.sketch_kernel import (ABSOLUTE_SLACK, FP16_MAX, FP16_REL, FP16_TIN
 # 346 us against 373 alone, but the e2e sketch decode at 1M ran 47.0 tok/s with it against 48.6 without; smaller
 # tiles, more programs per SM and 2-3 stages took 410-1320 us; codes decoded 8 tokens a word (64 + code by byte
 # permutes, the bias off once per block) issued fewer instructions but reached the dot as an fp16 tile through
-# shared memory (131 KB a program at 16 blocks; the byte tile's is 16 KB) and took 2x as long
+# shared memory (131 KB a program at 16 blocks; the byte tile's is 16 KB) and took 2x as long. Session 9 (call 4):
+# nibbles decoded 4 bytes at a time in packed PTX in the dot's operand layout (same fp16 codes, same bits; 970 vs
+# 1,160 warp-instructions per block and kv head offline) took 339 vs 353 us alone and 52.0 vs 52.9 tok/s e2e: removed
 DEFAULT_KNOBS = dict(blocks_per_program=16, decode=1, num_warps=4, num_stages=1)
 
 
