@@ -232,11 +232,13 @@ class DecodeStep:
         table, tiers = self.tables[layer], self.store.tiers
         if layer == 0:  # what depends only on the token count, once per token for every layer
             self._count_tokens()
+        # the attention launch appends the token, but in the sketch's topk phase: its first level reads the tail's
+        # summary, which must hold the token first (Quest scores the tail +inf, whatever its summary holds)
         tail = self.tail_slot[layer: layer + 1]
-        new = NewToken(k, v, table.summaries, tail, self.num_tokens)  # the attention launch appends it, unless
-        if isinstance(self.policy, SketchTopK) and self.phase == "topk":  # the sketch reads the tail's summary
-            self._append_token(tiers.hot.pool, table.summaries, k, v, tail, self.num_tokens)  # (Quest scores
-            new = None  # the tail +inf, whatever its summary holds)
+        new = NewToken(k, v, table.summaries, tail, self.num_tokens)
+        if isinstance(self.policy, SketchTopK) and self.phase == "topk":
+            self._append_token(tiers.hot.pool, table.summaries, k, v, tail, self.num_tokens)
+            new = None
         selected, slots, is_int8, upper = self._select(table, q)  # [H, k] ascending, the tail block last
         if self.stages_cold:  # selected cpu blocks: one head's slice each into the staging rows, verified
             self.cold.stage(layer, table, selected, slots, is_int8)
