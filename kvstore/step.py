@@ -234,11 +234,11 @@ class DecodeStep:
             self._count_tokens()
         # the attention launch appends the token, but in the sketch's topk phase: its first level reads the tail's
         # summary, which must hold the token first (Quest scores the tail +inf, whatever its summary holds)
-        tail = self.tail_slot[layer: layer + 1]
-        new = NewToken(k, v, table.summaries, tail, self.num_tokens)
+        tail, new = self.tail_slot[layer: layer + 1], None
         if isinstance(self.policy, SketchTopK) and self.phase == "topk":
             self._append_token(tiers.hot.pool, table.summaries, k, v, tail, self.num_tokens)
-            new = None
+        else:
+            new = NewToken(k, v, table.summaries, tail, self.num_tokens)
         selected, slots, is_int8, upper = self._select(table, q)  # [H, k] ascending, the tail block last
         if self.stages_cold:  # selected cpu blocks: one head's slice each into the staging rows, verified
             self.cold.stage(layer, table, selected, slots, is_int8)
@@ -258,11 +258,11 @@ class DecodeStep:
         kernel reads (dense: n; topk: k - 1 full blocks and the tail) and, for the sketch, the masks of
         live and protected blocks."""
         b = self.block_tokens
-        self._n = self.num_tokens + 1  # [1]
+        n = self.num_tokens + 1  # [1]
         if self.phase == "dense":
-            self.kernel_tokens.copy_(self._n)
+            self.kernel_tokens.copy_(n)
             return
-        self.kernel_tokens.copy_((self.k - 1) * b + (self._n - 1) % b + 1)
+        self.kernel_tokens.copy_((self.k - 1) * b + (n - 1) % b + 1)
         if isinstance(self.policy, SketchTopK):
             self._valid, self._protected = live_and_protected(self.num_tokens, self.capacity, block_tokens=b,
                                                               sink_blocks=self.sink_blocks,

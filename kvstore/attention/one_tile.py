@@ -82,7 +82,7 @@ def _one_tile_kernel(
     )
     if APPEND:  # the program whose tile holds the new token (the row's last) stores it before its tile's loads,
         # a barrier ordering them for all its threads: it reads the bits append-then-attend reads, and every other
-        # program's tile pipeline stays as it was (selecting the row into every tile instead cost ~10%: session 9)
+        # program's tile pipeline stays as it was (selecting the row into every tile instead cost ~8%: session 9)
         row = n_tok - 1 - j0 * BLOCK_TOKENS
         if (row >= 0) & (row < N):
             append_head(hot_ptr, sum_ptr, tail_slot_ptr, count_ptr, new_k, new_v, head, offs_d, s_hot_slot,
@@ -138,15 +138,14 @@ def one_tile_partials(
     with one split per tile: S = cfg.num_splits = ceil(max_blocks / cfg.blocks_per_iter)."""
     b, nq, h, d = geom.batch, geom.num_q_heads, geom.num_kv_heads, geom.head_dim
     num_tiles, dev, f32 = cfg.num_splits, q.device, torch.float32
-    new = append or NewToken(q[0], q[0], q[None], q, q)  # the strides of an unused NewToken
     o_part = torch.empty((b, nq, num_tiles, d), dtype=f32, device=dev)  # [B, Hq, S, D]
     lse_part = torch.empty((b, nq, num_tiles), dtype=f32, device=dev)  # [B, Hq, S]
     lse_block = torch.empty((b, nq, geom.max_blocks) if return_block_mass else (1,), dtype=f32, device=dev)
     _one_tile_kernel[(b, h, num_tiles)](
         q, hot_pool, warm_words, warm_k_scale, warm_v_scale, block_table, block_is_int8, num_tokens,
         o_part, lse_part, lse_block,
-        *new,
-        q.stride(0), q.stride(1), new.k.stride(0), *new.summaries.stride()[:3],
+        *(append or (q,) * 5),  # unused pointers without APPEND
+        q.stride(0), q.stride(1), *((append.k.stride(0), *append.summaries.stride()[:3]) if append else (0,) * 4),
         hot_pool.stride(0), hot_pool.stride(1), hot_pool.stride(2), hot_pool.stride(3),
         warm_words.stride(0), warm_words.stride(1), warm_words.stride(2), warm_words.stride(3),
         warm_k_scale.stride(0), warm_k_scale.stride(1), warm_v_scale.stride(0), warm_v_scale.stride(1),
