@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvstore.attention import int8_mma
 from kvstore.attention.append import NewToken, append_token
 from kvstore.attention.merge import merge_splits
 from kvstore.attention.one_tile import one_tile_partials
@@ -265,7 +266,15 @@ def split_partials(
         part = partition_table(block_table, block_is_int8, num_tokens, geom.block_tokens)
         table, positions, num_fp16 = part.slots, part.positions, part.num_fp16
 
+    int8_cuda = has_warm and int8_mma.usable(q, warm_words.view(torch.int8), warm_k_scale, warm_v_scale, table, geom)
+
     def launch(split_base: int, grid_splits: int, hot: bool, warm: bool) -> None:
+        if warm and not hot and int8_cuda:
+            int8_mma.launch(q, warm_words.view(torch.int8), warm_k_scale, warm_v_scale, table, positions, num_tokens,
+                            num_fp16, o_part, lse_part, lse_block, geom, cfg, scale, partitioned=partitioned,
+                            split_base=split_base, grid_splits=grid_splits, total_splits=total_splits,
+                            return_mass=return_block_mass)
+            return
         _split_kernel[(b, h, grid_splits)](
             q, hot_pool, warm_words, warm_k_scale, warm_v_scale, table, positions, block_is_int8, num_tokens,
             num_fp16, o_part, lse_part, lse_block,

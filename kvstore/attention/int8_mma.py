@@ -1,0 +1,223 @@
+"""The int8 pool's split walk as a CUDA kernel (int8_mma.cu), compiled at run time with NVRTC.
+
+Why a CUDA kernel beside the Triton ones: the int8 loop needs its bytes decoded into tensor-core
+operand registers, and Triton routes every decoded tile through shared memory as fp16 (int8 read
+that way was slower than fp16 at 1M tokens). The .cu file says how the fragments are laid out.
+
+It serves warm-only launches of `split_partials` (a table of int8 blocks, or the int8 half of a
+partitioned mixed table) and writes exactly what Triton's `_split_kernel` writes there, so the merge
+is shared. Used when `usable` says so: a CUDA device of compute capability >= 8.0, NVRTC and the
+driver library found (every CUDA build of PyTorch ships libnvrtc), head_dim 64 or 128, block_tokens
+16..128, GQA groups of up to 8 q heads, 16-byte aligned rows; KVTIER_INT8_MMA=0 turns it off.
+Everything else takes the Triton kernel. NVRTC needs no CUDA toolkit; the CUBIN is cached on disk
+(~/.cache/kvtier/int8_mma, or $KVTIER_CACHE_DIR) keyed by the source, the options and the GPU.
+
+Launches go through the driver's cuLaunchKernel on PyTorch's current stream, so they are captured
+into CUDA graphs like any other launch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+from kvstore.attention.plan import DecodeConfig, DecodeGeometry
+
+_SOURCE = Path(__file__).with_name("int8_mma.cu")
+_WARPS = 4
+_HEAD_DIMS = (64, 128)
+_BLOCK_TOKENS = (16, 32, 64, 128)
+_MAX_GROUP = 8
+
+
+class _Params(ctypes.Structure):
+    """int8_mma.cu's Params, field for field."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("s_q_batch", ctypes.c_int64), ("s_q_head", ctypes.c_int64),
+        ("warm", ctypes.c_void_p), ("s_w_slot", ctypes.c_int64), ("s_w_kv", ctypes.c_int64),
+        ("s_w_head", ctypes.c_int64), ("s_w_tok", ctypes.c_int64),
+        ("k_scale", ctypes.c_void_p), ("s_ks_slot", ctypes.c_int64), ("s_ks_head", ctypes.c_int64),
+        ("v_scale", ctypes.c_void_p), ("s_vs_slot", ctypes.c_int64), ("s_vs_head", ctypes.c_int64),
+        ("table", ctypes.c_void_p), ("pos", ctypes.c_void_p),
+        ("s_tab_batch", ctypes.c_int64), ("s_tab_head", ctypes.c_int64), ("s_tab_blk", ctypes.c_int64),
+        ("num_tokens", ctypes.c_void_p),
+        ("num_fp16", ctypes.c_void_p), ("s_nf_batch", ctypes.c_int64), ("s_nf_head", ctypes.c_int64),
+        ("o_part", ctypes.c_void_p), ("lse_part", ctypes.c_void_p), ("lse_block", ctypes.c_void_p),
+        ("qk_scale", ctypes.c_float),
+        ("blocks_per_split", ctypes.c_int32), ("pool_splits", ctypes.c_int32), ("split_base", ctypes.c_int32),
+        ("num_splits", ctypes.c_int32), ("max_blocks", ctypes.c_int32), ("num_q_heads", ctypes.c_int32),
+        ("group", ctypes.c_int32), ("blocks_per_iter", ctypes.c_int32),
+        ("partitioned", ctypes.c_int32), ("return_mass", ctypes.c_int32),
+    ]
+
+
+def _find_library(names: list[str], dirs: list[str]) -> ctypes.CDLL | None:
+    for name in names:
+        for d in dirs + [""]:
+            try:
+                return ctypes.CDLL(os.path.join(d, name) if d else name)
+            except OSError:
+                continue
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _nvrtc() -> ctypes.CDLL | None:
+    """libnvrtc: beside PyTorch's CUDA libraries (the nvidia-* wheels, or torch/lib), else the loader's path."""
+    import site
+
+    roots = [os.path.dirname(torch.__file__)] + site.getsitepackages()
+    dirs = [os.path.join(os.path.dirname(torch.__file__), "lib")]
+    for root in roots:
+        dirs += sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib")))
+        dirs += sorted(glob.glob(os.path.join(root, "nvidia", "cu*", "lib")))
+    names = []
+    for d in dirs:
+        names += [os.path.basename(p) for p in sorted(glob.glob(os.path.join(d, "libnvrtc.so*")))
+                  if "builtins" not in p and ".alt." not in p]
+    names = list(dict.fromkeys(names + ["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"]))
+    return _find_library(names, dirs)
+
+
+@functools.lru_cache(maxsize=None)
+def _libcuda() -> ctypes.CDLL | None:
+    return _find_library(["libcuda.so.1", "libcuda.so"], [])
+
+
+def _check_nvrtc(lib: ctypes.CDLL, rc: int, what: str) -> None:
+    if rc != 0:
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        raise RuntimeError(f"NVRTC {what}: {lib.nvrtcGetErrorString(rc).decode()}")
+
+
+def _check_cuda(rc: int, what: str) -> None:
+    if rc != 0:
+        msg = ctypes.c_char_p()
+        _libcuda().cuGetErrorString(rc, ctypes.byref(msg))
+        raise RuntimeError(f"CUDA driver {what}: {(msg.value or b'?').decode()}")
+
+
+def kernel_name(head_dim: int, block_tokens: int) -> str:
+    return f"int8_split_d{head_dim}_t{block_tokens}"
+
+
+def kernel_source(head_dim: int, block_tokens: int) -> str:
+    """The .cu file plus one extern "C" entry point for this geometry."""
+    return _SOURCE.read_text() + (
+        f'\nextern "C" __global__ void __launch_bounds__({_WARPS * 32}) '
+        f"{kernel_name(head_dim, block_tokens)}(const Params p) "
+        f"{{ int8_split_body<{head_dim}, {block_tokens}, {_WARPS}>(p); }}\n")
+
+
+def compile_cubin(head_dim: int, block_tokens: int, arch: str) -> bytes:
+    """NVRTC: the kernel for this geometry as a CUBIN for arch (e.g. "sm_90"). Needs no GPU."""
+    lib = _nvrtc()
+    if lib is None:
+        raise RuntimeError("NVRTC not found (libnvrtc ships with PyTorch's CUDA builds)")
+    src = kernel_source(head_dim, block_tokens).encode()
+    prog = ctypes.c_void_p()
+    _check_nvrtc(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"int8_mma.cu", 0, None, None), "create")
+    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"--use_fast_math", b"-default-device"]
+    try:
+        rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        if rc != 0:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"NVRTC compile of int8_mma.cu failed:\n{log.value.decode(errors='replace')}")
+        size = ctypes.c_size_t()
+        _check_nvrtc(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size")
+        cubin = ctypes.create_string_buffer(size.value)
+        _check_nvrtc(lib, lib.nvrtcGetCUBIN(prog, cubin), "cubin")
+        return cubin.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("KVTIER_CACHE_DIR", Path.home() / ".cache" / "kvtier")) / "int8_mma"
+
+
+def _cubin(head_dim: int, block_tokens: int, arch: str) -> bytes:
+    key = hashlib.sha256(f"{kernel_source(head_dim, block_tokens)}|{arch}|v1".encode()).hexdigest()[:24]
+    path = _cache_dir() / f"{kernel_name(head_dim, block_tokens)}_{arch}_{key}.cubin"
+    if path.exists():
+        return path.read_bytes()
+    cubin = compile_cubin(head_dim, block_tokens, arch)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(cubin)
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only home still gets the kernel, compiled per process
+    return cubin
+
+
+@functools.lru_cache(maxsize=None)
+def _function(head_dim: int, block_tokens: int, device_index: int) -> ctypes.c_void_p:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    cubin = _cubin(head_dim, block_tokens, f"sm_{major}{minor}")
+    cuda = _libcuda()
+    with torch.cuda.device(device_index):
+        torch.cuda.current_stream().synchronize()  # the primary context is current on this thread
+        module, func = ctypes.c_void_p(), ctypes.c_void_p()
+        _check_cuda(cuda.cuModuleLoadData(ctypes.byref(module), cubin), "module load")
+        _check_cuda(cuda.cuModuleGetFunction(ctypes.byref(func), module,
+                                             kernel_name(head_dim, block_tokens).encode()), "get function")
+    return func
+
+
+def _enabled() -> bool:
+    return os.environ.get("KVTIER_INT8_MMA", "1") not in ("0", "false", "False")
+
+
+def usable(q: torch.Tensor, warm_data: torch.Tensor, warm_k_scale: torch.Tensor, warm_v_scale: torch.Tensor,
+           table: torch.Tensor, geom: DecodeGeometry) -> bool:
+    """Whether a warm-only split launch over these tensors can take the CUDA kernel."""
+    if not (_enabled() and q.is_cuda and torch.cuda.get_device_capability(q.device) >= (8, 0)):
+        return False
+    if (geom.head_dim not in _HEAD_DIMS or geom.block_tokens not in _BLOCK_TOKENS or geom.group > _MAX_GROUP
+            or table.dtype != torch.int32):
+        return False
+    # the 16-byte row loads: K rows (and quarters of them), V eighths, K's scale rows, V's scale pairs
+    if warm_data.data_ptr() % 16 or any(s % 16 for s in warm_data.stride()[:-1]):
+        return False
+    if warm_k_scale.data_ptr() % 16 or any(s % 4 for s in warm_k_scale.stride()[:-1]):
+        return False
+    if warm_v_scale.data_ptr() % 8 or any(s % 2 for s in warm_v_scale.stride()[:-1]):
+        return False
+    return _nvrtc() is not None and _libcuda() is not None
+
+
+def launch(q: torch.Tensor, warm_data: torch.Tensor, warm_k_scale: torch.Tensor, warm_v_scale: torch.Tensor,
+           table: torch.Tensor, positions: torch.Tensor, num_tokens: torch.Tensor, num_fp16: torch.Tensor,
+           o_part: torch.Tensor, lse_part: torch.Tensor, lse_block: torch.Tensor, geom: DecodeGeometry,
+           cfg: DecodeConfig, scale: float, *, partitioned: bool, split_base: int, grid_splits: int,
+           total_splits: int, return_mass: bool) -> None:
+    """One warm-only launch: grid (batch, kv heads, grid_splits), split = split_base + its index; arguments as
+    split_partials has them (warm_data int8, as paged_decode checked it)."""
+    func = _function(geom.head_dim, geom.block_tokens, q.device.index or 0)
+    p = _Params(
+        q.data_ptr(), q.stride(0), q.stride(1),
+        warm_data.data_ptr(), *warm_data.stride()[:4],
+        warm_k_scale.data_ptr(), warm_k_scale.stride(0), warm_k_scale.stride(1),
+        warm_v_scale.data_ptr(), warm_v_scale.stride(0), warm_v_scale.stride(1),
+        table.data_ptr(), positions.data_ptr(), *table.stride(),
+        num_tokens.data_ptr(), num_fp16.data_ptr(), *num_fp16.stride(),
+        o_part.data_ptr(), lse_part.data_ptr(), lse_block.data_ptr(),
+        scale, cfg.blocks_per_split, cfg.num_splits, split_base, total_splits, geom.max_blocks, geom.num_q_heads,
+        geom.group, cfg.blocks_per_iter, int(partitioned), int(return_mass),
+    )
+    args = (ctypes.c_void_p * 1)(ctypes.addressof(p))
+    stream = ctypes.c_void_p(torch.cuda.current_stream(q.device).cuda_stream)
+    _check_cuda(_libcuda().cuLaunchKernel(func, geom.batch, geom.num_kv_heads, grid_splits, _WARPS * 32, 1, 1,
+                                          0, stream, args, None), "launch")

@@ -1,0 +1,107 @@
+"""The CUDA int8 split walk (kvstore/attention/int8_mma.cu) against paged_decode_ref and the Triton kernel.
+
+On a GPU, each case first asserts that the CUDA kernel is the one serving its warm launches (so a silent fall
+back to Triton cannot pass for it), then compares outputs, block mass and log-sum-exp with the torch reference
+and with the Triton kernel (KVTIER_INT8_MMA=0) on the same poisoned pools (cases.py: NaN in every byte the
+kernel must not read). Without a GPU only the host-side contract is checked: the ctypes mirror of the kernel's
+parameter struct, and NVRTC compiling the kernel for sm_90 where libnvrtc is installed.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from kvstore.attention import int8_mma
+from kvstore.attention.paged_decode import paged_decode
+from kvstore.attention.plan import check_decode_inputs
+from kvstore.attention.reference import paged_decode_ref
+from tests.kvstore.attention.cases import dense_lse, make_case
+
+cuda = pytest.mark.cuda
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# lengths, kv heads, group, head_dim, block_tokens, fraction int8: irregular lengths, every supported geometry
+GRID = [
+    ([1000, 37], 2, 4, 128, 32, 1.0),
+    ([515], 3, 3, 128, 16, 1.0),
+    ([777, 64], 1, 8, 64, 64, 1.0),
+    ([1300], 2, 1, 128, 128, 1.0),
+    ([901, 5, 0], 2, 4, 128, 32, 0.6),
+    ([640], 2, 2, 64, 16, 0.7),
+    ([2049], 1, 5, 128, 64, 0.5),
+]
+
+
+def test_params_mirror_the_kernel_struct() -> None:
+    """_Params must list int8_mma.cu's Params fields in the same order (the launch passes it by value)."""
+    body = re.search(r"struct Params \{(.*?)\};", int8_mma._SOURCE.read_text(), re.S).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
+    names = []
+    for decl in body.split(";"):
+        decl = decl.strip()
+        if decl:
+            names += [re.sub(r"^.*[\s*]", "", part.strip()) for part in decl.split(",")]
+    assert names == [name for name, _ in int8_mma._Params._fields_]
+
+
+def test_nvrtc_compiles_every_geometry() -> None:
+    if int8_mma._nvrtc() is None:
+        pytest.skip("libnvrtc not installed (CPU builds of PyTorch do not ship it)")
+    for d in int8_mma._HEAD_DIMS:
+        for t in int8_mma._BLOCK_TOKENS:
+            assert len(int8_mma.compile_cubin(d, t, "sm_90")) > 1000
+
+
+def _run(case, monkeypatch, enabled: bool, **kwargs):
+    monkeypatch.setenv("KVTIER_INT8_MMA", "1" if enabled else "0")
+    lse = torch.empty(case.q.shape[:2], dtype=torch.float32, device=case.q.device)
+    out, mass = paged_decode(*case.args(), return_block_mass=True, lse_out=lse, **kwargs)
+    return out, mass, lse
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("row", GRID, ids=lambda r: f"d{r[3]}_t{r[4]}_g{r[2]}_int8{r[5]}")
+@pytest.mark.parametrize("splits", [1, 5])
+def test_cuda_int8_matches_reference_and_triton(row, splits: int, monkeypatch) -> None:
+    lengths, heads, group, head_dim, block_tokens, frac = row
+    case = make_case(lengths, heads, group, head_dim, block_tokens, frac, seed=head_dim + block_tokens + group,
+                     empty_pool="hot" if frac == 1.0 else None)
+    geom = check_decode_inputs(*case.args())
+    assert int8_mma.usable(case.q, case.warm_data, case.k_scale, case.v_scale, case.table, geom)
+    out, mass, lse = _run(case, monkeypatch, True, num_splits=splits)
+    ref_out, ref_mass = paged_decode_ref(*case.args(), return_block_mass=True)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=4e-3, rtol=1e-2)
+    torch.testing.assert_close(mass, ref_mass, atol=1e-3, rtol=1e-2)
+    torch.testing.assert_close(lse.cpu(), dense_lse(case), atol=2e-3, rtol=1e-3)
+    tri_out, tri_mass, tri_lse = _run(case, monkeypatch, False, num_splits=splits)
+    torch.testing.assert_close(out.float(), tri_out.float(), atol=2e-3, rtol=1e-2)
+    torch.testing.assert_close(mass, tri_mass, atol=1e-4, rtol=1e-3)
+    torch.testing.assert_close(lse, tri_lse, atol=1e-3, rtol=1e-4)
+
+
+@cuda
+@needs_gpu
+def test_cuda_int8_in_a_cuda_graph(monkeypatch) -> None:
+    """Captured and replayed after the pools change: the replay reads the new bytes (no host copy of them)."""
+    monkeypatch.setenv("KVTIER_INT8_MMA", "1")
+    case = make_case([1536], 2, 4, 128, 32, 1.0, seed=7, empty_pool="hot")  # whole blocks: no poisoned tail to flip in
+    out = torch.empty_like(case.q)
+
+    def step() -> None:
+        out.copy_(paged_decode(*case.args(), num_splits=4)[0])
+
+    step()  # compiles and loads the kernel outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    case.q.mul_(-0.5)
+    case.warm_data.copy_(case.warm_data.flip(3))  # every block's tokens reversed in place
+    case.v_scale.copy_(case.v_scale.flip(2))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_out, _ = paged_decode_ref(*case.args())
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=4e-3, rtol=1e-2)
