@@ -9,10 +9,15 @@
 //          quarter c * D/4 .. of the head (logical k 16s + 2c + {0, 1, 8, 9}); q is loaded the same way.
 //   P.V:   thread r holds V channels r * D/8 .. (r + 1) * D/8 of its tokens, so n-tile e, column n is
 //          channel n * D/8 + e; the output is un-permuted once, when the warps' partials are combined.
-// K's per-(block, channel) scale is folded into q once per block; V's per-token scale into p.
+// K's per-(block, channel) scale is folded into q once per block; V's per-token scale into p. The
+// decoded operands are 1152 + v: the 1152s are taken off in fp32, not per element: Q.K^T's accumulator
+// starts at -1152 sum(q') (one mma per k-step and block against a constant -1152 operand) and P.V's
+// 1152 sum(p') is accumulated beside it (one mma per k-step against 1152) and subtracted at the end.
 //
 // Program (batch row, kv head, split) = WARPS warps, each walking its own part of the split's blocks
-// with its own online softmax (log2 domain), combined through shared memory at the end. The GQA group
+// with its own online softmax (log2 domain), combined through shared memory at the end. Each warp
+// streams its chunks (<= 32 tokens of one block: K and V bytes, K's and V's scales) into shared memory
+// with cp.async, STAGES chunks deep, so the next chunk's bytes are in flight while one is computed. The GQA group
 // is the mma's M (rows >= 8 stay zero: groups of up to 8 q heads). Writes exactly what Triton's
 // _split_kernel writes for a warm-only launch: o_part (normalised), lse_part, and per-block lse.
 // Compiled at run time with NVRTC (int8_mma.py); no CUDA headers needed.
@@ -38,10 +43,10 @@ struct Params {
 #define NEG_INF __int_as_float(0xff800000)
 #define V_BOOST 256.0f  // p * v_scale * 256 stays out of fp16's subnormals (Triton's kernel does the same)
 
-__device__ __forceinline__ float h2f(u16 x) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
-    return f;
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+    u32 r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
 }
 
 __device__ __forceinline__ u32 pack_h2(float lo, float hi) {  // lo -> bits 0..15
@@ -50,11 +55,8 @@ __device__ __forceinline__ u32 pack_h2(float lo, float hi) {  // lo -> bits 0..1
     return r;
 }
 
-__device__ __forceinline__ u32 minus_1152(u32 x) {  // two fp16 1152 + v -> v, exactly
-    u32 r;
-    asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(x), "r"(0x64806480u));
-    return r;
-}
+#define H2_1152 0x64806480u       // fp16x2 (1152, 1152)
+#define H2_MINUS_1152 0xe480e480u // fp16x2 (-1152, -1152)
 
 // D += A.B for rows 0..7 (rows 8..15 of A are zero and their results dropped)
 __device__ __forceinline__ void mma_rows8(float& d0, float& d1, u32 a0, u32 a2, u32 b0, u32 b1) {
@@ -64,8 +66,24 @@ __device__ __forceinline__ void mma_rows8(float& d0, float& d1, u32 a0, u32 a2, 
         : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(0.f), "f"(0.f));
 }
 
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_addr(dst)), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+
 template <int WORDS>
-__device__ __forceinline__ void load_words(u32 (&w)[WORDS], const signed char* src) {
+__device__ __forceinline__ void lds_words(u32 (&w)[WORDS], const unsigned char* src) {
     if constexpr (WORDS % 4 == 0) {
         #pragma unroll
         for (int i = 0; i < WORDS / 4; ++i) {
@@ -79,14 +97,28 @@ __device__ __forceinline__ void load_words(u32 (&w)[WORDS], const signed char* s
     }
 }
 
-template <int D, int T, int WARPS>
+template <int D, int T>
+struct Geometry {
+    static constexpr int CH = T < 32 ? T : 32;  // tokens per chunk (a step of the walk)
+    static constexpr int CPB = T / CH;          // chunks per block
+    static constexpr int ROW = D;               // a token's bytes in shared memory
+    static constexpr int PIECES = D / 16;       // its 16-byte pieces; piece i of row t sits at i ^ (t % PIECES),
+                                                // so the fragment reads of 8 lanes hit 8 different bank groups
+    static constexpr int K_OFF = 0, V_OFF = CH * ROW, KS_OFF = 2 * CH * ROW, VS_OFF = KS_OFF + 4 * D;
+    static constexpr int POS_OFF = VS_OFF + 4 * CH;  // the chunk's block position in the table
+    static constexpr int STAGE = POS_OFF + 16;       // bytes per chunk, a multiple of 16 (int8_mma.py mirrors this)
+};
+
+template <int D, int T, int WARPS, int STAGES>
 __device__ __forceinline__ void int8_split_body(const Params& p) {
-    constexpr int CH = T < 32 ? T : 32;  // tokens per step of the walk
-    constexpr int NT = CH / 8;           // Q.K^T n-tiles per step
-    constexpr int KS = D / 16;           // Q.K^T k-steps; also K words per thread and token
-    constexpr int VS = CH / 16;          // P.V k-steps per step
-    constexpr int VN = D / 8;            // P.V n-tiles
-    constexpr int VW = D / 32;           // V words per thread and token
+    using G = Geometry<D, T>;
+    constexpr int CH = G::CH, CPB = G::CPB, ROW = G::ROW;
+    constexpr int NT = CH / 8;   // Q.K^T n-tiles per chunk
+    constexpr int KS = D / 16;   // Q.K^T k-steps; also K words per thread and token
+    constexpr int VS = CH / 16;  // P.V k-steps per chunk
+    constexpr int VN = D / 8;    // P.V n-tiles
+    constexpr int VW = D / 32;   // V words per thread and token
+    extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int r = lane >> 2, c = lane & 3;
     const int b = blockIdx.x, head = blockIdx.y, split = p.split_base + blockIdx.z;
@@ -105,142 +137,200 @@ __device__ __forceinline__ void int8_split_body(const Params& p) {
     }
     const int per_warp = max(0, (hi - lo + WARPS - 1) / WARPS);
     const int wlo = lo + warp * per_warp, whi = min(wlo + per_warp, hi);
+    const int n_items = max(0, whi - wlo) * CPB;
+    unsigned char* stages = smem + warp * STAGES * G::STAGE;
+
+    const int* trow = p.table + b * p.s_tab_batch + head * p.s_tab_head;
+    const int* prow = p.pos + b * p.s_tab_batch + head * p.s_tab_head;
+    int tab_base = -1, tab_slot = 0, tab_pos = 0;  // entries tab_base + lane, 32 at a time
+    auto entry = [&](int blk, i64& slot, int& pos) {
+        const int base = blk & ~31;
+        if (base != tab_base) {
+            tab_base = base;
+            const int e = base + lane;
+            tab_slot = e < whi ? trow[e * p.s_tab_blk] : 0;
+            tab_pos = p.partitioned ? (e < whi ? prow[e * p.s_tab_blk] : 0) : e;
+        }
+        slot = __shfl_sync(0xffffffffu, tab_slot, blk & 31);
+        pos = __shfl_sync(0xffffffffu, tab_pos, blk & 31);
+    };
+    constexpr int ROWS_PER_COPY = 32 / (D / 16);  // token rows one 16-byte copy per lane covers
+    static_assert(CH % ROWS_PER_COPY == 0, "a chunk is a whole number of copies");
+    const i64 lane_src = (lane / (D / 16)) * p.s_w_tok + 16 * (lane % (D / 16)), src_step = ROWS_PER_COPY * p.s_w_tok;
+    const int lane_row = lane / (D / 16), lane_piece = lane % (D / 16);
+    auto issue = [&](int item) {  // chunk `item` of this warp's walk -> stage item % STAGES
+        const int blk = wlo + item / CPB, t0 = (item % CPB) * CH;
+        i64 slot; int pos;
+        entry(blk, slot, pos);
+        const signed char* src = p.warm + slot * p.s_w_slot + head * p.s_w_head + t0 * p.s_w_tok + lane_src;
+        unsigned char* dst = stages + (item % STAGES) * G::STAGE;
+        #pragma unroll
+        for (int i = 0; i < CH * D / 16 / 32; ++i) {  // lane's pieces: rows lane / (D/16) + i * ROWS_PER_COPY
+            const int row = lane_row + i * ROWS_PER_COPY;
+            const int at = row * ROW + 16 * (lane_piece ^ (row % G::PIECES));
+            cp_async16(dst + G::K_OFF + at, src + i * src_step);
+            cp_async16(dst + G::V_OFF + at, src + p.s_w_kv + i * src_step);
+        }
+        const float* ks = p.k_scale + slot * p.s_ks_slot + head * p.s_ks_head;
+        for (int i = lane; i < D / 4; i += 32) cp_async16(dst + G::KS_OFF + 16 * i, ks + 4 * i);
+        const float* vs = p.v_scale + slot * p.s_vs_slot + head * p.s_vs_head + t0;
+        if (lane < CH / 4) cp_async16(dst + G::VS_OFF + 16 * lane, vs + 4 * lane);
+        if (lane == 0) *reinterpret_cast<int*>(dst + G::POS_OFF) = pos;
+    };
 
     const bool g_ok = r < p.group;
     const int q_head = head * p.group + r;
-    float qf[D / 4];  // this thread's quarter of its q head, times qk_scale
+    u32 qh[KS][2];  // this thread's quarter of its q head: channels c * D/4 + 4s + {0, 1} and {2, 3}
     {
-        const u16* qrow = p.q + b * p.s_q_batch + (i64)q_head * p.s_q_head + c * (D / 4);
+        const u32* qrow = reinterpret_cast<const u32*>(p.q + b * p.s_q_batch + (i64)q_head * p.s_q_head + c * (D / 4));
         #pragma unroll
-        for (int i = 0; i < D / 4; ++i) qf[i] = g_ok ? h2f(qrow[i]) * p.qk_scale : 0.f;
+        for (int s = 0; s < KS; ++s) {
+            qh[s][0] = g_ok ? qrow[2 * s] : 0u;
+            qh[s][1] = g_ok ? qrow[2 * s + 1] : 0u;
+        }
     }
     float m = NEG_INF, l = 0.f;  // m: row r's running max (same on its 4 lanes); l: this lane's share
     float acc[VN][2];
     #pragma unroll
     for (int e = 0; e < VN; ++e) acc[e][0] = acc[e][1] = 0.f;
+    u32 qa[KS][2];     // q * the block's K scale, as A fragments
+    float s0 = 0.f;    // -1152 sum(q * K's scale) of row r: where the block's scores start
+    float bsum = 0.f;  // this lane's share of the block's p, relative to m
+    float corr = 0.f;  // 1152 sum(p * v_scale * V_BOOST) of row r, scaled with acc: acc's surplus in every column
 
-    const int* trow = p.table + b * p.s_tab_batch + head * p.s_tab_head;
-    const int* prow = p.pos + b * p.s_tab_batch + head * p.s_tab_head;
-    for (int blk = wlo; blk < whi; ++blk) {
-        const i64 slot = trow[blk * p.s_tab_blk];
-        const int pos = p.partitioned ? prow[blk * p.s_tab_blk] : blk;
-        const int valid = min(T, n_tok - pos * T);
-        const signed char* kbase = p.warm + slot * p.s_w_slot + head * p.s_w_head;
-        const signed char* vbase = kbase + p.s_w_kv;
-        const float* vs_row = p.v_scale + slot * p.s_vs_slot + head * p.s_vs_head;
-        u32 qa[KS][2];  // q * K's scale for this block, as A fragments
-        {
-            const float4* ks = reinterpret_cast<const float4*>(
-                p.k_scale + slot * p.s_ks_slot + head * p.s_ks_head + c * (D / 4));
+    #pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < n_items) issue(s);
+        cp_async_commit();
+    }
+    for (int it = 0; it < n_items; ++it) {
+        if (it + STAGES - 1 < n_items) issue(it + STAGES - 1);
+        cp_async_commit();
+        cp_async_wait<STAGES - 1>();
+        __syncwarp();
+        const unsigned char* st = stages + (it % STAGES) * G::STAGE;
+        const int t0 = (it % CPB) * CH, pos = *reinterpret_cast<const int*>(st + G::POS_OFF);
+        const int valid = min(T, n_tok - pos * T) - t0;  // tokens of this chunk that exist (may be <= 0)
+        if (t0 == 0) {
+            const float4* ks = reinterpret_cast<const float4*>(st + G::KS_OFF) + c * (D / 16);
             #pragma unroll
             for (int s = 0; s < KS; ++s) {
-                const float4 k4 = ks[s];
-                qa[s][0] = pack_h2(qf[4 * s] * k4.x, qf[4 * s + 1] * k4.y);
-                qa[s][1] = pack_h2(qf[4 * s + 2] * k4.z, qf[4 * s + 3] * k4.w);
+                const float4 k4 = ks[s];  // in fp16, as Triton's kernel scales K: q * scale rounds like k * scale
+                qa[s][0] = hmul2(qh[s][0], pack_h2(k4.x, k4.y));
+                qa[s][1] = hmul2(qh[s][1], pack_h2(k4.z, k4.w));
             }
+            float s1 = s0 = 0.f;
+            #pragma unroll
+            for (int s = 0; s < KS; ++s) mma_rows8(s0, s1, qa[s][0], qa[s][1], H2_MINUS_1152, H2_MINUS_1152);
+            bsum = 0.f;
         }
-        float bsum = 0.f;  // this lane's share of the block's p, relative to m
+        float sc[NT][2];
         #pragma unroll
-        for (int t0 = 0; t0 < T; t0 += CH) {
-            u32 kw[NT][KS];  // n-tile j: token t0 + 8j + r, channels c * D/4 ..
+        for (int j = 0; j < NT; ++j) {
+            u32 kw[KS];  // token 8j + r, channels c * D/4 ..: pieces c * KS / 4 ..
             #pragma unroll
-            for (int j = 0; j < NT; ++j) load_words(kw[j], kbase + (t0 + 8 * j + r) * p.s_w_tok + c * (D / 4));
-            u32 vw[VS][4][VW];  // k-step v: tokens t0 + 16v + 2c + {0, 1, 8, 9}, channels r * D/8 ..
-            #pragma unroll
-            for (int v = 0; v < VS; ++v)
-                #pragma unroll
-                for (int x = 0; x < 4; ++x)
-                    load_words(vw[v][x], vbase + (t0 + 16 * v + 2 * c + (x & 1) + 8 * (x >> 1)) * p.s_w_tok + r * (D / 8));
-            float2 vsc[NT];  // V's scale of the score columns: tokens t0 + 8j + 2c + {0, 1}
-            #pragma unroll
-            for (int j = 0; j < NT; ++j) vsc[j] = *reinterpret_cast<const float2*>(vs_row + t0 + 8 * j + 2 * c);
-
-            float sc[NT][2];
-            #pragma unroll
-            for (int j = 0; j < NT; ++j) {
-                sc[j][0] = sc[j][1] = 0.f;
-                #pragma unroll
-                for (int s = 0; s < KS; ++s) {
-                    const u32 t = kw[j][s] ^ 0x80808080u;
-                    const u32 b0 = minus_1152(__byte_perm(t, 0x64646464u, 0x4140));
-                    const u32 b1 = minus_1152(__byte_perm(t, 0x64646464u, 0x4342));
-                    mma_rows8(sc[j][0], sc[j][1], qa[s][0], qa[s][1], b0, b1);
-                }
+            for (int i = 0; i < KS / 4; ++i) {
+                const int row = 8 * j + r, piece = (c * KS / 4 + i) ^ (row % G::PIECES);
+                lds_words(reinterpret_cast<u32(&)[4]>(kw[4 * i]), st + G::K_OFF + row * ROW + 16 * piece);
             }
-            float mx = NEG_INF;
+            sc[j][0] = sc[j][1] = s0;
             #pragma unroll
-            for (int j = 0; j < NT; ++j)
-                #pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    if (t0 + 8 * j + 2 * c + i >= valid) sc[j][i] = NEG_INF;
-                    mx = fmaxf(mx, sc[j][i]);
-                }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m, mx);
-            const float m_use = m_new == NEG_INF ? 0.f : m_new;
-            const float alpha = exp2f(m - m_use);
-            m = m_new;
-            l *= alpha;
-            bsum *= alpha;
-            #pragma unroll
-            for (int e = 0; e < VN; ++e) { acc[e][0] *= alpha; acc[e][1] *= alpha; }
-            u32 pa[NT];  // p * v_scale * V_BOOST, packed: j even -> a0, j odd -> a2 of k-step j / 2
-            #pragma unroll
-            for (int j = 0; j < NT; ++j) {
-                float pv[2];
-                #pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    const float pr = exp2f(sc[j][i] - m_use);
-                    l += pr;
-                    bsum += pr;
-                    const float vscale = i == 0 ? vsc[j].x : vsc[j].y;
-                    pv[i] = t0 + 8 * j + 2 * c + i < valid ? pr * vscale * V_BOOST : 0.f;  // a select: v_scale may be junk there
-                }
-                pa[j] = pack_h2(pv[0], pv[1]);
+            for (int s = 0; s < KS; ++s) {
+                const u32 t = kw[s] ^ 0x80808080u;
+                const u32 b0 = __byte_perm(t, 0x64646464u, 0x4140);  // 1152 + K, channels 4s, 4s + 1
+                const u32 b1 = __byte_perm(t, 0x64646464u, 0x4342);  // 4s + 2, 4s + 3
+                mma_rows8(sc[j][0], sc[j][1], qa[s][0], qa[s][1], b0, b1);
             }
-            #pragma unroll
-            for (int v = 0; v < VS; ++v)
-                #pragma unroll
-                for (int e = 0; e < VN; ++e) {
-                    const int w = e / 4, sel = (e % 4) | ((4 + e % 4) << 8);
-                    const u32 b0 = minus_1152((__byte_perm(vw[v][0][w], vw[v][1][w], sel) & 0x00ff00ffu) ^ 0x64806480u);
-                    const u32 b1 = minus_1152((__byte_perm(vw[v][2][w], vw[v][3][w], sel) & 0x00ff00ffu) ^ 0x64806480u);
-                    mma_rows8(acc[e][0], acc[e][1], pa[2 * v], pa[2 * v + 1], b0, b1);
-                }
         }
-        if (p.return_mass) {
+        float mx = NEG_INF;
+        #pragma unroll
+        for (int j = 0; j < NT; ++j)
+            #pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                sc[j][i] = 8 * j + 2 * c + i < valid ? sc[j][i] * p.qk_scale : NEG_INF;
+                mx = fmaxf(mx, sc[j][i]);
+            }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m, mx);
+        const float m_use = m_new == NEG_INF ? 0.f : m_new;
+        const float alpha = exp2f(m - m_use);
+        m = m_new;
+        l *= alpha;
+        bsum *= alpha;
+        corr *= alpha;
+        #pragma unroll
+        for (int e = 0; e < VN; ++e) { acc[e][0] *= alpha; acc[e][1] *= alpha; }
+        const float* vsc = reinterpret_cast<const float*>(st + G::VS_OFF);
+        u32 pa[NT];  // p * v_scale * V_BOOST, packed: j even -> a0, j odd -> a2 of k-step j / 2
+        #pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const float2 v2 = *reinterpret_cast<const float2*>(vsc + 8 * j + 2 * c);
+            float pv[2];
+            #pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const float pr = exp2f(sc[j][i] - m_use);
+                l += pr;
+                bsum += pr;
+                // a select, not a product: v_scale past the row's end may be anything, NaN included
+                pv[i] = 8 * j + 2 * c + i < valid ? pr * (i == 0 ? v2.x : v2.y) * V_BOOST : 0.f;
+            }
+            pa[j] = pack_h2(pv[0], pv[1]);
+        }
+        #pragma unroll
+        for (int v = 0; v < VS; ++v) {
+            u32 vw[4][VW];  // tokens 16v + 2c + {0, 1, 8, 9}, channels r * D/8 ..
+            #pragma unroll
+            for (int x = 0; x < 4; ++x) {
+                const int row = 16 * v + 2 * c + (x & 1) + 8 * (x >> 1), byte = r * (D / 8);
+                const int piece = (byte / 16) ^ (row % G::PIECES);
+                lds_words(vw[x], st + G::V_OFF + row * ROW + 16 * piece + byte % 16);
+            }
+            #pragma unroll
+            for (int e = 0; e < VN; ++e) {
+                const int w = e / 4, sel = (e % 4) | ((4 + e % 4) << 8);
+                const u32 b0 = (__byte_perm(vw[0][w], vw[1][w], sel) & 0x00ff00ffu) ^ 0x64806480u;  // 1152 + V
+                const u32 b1 = (__byte_perm(vw[2][w], vw[3][w], sel) & 0x00ff00ffu) ^ 0x64806480u;
+                mma_rows8(acc[e][0], acc[e][1], pa[2 * v], pa[2 * v + 1], b0, b1);
+            }
+            float corr1 = 0.f;
+            mma_rows8(corr, corr1, pa[2 * v], pa[2 * v + 1], H2_1152, H2_1152);
+        }
+        __syncwarp();  // the stage is refilled by the next iteration's issue
+        if (p.return_mass && t0 + CH == T) {
             float bs = bsum + __shfl_xor_sync(0xffffffffu, bsum, 1);
             bs += __shfl_xor_sync(0xffffffffu, bs, 2);
-            const float m_use = m == NEG_INF ? 0.f : m;
             if (c == 0 && g_ok)
                 p.lse_block[((i64)b * p.num_q_heads + q_head) * p.max_blocks + pos] = bs > 0.f ? m_use + log2f(bs) : NEG_INF;
         }
     }
+    cp_async_wait<0>();
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
 
-    __shared__ float sm_m[WARPS][8], sm_l[WARPS][8];
-    __shared__ float sm_acc[WARPS][8][D];  // physical channel order
-    if (c == 0) { sm_m[warp][r] = m; sm_l[warp][r] = l; }
+    __syncthreads();  // the stages are free: the combine reuses their memory
+    float* sm_m = reinterpret_cast<float*>(smem);  // [WARPS][8]
+    float* sm_l = sm_m + WARPS * 8;                 // [WARPS][8]
+    float* sm_acc = sm_l + WARPS * 8;               // [WARPS][8][D], channels in memory order
+    if (c == 0) { sm_m[warp * 8 + r] = m; sm_l[warp * 8 + r] = l; }
     #pragma unroll
     for (int e = 0; e < VN; ++e) {
-        sm_acc[warp][r][(2 * c) * (D / 8) + e] = acc[e][0];
-        sm_acc[warp][r][(2 * c + 1) * (D / 8) + e] = acc[e][1];
+        sm_acc[(warp * 8 + r) * D + (2 * c) * (D / 8) + e] = acc[e][0] - corr;
+        sm_acc[(warp * 8 + r) * D + (2 * c + 1) * (D / 8) + e] = acc[e][1] - corr;
     }
     __syncthreads();
     for (int idx = threadIdx.x; idx < p.group * D; idx += WARPS * 32) {
         const int row = idx / D, ch = idx % D;
         float mm = NEG_INF;
         #pragma unroll
-        for (int w = 0; w < WARPS; ++w) mm = fmaxf(mm, sm_m[w][row]);
+        for (int w = 0; w < WARPS; ++w) mm = fmaxf(mm, sm_m[w * 8 + row]);
         float ll = 0.f, o = 0.f;
         if (mm != NEG_INF) {
             #pragma unroll
             for (int w = 0; w < WARPS; ++w) {
-                const float f = exp2f(sm_m[w][row] - mm);
-                ll += sm_l[w][row] * f;
-                o += sm_acc[w][row][ch] * f;
+                const float f = exp2f(sm_m[w * 8 + row] - mm);
+                ll += sm_l[w * 8 + row] * f;
+                o += sm_acc[(w * 8 + row) * D + ch] * f;
             }
         }
         const i64 part = ((i64)b * p.num_q_heads + head * p.group + row) * p.num_splits + split;

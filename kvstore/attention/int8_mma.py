@@ -31,9 +31,14 @@ from kvstore.attention.plan import DecodeConfig, DecodeGeometry
 
 _SOURCE = Path(__file__).with_name("int8_mma.cu")
 _WARPS = 4
+_STAGES = 2  # chunks in flight per warp: 2 x 4 warps x 8.8 KB at head_dim 128 leaves room for 3 programs per SM
+_PROGRAMS_PER_SM = 3  # __launch_bounds__'s minimum: holds registers to <= 168 a thread
 _HEAD_DIMS = (64, 128)
 _BLOCK_TOKENS = (16, 32, 64, 128)
 _MAX_GROUP = 8
+
+
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
 class _Params(ctypes.Structure):
@@ -111,9 +116,17 @@ def kernel_name(head_dim: int, block_tokens: int) -> str:
 def kernel_source(head_dim: int, block_tokens: int) -> str:
     """The .cu file plus one extern "C" entry point for this geometry."""
     return _SOURCE.read_text() + (
-        f'\nextern "C" __global__ void __launch_bounds__({_WARPS * 32}) '
+        f'\nextern "C" __global__ void __launch_bounds__({_WARPS * 32}, {_PROGRAMS_PER_SM}) '
         f"{kernel_name(head_dim, block_tokens)}(const Params p) "
-        f"{{ int8_split_body<{head_dim}, {block_tokens}, {_WARPS}>(p); }}\n")
+        f"{{ int8_split_body<{head_dim}, {block_tokens}, {_WARPS}, {_STAGES}>(p); }}\n")
+
+
+def smem_bytes(head_dim: int, block_tokens: int) -> int:
+    """Dynamic shared memory of a program: int8_mma.cu's Geometry (its chunks' stages), or the combine's
+    partials if larger."""
+    chunk = min(block_tokens, 32)
+    stage = 2 * chunk * head_dim + 4 * head_dim + 4 * chunk + 16
+    return max(_WARPS * _STAGES * stage, 4 * _WARPS * (16 + 8 * head_dim))
 
 
 def compile_cubin(head_dim: int, block_tokens: int, arch: str) -> bytes:
@@ -173,6 +186,8 @@ def _function(head_dim: int, block_tokens: int, device_index: int) -> ctypes.c_v
         _check_cuda(cuda.cuModuleLoadData(ctypes.byref(module), cubin), "module load")
         _check_cuda(cuda.cuModuleGetFunction(ctypes.byref(func), module,
                                              kernel_name(head_dim, block_tokens).encode()), "get function")
+        _check_cuda(cuda.cuFuncSetAttribute(func, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                            smem_bytes(head_dim, block_tokens)), "shared memory limit")
     return func
 
 
@@ -188,12 +203,12 @@ def usable(q: torch.Tensor, warm_data: torch.Tensor, warm_k_scale: torch.Tensor,
     if (geom.head_dim not in _HEAD_DIMS or geom.block_tokens not in _BLOCK_TOKENS or geom.group > _MAX_GROUP
             or table.dtype != torch.int32):
         return False
-    # the 16-byte row loads: K rows (and quarters of them), V eighths, K's scale rows, V's scale pairs
+    # cp.async copies 16-byte pieces: of K / V rows, K's scale rows and V's scale rows
     if warm_data.data_ptr() % 16 or any(s % 16 for s in warm_data.stride()[:-1]):
         return False
     if warm_k_scale.data_ptr() % 16 or any(s % 4 for s in warm_k_scale.stride()[:-1]):
         return False
-    if warm_v_scale.data_ptr() % 8 or any(s % 2 for s in warm_v_scale.stride()[:-1]):
+    if warm_v_scale.data_ptr() % 16 or any(s % 4 for s in warm_v_scale.stride()[:-1]):
         return False
     return _nvrtc() is not None and _libcuda() is not None
 
@@ -220,4 +235,4 @@ def launch(q: torch.Tensor, warm_data: torch.Tensor, warm_k_scale: torch.Tensor,
     args = (ctypes.c_void_p * 1)(ctypes.addressof(p))
     stream = ctypes.c_void_p(torch.cuda.current_stream(q.device).cuda_stream)
     _check_cuda(_libcuda().cuLaunchKernel(func, geom.batch, geom.num_kv_heads, grid_splits, _WARPS * 32, 1, 1,
-                                          0, stream, args, None), "launch")
+                                          smem_bytes(geom.head_dim, geom.block_tokens), stream, args, None), "launch")
