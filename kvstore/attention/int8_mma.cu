@@ -58,12 +58,18 @@ __device__ __forceinline__ u32 pack_h2(float lo, float hi) {  // lo -> bits 0..1
 #define H2_1152 0x64806480u       // fp16x2 (1152, 1152)
 #define H2_MINUS_1152 0xe480e480u // fp16x2 (-1152, -1152)
 
-// D += A.B for rows 0..7 (rows 8..15 of A are zero and their results dropped)
-__device__ __forceinline__ void mma_rows8(float& d0, float& d1, u32 a0, u32 a2, u32 b0, u32 b1) {
-    float z0, z1;
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%10,%11};"
-        : "+f"(d0), "+f"(d1), "=f"(z0), "=f"(z1)
-        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(0.f), "f"(0.f));
+// d += A.B, m16n8k16, fp16 operands, fp32 accumulator (PTX ISA's fragment layouts)
+__device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// the warp's 8x8 fp16 matrix (lane 4r + c holds row r, columns 2c, 2c + 1), transposed
+__device__ __forceinline__ u32 transpose8x8(u32 x) {
+    u32 y;
+    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+    return y;
 }
 
 
@@ -178,25 +184,31 @@ __device__ __forceinline__ void int8_split_body(const Params& p) {
         if (lane == 0) *reinterpret_cast<int*>(dst + G::POS_OFF) = pos;
     };
 
-    const bool g_ok = r < p.group;
-    const int q_head = head * p.group + r;
-    u32 qh[KS][2];  // this thread's quarter of its q head: channels c * D/4 + 4s + {0, 1} and {2, 3}
+    // Fragments (lane = 4r + c). Q.K^T is computed transposed, S^T = K.Q^T: K is the A operand (16 tokens a
+    // tile: rows r and r + 8), q the B operand (its 8 columns are the group's q heads, c's pair 2c, 2c + 1 in
+    // the accumulator). P.V likewise, O^T = V^T.P^T: V^T is A (16 channels an m-tile: thread r holds channels
+    // r * D/8 + 2e and + 1 of m-tile e) and P^T is B, made from the score accumulator by one movmatrix
+    // transpose per 8 tokens. No operand row is padding, so every mma does useful work for up to 8 q heads.
+    u32 qh[KS][2];  // q head r: channels c * D/4 + 4s + {0, 1} and {2, 3}
     {
-        const u32* qrow = reinterpret_cast<const u32*>(p.q + b * p.s_q_batch + (i64)q_head * p.s_q_head + c * (D / 4));
+        const bool ok = r < p.group;
+        const u32* qrow = reinterpret_cast<const u32*>(p.q + b * p.s_q_batch + (i64)(head * p.group + r) * p.s_q_head
+                                                       + c * (D / 4));
         #pragma unroll
         for (int s = 0; s < KS; ++s) {
-            qh[s][0] = g_ok ? qrow[2 * s] : 0u;
-            qh[s][1] = g_ok ? qrow[2 * s + 1] : 0u;
+            qh[s][0] = ok ? qrow[2 * s] : 0u;
+            qh[s][1] = ok ? qrow[2 * s + 1] : 0u;
         }
     }
-    float m = NEG_INF, l = 0.f;  // m: row r's running max (same on its 4 lanes); l: this lane's share
-    float acc[VN][2];
+    const bool h_ok[2] = {2 * c < p.group, 2 * c + 1 < p.group};  // this lane's accumulator columns: q heads 2c, 2c + 1
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // per head: running max (same on all r), this lane's share of l
+    float acc[VN / 2][4];  // O^T m-tile e: (channel r * D/8 + 2e, heads 2c, 2c + 1), (channel + 1, heads 2c, 2c + 1)
     #pragma unroll
-    for (int e = 0; e < VN; ++e) acc[e][0] = acc[e][1] = 0.f;
-    u32 qa[KS][2];     // q * the block's K scale, as A fragments
-    float s0 = 0.f;    // -1152 sum(q * K's scale) of row r: where the block's scores start
-    float bsum = 0.f;  // this lane's share of the block's p, relative to m
-    float corr = 0.f;  // 1152 sum(p * v_scale * V_BOOST) of row r, scaled with acc: acc's surplus in every column
+    for (int e = 0; e < VN / 2; ++e) acc[e][0] = acc[e][1] = acc[e][2] = acc[e][3] = 0.f;
+    u32 qa[KS][2];                  // q * the block's K scale, as B fragments
+    float s0[2] = {0.f, 0.f};       // -1152 sum(q * K's scale) per head: where the block's scores start
+    float bsum[2] = {0.f, 0.f};     // this lane's share of the block's p per head, relative to m
+    float corr[2] = {0.f, 0.f};     // 1152 sum(p * v_scale * V_BOOST) per head, scaled with acc: acc's surplus
 
     #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
@@ -219,66 +231,79 @@ __device__ __forceinline__ void int8_split_body(const Params& p) {
                 qa[s][0] = hmul2(qh[s][0], pack_h2(k4.x, k4.y));
                 qa[s][1] = hmul2(qh[s][1], pack_h2(k4.z, k4.w));
             }
-            float s1 = s0 = 0.f;
+            float d[4] = {0.f, 0.f, 0.f, 0.f};
             #pragma unroll
-            for (int s = 0; s < KS; ++s) mma_rows8(s0, s1, qa[s][0], qa[s][1], H2_MINUS_1152, H2_MINUS_1152);
-            bsum = 0.f;
+            for (int s = 0; s < KS; ++s)
+                mma(d, H2_MINUS_1152, H2_MINUS_1152, H2_MINUS_1152, H2_MINUS_1152, qa[s][0], qa[s][1]);
+            s0[0] = d[0];
+            s0[1] = d[1];
+            bsum[0] = bsum[1] = 0.f;
         }
-        float sc[NT][2];
-        #pragma unroll
-        for (int j = 0; j < NT; ++j) {
-            u32 kw[KS];  // token 8j + r, channels c * D/4 ..: pieces c * KS / 4 ..
-            #pragma unroll
-            for (int i = 0; i < KS / 4; ++i) {
-                const int row = 8 * j + r, piece = (c * KS / 4 + i) ^ (row % G::PIECES);
-                lds_words(reinterpret_cast<u32(&)[4]>(kw[4 * i]), st + G::K_OFF + row * ROW + 16 * piece);
-            }
-            sc[j][0] = sc[j][1] = s0;
-            #pragma unroll
-            for (int s = 0; s < KS; ++s) {
-                const u32 t = kw[s] ^ 0x80808080u;
-                const u32 b0 = __byte_perm(t, 0x64646464u, 0x4140);  // 1152 + K, channels 4s, 4s + 1
-                const u32 b1 = __byte_perm(t, 0x64646464u, 0x4342);  // 4s + 2, 4s + 3
-                mma_rows8(sc[j][0], sc[j][1], qa[s][0], qa[s][1], b0, b1);
-            }
-        }
-        float mx = NEG_INF;
-        #pragma unroll
-        for (int j = 0; j < NT; ++j)
-            #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                sc[j][i] = 8 * j + 2 * c + i < valid ? sc[j][i] * p.qk_scale : NEG_INF;
-                mx = fmaxf(mx, sc[j][i]);
-            }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m, mx);
-        const float m_use = m_new == NEG_INF ? 0.f : m_new;
-        const float alpha = exp2f(m - m_use);
-        m = m_new;
-        l *= alpha;
-        bsum *= alpha;
-        corr *= alpha;
-        #pragma unroll
-        for (int e = 0; e < VN; ++e) { acc[e][0] *= alpha; acc[e][1] *= alpha; }
-        const float* vsc = reinterpret_cast<const float*>(st + G::VS_OFF);
-        u32 pa[NT];  // p * v_scale * V_BOOST, packed: j even -> a0, j odd -> a2 of k-step j / 2
-        #pragma unroll
-        for (int j = 0; j < NT; ++j) {
-            const float2 v2 = *reinterpret_cast<const float2*>(vsc + 8 * j + 2 * c);
-            float pv[2];
-            #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const float pr = exp2f(sc[j][i] - m_use);
-                l += pr;
-                bsum += pr;
-                // a select, not a product: v_scale past the row's end may be anything, NaN included
-                pv[i] = 8 * j + 2 * c + i < valid ? pr * (i == 0 ? v2.x : v2.y) * V_BOOST : 0.f;
-            }
-            pa[j] = pack_h2(pv[0], pv[1]);
-        }
+        float sc[VS][4];  // tile v: (token 16v + r, heads 2c, 2c + 1), (token 16v + r + 8, heads 2c, 2c + 1)
         #pragma unroll
         for (int v = 0; v < VS; ++v) {
+            u32 kw[2][KS];  // tokens 16v + r and 16v + r + 8, channels c * D/4 ..: pieces c * KS / 4 ..
+            #pragma unroll
+            for (int h = 0; h < 2; ++h)
+                #pragma unroll
+                for (int i = 0; i < KS / 4; ++i) {
+                    const int row = 16 * v + r + 8 * h, piece = (c * KS / 4 + i) ^ (row % G::PIECES);
+                    lds_words(reinterpret_cast<u32(&)[4]>(kw[h][4 * i]), st + G::K_OFF + row * ROW + 16 * piece);
+                }
+            sc[v][0] = sc[v][2] = s0[0];
+            sc[v][1] = sc[v][3] = s0[1];
+            #pragma unroll
+            for (int s = 0; s < KS; ++s) {
+                const u32 t0w = kw[0][s] ^ 0x80808080u, t1w = kw[1][s] ^ 0x80808080u;
+                mma(sc[v], __byte_perm(t0w, 0x64646464u, 0x4140), __byte_perm(t1w, 0x64646464u, 0x4140),  // 1152 + K
+                    __byte_perm(t0w, 0x64646464u, 0x4342), __byte_perm(t1w, 0x64646464u, 0x4342), qa[s][0], qa[s][1]);
+            }
+        }
+        float mx[2] = {NEG_INF, NEG_INF};
+        #pragma unroll
+        for (int v = 0; v < VS; ++v)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                sc[v][i] = 16 * v + r + 8 * (i >> 1) < valid ? sc[v][i] * p.qk_scale : NEG_INF;
+                mx[i & 1] = fmaxf(mx[i & 1], sc[v][i]);
+            }
+        float alpha[2], m_use[2];
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 4));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 8));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 16));
+            const float m_new = fmaxf(m[h], mx[h]);
+            m_use[h] = m_new == NEG_INF ? 0.f : m_new;
+            alpha[h] = exp2f(m[h] - m_use[h]);
+            m[h] = m_new;
+            l[h] *= alpha[h];
+            bsum[h] *= alpha[h];
+            corr[h] *= alpha[h];
+        }
+        #pragma unroll
+        for (int e = 0; e < VN / 2; ++e) {
+            acc[e][0] *= alpha[0]; acc[e][2] *= alpha[0];
+            acc[e][1] *= alpha[1]; acc[e][3] *= alpha[1];
+        }
+        const float* vsc = reinterpret_cast<const float*>(st + G::VS_OFF);
+        #pragma unroll
+        for (int v = 0; v < VS; ++v) {
+            u32 pt[2];  // P^T B fragment: tokens 16v + 2c + {0, 1} (+ 8 for pt[1]), head r
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {  // h: token 16v + r + 8h
+                const int tok = 16 * v + r + 8 * h;
+                const float vs = vsc[tok];
+                float pv[2];
+                #pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    const float pr = exp2f(sc[v][2 * h + i] - m_use[i]);
+                    l[i] += pr;
+                    bsum[i] += pr;
+                    pv[i] = tok < valid ? pr * vs * V_BOOST : 0.f;  // a select: v_scale past the row's end may be NaN
+                }
+                pt[h] = transpose8x8(pack_h2(pv[0], pv[1]));
+            }
             u32 vw[4][VW];  // tokens 16v + 2c + {0, 1, 8, 9}, channels r * D/8 ..
             #pragma unroll
             for (int x = 0; x < 4; ++x) {
@@ -287,37 +312,54 @@ __device__ __forceinline__ void int8_split_body(const Params& p) {
                 lds_words(vw[x], st + G::V_OFF + row * ROW + 16 * piece + byte % 16);
             }
             #pragma unroll
-            for (int e = 0; e < VN; ++e) {
-                const int w = e / 4, sel = (e % 4) | ((4 + e % 4) << 8);
-                const u32 b0 = (__byte_perm(vw[0][w], vw[1][w], sel) & 0x00ff00ffu) ^ 0x64806480u;  // 1152 + V
-                const u32 b1 = (__byte_perm(vw[2][w], vw[3][w], sel) & 0x00ff00ffu) ^ 0x64806480u;
-                mma_rows8(acc[e][0], acc[e][1], pa[2 * v], pa[2 * v + 1], b0, b1);
+            for (int e = 0; e < VN / 2; ++e) {  // channels 2e, 2e + 1 of the thread's D/8: word e / 2, bytes 2(e % 2) ..
+                const int w = e / 2, k = 2 * (e % 2);
+                const int s0_ = k | ((4 + k) << 8), s1_ = (k + 1) | ((5 + k) << 8);
+                mma(acc[e],
+                    (__byte_perm(vw[0][w], vw[1][w], s0_) & 0x00ff00ffu) ^ 0x64806480u,  // 1152 + V
+                    (__byte_perm(vw[0][w], vw[1][w], s1_) & 0x00ff00ffu) ^ 0x64806480u,
+                    (__byte_perm(vw[2][w], vw[3][w], s0_) & 0x00ff00ffu) ^ 0x64806480u,
+                    (__byte_perm(vw[2][w], vw[3][w], s1_) & 0x00ff00ffu) ^ 0x64806480u, pt[0], pt[1]);
             }
-            float corr1 = 0.f;
-            mma_rows8(corr, corr1, pa[2 * v], pa[2 * v + 1], H2_1152, H2_1152);
+            float d[4] = {corr[0], corr[1], 0.f, 0.f};
+            mma(d, H2_1152, H2_1152, H2_1152, H2_1152, pt[0], pt[1]);
+            corr[0] = d[0];
+            corr[1] = d[1];
         }
         __syncwarp();  // the stage is refilled by the next iteration's issue
         if (p.return_mass && t0 + CH == T) {
-            float bs = bsum + __shfl_xor_sync(0xffffffffu, bsum, 1);
-            bs += __shfl_xor_sync(0xffffffffu, bs, 2);
-            if (c == 0 && g_ok)
-                p.lse_block[((i64)b * p.num_q_heads + q_head) * p.max_blocks + pos] = bs > 0.f ? m_use + log2f(bs) : NEG_INF;
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float bs = bsum[h] + __shfl_xor_sync(0xffffffffu, bsum[h], 4);
+                bs += __shfl_xor_sync(0xffffffffu, bs, 8);
+                bs += __shfl_xor_sync(0xffffffffu, bs, 16);
+                if (r == 0 && h_ok[h])
+                    p.lse_block[((i64)b * p.num_q_heads + head * p.group + 2 * c + h) * p.max_blocks + pos] =
+                        bs > 0.f ? m_use[h] + log2f(bs) : NEG_INF;
+            }
         }
     }
     cp_async_wait<0>();
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 4);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 8);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 16);
+    }
 
     __syncthreads();  // the stages are free: the combine reuses their memory
     float* sm_m = reinterpret_cast<float*>(smem);  // [WARPS][8]
     float* sm_l = sm_m + WARPS * 8;                 // [WARPS][8]
     float* sm_acc = sm_l + WARPS * 8;               // [WARPS][8][D], channels in memory order
-    if (c == 0) { sm_m[warp * 8 + r] = m; sm_l[warp * 8 + r] = l; }
-    #pragma unroll
-    for (int e = 0; e < VN; ++e) {
-        sm_acc[(warp * 8 + r) * D + (2 * c) * (D / 8) + e] = acc[e][0] - corr;
-        sm_acc[(warp * 8 + r) * D + (2 * c + 1) * (D / 8) + e] = acc[e][1] - corr;
+    if (r == 0) {
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) { sm_m[warp * 8 + 2 * c + h] = m[h]; sm_l[warp * 8 + 2 * c + h] = l[h]; }
     }
+    #pragma unroll
+    for (int e = 0; e < VN / 2; ++e)
+        #pragma unroll
+        for (int i = 0; i < 4; ++i)  // head 2c + (i & 1), channel r * D/8 + 2e + (i >> 1)
+            sm_acc[(warp * 8 + 2 * c + (i & 1)) * D + r * (D / 8) + 2 * e + (i >> 1)] = acc[e][i] - corr[i & 1];
     __syncthreads();
     for (int idx = threadIdx.x; idx < p.group * D; idx += WARPS * 32) {
         const int row = idx / D, ch = idx % D;
