@@ -30,11 +30,11 @@ import torch
 from kvstore.attention.plan import DecodeConfig, DecodeGeometry
 
 _SOURCE = Path(__file__).with_name("int8_mma.cu")
-# Occupancy at head_dim 128: a warp's 2 stages take 17.7 KB of shared memory, so an SM holds 12 warps (212 KB).
-# plan.py sizes the split walk for 2 programs per SM, so a program is 6 warps: 12 per SM in one wave.
-_WARPS = 6
-_STAGES = 2  # chunks in flight per warp: one is read while the next arrives
-_PROGRAMS_PER_SM = 2  # __launch_bounds__'s minimum: holds registers to <= 168 a thread
+# Occupancy at head_dim 128: a warp's 2 stages take 17.7 KB of shared memory. 4 warps a program; plan.py's 2
+# programs per SM make 8 warps per SM (6-warp programs, 12 per SM, measured no faster: session 10, call 4).
+_WARPS = 4
+_STAGES = int(os.environ.get("KVTIER_INT8_MMA_STAGES", "2"))  # chunks in flight per warp, the one read included
+_PROGRAMS_PER_SM = 2  # __launch_bounds__'s minimum: registers <= 255 a thread
 _HEAD_DIMS = (64, 128)
 _BLOCK_TOKENS = (16, 32, 64, 128)
 _MAX_GROUP = 8
