@@ -252,15 +252,12 @@ __device__ __forceinline__ void int8_split_body(const Params& p) {
                 }
             sc[v][0] = sc[v][2] = s0[0];
             sc[v][1] = sc[v][3] = s0[1];
-            float odd[4] = {0.f, 0.f, 0.f, 0.f};  // odd k-steps accumulate apart: two chains of KS / 2 mmas
             #pragma unroll
             for (int s = 0; s < KS; ++s) {
                 const u32 t0w = kw[0][s] ^ 0x80808080u, t1w = kw[1][s] ^ 0x80808080u;
-                mma(s % 2 ? odd : sc[v], __byte_perm(t0w, 0x64646464u, 0x4140), __byte_perm(t1w, 0x64646464u, 0x4140),
+                mma(sc[v], __byte_perm(t0w, 0x64646464u, 0x4140), __byte_perm(t1w, 0x64646464u, 0x4140),  // 1152 + K
                     __byte_perm(t0w, 0x64646464u, 0x4342), __byte_perm(t1w, 0x64646464u, 0x4342), qa[s][0], qa[s][1]);
-            }  // (1152 + K) . q' in both
-            #pragma unroll
-            for (int i = 0; i < 4; ++i) sc[v][i] += odd[i];
+            }
         }
         float mx[2] = {NEG_INF, NEG_INF};
         #pragma unroll

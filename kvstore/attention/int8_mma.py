@@ -30,11 +30,12 @@ import torch
 from kvstore.attention.plan import DecodeConfig, DecodeGeometry
 
 _SOURCE = Path(__file__).with_name("int8_mma.cu")
-# Occupancy at head_dim 128: a warp's 2 stages take 17.7 KB of shared memory. 4 warps a program; plan.py's 2
-# programs per SM make 8 warps per SM (6-warp programs, 12 per SM, measured no faster: session 10, call 4).
+# Measured on the H200 at 1M tokens (bench_longctx/results/h200-session10): 4 warps a program, 2 stages (chunks in
+# flight per warp, the one being read included) read 90% of the copy ceiling's rate; 6 warps a program (12 warps an
+# SM), 3 stages, or Q.K^T's k-steps in two accumulator chains were no faster.
 _WARPS = 4
-_STAGES = int(os.environ.get("KVTIER_INT8_MMA_STAGES", "2"))  # chunks in flight per warp, the one read included
-_PROGRAMS_PER_SM = 2  # __launch_bounds__'s minimum: registers <= 255 a thread
+_STAGES = 2  # 2 x 4 warps x 8.8 KB at head_dim 128: room for 3 programs per SM
+_PROGRAMS_PER_SM = 3  # __launch_bounds__'s minimum: holds registers to <= 168 a thread
 _HEAD_DIMS = (64, 128)
 _BLOCK_TOKENS = (16, 32, 64, 128)
 _MAX_GROUP = 8
