@@ -4,6 +4,8 @@
     one_tile.py      short tables (a top-k budget): one program per tile, each in its own pool's format, one launch
     tiles.py         one tile of K/V: table entries -> slots, fp16 rows, int8 rows dequantized in registers
     partition.py     a mixed long table reordered per row on the device, fp16 entries then int8 ones (one launch each)
+    int8_mma.cu/.py  the split walk's int8 launches as a CUDA kernel (NVRTC at run time): bytes decoded straight into
+                     tensor-core operand registers; Triton's loop where it cannot run (CPU, no NVRTC, other shapes)
     merge.py         merges the splits, turns per-block log-sums into attention mass for H2O, and can return
                      each q head's log-sum-exp (one launch)
     append.py        the decode token into its tail slot and block summary: a launch of its own, or inside the
