@@ -13,7 +13,8 @@ Everything else takes the Triton kernel. NVRTC needs no CUDA toolkit; the CUBIN 
 (~/.cache/kvtier/int8_mma, or $KVTIER_CACHE_DIR) keyed by the source, the options and the GPU.
 
 Launches go through the driver's cuLaunchKernel on PyTorch's current stream, so they are captured
-into CUDA graphs like any other launch.
+into CUDA graphs like any other launch. The first `usable` check per geometry compiles (or reads the
+cache) and loads the module: like Triton's first launch, it belongs before a capture, not inside one.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import functools
 import glob
 import hashlib
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -183,8 +185,7 @@ def _function(head_dim: int, block_tokens: int, device_index: int) -> ctypes.c_v
     major, minor = torch.cuda.get_device_capability(device_index)
     cubin = _cubin(head_dim, block_tokens, f"sm_{major}{minor}")
     cuda = _libcuda()
-    with torch.cuda.device(device_index):
-        torch.cuda.current_stream().synchronize()  # the primary context is current on this thread
+    with torch.cuda.device(device_index):  # makes the device's primary context current on this thread
         module, func = ctypes.c_void_p(), ctypes.c_void_p()
         _check_cuda(cuda.cuModuleLoadData(ctypes.byref(module), cubin), "module load")
         _check_cuda(cuda.cuModuleGetFunction(ctypes.byref(func), module,
@@ -213,7 +214,24 @@ def usable(q: torch.Tensor, warm_data: torch.Tensor, warm_k_scale: torch.Tensor,
         return False
     if warm_v_scale.data_ptr() % 16 or any(s % 4 for s in warm_v_scale.stride()[:-1]):
         return False
-    return _nvrtc() is not None and _libcuda() is not None
+    if q.data_ptr() % 4 or any(s % 2 for s in q.stride()[:-1]):  # q is read two fp16 at a time
+        return False
+    if _nvrtc() is None or _libcuda() is None:
+        return False
+    return _loads(geom.head_dim, geom.block_tokens, q.device.index or 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _loads(head_dim: int, block_tokens: int, device_index: int) -> bool:
+    """Compiles and loads the kernel once; a failure (an NVRTC too old for the GPU, say) is reported once and
+    leaves the launches to Triton rather than failing them."""
+    try:
+        _function(head_dim, block_tokens, device_index)
+        return True
+    except (RuntimeError, OSError, AttributeError) as err:
+        warnings.warn(f"kvtier: the CUDA int8 decode kernel is unavailable, Triton's serves instead: {err}",
+                      RuntimeWarning, stacklevel=2)
+        return False
 
 
 def launch(q: torch.Tensor, warm_data: torch.Tensor, warm_k_scale: torch.Tensor, warm_v_scale: torch.Tensor,
