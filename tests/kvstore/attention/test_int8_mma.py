@@ -10,6 +10,7 @@ parameter struct, and NVRTC compiling the kernel for sm_90 where libnvrtc is ins
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -53,6 +54,31 @@ def test_nvrtc_compiles_every_geometry() -> None:
     for d in int8_mma._HEAD_DIMS:
         for t in int8_mma._BLOCK_TOKENS:
             assert len(int8_mma.compile_cubin(d, t, "sm_90")) > 1000
+
+
+def test_a_failed_load_falls_back_to_triton_with_one_warning(monkeypatch) -> None:
+    """An NVRTC that cannot build the kernel (or a driver that cannot load it) must not fail decode steps."""
+    def broken(*args):
+        raise RuntimeError("NVRTC compile of int8_mma.cu failed: (simulated)")
+
+    monkeypatch.setattr(int8_mma, "_function", broken)
+    int8_mma._loads.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="Triton's serves instead"):
+            assert int8_mma._loads(128, 32, 0) is False
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # asked again: the cached answer, no second warning
+            assert int8_mma._loads(128, 32, 0) is False
+    finally:
+        int8_mma._loads.cache_clear()
+
+
+def test_cpu_tensors_never_take_the_cuda_kernel() -> None:
+    case = make_case([100], 1, 4, 128, 32, 1.0, empty_pool="hot")
+    if case.q.is_cuda:
+        pytest.skip("CPU tensors only")
+    geom = check_decode_inputs(*case.args())
+    assert not int8_mma.usable(case.q, case.warm_data, case.k_scale, case.v_scale, case.table, geom)
 
 
 def _run(case, monkeypatch, enabled: bool, **kwargs):
