@@ -1,26 +1,31 @@
 // The int8 pool's split walk with the bytes decoded straight into tensor-core operand registers.
 //
 // Triton decodes an int8 tile in a blocked layout and hands it to tl.dot through shared memory as
-// fp16 (twice the bytes, a store and a reload per element). Here every thread loads exactly the bytes
-// its mma.sync m16n8k16 fragments hold, 16 bytes per load, and decodes them in registers with byte
-// permutes (fp16 bits 0x64 | (x + 128) are 1152 + x, exactly). Two permutations make that possible;
-// both are free because a dot product does not care in which order it sums:
-//   Q.K^T: thread (r, c) = (lane / 4, lane % 4) holds, at k-step s, K channels 4s .. 4s + 3 of its own
-//          quarter c * D/4 .. of the head (logical k 16s + 2c + {0, 1, 8, 9}); q is loaded the same way.
-//   P.V:   thread r holds V channels r * D/8 .. (r + 1) * D/8 of its tokens, so n-tile e, column n is
-//          channel n * D/8 + e; the output is un-permuted once, when the warps' partials are combined.
-// K's per-(block, channel) scale is folded into q once per block; V's per-token scale into p. The
-// decoded operands are 1152 + v: the 1152s are taken off in fp32, not per element: Q.K^T's accumulator
-// starts at -1152 sum(q') (one mma per k-step and block against a constant -1152 operand) and P.V's
-// 1152 sum(p') is accumulated beside it (one mma per k-step against 1152) and subtracted at the end.
+// fp16 (twice the bytes, a store and a reload per element). Here each warp streams its chunks (<= 32
+// tokens of one block: K and V bytes, K's and V's scales) into shared memory with cp.async, STAGES
+// chunks deep, so the next chunk's bytes are in flight while one is computed; every lane then reads
+// exactly the 16-byte pieces its mma.sync m16n8k16 fragments hold (XOR-swizzled: no bank conflicts)
+// and decodes them in registers with byte permutes (fp16 bits 0x64 | (x + 128) are 1152 + x, exactly).
+//
+// Both products are computed transposed, so the GQA group (up to 8 q heads) is the mma's N and no
+// operand row is padding: S^T = K.Q^T (K the A operand, 16 tokens a tile; q the B operand) and
+// O^T = V^T.P^T (V^T the A operand, 16 channels an m-tile; P^T the B operand, made from the score
+// accumulator by one movmatrix transpose per 8 tokens). Two permutations make every lane's bytes
+// contiguous; both are free because a dot product does not care in which order it sums:
+//   K:  lane (r, c) = (lane / 4, lane % 4) holds, at k-step s, channels c * D/4 + 4s .. + 3 (logical k
+//       16s + 2c + {0, 1, 8, 9}) of tokens r and r + 8; q is loaded the same way.
+//   V:  lane r holds channels r * D/8 .. (r + 1) * D/8 of its tokens: m-tile e's rows r, r + 8 are
+//       channels r * D/8 + 2e, + 1; the output is un-permuted once, when the warps' partials are combined.
+// K's per-(block, channel) scale is folded into q once per block (in fp16, as Triton's kernel scales K);
+// V's per-token scale into p. The decoded operands are 1152 + v; the 1152s come off in fp32, not per
+// element: a block's scores start at -1152 sum(q') (one mma per k-step against a constant -1152
+// operand), and P.V's surplus 1152 sum(p') is accumulated beside it (one mma per k-step against 1152)
+// and subtracted at the end.
 //
 // Program (batch row, kv head, split) = WARPS warps, each walking its own part of the split's blocks
-// with its own online softmax (log2 domain), combined through shared memory at the end. Each warp
-// streams its chunks (<= 32 tokens of one block: K and V bytes, K's and V's scales) into shared memory
-// with cp.async, STAGES chunks deep, so the next chunk's bytes are in flight while one is computed. The GQA group
-// is the mma's M (rows >= 8 stay zero: groups of up to 8 q heads). Writes exactly what Triton's
-// _split_kernel writes for a warm-only launch: o_part (normalised), lse_part, and per-block lse.
-// Compiled at run time with NVRTC (int8_mma.py); no CUDA headers needed.
+// with its own online softmax (log2 domain), combined through shared memory at the end. Writes exactly
+// what Triton's _split_kernel writes for a warm-only launch: o_part (normalised), lse_part, and the
+// per-block lse H2O's mass comes from. Compiled at run time with NVRTC (int8_mma.py); needs no headers.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -119,10 +124,9 @@ template <int D, int T, int WARPS, int STAGES>
 __device__ __forceinline__ void int8_split_body(const Params& p) {
     using G = Geometry<D, T>;
     constexpr int CH = G::CH, CPB = G::CPB, ROW = G::ROW;
-    constexpr int NT = CH / 8;   // Q.K^T n-tiles per chunk
     constexpr int KS = D / 16;   // Q.K^T k-steps; also K words per thread and token
-    constexpr int VS = CH / 16;  // P.V k-steps per chunk
-    constexpr int VN = D / 8;    // P.V n-tiles
+    constexpr int VS = CH / 16;  // 16-token tiles per chunk: Q.K^T's m-tiles, P.V's k-steps
+    constexpr int VM = D / 16;   // P.V m-tiles (16 channels each)
     constexpr int VW = D / 32;   // V words per thread and token
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -202,9 +206,9 @@ __device__ __forceinline__ void int8_split_body(const Params& p) {
     }
     const bool h_ok[2] = {2 * c < p.group, 2 * c + 1 < p.group};  // this lane's accumulator columns: q heads 2c, 2c + 1
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // per head: running max (same on all r), this lane's share of l
-    float acc[VN / 2][4];  // O^T m-tile e: (channel r * D/8 + 2e, heads 2c, 2c + 1), (channel + 1, heads 2c, 2c + 1)
+    float acc[VM][4];  // O^T m-tile e: (channel r * D/8 + 2e, heads 2c, 2c + 1), (channel + 1, heads 2c, 2c + 1)
     #pragma unroll
-    for (int e = 0; e < VN / 2; ++e) acc[e][0] = acc[e][1] = acc[e][2] = acc[e][3] = 0.f;
+    for (int e = 0; e < VM; ++e) acc[e][0] = acc[e][1] = acc[e][2] = acc[e][3] = 0.f;
     u32 qa[KS][2];                  // q * the block's K scale, as B fragments
     float s0[2] = {0.f, 0.f};       // -1152 sum(q * K's scale) per head: where the block's scores start
     float bsum[2] = {0.f, 0.f};     // this lane's share of the block's p per head, relative to m
@@ -282,7 +286,7 @@ __device__ __forceinline__ void int8_split_body(const Params& p) {
             corr[h] *= alpha[h];
         }
         #pragma unroll
-        for (int e = 0; e < VN / 2; ++e) {
+        for (int e = 0; e < VM; ++e) {
             acc[e][0] *= alpha[0]; acc[e][2] *= alpha[0];
             acc[e][1] *= alpha[1]; acc[e][3] *= alpha[1];
         }
@@ -312,7 +316,7 @@ __device__ __forceinline__ void int8_split_body(const Params& p) {
                 lds_words(vw[x], st + G::V_OFF + row * ROW + 16 * piece + byte % 16);
             }
             #pragma unroll
-            for (int e = 0; e < VN / 2; ++e) {  // channels 2e, 2e + 1 of the thread's D/8: word e / 2, bytes 2(e % 2) ..
+            for (int e = 0; e < VM; ++e) {  // channels 2e, 2e + 1 of the thread's D/8: word e / 2, bytes 2(e % 2) ..
                 const int w = e / 2, k = 2 * (e % 2);
                 const int s0_ = k | ((4 + k) << 8), s1_ = (k + 1) | ((5 + k) << 8);
                 mma(acc[e],
@@ -356,7 +360,7 @@ __device__ __forceinline__ void int8_split_body(const Params& p) {
         for (int h = 0; h < 2; ++h) { sm_m[warp * 8 + 2 * c + h] = m[h]; sm_l[warp * 8 + 2 * c + h] = l[h]; }
     }
     #pragma unroll
-    for (int e = 0; e < VN / 2; ++e)
+    for (int e = 0; e < VM; ++e)
         #pragma unroll
         for (int i = 0; i < 4; ++i)  // head 2c + (i & 1), channel r * D/8 + 2e + (i >> 1)
             sm_acc[(warp * 8 + 2 * c + (i & 1)) * D + r * (D / 8) + 2 * e + (i >> 1)] = acc[e][i] - corr[i & 1];
