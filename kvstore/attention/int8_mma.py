@@ -255,5 +255,8 @@ def launch(q: torch.Tensor, warm_data: torch.Tensor, warm_k_scale: torch.Tensor,
     )
     args = (ctypes.c_void_p * 1)(ctypes.addressof(p))
     stream = ctypes.c_void_p(torch.cuda.current_stream(q.device).cuda_stream)
-    _check_cuda(_libcuda().cuLaunchKernel(func, geom.batch, geom.num_kv_heads, grid_splits, _WARPS * 32, 1, 1,
-                                          smem_bytes(geom.head_dim, geom.block_tokens), stream, args, None), "launch")
+    # the function belongs to q's device's context, which must be the current one when it is launched
+    with torch.cuda.device(q.device):
+        _check_cuda(_libcuda().cuLaunchKernel(func, geom.batch, geom.num_kv_heads, grid_splits, _WARPS * 32, 1, 1,
+                                              smem_bytes(geom.head_dim, geom.block_tokens), stream, args, None),
+                    "launch")
