@@ -5,11 +5,15 @@ pools: a stray read shows up as NaN or a wrong answer)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
+from kvstore.attention import paged_decode as paged_decode_module
 from kvstore.attention.paged_decode import WALKS, paged_decode
-from kvstore.attention.partition import partition_table, partition_table_ref
+from kvstore.attention import partition
+from kvstore.attention.partition import PARTITION_CHUNK, partition_table, partition_table_ref
 from kvstore.attention.reference import paged_decode_ref
 from tests.kvstore.attention.cases import CASE_KEYS, DEVICE, Case, build_case, make_case
 
@@ -43,12 +47,18 @@ def test_both_pool_walks_match_reference(name: str, walk: str) -> None:
     torch.testing.assert_close(mass, ref_mass, atol=1e-3, rtol=1e-2)
 
 
+@pytest.mark.parametrize("chunk, prefix", [(PARTITION_CHUNK, 1024), (4, 1024), (2, 2)],
+                         ids=["one_chunk", "chunks_of_4", "chunks_of_2_prefix_2"])
 @pytest.mark.parametrize("name", ["gqa4_mixed", "shared_table_dense_mode", "empty_row", "all_int8_hot_present"])
-def test_partition_matches_reference(name: str) -> None:
+def test_partition_matches_reference(name: str, chunk: int, prefix: int, monkeypatch) -> None:
+    """One program per row (a table of one chunk), and a program per chunk (counts, then the scatter; a prefix
+    step smaller than the chunk count walks the earlier counts in several steps)."""
+    monkeypatch.setattr(partition, "_PREFIX", prefix)
     case, _ = build_case(name)
     block_tokens = case.hot.shape[3]
     flags = case.is_int8.view(torch.int8)
-    part = partition_table(case.table, flags, case.num_tokens, block_tokens)
+    assert chunk == PARTITION_CHUNK or case.table.shape[2] > chunk  # several chunks when asked
+    part = partition_table(case.table, flags, case.num_tokens, block_tokens, chunk=chunk)
     assert part.slots.shape == case.table.shape and part.num_fp16.shape == case.table.shape[:2]
     for b, row in enumerate(partition_table_ref(case.table, flags, case.num_tokens, block_tokens)):
         for h, (num_fp16, slots, positions) in enumerate(row):
@@ -65,3 +75,13 @@ def test_partition_caps_rows_at_the_table() -> None:
     part = partition_table(table, flags, torch.tensor([1000], dtype=torch.int32, device=DEVICE), 16)
     assert int(part.num_fp16[0, 0]) == 3
     assert part.positions[0, 0].tolist() == [1, 3, 4, 5, 2, 0]
+
+
+def test_walks_match_reference_with_a_chunked_partition(monkeypatch) -> None:
+    """paged_decode's partition walk over a table partitioned a program per chunk (as a 1M-token table is)."""
+    monkeypatch.setattr(paged_decode_module, "partition_table", functools.partial(partition_table, chunk=4))
+    case, kwargs = _build_variant("gqa2_d64_bt16_shared_many_splits")
+    out, mass = paged_decode(*case.args(), return_block_mass=True, walk="partition", **kwargs)
+    ref_out, ref_mass = paged_decode_ref(*case.args(), return_block_mass=True)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=4e-3, rtol=1e-2)
+    torch.testing.assert_close(mass, ref_mass, atol=1e-3, rtol=1e-2)
