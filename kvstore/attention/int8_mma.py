@@ -175,8 +175,9 @@ def _cubin(head_dim: int, block_tokens: int, arch: str) -> bytes:
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_bytes(cubin)
         tmp.replace(path)
-    except OSError:
-        pass  # a read-only home still gets the kernel, compiled per process
+    except OSError as err:  # a read-only home still gets the kernel, compiled again by every process
+        warnings.warn(f"kvtier: cannot cache the CUDA int8 kernel in {path.parent} ({err}); set KVTIER_CACHE_DIR "
+                      f"to a writable folder to compile it once", RuntimeWarning, stacklevel=2)
     return cubin
 
 

@@ -266,11 +266,12 @@ def split_partials(
         part = partition_table(block_table, block_is_int8, num_tokens, geom.block_tokens)
         table, positions, num_fp16 = part.slots, part.positions, part.num_fp16
 
-    int8_cuda = has_warm and int8_mma.usable(q, warm_words.view(torch.int8), warm_k_scale, warm_v_scale, table, geom)
+    warm_bytes = warm_words.view(torch.int8)  # the CUDA walk reads the pool as bytes
+    int8_cuda = has_warm and int8_mma.usable(q, warm_bytes, warm_k_scale, warm_v_scale, table, geom)
 
     def launch(split_base: int, grid_splits: int, hot: bool, warm: bool) -> None:
         if warm and not hot and int8_cuda:
-            int8_mma.launch(q, warm_words.view(torch.int8), warm_k_scale, warm_v_scale, table, positions, num_tokens,
+            int8_mma.launch(q, warm_bytes, warm_k_scale, warm_v_scale, table, positions, num_tokens,
                             num_fp16, o_part, lse_part, lse_block, geom, cfg, scale, partitioned=partitioned,
                             split_base=split_base, grid_splits=grid_splits, total_splits=total_splits,
                             return_mass=return_block_mass)

@@ -73,6 +73,15 @@ def test_a_failed_load_falls_back_to_triton_with_one_warning(monkeypatch) -> Non
         int8_mma._loads.cache_clear()
 
 
+def test_an_unwritable_cache_still_gives_the_kernel_and_says_so(tmp_path, monkeypatch) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(blocked))  # the cache folder cannot be made under a file
+    monkeypatch.setattr(int8_mma, "compile_cubin", lambda *args: b"cubin bytes")
+    with pytest.warns(RuntimeWarning, match="cannot cache the CUDA int8 kernel"):
+        assert int8_mma._cubin(128, 32, "sm_90") == b"cubin bytes"
+
+
 def test_cpu_tensors_never_take_the_cuda_kernel() -> None:
     case = make_case([100], 1, 4, 128, 32, 1.0, empty_pool="hot")
     if case.q.is_cuda:
