@@ -25,11 +25,9 @@
 // Program (batch row, kv head, split) = WARPS warps, each walking its own part of the split's blocks
 // with its own online softmax (log2 domain), combined through shared memory at the end. Writes exactly
 // what Triton's _split_kernel writes for a warm-only launch: o_part (normalised), lse_part, and the
-// per-block lse H2O's mass comes from. Compiled at run time with NVRTC (int8_mma.py); needs no headers.
+// per-block lse H2O's mass comes from. Compiled at run time with NVRTC (int8_mma.py); includes only kvcuda/device.cuh.
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef long long i64;
+#include "kvcuda/device.cuh"
 
 struct Params {
     const u16* q; i64 s_q_batch, s_q_head;                       // fp16 [B, Hq, D], elements
@@ -45,30 +43,9 @@ struct Params {
     int partitioned, return_mass;
 };
 
-#define NEG_INF __int_as_float(0xff800000)
 #define V_BOOST 256.0f  // p * v_scale * 256 stays out of fp16's subnormals (Triton's kernel does the same)
-
-__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
-    u32 r;
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-
-__device__ __forceinline__ u32 pack_h2(float lo, float hi) {  // lo -> bits 0..15
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
 #define H2_1152 0x64806480u       // fp16x2 (1152, 1152)
 #define H2_MINUS_1152 0xe480e480u // fp16x2 (-1152, -1152)
-
-// d += A.B, m16n8k16, fp16 operands, fp32 accumulator (PTX ISA's fragment layouts)
-__device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // the warp's 8x8 fp16 matrix (lane 4r + c holds row r, columns 2c, 2c + 1), transposed
 __device__ __forceinline__ u32 transpose8x8(u32 x) {
@@ -77,21 +54,6 @@ __device__ __forceinline__ u32 transpose8x8(u32 x) {
     return y;
 }
 
-
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_addr(dst)), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 
 template <int WORDS>
 __device__ __forceinline__ void lds_words(u32 (&w)[WORDS], const unsigned char* src) {

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import glob
-import hashlib
 import os
 import warnings
 from pathlib import Path
 
 import torch
 
+from kvcuda import nvrtc
 from kvstore.attention.plan import DecodeConfig, DecodeGeometry
 
 _SOURCE = Path(__file__).with_name("int8_mma.cu")
@@ -42,8 +41,6 @@ _HEAD_DIMS = (64, 128)
 _BLOCK_TOKENS = (16, 32, 64, 128)
 _MAX_GROUP = 8
 
-
-_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
 class _Params(ctypes.Structure):
@@ -68,52 +65,6 @@ class _Params(ctypes.Structure):
     ]
 
 
-def _find_library(names: list[str], dirs: list[str]) -> ctypes.CDLL | None:
-    for name in names:
-        for d in dirs + [""]:
-            try:
-                return ctypes.CDLL(os.path.join(d, name) if d else name)
-            except OSError:
-                continue
-    return None
-
-
-@functools.lru_cache(maxsize=None)
-def _nvrtc() -> ctypes.CDLL | None:
-    """libnvrtc: beside PyTorch's CUDA libraries (the nvidia-* wheels, or torch/lib), else the loader's path."""
-    import site
-
-    roots = [os.path.dirname(torch.__file__)] + site.getsitepackages()
-    dirs = [os.path.join(os.path.dirname(torch.__file__), "lib")]
-    for root in roots:
-        dirs += sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib")))
-        dirs += sorted(glob.glob(os.path.join(root, "nvidia", "cu*", "lib")))
-    names = []
-    for d in dirs:
-        names += [os.path.basename(p) for p in sorted(glob.glob(os.path.join(d, "libnvrtc.so*")))
-                  if "builtins" not in p and ".alt." not in p]
-    names = list(dict.fromkeys(names + ["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"]))
-    return _find_library(names, dirs)
-
-
-@functools.lru_cache(maxsize=None)
-def _libcuda() -> ctypes.CDLL | None:
-    return _find_library(["libcuda.so.1", "libcuda.so"], [])
-
-
-def _check_nvrtc(lib: ctypes.CDLL, rc: int, what: str) -> None:
-    if rc != 0:
-        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-        raise RuntimeError(f"NVRTC {what}: {lib.nvrtcGetErrorString(rc).decode()}")
-
-
-def _check_cuda(rc: int, what: str) -> None:
-    if rc != 0:
-        msg = ctypes.c_char_p()
-        _libcuda().cuGetErrorString(rc, ctypes.byref(msg))
-        raise RuntimeError(f"CUDA driver {what}: {(msg.value or b'?').decode()}")
-
-
 def kernel_name(head_dim: int, block_tokens: int) -> str:
     return f"int8_split_d{head_dim}_t{block_tokens}"
 
@@ -136,64 +87,13 @@ def smem_bytes(head_dim: int, block_tokens: int) -> int:
 
 def compile_cubin(head_dim: int, block_tokens: int, arch: str) -> bytes:
     """NVRTC: the kernel for this geometry as a CUBIN for arch (e.g. "sm_90"). Needs no GPU."""
-    lib = _nvrtc()
-    if lib is None:
-        raise RuntimeError("NVRTC not found (libnvrtc ships with PyTorch's CUDA builds)")
-    src = kernel_source(head_dim, block_tokens).encode()
-    prog = ctypes.c_void_p()
-    _check_nvrtc(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"int8_mma.cu", 0, None, None), "create")
-    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"--use_fast_math", b"-default-device"]
-    try:
-        rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-        if rc != 0:
-            size = ctypes.c_size_t()
-            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-            log = ctypes.create_string_buffer(size.value)
-            lib.nvrtcGetProgramLog(prog, log)
-            raise RuntimeError(f"NVRTC compile of int8_mma.cu failed:\n{log.value.decode(errors='replace')}")
-        size = ctypes.c_size_t()
-        _check_nvrtc(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size")
-        cubin = ctypes.create_string_buffer(size.value)
-        _check_nvrtc(lib, lib.nvrtcGetCUBIN(prog, cubin), "cubin")
-        return cubin.raw
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("KVTIER_CACHE_DIR", Path.home() / ".cache" / "kvtier")) / "int8_mma"
-
-
-def _cubin(head_dim: int, block_tokens: int, arch: str) -> bytes:
-    key = hashlib.sha256(f"{kernel_source(head_dim, block_tokens)}|{arch}|v1".encode()).hexdigest()[:24]
-    path = _cache_dir() / f"{kernel_name(head_dim, block_tokens)}_{arch}_{key}.cubin"
-    if path.exists():
-        return path.read_bytes()
-    cubin = compile_cubin(head_dim, block_tokens, arch)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(cubin)
-        tmp.replace(path)
-    except OSError as err:  # a read-only home still gets the kernel, compiled again by every process
-        warnings.warn(f"kvtier: cannot cache the CUDA int8 kernel in {path.parent} ({err}); set KVTIER_CACHE_DIR "
-                      f"to a writable folder to compile it once", RuntimeWarning, stacklevel=2)
-    return cubin
+    return nvrtc.compile_cubin(kernel_source(head_dim, block_tokens), _SOURCE.name, arch)
 
 
 @functools.lru_cache(maxsize=None)
 def _function(head_dim: int, block_tokens: int, device_index: int) -> ctypes.c_void_p:
-    major, minor = torch.cuda.get_device_capability(device_index)
-    cubin = _cubin(head_dim, block_tokens, f"sm_{major}{minor}")
-    cuda = _libcuda()
-    with torch.cuda.device(device_index):  # makes the device's primary context current on this thread
-        module, func = ctypes.c_void_p(), ctypes.c_void_p()
-        _check_cuda(cuda.cuModuleLoadData(ctypes.byref(module), cubin), "module load")
-        _check_cuda(cuda.cuModuleGetFunction(ctypes.byref(func), module,
-                                             kernel_name(head_dim, block_tokens).encode()), "get function")
-        _check_cuda(cuda.cuFuncSetAttribute(func, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                            smem_bytes(head_dim, block_tokens)), "shared memory limit")
-    return func
+    return nvrtc.function(kernel_source(head_dim, block_tokens), _SOURCE.name, kernel_name(head_dim, block_tokens),
+                          device_index, smem_bytes(head_dim, block_tokens), "int8_mma")
 
 
 def _enabled() -> bool:
@@ -217,7 +117,7 @@ def usable(q: torch.Tensor, warm_data: torch.Tensor, warm_k_scale: torch.Tensor,
         return False
     if q.data_ptr() % 4 or any(s % 2 for s in q.stride()[:-1]):  # q is read two fp16 at a time
         return False
-    if _nvrtc() is None or _libcuda() is None:
+    if not nvrtc.available():
         return False
     return _loads(geom.head_dim, geom.block_tokens, q.device.index or 0)
 
@@ -254,10 +154,5 @@ def launch(q: torch.Tensor, warm_data: torch.Tensor, warm_k_scale: torch.Tensor,
         scale, cfg.blocks_per_split, cfg.num_splits, split_base, total_splits, geom.max_blocks, geom.num_q_heads,
         geom.group, cfg.blocks_per_iter, int(partitioned), int(return_mass),
     )
-    args = (ctypes.c_void_p * 1)(ctypes.addressof(p))
-    stream = ctypes.c_void_p(torch.cuda.current_stream(q.device).cuda_stream)
-    # the function belongs to q's device's context, which must be the current one when it is launched
-    with torch.cuda.device(q.device):
-        _check_cuda(_libcuda().cuLaunchKernel(func, geom.batch, geom.num_kv_heads, grid_splits, _WARPS * 32, 1, 1,
-                                              smem_bytes(geom.head_dim, geom.block_tokens), stream, args, None),
-                    "launch")
+    nvrtc.launch(func, (geom.batch, geom.num_kv_heads, grid_splits), _WARPS * 32,
+                 smem_bytes(geom.head_dim, geom.block_tokens), p, q.device)
