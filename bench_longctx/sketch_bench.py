@@ -34,6 +34,7 @@ from bench_longctx.needle import haystack, logits
 from bench_longctx.presets import NeedlePreset
 from bench_longctx.select_bench import graph_us
 from bench_longctx.timing import copy_ceiling_GBps, environment, time_ms, write_json
+from eviction import sketch_mma
 from eviction.certify import attended_lse, certified_omitted_mass, true_omitted_mass
 from eviction.select import protected_mask, top_blocks
 from eviction.sketch import sketch_keys
@@ -46,7 +47,8 @@ from kvstore.config import ModelSpec
 
 SPEC = ModelSpec.preset("llama3-8b", num_layers=1)
 SINK, RECENT, MIN_WEIGHT = 64, 256, 0.05
-SCAN_SWEEP = [dict(blocks_per_program=b, num_warps=w) for b, w in ((4, 2), (8, 4), (8, 8), (16, 4), (16, 8))]
+# {} first: the default path (eviction/sketch_mma.py's CUDA kernel where it serves); explicit knobs time Triton's
+SCAN_SWEEP = [{}] + [dict(blocks_per_program=b, num_warps=w) for b, w in ((4, 2), (8, 4), (8, 8), (16, 4), (16, 8))]
 FINE_SWEEP = [dict(blocks_per_program=b, num_warps=w) for b, w in ((1, 2), (2, 2), (1, 4))]
 REF_BLOCKS = 1024  # the torch reference's slice
 
@@ -90,8 +92,10 @@ def first_levels(args, q, summaries, codes, true) -> dict:
     for r in args.channels:
         ref = channel_block_stats_ref(q, summaries[:m], codes[:m], m * b, r)
         nbytes = summary_bytes + n * h * r * b // 2
-        rows = [{"knobs": k, **timed_row(lambda k=k: channel_block_stats(q, summaries, codes, t, r, **k), nbytes, true,
-                                         ref)} for k in args.scan_sweep]
+        cuda = sketch_mma.usable(q, summaries, codes, r)
+        rows = [{"knobs": k, "kernel": "cuda" if cuda and not k else "triton",
+                 **timed_row(lambda k=k: channel_block_stats(q, summaries, codes, t, r, **k), nbytes, true, ref)}
+                for k in args.scan_sweep]
         out[f"channels_{r}"] = {"sweep": rows, "best": fastest(rows), "MiB": nbytes / 2**20}
     return out
 

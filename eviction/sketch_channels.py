@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from eviction import sketch_mma
 from eviction.sketch_kernel import (ABSOLUTE_SLACK, FP16_MAX, FP16_REL, FP16_TINY, HALF_STEP, LEVELS, ROUNDING_SLACK,
                                     _ABSOLUTE_SLACK, _FP16_MAX, _FP16_REL, _FP16_TINY, _HALF_STEP, _LEVELS,
                                     _ROUNDING_SLACK, check_inputs, check_kernel_layout, nibble)
@@ -165,7 +166,8 @@ def channel_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.T
     """(lse, upper) float32 [Hq, N] from num_channels channels of every block's codes and every block's summaries
     (module docstring); -inf outside valid (bool [N]). q float16 [Hq, D], summaries float16 [N, 2, H, D], codes
     uint8 [>= N, H, 2, B, D // 4]; D and num_channels powers of two >= 16, B even. Sync-free.
-    knobs (blocks_per_program, decode, num_warps, num_stages) override DEFAULT_KNOBS."""
+    The CUDA kernel (eviction/sketch_mma.py) serves where it can; knobs (blocks_per_program, decode, num_warps,
+    num_stages) override DEFAULT_KNOBS and ask for the Triton kernel."""
     num_blocks, num_kv_heads, block_tokens = check_inputs(q, summaries, codes, num_tokens)
     check_kernel_layout(q, summaries, codes, block_tokens)
     _check_channels(num_channels, summaries.shape[3], valid, num_blocks)
@@ -174,7 +176,7 @@ def channel_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.T
     unknown = set(knobs) - set(DEFAULT_KNOBS)
     if unknown:
         raise ValueError(f"unknown knobs {sorted(unknown)}; expected some of {sorted(DEFAULT_KNOBS)}")
-    knobs = {**DEFAULT_KNOBS, **knobs}
+    given, knobs = bool(knobs), {**DEFAULT_KNOBS, **knobs}
     per_program = knobs["blocks_per_program"]
     if per_program < 1 or per_program & (per_program - 1):
         raise ValueError(f"blocks_per_program must be a power of two, got {per_program}")
@@ -187,9 +189,12 @@ def channel_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.T
     channels = torch.empty(num_kv_heads, num_channels, dtype=torch.int32, device=q.device)  # [H, r]
     _plan_kernel[(num_kv_heads,)](q, channels, q.stride(0), channels.stride(0), GROUP=group,
                                   GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, CHANNELS=num_channels)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if not given and sketch_mma.usable(q, summaries, codes, num_channels):  # explicit knobs ask for Triton's
+        sketch_mma.launch(q, summaries, codes, channels, valid, lse, upper, num_tokens, scale)
+        return lse, upper
     _channel_kernel[(triton.cdiv(num_blocks, per_program), num_kv_heads)](
-        q, summaries, codes, channels, lse if valid is None else valid, lse, upper, num_tokens, num_blocks,
-        1.0 / math.sqrt(head_dim) if scale is None else scale,
+        q, summaries, codes, channels, lse if valid is None else valid, lse, upper, num_tokens, num_blocks, scale,
         q.stride(0), summaries.stride(0), summaries.stride(1), summaries.stride(2), codes.stride(0), codes.stride(1),
         channels.stride(0), lse.stride(0),
         GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 2), HEAD_DIM=head_dim, CHANNELS=num_channels,
