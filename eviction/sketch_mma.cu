@@ -45,6 +45,19 @@ struct Params {
     int num_tokens, num_blocks, group;
 };
 
+#ifndef EPILOGUE_SMEM
+#define EPILOGUE_SMEM 0  // per-block log-sum-exps combined across lanes through shared memory, not shuffles
+#endif
+#ifndef DIAG_NO_MATH
+#define DIAG_NO_MATH 0  // diagnostics (wrong results): no decode / mma
+#endif
+#ifndef DIAG_NO_LOOP
+#define DIAG_NO_LOOP 0  // diagnostics (wrong results): the tile's summaries and set-up only
+#endif
+#ifndef DIAG_NO_EPILOGUE
+#define DIAG_NO_EPILOGUE 0  // diagnostics (wrong results): no per-block log-sum-exp
+#endif
+
 #define LEVELS 15.0f
 #define ROUNDING_SLACK 1e-4f
 #define ABSOLUTE_SLACK 1e-5f
@@ -128,7 +141,8 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n = lane >> 2, j = lane & 3;
     const int head = blockIdx.y, group = p.group;
-    unsigned char* ring = smem + G::HEADER + warp * (STAGES * G::STAGE + 2 * 4 * R);
+    constexpr int WARP_BYTES = STAGES * G::STAGE + 2 * 4 * R + (EPILOGUE_SMEM ? 16 * 32 * 8 : 0);  // sketch_mma.py mirrors
+    unsigned char* ring = smem + G::HEADER + warp * WARP_BYTES;
     float* stepbuf = reinterpret_cast<float*>(ring + STAGES * G::STAGE);  // [2][R], by k-step slot order
 
     for (int i = threadIdx.x; i < D / 32; i += blockDim.x) readbits[i] = 0u;
@@ -261,13 +275,18 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
         my_slot[i] = (rho / 16) * 16 + (rho % 4) * 4 + (rho % 16) / 4;  // stepbuf order: 16s + 4j + q'
     }
     const float l2 = p.scale * LOG2E;
+    // the tile's live blocks, one bit each (valid read once, not on every block's critical path)
+    const u32 live_bits = __ballot_sync(0xffffffffu, lane < n_tile && (p.valid == nullptr || p.valid[b0 + lane]));
     float lse_keep[2][2] = {{NEG_INF, NEG_INF}, {NEG_INF, NEG_INF}};  // [row half][head]: log sum_t exp(scale est_t)
-    for (int t = 0; t < n_tile; ++t) {
+#if EPILOGUE_SMEM
+    float2* parts = reinterpret_cast<float2*>(stepbuf + 2 * R);  // [16 blocks][8 n][4 j]: this lane's log2 sums
+#endif
+    for (int t = 0; t < (DIAG_NO_LOOP ? 0 : n_tile); ++t) {
         issue(t + STAGES - 1);
         cp_async_wait<STAGES - 1>();
         __syncwarp();
         const int blk = b0 + t;
-        if (p.valid == nullptr || p.valid[blk]) {
+        if ((live_bits >> t) & 1u) {
             const unsigned char* st = ring + (t % STAGES) * G::STAGE;
             const u16* smin = reinterpret_cast<const u16*>(st + G::CODE);
             float* steps = stepbuf + (t & 1) * R;
@@ -279,6 +298,7 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
             float acc[MT][4];
             #pragma unroll
             for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
+#if !DIAG_NO_MATH
             #pragma unroll
             for (int s = 0; s < KR; ++s) {
                 const float4 sv = *reinterpret_cast<const float4*>(steps + 16 * s + 4 * j);
@@ -311,6 +331,12 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
                     mma(acc[m], a0, a1, a2, a3, b0, b1);
                 }
             }
+#else
+            acc[0][0] = __int_as_float(*reinterpret_cast<const int*>(st + 4 * lane)) + steps[j];
+#endif
+#if DIAG_NO_EPILOGUE
+            if (t == n) lse_keep[0][0] = acc[0][0] + acc[MT - 1][3];
+#else
             // the block's log-sum-exp per q head (columns 2j, 2j + 1), over its real tokens
             const int real = min(T, p.num_tokens - blk * T);
             float top[2] = {NEG_INF, NEG_INF};
@@ -320,13 +346,16 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
                 if (real == T || tok < real) { top[0] = fmaxf(top[0], acc[m][0]); top[1] = fmaxf(top[1], acc[m][1]); }
                 if (real == T || tok + 1 < real) { top[0] = fmaxf(top[0], acc[m][2]); top[1] = fmaxf(top[1], acc[m][3]); }
             }
+#if !EPILOGUE_SMEM
             #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffffu, top[h], 4));
                 top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffffu, top[h], 8));
                 top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffffu, top[h], 16));
-                top[h] = top[h] == NEG_INF ? 0.f : top[h] * l2;  // no real token: the sum below is 0
             }
+#endif
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) top[h] = top[h] == NEG_INF ? 0.f : top[h] * l2;  // no real token: sum 0
             float sum[2] = {0.f, 0.f};
             #pragma unroll
             for (int m = 0; m < MT; ++m) {
@@ -337,6 +366,9 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
                     if (real == T || tok + 1 < real) sum[h] += exp2f(fmaf(acc[m][2 + h], l2, -top[h]));
                 }
             }
+#if EPILOGUE_SMEM
+            parts[(t * 8 + n) * 4 + j] = make_float2(top[0] + log2f(sum[0]), top[1] + log2f(sum[1]));
+#else
             #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 4);
@@ -346,9 +378,36 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
                 if (t == n) lse_keep[0][h] = lp;
                 if (t == n + 8) lse_keep[1][h] = lp;
             }
+#endif
+#endif
         }
         __syncwarp();  // every lane is done with this stage before the next iteration refills it
     }
+#if EPILOGUE_SMEM
+    // the 8 row groups' log2 sums of blocks n and n + 8 (written by lanes (j, n') of those blocks' iterations)
+    #pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        const int t = n + 8 * rr;
+        if (t < n_tile && ((live_bits >> t) & 1u)) {
+            float2 v[8];
+            float top[2] = {NEG_INF, NEG_INF};
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                v[i] = parts[(t * 8 + i) * 4 + j];
+                top[0] = fmaxf(top[0], v[i].x);
+                top[1] = fmaxf(top[1], v[i].y);
+            }
+            float sum[2] = {0.f, 0.f};
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                sum[0] += exp2f(v[i].x - (top[0] == NEG_INF ? 0.f : top[0]));
+                sum[1] += exp2f(v[i].y - (top[1] == NEG_INF ? 0.f : top[1]));
+            }
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) lse_keep[rr][h] = ((top[h] == NEG_INF ? 0.f : top[h]) + log2f(sum[h])) * LN2;
+        }
+    }
+#endif
     cp_async_wait<0>();
 
     // ---- 3. lse and upper for blocks b0 + n + 8 rr, q heads 2j + h
@@ -356,7 +415,7 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
     for (int rr = 0; rr < 2; ++rr) {
         const int blk = b0 + n + 8 * rr;
         if (blk >= p.num_blocks) continue;
-        const bool live = p.valid == nullptr || p.valid[blk];
+        const bool live = (live_bits >> (n + 8 * rr)) & 1u;
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int qh = 2 * j + h, c = 2 * rr + h;

@@ -53,9 +53,13 @@ def kernel_name(head_dim: int, block_tokens: int, channels: int) -> str:
     return f"sketch_first_level_d{head_dim}_t{block_tokens}_r{channels}"
 
 
+_DEFINES: dict[str, int] = {}  # the .cu's switches (EPILOGUE_SMEM, diagnostics), for measuring variants
+
+
 def kernel_source(head_dim: int, block_tokens: int, channels: int) -> str:
     """The .cu file plus one extern "C" entry point for this geometry."""
-    return _SOURCE.read_text() + (
+    defines = "".join(f"#define {k} {v}\n" for k, v in sorted(_DEFINES.items()))
+    return defines + _SOURCE.read_text() + (
         f'\nextern "C" __global__ void __launch_bounds__({_WARPS * 32}, {_PROGRAMS_PER_SM}) '
         f"{kernel_name(head_dim, block_tokens, channels)}(const Params p) "
         f"{{ sketch_first_level_body<{head_dim}, {block_tokens}, {channels}, {_WARPS}, {_STAGES}>(p); }}\n")
@@ -66,7 +70,7 @@ def smem_bytes(head_dim: int, block_tokens: int, channels: int) -> int:
     two step buffers). Mirrors the .cu, which the host cannot read before a launch."""
     header = (4 * channels + 4 * (head_dim // 32) + 15) // 16 * 16
     stage = channels * block_tokens // 2 + 4 * head_dim
-    return header + _WARPS * (_STAGES * stage + 8 * channels)
+    return header + _WARPS * (_STAGES * stage + 8 * channels + (16 * 32 * 8 if _DEFINES.get("EPILOGUE_SMEM") else 0))
 
 
 def compile_cubin(head_dim: int, block_tokens: int, channels: int, arch: str) -> bytes:
