@@ -45,17 +45,11 @@ struct Params {
     int num_tokens, num_blocks, group;
 };
 
-#ifndef EPILOGUE_SMEM
-#define EPILOGUE_SMEM 0  // per-block log-sum-exps combined across lanes through shared memory, not shuffles
-#endif
 #ifndef DIAG_NO_MATH
 #define DIAG_NO_MATH 0  // diagnostics (wrong results): no decode / mma
 #endif
 #ifndef DIAG_NO_LOOP
 #define DIAG_NO_LOOP 0  // diagnostics (wrong results): the tile's summaries and set-up only
-#endif
-#ifndef DIAG_NO_EPILOGUE
-#define DIAG_NO_EPILOGUE 0  // diagnostics (wrong results): no per-block log-sum-exp
 #endif
 
 #define LEVELS 15.0f
@@ -114,6 +108,7 @@ __device__ __forceinline__ u32 pair_mask(u32 bits8, int pair) {
 #define H2_EXP_1024 0x64006400u     // fp16x2 (1024, 1024): a nibble ORed into its mantissa is 1024 + nibble
 #define H2_MINUS_1024 0xe400e400u
 #define H2_SIXTEENTH 0x2c002c00u    // fp16x2 (1/16, 1/16)
+#define H2_ONE 0x3c003c00u
 #define H2_MINUS_64 0xd400d400u
 
 template <int D, int T, int R>
@@ -121,8 +116,9 @@ struct Geometry {
     static constexpr int MT = T / 16;               // m-tiles per block; code bytes per lane and row
     static constexpr int KR = R / 16;               // code k-steps
     static constexpr int ROW = T / 2;               // bytes of a code row (one channel, the block's tokens)
-    static constexpr int CODE = R * ROW;            // a stage's code rows, row rho at rho * ROW
-    static constexpr int STAGE = CODE + 4 * D;      // + the block's min row and max row (fp16)
+    static constexpr int CODE = R * ROW;            // a ring stage: the block's read rows, row rho at rho * ROW
+    static constexpr int SROW = 4 * D + 16;         // a block's min row and max row (fp16) in the tile buffer, padded
+                                                    // so the summary fragment loads of 8 blocks hit distinct banks
     static constexpr int COPY = ROW < 16 ? ROW : 16;  // cp.async piece of a code row
     static constexpr int CODE_PIECES = CODE / COPY;
     static constexpr int HEADER = (4 * R + 4 * (D / 32) + 15) / 16 * 16;  // channels, read mask
@@ -131,8 +127,9 @@ struct Geometry {
 template <int D, int T, int R, int WARPS, int STAGES>
 __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
     using G = Geometry<D, T, R>;
-    constexpr int MT = G::MT, KR = G::KR, ROW = G::ROW, KD = D / 16;
+    constexpr int MT = G::MT, KR = G::KR, ROW = G::ROW;
     constexpr int CP = (G::CODE_PIECES + 31) / 32;  // code pieces per lane and block
+    constexpr int RL = (R + 31) / 32;               // read channels whose step a lane computes: rho = lane + 32 i
     static_assert(R % 16 == 0 && R <= D && D % 32 == 0, "r a multiple of 16, at most head_dim");
     static_assert(MT == 1 || MT == 2 || MT == 4 || MT == 8, "block_tokens 16, 32, 64 or 128");
     extern __shared__ __align__(16) unsigned char smem[];
@@ -141,9 +138,10 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n = lane >> 2, j = lane & 3;
     const int head = blockIdx.y, group = p.group;
-    constexpr int WARP_BYTES = STAGES * G::STAGE + 2 * 4 * R + (EPILOGUE_SMEM ? 16 * 32 * 8 : 0);  // sketch_mma.py mirrors
-    unsigned char* ring = smem + G::HEADER + warp * WARP_BYTES;
-    float* stepbuf = reinterpret_cast<float*>(ring + STAGES * G::STAGE);  // [2][R], by k-step slot order
+    constexpr int WARP_BYTES = STAGES * G::CODE + 16 * G::SROW + 2 * 4 * R;  // sketch_mma.py's smem_bytes mirrors
+    unsigned char* ring = smem + G::HEADER + warp * WARP_BYTES;    // STAGES blocks' code rows
+    unsigned char* tilebuf = ring + STAGES * G::CODE;              // the tile's 16 blocks' min / max rows
+    float* stepbuf = reinterpret_cast<float*>(tilebuf + 16 * G::SROW);  // [2][R], by k-step slot order
 
     for (int i = threadIdx.x; i < D / 32; i += blockDim.x) readbits[i] = 0u;
     __syncthreads();
@@ -154,13 +152,22 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
     }
     __syncthreads();
 
-    const int b0 = (blockIdx.x * WARPS + warp) * 16;
-    if (b0 >= p.num_blocks) return;
-    const int n_tile = min(16, p.num_blocks - b0);
-    const u8* code_head = p.codes + head * p.s_c_head;
-    const u16* summ_head = p.summ + head * p.s_s_head;
-
-    // this lane's cp.async pieces: code rows (gathered by channel) and the min / max rows
+    // per warp, for all its tiles: q (this lane's column is q head n), the read channels' q values at k-step s,
+    // slot q' (channel rho = 16s + 4q' + j) as fp32, the steps this lane computes, its code pieces
+    const bool q_ok = n < group;
+    const u16* q_row = p.q + (i64)(head * group + (q_ok ? n : 0)) * p.s_q_head;
+    float qv[KR][4];
+    #pragma unroll
+    for (int s = 0; s < KR; ++s)
+        #pragma unroll
+        for (int k = 0; k < 4; ++k) qv[s][k] = q_ok ? half_to_float(q_row[chan[16 * s + 4 * k + j]]) : 0.f;
+    int my_ch[RL], my_slot[RL];
+    #pragma unroll
+    for (int i = 0; i < RL; ++i) {
+        const int rho = lane + 32 * i;
+        my_ch[i] = rho < R ? chan[rho] : 0;
+        my_slot[i] = (rho / 16) * 16 + (rho % 4) * 4 + (rho % 16) / 4;  // stepbuf order: 16s + 4j + q'
+    }
     int src_off[CP];
     #pragma unroll
     for (int i = 0; i < CP; ++i) {
@@ -168,50 +175,152 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
         const int rho = piece / (ROW / G::COPY), part = piece % (ROW / G::COPY);
         src_off[i] = piece < G::CODE_PIECES ? chan[rho] * ROW + part * G::COPY : 0;
     }
-    auto issue = [&](int t) {  // block b0 + t of the tile -> stage t % STAGES (an empty group past the tile)
-        if (t < n_tile) {
-            const i64 blk = b0 + t;
-            unsigned char* dst = ring + (t % STAGES) * G::STAGE;
-            const u8* src = code_head + blk * p.s_c_blk;
-            #pragma unroll
-            for (int i = 0; i < CP; ++i) {
-                const int piece = lane + 32 * i;
-                if (G::CODE_PIECES % 32 == 0 || piece < G::CODE_PIECES) {
-                    if constexpr (G::COPY == 16) cp_async16(dst + piece * 16, src + src_off[i]);
-                    else cp_async8(dst + piece * 8, src + src_off[i]);
+    const u8* code_head = p.codes + head * p.s_c_head;
+    const u16* summ_head = p.summ + head * p.s_s_head;
+    const float l2 = p.scale * LOG2E;
+    const int n_tiles = (p.num_blocks + 15) / 16;
+
+    for (int tile = blockIdx.x * WARPS + warp; tile < n_tiles; tile += gridDim.x * WARPS) {
+        const int b0 = tile * 16, n_tile = min(16, p.num_blocks - b0);
+        // the tile's live blocks, one bit each (valid read once, not on every block's critical path)
+        const u32 live_bits = __ballot_sync(0xffffffffu, lane < n_tile && (p.valid == nullptr || p.valid[b0 + lane]));
+        auto issue = [&](int t) {  // block b0 + t: code rows -> ring stage t % STAGES, min / max rows -> tile row t
+            if (t < n_tile) {
+                const i64 blk = b0 + t;
+                unsigned char* dst = ring + (t % STAGES) * G::CODE;
+                const u8* src = code_head + blk * p.s_c_blk;
+                #pragma unroll
+                for (int i = 0; i < CP; ++i) {
+                    const int piece = lane + 32 * i;
+                    if (G::CODE_PIECES % 32 == 0 || piece < G::CODE_PIECES) {
+                        if constexpr (G::COPY == 16) cp_async16(dst + piece * 16, src + src_off[i]);
+                        else cp_async8(dst + piece * 8, src + src_off[i]);
+                    }
+                }
+                if (lane < D / 4) {  // min row then max row, 16 bytes a lane
+                    const int which = lane / (D / 8), part = lane % (D / 8);
+                    cp_async16(tilebuf + t * G::SROW + lane * 16,
+                               summ_head + blk * p.s_s_blk + which * p.s_s_minmax + part * 8);
                 }
             }
-            if (lane < D / 4) {  // min row then max row, 16 bytes a lane
-                const int which = lane / (D / 8), part = lane % (D / 8);
-                cp_async16(dst + G::CODE + lane * 16, summ_head + blk * p.s_s_blk + which * p.s_s_minmax + part * 8);
-            }
-        }
-        cp_async_commit();
-    };
-    #pragma unroll
-    for (int t = 0; t < STAGES - 1; ++t) issue(t);
+            cp_async_commit();
+        };
+        #pragma unroll
+        for (int t = 0; t < STAGES - 1; ++t) issue(t);
 
-    // ---- 1. the tile's summaries: rows = blocks b0 + n (c0, c1) and b0 + n + 8 (c2, c3), columns = q heads
-    const bool q_ok = n < group;
-    const u16* q_row = p.q + (i64)(head * group + (q_ok ? n : 0)) * p.s_q_head;
-    float acc_top[4] = {0.f, 0.f, 0.f, 0.f};     // top_u = max . u+ + min . u-
-    float acc_mid[4] = {0.f, 0.f, 0.f, 0.f};     // q_U . (min + max)
-    float acc_quest[4] = {0.f, 0.f, 0.f, 0.f};   // quest_r = max . r+ + min . r-
-    float acc_spread[4] = {0.f, 0.f, 0.f, 0.f};  // 15 S_R = (max - min) . |q_R|
-    float acc_base[4] = {0.f, 0.f, 0.f, 0.f};    // q_R . min
-    float acc_size[4] = {0.f, 0.f, 0.f, 0.f};    // |q| . (|min| + |max|)
-    {
-        const bool ok0 = n < n_tile, ok1 = n + 8 < n_tile;
-        const u16* s0 = summ_head + (i64)(b0 + n) * p.s_s_blk + 8 * j;
-        const u16* s1 = summ_head + (i64)(b0 + n + 8) * p.s_s_blk + 8 * j;
+        // ---- 1. per block: the read channels' estimates, reduced to a log-sum-exp per q head
+        float lse_keep[2][2] = {{NEG_INF, NEG_INF}, {NEG_INF, NEG_INF}};  // blocks n, n + 8; heads 2j, 2j + 1
+        for (int t = 0; t < (DIAG_NO_LOOP ? 0 : n_tile); ++t) {
+            issue(t + STAGES - 1);
+            cp_async_wait<STAGES - 1>();
+            __syncwarp();
+            if ((live_bits >> t) & 1u) {
+                const unsigned char* st = ring + (t % STAGES) * G::CODE;
+                const u16* smin = reinterpret_cast<const u16*>(tilebuf + t * G::SROW);
+                float* steps = stepbuf + (t & 1) * R;
+                #pragma unroll
+                for (int i = 0; i < RL; ++i)
+                    if (lane + 32 * i < R)
+                        steps[my_slot[i]] = (half_to_float(smin[D + my_ch[i]]) - half_to_float(smin[my_ch[i]])) / LEVELS;
+                __syncwarp();
+                float acc[MT][4];
+                #pragma unroll
+                for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
+#if !DIAG_NO_MATH
+                #pragma unroll
+                for (int s = 0; s < KR; ++s) {
+                    const float4 sv = *reinterpret_cast<const float4*>(steps + 16 * s + 4 * j);
+                    const u32 b0 = pack_h2_sat(qv[s][0] * sv.x, qv[s][1] * sv.y);  // k rows 2j, 2j + 1: slots 0, 1
+                    const u32 b1 = pack_h2_sat(qv[s][2] * sv.z, qv[s][3] * sv.w);  // k rows 2j + 8, 2j + 9: 2, 3
+                    u32 w[4][(MT + 3) / 4];  // the 4 rows' bytes of this lane: pairs n MT .. n MT + MT - 1
+                    #pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        const unsigned char* row = st + (16 * s + 4 * k + j) * ROW + n * MT;
+                        if constexpr (MT == 8) {
+                            const uint2 x = *reinterpret_cast<const uint2*>(row);
+                            w[k][0] = x.x; w[k][1] = x.y;
+                        } else if constexpr (MT == 4) {
+                            w[k][0] = *reinterpret_cast<const u32*>(row);
+                        } else if constexpr (MT == 2) {
+                            w[k][0] = *reinterpret_cast<const u16*>(row);
+                        } else {
+                            w[k][0] = *row;
+                        }
+                    }
+                    #pragma unroll
+                    for (int m = 0; m < MT; ++m) {
+                        const u32 sel = (m & 3) | ((m & 3) << 4) | ((4 + (m & 3)) << 8) | ((4 + (m & 3)) << 12);
+                        const u32 p01 = prmt(w[0][m >> 2], w[1][m >> 2], sel);  // byte m of rows 0, 1 in bytes 0, 2
+                        const u32 p23 = prmt(w[2][m >> 2], w[3][m >> 2], sel);
+                        const u32 a0 = hfma2((p01 & 0x000f000fu) | H2_EXP_1024, H2_ONE, H2_MINUS_1024);  // even
+                        const u32 a1 = hfma2((p01 & 0x00f000f0u) | H2_EXP_1024, H2_SIXTEENTH, H2_MINUS_64);  // odd
+                        const u32 a2 = hfma2((p23 & 0x000f000fu) | H2_EXP_1024, H2_ONE, H2_MINUS_1024);
+                        const u32 a3 = hfma2((p23 & 0x00f000f0u) | H2_EXP_1024, H2_SIXTEENTH, H2_MINUS_64);
+                        mma(acc[m], a0, a1, a2, a3, b0, b1);
+                    }
+                }
+#else
+                acc[0][0] = __int_as_float(*reinterpret_cast<const int*>(st + 4 * lane)) + steps[j];
+#endif
+                // the block's log-sum-exp per q head (columns 2j, 2j + 1) over its real tokens; rows n, n + 8 of
+                // m-tile m are tokens 2 (n MT + m) and the one after
+                const int real = min(T, p.num_tokens - (b0 + t) * T);
+                float top[2] = {NEG_INF, NEG_INF};
+                #pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    const int tok = 2 * (n * MT + m);
+                    if (real == T || tok < real) { top[0] = fmaxf(top[0], acc[m][0]); top[1] = fmaxf(top[1], acc[m][1]); }
+                    if (real == T || tok + 1 < real) { top[0] = fmaxf(top[0], acc[m][2]); top[1] = fmaxf(top[1], acc[m][3]); }
+                }
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffffu, top[h], 4));
+                    top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffffu, top[h], 8));
+                    top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffffu, top[h], 16));
+                    top[h] = top[h] == NEG_INF ? 0.f : top[h] * l2;  // no real token: the sum below is 0
+                }
+                float sum[2] = {0.f, 0.f};
+                #pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    const int tok = 2 * (n * MT + m);
+                    #pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        if (real == T || tok < real) sum[h] += exp2f(fmaf(acc[m][h], l2, -top[h]));
+                        if (real == T || tok + 1 < real) sum[h] += exp2f(fmaf(acc[m][2 + h], l2, -top[h]));
+                    }
+                }
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 4);
+                    sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 8);
+                    sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 16);
+                    const float lp = (top[h] + log2f(sum[h])) * LN2;
+                    if (t == n) lse_keep[0][h] = lp;
+                    if (t == n + 8) lse_keep[1][h] = lp;
+                }
+            }
+            __syncwarp();  // every lane is done with this stage before the next iteration refills it
+        }
+        cp_async_wait<0>();
+        __syncwarp();
+
+        // ---- 2. the tile's summaries from the tile buffer: rows = blocks b0 + n (c0, c1) and b0 + n + 8 (c2, c3),
+        // columns = q heads; rows past the tile hold stale bytes and are never written out
+        float acc_top[4] = {0.f, 0.f, 0.f, 0.f};     // top_u = max . u+ + min . u-
+        float acc_mid[4] = {0.f, 0.f, 0.f, 0.f};     // q_U . (min + max)
+        float acc_quest[4] = {0.f, 0.f, 0.f, 0.f};   // quest_r = max . r+ + min . r-
+        float acc_spread[4] = {0.f, 0.f, 0.f, 0.f};  // 15 S_R = (max - min) . |q_R|
+        float acc_base[4] = {0.f, 0.f, 0.f, 0.f};    // q_R . min
+        float acc_size[4] = {0.f, 0.f, 0.f, 0.f};    // |q| . (|min| + |max|)
+        const unsigned char* s0 = tilebuf + n * G::SROW + 16 * j;
+        const unsigned char* s1 = s0 + 8 * G::SROW;
         #pragma unroll
         for (int c = 0; c < D / 32; ++c) {
-            const uint4 z = make_uint4(0u, 0u, 0u, 0u);
-            const uint4 mn0 = ok0 ? *reinterpret_cast<const uint4*>(s0 + 32 * c) : z;
-            const uint4 mn1 = ok1 ? *reinterpret_cast<const uint4*>(s1 + 32 * c) : z;
-            const uint4 mx0 = ok0 ? *reinterpret_cast<const uint4*>(s0 + p.s_s_minmax + 32 * c) : z;
-            const uint4 mx1 = ok1 ? *reinterpret_cast<const uint4*>(s1 + p.s_s_minmax + 32 * c) : z;
-            const uint4 qx = q_ok ? *reinterpret_cast<const uint4*>(q_row + 32 * c + 8 * j) : z;
+            const uint4 mn0 = *reinterpret_cast<const uint4*>(s0 + 64 * c);
+            const uint4 mn1 = *reinterpret_cast<const uint4*>(s1 + 64 * c);
+            const uint4 mx0 = *reinterpret_cast<const uint4*>(s0 + 2 * D + 64 * c);
+            const uint4 mx1 = *reinterpret_cast<const uint4*>(s1 + 2 * D + 64 * c);
+            const uint4 qx = q_ok ? *reinterpret_cast<const uint4*>(q_row + 32 * c + 8 * j) : make_uint4(0u, 0u, 0u, 0u);
             const u32 bits = (readbits[c] >> (8 * j)) & 0xffu;
             const u32 amn0[4] = {mn0.x, mn0.y, mn0.z, mn0.w}, amn1[4] = {mn1.x, mn1.y, mn1.z, mn1.w};
             const u32 amx0[4] = {mx0.x, mx0.y, mx0.z, mx0.w}, amx1[4] = {mx1.x, mx1.y, mx1.z, mx1.w};
@@ -242,188 +351,31 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
                 mma(acc_size, mx[0] & H2_ABS, mx[1] & H2_ABS, mx[2] & H2_ABS, mx[3] & H2_ABS, aq0, aq1);
             }
         }
-    }
+        __syncwarp();  // the tile buffer is read; the next tile's copies may land
 
-    // what each (block, q head) slot adds to the log-sum-exp of its estimates (c = 2 rr + h: block b0 + n + 8 rr,
-    // q head 2j + h): lse = L + add_lse; upper = min(L + add_up, cap) + slack, add_up = +inf where q_j step_j
-    // could leave fp16's range (then Quest's bound alone)
-    float add_lse[4], add_up[4], cap[4];
-    #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-        const int blk = b0 + n + 8 * (c >> 1);
-        const float n_real = fminf(fmaxf((float)(p.num_tokens - blk * T), 0.f), (float)T);
-        const float spread = acc_spread[c] / LEVELS, slack = ROUNDING_SLACK * acc_size[c];
-        const float err = 0.5f * spread + LEVELS * (FP16_REL * spread + R * LEVELS * FP16_TINY);
-        add_lse[c] = (acc_base[c] + 0.5f * acc_mid[c]) * p.scale;
-        add_up[c] = acc_size[c] < LEVELS * FP16_MAX ? (acc_base[c] + acc_top[c] + err + slack) * p.scale : POS_INF;
-        cap[c] = logf(n_real) + (acc_top[c] + acc_quest[c] + slack) * p.scale;
-    }
-
-    // ---- 2. per block: the read channels' estimates. This lane's q values, k-step s, slot q' (channel rho =
-    // 16s + 4q' + j), as fp32; zero past the group
-    float qv[KR][4];
-    #pragma unroll
-    for (int s = 0; s < KR; ++s)
+        // ---- 3. lse and upper for blocks b0 + n + 8 rr, q heads 2j + h (slot c = 2 rr + h):
+        // lse = L + (base + mid / 2) scale; upper = min(L + (base + top_u + err + slack) scale,
+        // log n_b + (top_u + quest_r + slack) scale) + 1e-5, Quest's bound alone where q_j step_j could leave fp16
         #pragma unroll
-        for (int k = 0; k < 4; ++k) qv[s][k] = q_ok ? half_to_float(q_row[chan[16 * s + 4 * k + j]]) : 0.f;
-    constexpr int RL = (R + 31) / 32;  // read channels whose step this lane computes: rho = lane + 32 i
-    int my_ch[RL], my_slot[RL];
-    #pragma unroll
-    for (int i = 0; i < RL; ++i) {
-        const int rho = lane + 32 * i;
-        my_ch[i] = rho < R ? chan[rho] : 0;
-        my_slot[i] = (rho / 16) * 16 + (rho % 4) * 4 + (rho % 16) / 4;  // stepbuf order: 16s + 4j + q'
-    }
-    const float l2 = p.scale * LOG2E;
-    // the tile's live blocks, one bit each (valid read once, not on every block's critical path)
-    const u32 live_bits = __ballot_sync(0xffffffffu, lane < n_tile && (p.valid == nullptr || p.valid[b0 + lane]));
-    float lse_keep[2][2] = {{NEG_INF, NEG_INF}, {NEG_INF, NEG_INF}};  // [row half][head]: log sum_t exp(scale est_t)
-#if EPILOGUE_SMEM
-    float2* parts = reinterpret_cast<float2*>(stepbuf + 2 * R);  // [16 blocks][8 n][4 j]: this lane's log2 sums
-#endif
-    for (int t = 0; t < (DIAG_NO_LOOP ? 0 : n_tile); ++t) {
-        issue(t + STAGES - 1);
-        cp_async_wait<STAGES - 1>();
-        __syncwarp();
-        const int blk = b0 + t;
-        if ((live_bits >> t) & 1u) {
-            const unsigned char* st = ring + (t % STAGES) * G::STAGE;
-            const u16* smin = reinterpret_cast<const u16*>(st + G::CODE);
-            float* steps = stepbuf + (t & 1) * R;
-            #pragma unroll
-            for (int i = 0; i < RL; ++i)
-                if (lane + 32 * i < R)
-                    steps[my_slot[i]] = (half_to_float(smin[D + my_ch[i]]) - half_to_float(smin[my_ch[i]])) / LEVELS;
-            __syncwarp();
-            float acc[MT][4];
-            #pragma unroll
-            for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
-#if !DIAG_NO_MATH
-            #pragma unroll
-            for (int s = 0; s < KR; ++s) {
-                const float4 sv = *reinterpret_cast<const float4*>(steps + 16 * s + 4 * j);
-                const u32 b0 = pack_h2_sat(qv[s][0] * sv.x, qv[s][1] * sv.y);  // k rows 2j, 2j + 1: slots 0, 1
-                const u32 b1 = pack_h2_sat(qv[s][2] * sv.z, qv[s][3] * sv.w);  // k rows 2j + 8, 2j + 9: slots 2, 3
-                u32 w[4][(MT + 3) / 4];  // the 4 rows' bytes of this lane: pairs n MT .. n MT + MT - 1
-                #pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    const unsigned char* row = st + (16 * s + 4 * k + j) * ROW + n * MT;
-                    if constexpr (MT == 8) {
-                        const uint2 x = *reinterpret_cast<const uint2*>(row);
-                        w[k][0] = x.x; w[k][1] = x.y;
-                    } else if constexpr (MT == 4) {
-                        w[k][0] = *reinterpret_cast<const u32*>(row);
-                    } else if constexpr (MT == 2) {
-                        w[k][0] = *reinterpret_cast<const u16*>(row);
-                    } else {
-                        w[k][0] = *row;
-                    }
-                }
-                #pragma unroll
-                for (int m = 0; m < MT; ++m) {
-                    const u32 sel = (m & 3) | ((m & 3) << 4) | ((4 + (m & 3)) << 8) | ((4 + (m & 3)) << 12);
-                    const u32 p01 = prmt(w[0][m >> 2], w[1][m >> 2], sel);  // byte m of rows 0, 1 in bytes 0, 2
-                    const u32 p23 = prmt(w[2][m >> 2], w[3][m >> 2], sel);
-                    const u32 a0 = hfma2((p01 & 0x000f000fu) | H2_EXP_1024, 0x3c003c00u, H2_MINUS_1024);  // even
-                    const u32 a1 = hfma2((p01 & 0x00f000f0u) | H2_EXP_1024, H2_SIXTEENTH, H2_MINUS_64);   // odd
-                    const u32 a2 = hfma2((p23 & 0x000f000fu) | H2_EXP_1024, 0x3c003c00u, H2_MINUS_1024);
-                    const u32 a3 = hfma2((p23 & 0x00f000f0u) | H2_EXP_1024, H2_SIXTEENTH, H2_MINUS_64);
-                    mma(acc[m], a0, a1, a2, a3, b0, b1);
-                }
-            }
-#else
-            acc[0][0] = __int_as_float(*reinterpret_cast<const int*>(st + 4 * lane)) + steps[j];
-#endif
-#if DIAG_NO_EPILOGUE
-            if (t == n) lse_keep[0][0] = acc[0][0] + acc[MT - 1][3];
-#else
-            // the block's log-sum-exp per q head (columns 2j, 2j + 1), over its real tokens
-            const int real = min(T, p.num_tokens - blk * T);
-            float top[2] = {NEG_INF, NEG_INF};
-            #pragma unroll
-            for (int m = 0; m < MT; ++m) {
-                const int tok = 2 * (n * MT + m);
-                if (real == T || tok < real) { top[0] = fmaxf(top[0], acc[m][0]); top[1] = fmaxf(top[1], acc[m][1]); }
-                if (real == T || tok + 1 < real) { top[0] = fmaxf(top[0], acc[m][2]); top[1] = fmaxf(top[1], acc[m][3]); }
-            }
-#if !EPILOGUE_SMEM
+        for (int rr = 0; rr < 2; ++rr) {
+            const int blk = b0 + n + 8 * rr;
+            if (blk >= p.num_blocks) continue;
+            const bool live = (live_bits >> (n + 8 * rr)) & 1u;
+            const float n_real = fminf(fmaxf((float)(p.num_tokens - blk * T), 0.f), (float)T);
             #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffffu, top[h], 4));
-                top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffffu, top[h], 8));
-                top[h] = fmaxf(top[h], __shfl_xor_sync(0xffffffffu, top[h], 16));
+                const int qh = 2 * j + h, c = 2 * rr + h;
+                if (qh >= group) continue;
+                const float spread = acc_spread[c] / LEVELS, slack = ROUNDING_SLACK * acc_size[c];
+                const float err = 0.5f * spread + LEVELS * (FP16_REL * spread + R * LEVELS * FP16_TINY);
+                const float l = lse_keep[rr][h];
+                const float cap = logf(n_real) + (acc_top[c] + acc_quest[c] + slack) * p.scale;
+                const float up = acc_size[c] < LEVELS * FP16_MAX
+                                 ? fminf(l + (acc_base[c] + acc_top[c] + err + slack) * p.scale, cap) : cap;
+                const i64 out = (i64)(head * group + qh) * p.s_o_head + blk;
+                p.lse[out] = live ? l + (acc_base[c] + 0.5f * acc_mid[c]) * p.scale : NEG_INF;
+                p.upper[out] = live ? up + ABSOLUTE_SLACK : NEG_INF;
             }
-#endif
-            #pragma unroll
-            for (int h = 0; h < 2; ++h) top[h] = top[h] == NEG_INF ? 0.f : top[h] * l2;  // no real token: sum 0
-            float sum[2] = {0.f, 0.f};
-            #pragma unroll
-            for (int m = 0; m < MT; ++m) {
-                const int tok = 2 * (n * MT + m);
-                #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    if (real == T || tok < real) sum[h] += exp2f(fmaf(acc[m][h], l2, -top[h]));
-                    if (real == T || tok + 1 < real) sum[h] += exp2f(fmaf(acc[m][2 + h], l2, -top[h]));
-                }
-            }
-#if EPILOGUE_SMEM
-            parts[(t * 8 + n) * 4 + j] = make_float2(top[0] + log2f(sum[0]), top[1] + log2f(sum[1]));
-#else
-            #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 4);
-                sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 8);
-                sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 16);
-                const float lp = (top[h] + log2f(sum[h])) * LN2;
-                if (t == n) lse_keep[0][h] = lp;
-                if (t == n + 8) lse_keep[1][h] = lp;
-            }
-#endif
-#endif
-        }
-        __syncwarp();  // every lane is done with this stage before the next iteration refills it
-    }
-#if EPILOGUE_SMEM
-    // the 8 row groups' log2 sums of blocks n and n + 8 (written by lanes (j, n') of those blocks' iterations)
-    #pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-        const int t = n + 8 * rr;
-        if (t < n_tile && ((live_bits >> t) & 1u)) {
-            float2 v[8];
-            float top[2] = {NEG_INF, NEG_INF};
-            #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                v[i] = parts[(t * 8 + i) * 4 + j];
-                top[0] = fmaxf(top[0], v[i].x);
-                top[1] = fmaxf(top[1], v[i].y);
-            }
-            float sum[2] = {0.f, 0.f};
-            #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                sum[0] += exp2f(v[i].x - (top[0] == NEG_INF ? 0.f : top[0]));
-                sum[1] += exp2f(v[i].y - (top[1] == NEG_INF ? 0.f : top[1]));
-            }
-            #pragma unroll
-            for (int h = 0; h < 2; ++h) lse_keep[rr][h] = ((top[h] == NEG_INF ? 0.f : top[h]) + log2f(sum[h])) * LN2;
-        }
-    }
-#endif
-    cp_async_wait<0>();
-
-    // ---- 3. lse and upper for blocks b0 + n + 8 rr, q heads 2j + h
-    #pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-        const int blk = b0 + n + 8 * rr;
-        if (blk >= p.num_blocks) continue;
-        const bool live = (live_bits >> (n + 8 * rr)) & 1u;
-        #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int qh = 2 * j + h, c = 2 * rr + h;
-            if (qh >= group) continue;
-            const float l = lse_keep[rr][h];
-            const i64 out = (i64)(head * group + qh) * p.s_o_head + blk;
-            p.lse[out] = live ? l + add_lse[c] : NEG_INF;
-            p.upper[out] = live ? fminf(l + add_up[c], cap[c]) + ABSOLUTE_SLACK : NEG_INF;
         }
     }
 }

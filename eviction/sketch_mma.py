@@ -25,8 +25,9 @@ from kvcuda import nvrtc
 
 _SOURCE = Path(__file__).with_name("sketch_mma.cu")
 _WARPS = 4
-_STAGES = 4  # blocks in flight per warp, the one being read included
+_STAGES = 2  # blocks in flight per warp, the one being read included
 _PROGRAMS_PER_SM = 4  # __launch_bounds__'s minimum: <= 128 registers a thread
+_PERSISTENT = True  # a program per slot, its warps walking several tiles (else a warp per tile)
 _HEAD_DIMS = (64, 128)
 _BLOCK_TOKENS = (16, 32, 64, 128)
 _CHANNELS = (16, 32, 64, 128)
@@ -69,8 +70,8 @@ def smem_bytes(head_dim: int, block_tokens: int, channels: int) -> int:
     """Dynamic shared memory of a program: sketch_mma.cu's Geometry (header, then per warp its ring of stages and
     two step buffers). Mirrors the .cu, which the host cannot read before a launch."""
     header = (4 * channels + 4 * (head_dim // 32) + 15) // 16 * 16
-    stage = channels * block_tokens // 2 + 4 * head_dim
-    return header + _WARPS * (_STAGES * stage + 8 * channels + (16 * 32 * 8 if _DEFINES.get("EPILOGUE_SMEM") else 0))
+    code_stage, tile_row = channels * block_tokens // 2, 4 * head_dim + 16
+    return header + _WARPS * (_STAGES * code_stage + 16 * tile_row + 8 * channels)
 
 
 def compile_cubin(head_dim: int, block_tokens: int, channels: int, arch: str) -> bytes:
@@ -137,5 +138,10 @@ def launch(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, channe
         lse.data_ptr(), upper.data_ptr(), lse.stride(0),
         scale, num_tokens, num_blocks, q.shape[0] // num_kv_heads,
     )
-    grid = ((num_blocks + 16 * _WARPS - 1) // (16 * _WARPS), num_kv_heads, 1)
+    # persistent: one program per slot of the GPU (its warps walk tiles of 16 blocks), at most one tile a warp
+    slots = torch.cuda.get_device_properties(q.device).multi_processor_count * _PROGRAMS_PER_SM
+    tiles = (num_blocks + 15) // 16
+    per_head = (tiles + _WARPS - 1) // _WARPS
+    grid = (max(1, min(per_head, (slots + num_kv_heads - 1) // num_kv_heads) if _PERSISTENT else per_head),
+            num_kv_heads, 1)
     nvrtc.launch(func, grid, _WARPS * 32, smem_bytes(head_dim, block_tokens, num_channels), p, q.device)

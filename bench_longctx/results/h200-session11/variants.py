@@ -1,7 +1,6 @@
 """Session 11: the CUDA sketch first level's variants, one layer at 1M tokens (llama3-8b: 8 kv heads x 4 q heads,
 head_dim 128, 64-token blocks, r = 64), each timed with do_bench in one process: ring depth (STAGES), warps per
-program, __launch_bounds__ programs per SM, the per-block log-sum-exp combined through shared memory instead of
-shuffles (EPILOGUE_SMEM), and diagnostics that drop parts of the work (wrong results; they locate the time).
+program, __launch_bounds__ programs per SM, persistent programs or a warp per tile, and diagnostics that drop parts of the work (wrong results; they locate the time).
 Correctness of each non-diagnostic variant: max |diff| vs the torch reference on the first 512 blocks.
 
     PYTHONPATH=. python bench_longctx/results/h200-session11/variants.py OUT.json
@@ -27,16 +26,15 @@ m = 512
 ref = channel_block_stats_ref(q, summaries[:m].contiguous(), codes[:m].contiguous(), m * T, R)
 nbytes = N * H * (4 * D + R * T // 2)
 rows = []
-variants = [dict()]
-variants += [dict(stages=s) for s in (3, 6)]
-variants += [dict(warps=8), dict(programs=3), dict(programs=5)]
-variants += [dict(EPILOGUE_SMEM=1, stages=3), dict(EPILOGUE_SMEM=1, stages=4), dict(EPILOGUE_SMEM=1, stages=3, programs=5)]
-variants += [dict(DIAG_NO_LOOP=1), dict(DIAG_NO_MATH=1), dict(DIAG_NO_EPILOGUE=1)]
+variants = [dict(stages=2), dict(stages=3, programs=3), dict(stages=4, programs=3), dict(stages=2, persistent=0),
+            dict(stages=2, warps=2, programs=8), dict(stages=3, warps=2, programs=6), dict(stages=2, warps=8, programs=2)]
+variants += [dict(stages=2, DIAG_NO_LOOP=1), dict(stages=2, DIAG_NO_MATH=1)]
 for v in variants:
     sketch_mma._DEFINES.clear()
     sketch_mma._DEFINES.update({k: x for k, x in v.items() if k.isupper()})
     sketch_mma._STAGES, sketch_mma._WARPS, sketch_mma._PROGRAMS_PER_SM = v.get("stages", 4), v.get("warps", 4), \
         v.get("programs", 4)
+    sketch_mma._PERSISTENT = bool(v.get("persistent", 1))
     sketch_mma._function.cache_clear(), sketch_mma._loads.cache_clear()
     try:
         run = lambda: channel_block_stats(q, summaries, codes, N * T, R)
