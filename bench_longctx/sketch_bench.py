@@ -7,8 +7,8 @@ distribution with 10 norm-matched needles at graded margins (bench_longctx/needl
 has its own query, isotropic: the channel first level's hard case), coded channel-major (eviction/sketch.py).
 The old two-plane first level was the baseline until commit 7e358f2; its numbers are in BENCHMARKS.md ("The
 sketch's first level over channel-major codes") and results/h200-session3/call3/g1, call5/sketch_h200.json.
-  first_level  the channel pass (eviction/sketch_channels.py) for r in --channels over a knob sweep: us, GB/s of
-               the bytes it must read, bound violations against the true keys' per-block log-sum-exp (every
+  first_level  the channel pass (eviction/sketch_channels.py) for r in --channels over a knob sweep: us (eager),
+               graph_us (replayed from a CUDA graph: the GPU's time), GB/s of the bytes it must read, bound violations against the true keys' per-block log-sum-exp (every
                block, needle query 0), largest difference from the torch reference over the first REF_BLOCKS blocks
   stages       the sketch selection's steps alone with the fastest knobs: ranking, candidate top-k, fine pass with
                merge, final top-k
@@ -71,6 +71,8 @@ def timed_row(run, nbytes: int, true: torch.Tensor, ref=None) -> dict:
         return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     us = 1e3 * time_ms(run, true.device)
     row = {"us": us, "GBps": nbytes / us / 1e3, "bound_violations": int((upper < true).sum())}
+    if true.device.type == "cuda":  # eager timing includes the host's launch cost where it exceeds the GPU's
+        row["graph_us"] = graph_us(run)
     if ref is not None:
         m = ref[0].shape[1]
         row["max_diff_vs_ref"] = max(float((lse[:, :m] - ref[0]).abs().max()),

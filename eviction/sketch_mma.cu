@@ -48,6 +48,12 @@ struct Params {
 #ifndef DIAG_NO_MATH
 #define DIAG_NO_MATH 0  // diagnostics (wrong results): no decode / mma
 #endif
+#ifndef DIAG_CONTIGUOUS
+#define DIAG_CONTIGUOUS 0  // diagnostics (wrong results): read channels 0 .. r - 1 (contiguous code rows)
+#endif
+#ifndef DIAG_NO_SUMMARY
+#define DIAG_NO_SUMMARY 0  // diagnostics (wrong results): no summary mmas
+#endif
 #ifndef DIAG_NO_LOOP
 #define DIAG_NO_LOOP 0  // diagnostics (wrong results): the tile's summaries and set-up only
 #endif
@@ -146,7 +152,7 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
     for (int i = threadIdx.x; i < D / 32; i += blockDim.x) readbits[i] = 0u;
     __syncthreads();
     for (int i = threadIdx.x; i < R; i += blockDim.x) {
-        const int c = p.channels[head * p.s_ch_head + i];
+        const int c = DIAG_CONTIGUOUS ? i : p.channels[head * p.s_ch_head + i];
         chan[i] = c;
         atomicOr(&readbits[c >> 5], 1u << (c & 31));
     }
@@ -315,7 +321,7 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
         const unsigned char* s0 = tilebuf + n * G::SROW + 16 * j;
         const unsigned char* s1 = s0 + 8 * G::SROW;
         #pragma unroll
-        for (int c = 0; c < D / 32; ++c) {
+        for (int c = 0; c < (DIAG_NO_SUMMARY ? 0 : D / 32); ++c) {
             const uint4 mn0 = *reinterpret_cast<const uint4*>(s0 + 64 * c);
             const uint4 mn1 = *reinterpret_cast<const uint4*>(s1 + 64 * c);
             const uint4 mx0 = *reinterpret_cast<const uint4*>(s0 + 2 * D + 64 * c);
