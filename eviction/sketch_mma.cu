@@ -54,6 +54,12 @@ struct Params {
 #ifndef DIAG_NO_SUMMARY
 #define DIAG_NO_SUMMARY 0  // diagnostics (wrong results): no summary mmas
 #endif
+#ifndef DIAG_NO_EPILOGUE
+#define DIAG_NO_EPILOGUE 0  // diagnostics (wrong results): no per-block log-sum-exp
+#endif
+#ifndef DIAG_NO_STEPS
+#define DIAG_NO_STEPS 0  // diagnostics (wrong results): no per-block steps
+#endif
 #ifndef DIAG_NO_LOOP
 #define DIAG_NO_LOOP 0  // diagnostics (wrong results): the tile's summaries and set-up only
 #endif
@@ -224,11 +230,13 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
                 const unsigned char* st = ring + (t % STAGES) * G::CODE;
                 const u16* smin = reinterpret_cast<const u16*>(tilebuf + t * G::SROW);
                 float* steps = stepbuf + (t & 1) * R;
+#if !DIAG_NO_STEPS
                 #pragma unroll
                 for (int i = 0; i < RL; ++i)
                     if (lane + 32 * i < R)
                         steps[my_slot[i]] = (half_to_float(smin[D + my_ch[i]]) - half_to_float(smin[my_ch[i]])) / LEVELS;
                 __syncwarp();
+#endif
                 float acc[MT][4];
                 #pragma unroll
                 for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
@@ -268,6 +276,12 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
 #else
                 acc[0][0] = __int_as_float(*reinterpret_cast<const int*>(st + 4 * lane)) + steps[j];
 #endif
+#if DIAG_NO_EPILOGUE
+                if (t == n) lse_keep[0][0] = acc[0][0] + acc[MT - 1][3];
+                if (false) {
+#else
+                {
+#endif
                 // the block's log-sum-exp per q head (columns 2j, 2j + 1) over its real tokens; rows n, n + 8 of
                 // m-tile m are tokens 2 (n MT + m) and the one after
                 const int real = min(T, p.num_tokens - (b0 + t) * T);
@@ -303,6 +317,7 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
                     const float lp = (top[h] + log2f(sum[h])) * LN2;
                     if (t == n) lse_keep[0][h] = lp;
                     if (t == n + 8) lse_keep[1][h] = lp;
+                }
                 }
             }
             __syncwarp();  // every lane is done with this stage before the next iteration refills it

@@ -28,12 +28,12 @@ m = 512
 ref = channel_block_stats_ref(q, summaries[:m].contiguous(), codes[:m].contiguous(), m * T, R)
 nbytes = N * H * (4 * D + R * T // 2)
 rows = []
-variants = [dict(triton=1), dict(stages=2), dict(stages=2, persistent=0)]
-variants += [dict(stages=s, programs=p, persistent=x) for p, ss in ((3, (3, 4)), (2, (4, 6, 8))) for s in ss
-             for x in (0, 1)]
-variants += [dict(stages=s, warps=2, programs=p, persistent=0) for p, s in ((6, 3), (4, 6), (5, 4))]
-variants += [dict(stages=6, programs=2, persistent=0, DIAG_NO_MATH=1, DIAG_NO_SUMMARY=1),
-             dict(stages=6, programs=2, persistent=0, DIAG_CONTIGUOUS=1)]
+base = dict(stages=4, programs=3, persistent=0)
+variants = [dict(base), dict(base, DIAG_NO_MATH=1, DIAG_NO_SUMMARY=1, DIAG_NO_EPILOGUE=1, DIAG_NO_STEPS=1),
+            dict(base, DIAG_NO_MATH=1, DIAG_NO_SUMMARY=1, DIAG_NO_EPILOGUE=1),
+            dict(base, DIAG_NO_MATH=1, DIAG_NO_SUMMARY=1, DIAG_NO_STEPS=1),
+            dict(base, DIAG_NO_EPILOGUE=1), dict(base, DIAG_NO_STEPS=1),
+            dict(base, DIAG_NO_MATH=1, DIAG_NO_SUMMARY=1, DIAG_NO_EPILOGUE=1, DIAG_NO_STEPS=1, DIAG_CONTIGUOUS=1)]
 for v in variants:
     sketch_mma._DEFINES.clear()
     sketch_mma._DEFINES.update({k: x for k, x in v.items() if k.isupper()})
