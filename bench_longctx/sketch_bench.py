@@ -1,6 +1,7 @@
 """Sketch top-K selection at 1M tokens: the channel first level at several channel counts, with Quest (one GPU run).
 
     python -m bench_longctx.sketch_bench --out DIR [--tokens 1048576] [--budget 4096] [--block 64] [--channels 16,32,64]
+        [--pairs 0,1]
 
 Llama-3-8B attention geometry (32 q / 8 kv heads, head_dim 128), one layer: keys drawn from SmolLM2's key
 distribution with 10 norm-matched needles at graded margins (bench_longctx/needle.py's haystack; each needle
@@ -85,28 +86,33 @@ def fastest(rows: list[dict]) -> dict:
     return min(ok, key=lambda r: r["us"]) if ok else {"knobs": {}, "us": float("nan")}
 
 
+def name(r: int, pairs: bool) -> str:
+    return f"channels_{r}" + ("_pairs" if pairs else "")
+
+
 def first_levels(args, q, summaries, codes, true) -> dict:
     n, h, d, b = summaries.shape[0], SPEC.num_kv_heads, SPEC.head_dim, args.block
     t = n * b
     summary_bytes = n * h * 2 * d * 2
     out = {}
     m = min(REF_BLOCKS, n)
-    for r in args.channels:
-        ref = channel_block_stats_ref(q, summaries[:m], codes[:m], m * b, r)
+    for r, pairs in ((r, pairs) for r in args.channels for pairs in args.pairs):
+        ref = channel_block_stats_ref(q, summaries[:m], codes[:m], m * b, r, pairs=pairs)
         nbytes = summary_bytes + n * h * r * b // 2
         cuda = sketch_mma.usable(q, summaries, codes, r)
         rows = [{"knobs": k, "kernel": "cuda" if cuda and not k else "triton",
-                 **timed_row(lambda k=k: channel_block_stats(q, summaries, codes, t, r, **k), nbytes, true, ref)}
+                 **timed_row(lambda k=k: channel_block_stats(q, summaries, codes, t, r, pairs=pairs, **k), nbytes,
+                             true, ref)}
                 for k in args.scan_sweep]
-        out[f"channels_{r}"] = {"sweep": rows, "best": fastest(rows), "MiB": nbytes / 2**20}
+        out[name(r, pairs)] = {"sweep": rows, "best": fastest(rows), "MiB": nbytes / 2**20}
     return out
 
 
-def stages(args, q, summaries, codes, valid, protected, k, r, knobs) -> dict:
+def stages(args, q, summaries, codes, valid, protected, k, r, knobs, pairs=False) -> dict:
     """The sketch selection's steps alone (eager do_bench each, fastest knobs)."""
     h, t = SPEC.num_kv_heads, summaries.shape[0] * args.block
     keep = protected & valid
-    lse, upper = channel_block_stats(q, summaries, codes, t, r, valid, **knobs)
+    lse, upper = channel_block_stats(q, summaries, codes, t, r, valid, pairs=pairs, **knobs)
     scores, z = block_shares(lse, keep, valid, h)
     c = SketchTopK().num_candidates(k)
     candidates = top_blocks(scores, c)
@@ -164,10 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=int, default=4096)
     parser.add_argument("--block", type=int, default=64)
     parser.add_argument("--channels", default="16,32,64", help="first-level channel counts to time and score")
+    parser.add_argument("--pairs", default="0", help="channel plans to run: 0 single channels, 1 adjacent pairs, "
+                        "0,1 both (eviction/sketch_channels.py read_channels_ref)")
     parser.add_argument("--scan-sweep", default=None, help="the first level's knob settings to time, a JSON list of "
                         "dicts (default: SCAN_SWEEP)")
     args = parser.parse_args(argv)
     args.channels = [int(c) for c in args.channels.split(",")]
+    args.pairs = [bool(int(x)) for x in args.pairs.split(",")]
     args.scan_sweep = json.loads(args.scan_sweep) if args.scan_sweep else SCAN_SWEEP
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -192,11 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     protected = protected_mask(num_tokens=t, block_tokens=b, sink_tokens=SINK, recent_tokens=RECENT, device=dev)
     k = args.budget // b
     policies = {}
-    for r in args.channels:
-        scan = result["first_level"][f"channels_{r}"]["best"].get("knobs", {})
-        result[f"stages_{r}"] = stages(args, q, summaries, codes, valid, protected, k, r, scan)
-        policies[f"sketch_r{r}"] = SketchTopK(channels=r, use_kernel=True, scan_knobs=scan,
-                                           candidate_knobs=result[f"stages_{r}"]["fine_best"]["knobs"])
+    for r, pairs in ((r, pairs) for r in args.channels for pairs in args.pairs):
+        scan = result["first_level"][name(r, pairs)]["best"].get("knobs", {})
+        stage = result[f"stages_{r}" + ("_pairs" if pairs else "")] = stages(args, q, summaries, codes, valid,
+                                                                            protected, k, r, scan, pairs)
+        policies[f"sketch_r{r}" + ("_pairs" if pairs else "")] = SketchTopK(
+            channels=r, channel_pairs=pairs, use_kernel=True, scan_knobs=scan,
+            candidate_knobs=stage["fine_best"]["knobs"])
     selectors = {name: (lambda x, p=p: p.select_masked(x, summaries, codes, valid, protected, k))
                  for name, p in policies.items()}
     selectors["quest"] = lambda x: (topk_select(x, summaries, num_tokens=t, block_tokens=b, budget_tokens=args.budget,

@@ -58,18 +58,27 @@ DEFAULT_KNOBS = dict(blocks_per_program=16, decode=1, num_warps=4, num_stages=1)
 
 @triton.jit
 def _plan_kernel(q_ptr, ch_ptr, stride_qh, stride_ch, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, CHANNELS: tl.constexpr):
-    """One program per kv head: the CHANNELS channels of largest sum_g |q_gd| (ties: the lower channel), by rank."""
+                 HEAD_DIM: tl.constexpr, CHANNELS: tl.constexpr, PAIRS: tl.constexpr):
+    """One program per kv head: the CHANNELS channels of largest sum_g |q_gd| (ties: the lower channel), by rank;
+    PAIRS: the CHANNELS / 2 adjacent pairs (2p, 2p + 1) of largest summed importance, both channels of a pair."""
     head = tl.program_id(0)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + (head * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :], mask=(offs_g < GROUP)[:, None],
                 other=0.0)
     importance = tl.sum(tl.abs(q.to(tl.float32)), 0)  # [HEAD_DIM]
-    ahead = (importance[None, :] > importance[:, None]) | ((importance[None, :] == importance[:, None])
-                                                          & (offs_d[None, :] < offs_d[:, None]))
-    rank = tl.sum(ahead.to(tl.int32), 1)  # [HEAD_DIM]: channels ahead of each
-    tl.store(ch_ptr + head * stride_ch + rank, offs_d, mask=rank < CHANNELS)
+    if PAIRS:
+        offs_p = tl.arange(0, HEAD_DIM // 2)
+        pair = tl.sum(tl.reshape(importance, (HEAD_DIM // 2, 2)), 1)  # [HEAD_DIM / 2]
+        ahead = (pair[None, :] > pair[:, None]) | ((pair[None, :] == pair[:, None]) & (offs_p[None, :] < offs_p[:, None]))
+        rank = tl.sum(ahead.to(tl.int32), 1)  # [HEAD_DIM / 2]: pairs ahead of each
+        tl.store(ch_ptr + head * stride_ch + 2 * rank, 2 * offs_p, mask=2 * rank < CHANNELS)
+        tl.store(ch_ptr + head * stride_ch + 2 * rank + 1, 2 * offs_p + 1, mask=2 * rank < CHANNELS)
+    else:
+        ahead = (importance[None, :] > importance[:, None]) | ((importance[None, :] == importance[:, None])
+                                                              & (offs_d[None, :] < offs_d[:, None]))
+        rank = tl.sum(ahead.to(tl.int32), 1)  # [HEAD_DIM]: channels ahead of each
+        tl.store(ch_ptr + head * stride_ch + rank, offs_d, mask=rank < CHANNELS)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_blocks"])
@@ -162,15 +171,15 @@ def _channel_kernel(
 
 def channel_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, num_tokens: int,
                         num_channels: int, valid: torch.Tensor | None = None, *, scale: float | None = None,
-                        **knobs: int) -> tuple[torch.Tensor, torch.Tensor]:
+                        pairs: bool = False, **knobs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(lse, upper) float32 [Hq, N] from num_channels channels of every block's codes and every block's summaries
     (module docstring); -inf outside valid (bool [N]). q float16 [Hq, D], summaries float16 [N, 2, H, D], codes
-    uint8 [>= N, H, 2, B, D // 4]; D and num_channels powers of two >= 16, B even. Sync-free.
-    The CUDA kernel (eviction/sketch_mma.py) serves where it can; knobs (blocks_per_program, decode, num_warps,
+    uint8 [>= N, H, 2, B, D // 4]; D and num_channels powers of two >= 16, B even. Sync-free. pairs: the channels
+    are read in adjacent pairs (2p, 2p + 1) (read_channels_ref). The CUDA kernel (eviction/sketch_mma.py) serves where it can; knobs (blocks_per_program, decode, num_warps,
     num_stages) override DEFAULT_KNOBS and ask for the Triton kernel."""
     num_blocks, num_kv_heads, block_tokens = check_inputs(q, summaries, codes, num_tokens)
     check_kernel_layout(q, summaries, codes, block_tokens)
-    _check_channels(num_channels, summaries.shape[3], valid, num_blocks)
+    _check_channels(num_channels, summaries.shape[3], valid, num_blocks, pairs)
     if num_channels < 16 or num_channels & (num_channels - 1):
         raise ValueError(f"the kernel reads a power of two >= 16 channels, got {num_channels}")
     unknown = set(knobs) - set(DEFAULT_KNOBS)
@@ -188,7 +197,8 @@ def channel_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.T
     # results/h200-session4); a padded second column is masked out and costs nothing measurable at these sizes
     channels = torch.empty(num_kv_heads, num_channels, dtype=torch.int32, device=q.device)  # [H, r]
     _plan_kernel[(num_kv_heads,)](q, channels, q.stride(0), channels.stride(0), GROUP=group,
-                                  GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, CHANNELS=num_channels)
+                                  GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, CHANNELS=num_channels,
+                                  PAIRS=pairs)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if not given and sketch_mma.usable(q, summaries, codes, num_channels):  # explicit knobs ask for Triton's
         sketch_mma.launch(q, summaries, codes, channels, valid, lse, upper, num_tokens, scale)
@@ -206,33 +216,44 @@ def channel_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.T
     return lse, upper
 
 
-def _check_channels(num_channels: int, head_dim: int, valid: torch.Tensor | None, num_blocks: int) -> None:
+def _check_channels(num_channels: int, head_dim: int, valid: torch.Tensor | None, num_blocks: int,
+                    pairs: bool = False) -> None:
     if isinstance(num_channels, bool) or not isinstance(num_channels, int) or not 0 < num_channels <= head_dim:
         raise ValueError(f"num_channels must be an int in [1, {head_dim}], got {num_channels!r}")
+    if pairs and num_channels % 2:
+        raise ValueError(f"channels read in pairs need an even num_channels, got {num_channels}")
     if valid is not None and (valid.shape != (num_blocks,) or valid.dtype != torch.bool):
         raise ValueError(f"valid: expected bool [{num_blocks}], got {valid.dtype} {list(valid.shape)}")
 
 
-def read_channels_ref(q: torch.Tensor, num_kv_heads: int, num_channels: int) -> torch.Tensor:
-    """int64 [H, num_channels] ascending: the channels of largest sum_g |q_gd| per kv head (ties: the lower one)."""
+def read_channels_ref(q: torch.Tensor, num_kv_heads: int, num_channels: int, pairs: bool = False) -> torch.Tensor:
+    """int64 [H, num_channels] ascending: the channels of largest sum_g |q_gd| per kv head (ties: the lower one);
+    pairs: the num_channels / 2 adjacent pairs (2p, 2p + 1) of largest summed importance. Pairs make the first
+    level's reads 2 code rows (64 bytes at 64-token blocks) long: DRAM serves 64-byte pieces, so single 32-byte rows
+    chosen at random cost ~1.5x their bytes (results/h200-session11, call 7)."""
     importance = q.float().abs().view(num_kv_heads, -1, q.shape[1]).sum(1)  # [H, D]
+    if pairs:
+        pair = importance.view(num_kv_heads, -1, 2).sum(-1)  # [H, D / 2]
+        order = torch.sort(pair, dim=1, descending=True, stable=True).indices[:, :num_channels // 2]
+        order = torch.stack((2 * order, 2 * order + 1), -1).flatten(1)
+        return torch.sort(order, dim=1).values
     order = torch.sort(importance, dim=1, descending=True, stable=True).indices[:, :num_channels]
     return torch.sort(order, dim=1).values
 
 
 def channel_block_stats_ref(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, num_tokens: int,
-                            num_channels: int, valid: torch.Tensor | None = None, *,
-                            scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            num_channels: int, valid: torch.Tensor | None = None, *, scale: float | None = None,
+                            pairs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch reference of `channel_block_stats` (the same fp16 rounding of q_R * step); also the CPU path.
     Any block size and channel count."""
     num_blocks, num_kv_heads, block_tokens = check_inputs(q, summaries, codes, num_tokens)
     head_dim = summaries.shape[3]
-    _check_channels(num_channels, head_dim, valid, num_blocks)
+    _check_channels(num_channels, head_dim, valid, num_blocks, pairs)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     qg = q.float().view(num_kv_heads, -1, head_dim)  # [H, G, D]
     s = summaries.float().transpose(0, 2)  # [H, 2, N, D]
     low, high = s[:, 0], s[:, 1]  # [H, N, D]
-    idx = read_channels_ref(q, num_kv_heads, num_channels)  # [H, r]
+    idx = read_channels_ref(q, num_kv_heads, num_channels, pairs)  # [H, r]
     read = torch.zeros(num_kv_heads, head_dim, dtype=torch.bool, device=q.device).scatter_(1, idx, True)
     q_u = qg.masked_fill(read[:, None], 0.0)
     u_pos, u_neg = q_u.clamp(min=0), q_u.clamp(max=0)

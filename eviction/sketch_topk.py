@@ -46,6 +46,9 @@ class SketchTopK(Policy):
     # graph), 32 found 238 (315 us), 64 found all 241 (421 us), like the old two-plane scan (677 us): the default
     # keeps every needle, a smaller count trades needles for speed
     channels: int | None = None
+    # read the channels in adjacent pairs (2p, 2p + 1) of largest summed |q|: 64-byte code rows at 64-token blocks,
+    # which DRAM serves whole, where single channels' 32-byte rows cost ~1.5x their bytes (eviction/sketch_channels.py)
+    channel_pairs: bool = False
     coarse_factor: int = 4  # fine-pass candidates per kv head = coarse_factor * k; 0: one full 4-bit pass
     # ... and at least this many (256: the most the top-k kernel's two-stage path selects in one launch)
     min_candidates: int = 256
@@ -151,8 +154,9 @@ class SketchTopK(Policy):
         head_dim = summaries.shape[3]
         r = head_dim // 2 if self.channels is None else min(self.channels, head_dim)
         if self._on_kernel(q):
-            return channel_block_stats(q, summaries, codes, num_tokens, r, valid, **self.scan_knobs)
-        return channel_block_stats_ref(q, summaries, codes, num_tokens, r, valid)
+            return channel_block_stats(q, summaries, codes, num_tokens, r, valid, pairs=self.channel_pairs,
+                                       **self.scan_knobs)
+        return channel_block_stats_ref(q, summaries, codes, num_tokens, r, valid, pairs=self.channel_pairs)
 
     def _fine(self, summaries: torch.Tensor, codes: torch.Tensor):
         """The full 4-bit stats function (q, summaries, codes, num_tokens) for this device."""

@@ -98,3 +98,27 @@ def test_bad_arguments_raise() -> None:
         channel_block_stats(q, summaries, codes, 64, 16, blocks_per_program=3)
     with pytest.raises(ValueError, match="valid"):
         channel_block_stats_ref(q, summaries, codes, 64, 16, torch.ones(3, dtype=torch.bool, device=DEVICE))
+
+
+@pytest.mark.parametrize("num_tokens,block_tokens,num_kv_heads,group,head_dim,channels", [
+    (37, 16, 2, 3, 64, 16),
+    (19 * 64 - 3, 64, 2, 4, 128, 64),
+])
+def test_pairs_read_adjacent_channel_pairs_and_match_reference(num_tokens, block_tokens, num_kv_heads, group,
+                                                               head_dim, channels) -> None:
+    q, summaries, codes, keys = make_case(num_tokens, block_tokens, num_kv_heads, group, head_dim, seed=num_tokens)
+    idx = read_channels_ref(q, num_kv_heads, channels, pairs=True)
+    assert idx.shape == (num_kv_heads, channels) and bool((idx[:, 1::2] == idx[:, ::2] + 1).all())
+    assert bool((idx[:, ::2] % 2 == 0).all())
+    importance = q.float().abs().view(num_kv_heads, group, head_dim).sum(1).view(num_kv_heads, -1, 2).sum(-1)
+    chosen = importance.gather(1, idx[:, ::2] // 2)  # every chosen pair ranks above every other
+    others = importance.masked_fill(torch.zeros_like(importance, dtype=torch.bool).scatter_(1, idx[:, ::2] // 2, True),
+                                    float("-inf"))
+    assert bool((chosen.min(1).values >= others.max(1).values).all())
+    want = channel_block_stats_ref(q, summaries, codes, num_tokens, channels, pairs=True)
+    got = channel_block_stats(q, summaries, codes, num_tokens, channels, pairs=True)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=2e-4)
+    assert bool((got[1] >= true_block_lse(q, keys, block_tokens)).all())
+    with pytest.raises(ValueError, match="even num_channels"):
+        channel_block_stats_ref(q, summaries, codes, num_tokens, 15, pairs=True)

@@ -1,7 +1,7 @@
 """Session 11: the CUDA sketch first level's variants, one layer at 1M tokens (llama3-8b: 8 kv heads x 4 q heads,
 head_dim 128, 64-token blocks, r = 64), each timed in one process with do_bench, eager (host launch cost included when it exceeds the GPU's) and
 replayed from a CUDA graph (the GPU's time; the plan kernel and this one), against Triton's kernel (triton=1): ring depth (STAGES), warps per
-program, __launch_bounds__ programs per SM, persistent programs or a warp per tile, and diagnostics that drop parts of the work (wrong results; they locate the time).
+program, __launch_bounds__ programs per SM, persistent programs or a warp per tile, channels read in adjacent pairs (pairs=1), and diagnostics that drop parts of the work (wrong results; they locate the time).
 Correctness of each non-diagnostic variant: max |diff| vs the torch reference on the first 512 blocks.
 
     PYTHONPATH=. python bench_longctx/results/h200-session11/variants.py OUT.json
@@ -25,15 +25,14 @@ summaries = torch.stack((low, low + torch.rand(N, H, D, device=dev) * 3 + 0.1), 
 codes = torch.randint(0, 256, (N, H, 2, T, D // 4), dtype=torch.uint8, device=dev)
 q = torch.randn(H * G, D, device=dev).half()
 m = 512
-ref = channel_block_stats_ref(q, summaries[:m].contiguous(), codes[:m].contiguous(), m * T, R)
+refs = {p: channel_block_stats_ref(q, summaries[:m].contiguous(), codes[:m].contiguous(), m * T, R, pairs=p)
+        for p in (False, True)}
 nbytes = N * H * (4 * D + R * T // 2)
 rows = []
-base = dict(stages=4, programs=3, persistent=0)
-variants = [dict(base), dict(base, DIAG_NO_MATH=1, DIAG_NO_SUMMARY=1, DIAG_NO_EPILOGUE=1, DIAG_NO_STEPS=1),
-            dict(base, DIAG_NO_MATH=1, DIAG_NO_SUMMARY=1, DIAG_NO_EPILOGUE=1),
-            dict(base, DIAG_NO_MATH=1, DIAG_NO_SUMMARY=1, DIAG_NO_STEPS=1),
-            dict(base, DIAG_NO_EPILOGUE=1), dict(base, DIAG_NO_STEPS=1),
-            dict(base, DIAG_NO_MATH=1, DIAG_NO_SUMMARY=1, DIAG_NO_EPILOGUE=1, DIAG_NO_STEPS=1, DIAG_CONTIGUOUS=1)]
+base = dict(stages=2, programs=4, persistent=0)
+variants = [dict(triton=1), dict(base), dict(base, pairs=1), dict(stages=4, programs=3, persistent=0, pairs=1),
+            dict(stages=3, programs=3, persistent=0, pairs=1), dict(base, pairs=1, persistent=1),
+            dict(base, pairs=1, DIAG_NO_MATH=1, DIAG_NO_SUMMARY=1, DIAG_NO_EPILOGUE=1, DIAG_NO_STEPS=1)]
 for v in variants:
     sketch_mma._DEFINES.clear()
     sketch_mma._DEFINES.update({k: x for k, x in v.items() if k.isupper()})
@@ -43,10 +42,12 @@ for v in variants:
     sketch_mma._function.cache_clear(), sketch_mma._loads.cache_clear()
     try:
         knobs = dict(blocks_per_program=16) if v.get("triton") else {}
+        knobs["pairs"] = bool(v.get("pairs"))
         run = lambda: channel_block_stats(q, summaries, codes, N * T, R, **knobs)
         lse, upper = run()
         us = 1e3 * time_ms(run, dev)
         gus = graph_us(run)
+        ref = refs[knobs["pairs"]]
         diff = max(float((lse[:, :m] - ref[0]).abs().max()), float((upper[:, :m] - ref[1]).abs().max()))
         rows.append({"variant": v, "eager_us": round(us, 1), "graph_us": round(gus, 1),
                      "graph_GBps": round(nbytes / gus / 1e3, 1), "max_diff_vs_ref": diff})
