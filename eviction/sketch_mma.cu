@@ -8,28 +8,31 @@
 // analysis is the Triton kernel's, unchanged: codes are exact in fp16 (decoded to 0..15, not biased), the
 // products fp16 x fp16 are exact in fp32, and q_j step_j is rounded to fp16 (with saturation) as there.
 //
-// Why not Triton: its dot takes the decoded codes through shared memory as an fp16 tile, and at 1M tokens the
-// first level issued ~1,160 warp-instructions per block and kv head where its bytes need ~70 us: bound by
-// instructions, not bytes. Here each lane decodes exactly the nibbles its mma.sync fragments hold.
+// Why not Triton: its dot takes the decoded codes through shared memory as an fp16 tile; at 1M tokens (llama3-8b
+// geometry, r = 64) it took 350 us and issued ~1,160 warp-instructions per block and kv head. Here each lane decodes
+// exactly the nibbles its mma.sync fragments hold (~540 per block in the loop): 170 us, of which streaming the
+// bytes alone takes ~157 (results/h200-session11, calls 5-8). The rest of the gap to the copy ceiling is the
+// gather: r code rows of T/2 = 32 bytes chosen among D cost ~1.5x their bytes (DRAM serves 64-byte pieces), which
+// the plan's adjacent pairs (sketch_channels.py) avoid.
 //
-// Work: a warp owns 16 consecutive blocks of one kv head (a tile); a program is WARPS warps of one kv head.
-//   1. Summaries, once per tile: min and max rows of the tile's blocks are the A operands (16 blocks = the
-//      mma's M), q variants the B operands (N = the group's q heads): top_u, q_U . (min + max), Quest on R,
+// Work: a warp owns a tile of 16 consecutive blocks of one kv head; a program is WARPS warps of one kv head.
+//   1. Per block, a cp.async ring (STAGES blocks deep) brings the block's r code rows (gathered by channel) into
+//      shared memory, and its min / max rows into the tile buffer (16 rows, one per block of the tile).
+//      The mma's K dimension is the read channels in the order rho = 16s + 4q' + j (k-step s, lane's slot
+//      q' = 0..3, j = lane % 4), so that a lane's four rows per k-step sit in distinct banks; M is tokens: row n
+//      (= lane / 4) of m-tile m is token 2(n MT + m) and row n + 8 the token after it, so the two nibbles of one
+//      byte belong to one lane (low nibble: even token). A byte permute puts byte m of two rows into an fp16x2's
+//      low bytes, a LOP3 ORs the nibble into 1024.0's mantissa and one HFMA2 takes 1024 off (the high nibble:
+//      scaled by 1/16 first), exactly. B is fp16(q_j step_j) per block: the lanes first compute the block's r
+//      steps (max - min) / 15 together into shared memory, each lane then scales its q values by the 4 steps of
+//      each k-step. The warp reduces its tokens' estimates to a log-sum-exp per q head (butterfly shuffles over
+//      the 8 row groups); the lanes that will hold that block's summary results keep it.
+//   2. At the tile's end, its summaries from the tile buffer: min and max rows are the A operands (16 blocks =
+//      the mma's M), q variants the B operands (N = the group's q heads): top_u, q_U . (min + max), Quest on R,
 //      15 S_R, q_R . min_R and |q| . (|min| + |max|) as 11 mmas per 16 channels. A lane loads 8 contiguous
-//      channels, so k-step 2c of 32-channel chunk c holds channels 32c + 8j + {0..3} (j = lane % 4) and
-//      k-step 2c + 1 channels + {4..7}; q is loaded the same way (a dot does not care about order).
-//   2. Codes, per block: a cp.async ring (STAGES blocks deep) brings the block's r code rows (gathered by
-//      channel) and its min/max rows into shared memory. The k dimension is the read channels in the order
-//      rho = 16s + 4q' + j (k-step s, lane's slot q' = 0..3), so that a lane's four rows per k-step sit in
-//      distinct banks; the M dimension is tokens, row n (= lane / 4) of m-tile m is token 2(n MT + m) and row
-//      n + 8 the token after it, so the two nibbles of one byte belong to one lane (low nibble: even token).
-//      A byte permute puts byte m of two rows into an fp16x2's low bytes, a LOP3 ORs the nibble into 1024.0's
-//      mantissa and one HFMA2 takes 1024 off (the high nibble: scaled by 1/16 first), exactly.
-//      B is fp16(q_j step_j) per block: the lanes first compute the block's r steps (max - min) / 15
-//      together into shared memory, each lane then multiplies its q values by the 4 steps of each k-step.
-//   3. Per block, the warp reduces its tokens' estimates to a log-sum-exp per q head (butterfly shuffles over
-//      the 8 row groups); the lanes holding that block's summary results keep it. At the tile's end each lane
-//      writes lse and upper for its two blocks and two q heads.
+//      channels, so k-step 2c of 32-channel chunk c holds channels 32c + 8j + {0..3} and k-step 2c + 1 channels
+//      + {4..7}; q is loaded the same way (a dot does not care about order).
+//   3. Each lane writes lse and upper for its two blocks (n, n + 8) and two q heads (2j, 2j + 1).
 // Compiled at run time with NVRTC (eviction/sketch_mma.py); includes only kvcuda/device.cuh.
 
 #include "kvcuda/device.cuh"
@@ -45,24 +48,6 @@ struct Params {
     int num_tokens, num_blocks, group;
 };
 
-#ifndef DIAG_NO_MATH
-#define DIAG_NO_MATH 0  // diagnostics (wrong results): no decode / mma
-#endif
-#ifndef DIAG_CONTIGUOUS
-#define DIAG_CONTIGUOUS 0  // diagnostics (wrong results): read channels 0 .. r - 1 (contiguous code rows)
-#endif
-#ifndef DIAG_NO_SUMMARY
-#define DIAG_NO_SUMMARY 0  // diagnostics (wrong results): no summary mmas
-#endif
-#ifndef DIAG_NO_EPILOGUE
-#define DIAG_NO_EPILOGUE 0  // diagnostics (wrong results): no per-block log-sum-exp
-#endif
-#ifndef DIAG_NO_STEPS
-#define DIAG_NO_STEPS 0  // diagnostics (wrong results): no per-block steps
-#endif
-#ifndef DIAG_NO_LOOP
-#define DIAG_NO_LOOP 0  // diagnostics (wrong results): the tile's summaries and set-up only
-#endif
 
 #define LEVELS 15.0f
 #define ROUNDING_SLACK 1e-4f
@@ -158,7 +143,7 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
     for (int i = threadIdx.x; i < D / 32; i += blockDim.x) readbits[i] = 0u;
     __syncthreads();
     for (int i = threadIdx.x; i < R; i += blockDim.x) {
-        const int c = DIAG_CONTIGUOUS ? i : p.channels[head * p.s_ch_head + i];
+        const int c = p.channels[head * p.s_ch_head + i];
         chan[i] = c;
         atomicOr(&readbits[c >> 5], 1u << (c & 31));
     }
@@ -222,7 +207,7 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
 
         // ---- 1. per block: the read channels' estimates, reduced to a log-sum-exp per q head
         float lse_keep[2][2] = {{NEG_INF, NEG_INF}, {NEG_INF, NEG_INF}};  // blocks n, n + 8; heads 2j, 2j + 1
-        for (int t = 0; t < (DIAG_NO_LOOP ? 0 : n_tile); ++t) {
+        for (int t = 0; t < n_tile; ++t) {
             issue(t + STAGES - 1);
             cp_async_wait<STAGES - 1>();
             __syncwarp();
@@ -230,17 +215,14 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
                 const unsigned char* st = ring + (t % STAGES) * G::CODE;
                 const u16* smin = reinterpret_cast<const u16*>(tilebuf + t * G::SROW);
                 float* steps = stepbuf + (t & 1) * R;
-#if !DIAG_NO_STEPS
                 #pragma unroll
                 for (int i = 0; i < RL; ++i)
                     if (lane + 32 * i < R)
                         steps[my_slot[i]] = (half_to_float(smin[D + my_ch[i]]) - half_to_float(smin[my_ch[i]])) / LEVELS;
                 __syncwarp();
-#endif
                 float acc[MT][4];
                 #pragma unroll
                 for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
-#if !DIAG_NO_MATH
                 #pragma unroll
                 for (int s = 0; s < KR; ++s) {
                     const float4 sv = *reinterpret_cast<const float4*>(steps + 16 * s + 4 * j);
@@ -273,15 +255,6 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
                         mma(acc[m], a0, a1, a2, a3, b0, b1);
                     }
                 }
-#else
-                acc[0][0] = __int_as_float(*reinterpret_cast<const int*>(st + 4 * lane)) + steps[j];
-#endif
-#if DIAG_NO_EPILOGUE
-                if (t == n) lse_keep[0][0] = acc[0][0] + acc[MT - 1][3];
-                if (false) {
-#else
-                {
-#endif
                 // the block's log-sum-exp per q head (columns 2j, 2j + 1) over its real tokens; rows n, n + 8 of
                 // m-tile m are tokens 2 (n MT + m) and the one after
                 const int real = min(T, p.num_tokens - (b0 + t) * T);
@@ -318,7 +291,6 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
                     if (t == n) lse_keep[0][h] = lp;
                     if (t == n + 8) lse_keep[1][h] = lp;
                 }
-                }
             }
             __syncwarp();  // every lane is done with this stage before the next iteration refills it
         }
@@ -336,7 +308,7 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
         const unsigned char* s0 = tilebuf + n * G::SROW + 16 * j;
         const unsigned char* s1 = s0 + 8 * G::SROW;
         #pragma unroll
-        for (int c = 0; c < (DIAG_NO_SUMMARY ? 0 : D / 32); ++c) {
+        for (int c = 0; c < D / 32; ++c) {
             const uint4 mn0 = *reinterpret_cast<const uint4*>(s0 + 64 * c);
             const uint4 mn1 = *reinterpret_cast<const uint4*>(s1 + 64 * c);
             const uint4 mx0 = *reinterpret_cast<const uint4*>(s0 + 2 * D + 64 * c);
