@@ -26,6 +26,11 @@ Instruction counts (sm_90 SASS, triton 3.6, offline) steered the form: per-block
 cross-lane reductions (982 -> 792 warp-instructions per block and kv head at r = 16), no token masks when every
 block is full (1128 -> 982), a channel-at-a-time FMA loop was 3x worse.
 
+On CUDA, `channel_block_stats` runs the scan as eviction/sketch_mma.cu where it can (the same numbers from a kernel
+that decodes the codes into tensor-core operands in registers: 170 against 350 us at 1M, results/h200-session11);
+the Triton kernel below serves the rest and any call that passes knobs. The plan may read channels in adjacent pairs
+(pairs=True): 64-byte code rows, 148 us, one needle of 241 lost at r = 64 (call 8).
+
 Layout: kernels -> launcher -> pure-torch reference. Imports only torch and triton (and the nibble decoder and
 constants of eviction/sketch_kernel.py).
 """

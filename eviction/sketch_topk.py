@@ -44,10 +44,12 @@ class SketchTopK(Policy):
     # H200, 1M tokens, llama3-8b geometry, 241 norm-matched needles holding >= 5% of the dense weight, budget 4096
     # (bench_longctx/results/h200-session3, call3 and call5): 16 of 128 channels found 204 (select 274 us in a
     # graph), 32 found 238 (315 us), 64 found all 241 (421 us), like the old two-plane scan (677 us): the default
-    # keeps every needle, a smaller count trades needles for speed
+    # keeps every needle, a smaller count trades needles for speed. With the CUDA first level (session 11, call 8)
+    # 64 channels select in 225 us in a graph (the first level 170 us of it)
     channels: int | None = None
     # read the channels in adjacent pairs (2p, 2p + 1) of largest summed |q|: 64-byte code rows at 64-token blocks,
-    # which DRAM serves whole, where single channels' 32-byte rows cost ~1.5x their bytes (eviction/sketch_channels.py)
+    # which DRAM serves whole, where single channels' 32-byte rows cost ~1.5x their bytes. At 1M (session 11, call 8):
+    # first level 148 vs 170 us, e2e sketch 86.4 vs 80.7 tok/s, but 240 of the 241 needles: off by default
     channel_pairs: bool = False
     coarse_factor: int = 4  # fine-pass candidates per kv head = coarse_factor * k; 0: one full 4-bit pass
     # ... and at least this many (256: the most the top-k kernel's two-stage path selects in one launch)

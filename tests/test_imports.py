@@ -1,6 +1,6 @@
 """The layout stays a layered one: every import points down and no module imports itself back.
 
-    bench_longctx -> engine_adapter -> kvstore -> eviction, tiers
+    bench_longctx -> engine_adapter -> kvstore -> eviction, tiers -> kvcuda
 
 Imports inside functions count too (a lazy import is still a dependency).
 """
@@ -11,7 +11,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LAYERS = {"bench_longctx": 3, "engine_adapter": 2, "kvstore": 1, "eviction": 0, "tiers": 0}
+LAYERS = {"bench_longctx": 3, "engine_adapter": 2, "kvstore": 1, "eviction": 0, "tiers": 0, "kvcuda": -1}
 
 
 def _module_name(path: Path) -> str:
