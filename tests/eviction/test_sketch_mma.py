@@ -4,7 +4,6 @@ load falls back to Triton with one warning, CPU tensors never take it."""
 
 from __future__ import annotations
 
-import re
 import warnings
 
 import pytest
@@ -15,19 +14,13 @@ from eviction import sketch_mma
 from eviction.sketch_channels import channel_block_stats, channel_block_stats_ref
 from kvcuda import nvrtc
 from tests.eviction.test_sketch_kernel import DEVICE, make_case
+from tests.kvcuda.cuda_struct import struct_fields
 
 cuda = pytest.mark.cuda
 
 
 def test_params_mirror_the_cuda_struct() -> None:
-    body = re.search(r"struct Params \{(.*?)\};", sketch_mma._SOURCE.read_text(), re.S).group(1)
-    names = []
-    for line in body.splitlines():
-        for decl in line.split("//")[0].split(";"):
-            decl = decl.strip()
-            if decl:
-                names += [re.sub(r"^.*[\s*]", "", part.strip()) for part in decl.split(",")]
-    assert names == [name for name, _ in sketch_mma._Params._fields_]
+    assert struct_fields(sketch_mma._SOURCE) == [name for name, _ in sketch_mma._Params._fields_]
 
 
 def test_nvrtc_compiles_every_geometry() -> None:

@@ -9,7 +9,6 @@ parameter struct, and NVRTC compiling the kernel for sm_90 where libnvrtc is ins
 
 from __future__ import annotations
 
-import re
 import warnings
 
 import pytest
@@ -20,6 +19,7 @@ from kvstore.attention import int8_mma
 from kvstore.attention.paged_decode import paged_decode
 from kvstore.attention.plan import check_decode_inputs
 from kvstore.attention.reference import paged_decode_ref
+from tests.kvcuda.cuda_struct import struct_fields
 from tests.kvstore.attention.cases import dense_lse, make_case
 
 cuda = pytest.mark.cuda
@@ -39,14 +39,7 @@ GRID = [
 
 def test_params_mirror_the_kernel_struct() -> None:
     """_Params must list int8_mma.cu's Params fields in the same order (the launch passes it by value)."""
-    body = re.search(r"struct Params \{(.*?)\};", int8_mma._SOURCE.read_text(), re.S).group(1)
-    body = re.sub(r"//[^\n]*", "", body)
-    names = []
-    for decl in body.split(";"):
-        decl = decl.strip()
-        if decl:
-            names += [re.sub(r"^.*[\s*]", "", part.strip()) for part in decl.split(",")]
-    assert names == [name for name, _ in int8_mma._Params._fields_]
+    assert struct_fields(int8_mma._SOURCE) == [name for name, _ in int8_mma._Params._fields_]
 
 
 def test_nvrtc_compiles_every_geometry() -> None:
