@@ -8,9 +8,11 @@ distribution with 10 norm-matched needles at graded margins (bench_longctx/needl
 has its own query, isotropic: the channel first level's hard case), coded channel-major (eviction/sketch.py).
 The old two-plane first level was the baseline until commit 7e358f2; its numbers are in BENCHMARKS.md ("The
 sketch's first level over channel-major codes") and results/h200-session3/call3/g1, call5/sketch_h200.json.
-  first_level  the channel pass (eviction/sketch_channels.py) for r in --channels over a knob sweep: us (eager),
-               graph_us (replayed from a CUDA graph: the GPU's time), GB/s of the bytes it must read, bound violations against the true keys' per-block log-sum-exp (every
-               block, needle query 0), largest difference from the torch reference over the first REF_BLOCKS blocks
+  first_level  the channel pass (eviction/sketch_channels.py) for r in --channels (and --pairs) over a knob sweep
+               ({} first: the CUDA kernel where it serves): us (eager), graph_us (replayed from a CUDA graph: the
+               GPU's time), GB/s of the bytes it must read, bound violations against the true keys' per-block
+               log-sum-exp (every block, needle query 0), largest difference from the torch reference over the first
+               REF_BLOCKS blocks
   stages       the sketch selection's steps alone with the fastest knobs: ranking, candidate top-k, fine pass with
                merge, final top-k
   select       select_masked eager and replayed from a CUDA graph: the sketch per r, Quest's selection for scale

@@ -29,7 +29,7 @@ block is full (1128 -> 982), a channel-at-a-time FMA loop was 3x worse.
 On CUDA, `channel_block_stats` runs the scan as eviction/sketch_mma.cu where it can (the same numbers from a kernel
 that decodes the codes into tensor-core operands in registers: 170 against 350 us at 1M, results/h200-session11);
 the Triton kernel below serves the rest and any call that passes knobs. The plan may read channels in adjacent pairs
-(pairs=True): 64-byte code rows, 148 us, one needle of 241 lost at r = 64 (call 8).
+(pairs=True): 64-byte code rows, 148 us, one needle of 241 lost at r = 64 (results/h200-session11, call 8).
 
 Layout: kernels -> launcher -> pure-torch reference. Imports only torch and triton (and the nibble decoder and
 constants of eviction/sketch_kernel.py).
@@ -75,7 +75,8 @@ def _plan_kernel(q_ptr, ch_ptr, stride_qh, stride_ch, GROUP: tl.constexpr, GROUP
     if PAIRS:
         offs_p = tl.arange(0, HEAD_DIM // 2)
         pair = tl.sum(tl.reshape(importance, (HEAD_DIM // 2, 2)), 1)  # [HEAD_DIM / 2]
-        ahead = (pair[None, :] > pair[:, None]) | ((pair[None, :] == pair[:, None]) & (offs_p[None, :] < offs_p[:, None]))
+        ahead = (pair[None, :] > pair[:, None]) | ((pair[None, :] == pair[:, None])
+                                                  & (offs_p[None, :] < offs_p[:, None]))
         rank = tl.sum(ahead.to(tl.int32), 1)  # [HEAD_DIM / 2]: pairs ahead of each
         tl.store(ch_ptr + head * stride_ch + 2 * rank, 2 * offs_p, mask=2 * rank < CHANNELS)
         tl.store(ch_ptr + head * stride_ch + 2 * rank + 1, 2 * offs_p + 1, mask=2 * rank < CHANNELS)
@@ -180,8 +181,9 @@ def channel_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.T
     """(lse, upper) float32 [Hq, N] from num_channels channels of every block's codes and every block's summaries
     (module docstring); -inf outside valid (bool [N]). q float16 [Hq, D], summaries float16 [N, 2, H, D], codes
     uint8 [>= N, H, 2, B, D // 4]; D and num_channels powers of two >= 16, B even. Sync-free. pairs: the channels
-    are read in adjacent pairs (2p, 2p + 1) (read_channels_ref). The CUDA kernel (eviction/sketch_mma.py) serves where it can; knobs (blocks_per_program, decode, num_warps,
-    num_stages) override DEFAULT_KNOBS and ask for the Triton kernel."""
+    are read in adjacent pairs (2p, 2p + 1) (read_channels_ref). The CUDA kernel (eviction/sketch_mma.py) serves
+    where it can; knobs (blocks_per_program, decode, num_warps, num_stages) override DEFAULT_KNOBS and ask for the
+    Triton kernel."""
     num_blocks, num_kv_heads, block_tokens = check_inputs(q, summaries, codes, num_tokens)
     check_kernel_layout(q, summaries, codes, block_tokens)
     _check_channels(num_channels, summaries.shape[3], valid, num_blocks, pairs)

@@ -218,7 +218,8 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
                 #pragma unroll
                 for (int i = 0; i < RL; ++i)
                     if (lane + 32 * i < R)
-                        steps[my_slot[i]] = (half_to_float(smin[D + my_ch[i]]) - half_to_float(smin[my_ch[i]])) / LEVELS;
+                        steps[my_slot[i]] =
+                            (half_to_float(smin[D + my_ch[i]]) - half_to_float(smin[my_ch[i]])) / LEVELS;
                 __syncwarp();
                 float acc[MT][4];
                 #pragma unroll
@@ -262,8 +263,14 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
                 #pragma unroll
                 for (int m = 0; m < MT; ++m) {
                     const int tok = 2 * (n * MT + m);
-                    if (real == T || tok < real) { top[0] = fmaxf(top[0], acc[m][0]); top[1] = fmaxf(top[1], acc[m][1]); }
-                    if (real == T || tok + 1 < real) { top[0] = fmaxf(top[0], acc[m][2]); top[1] = fmaxf(top[1], acc[m][3]); }
+                    if (real == T || tok < real) {
+                        top[0] = fmaxf(top[0], acc[m][0]);
+                        top[1] = fmaxf(top[1], acc[m][1]);
+                    }
+                    if (real == T || tok + 1 < real) {
+                        top[0] = fmaxf(top[0], acc[m][2]);
+                        top[1] = fmaxf(top[1], acc[m][3]);
+                    }
                 }
                 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
@@ -313,7 +320,8 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
             const uint4 mn1 = *reinterpret_cast<const uint4*>(s1 + 64 * c);
             const uint4 mx0 = *reinterpret_cast<const uint4*>(s0 + 2 * D + 64 * c);
             const uint4 mx1 = *reinterpret_cast<const uint4*>(s1 + 2 * D + 64 * c);
-            const uint4 qx = q_ok ? *reinterpret_cast<const uint4*>(q_row + 32 * c + 8 * j) : make_uint4(0u, 0u, 0u, 0u);
+            const uint4 qx = q_ok ? *reinterpret_cast<const uint4*>(q_row + 32 * c + 8 * j)
+                                  : make_uint4(0u, 0u, 0u, 0u);
             const u32 bits = (readbits[c] >> (8 * j)) & 0xffu;
             const u32 amn0[4] = {mn0.x, mn0.y, mn0.z, mn0.w}, amn1[4] = {mn1.x, mn1.y, mn1.z, mn1.w};
             const u32 amx0[4] = {mx0.x, mx0.y, mx0.z, mx0.w}, amx1[4] = {mx1.x, mx1.y, mx1.z, mx1.w};

@@ -3,8 +3,8 @@
 Same inputs and outputs as eviction/sketch_channels.py's Triton `_channel_kernel` (the read channels come from
 its `_plan_kernel`), same error analysis: `channel_block_stats` routes here when `usable` says so. Why a CUDA
 kernel: the Triton form issued ~1,160 warp-instructions per block and kv head at r = 64 (its dot takes the
-decoded codes through shared memory), about 5x what its bytes need at 1M tokens; here each lane decodes the
-nibbles its mma.sync fragments hold. The .cu file says how.
+decoded codes through shared memory) and took 350 us at 1M tokens; here each lane decodes the nibbles its mma.sync
+fragments hold: 170 us, most of it the copy stream (results/h200-session11). The .cu file says how.
 
 Used for: a CUDA device of compute capability >= 8.0 with NVRTC, head_dim 64 or 128, block_tokens 16..128,
 r in {16, 32, 64, 128} (<= head_dim), GQA groups of up to 8 q heads, 16-byte aligned rows.
@@ -31,6 +31,7 @@ _HEAD_DIMS = (64, 128)
 _BLOCK_TOKENS = (16, 32, 64, 128)
 _CHANNELS = (16, 32, 64, 128)
 _MAX_GROUP = 8
+_DEFINES: dict[str, int] = {}  # #defines put before the .cu (none by default): for measuring variants
 
 
 class _Params(ctypes.Structure):
@@ -53,8 +54,6 @@ def kernel_name(head_dim: int, block_tokens: int, channels: int) -> str:
     return f"sketch_first_level_d{head_dim}_t{block_tokens}_r{channels}"
 
 
-_DEFINES: dict[str, int] = {}  # #defines put before the .cu (none by default): for measuring variants
-
 
 def kernel_source(head_dim: int, block_tokens: int, channels: int) -> str:
     """The .cu file plus one extern "C" entry point for this geometry."""
@@ -66,8 +65,9 @@ def kernel_source(head_dim: int, block_tokens: int, channels: int) -> str:
 
 
 def smem_bytes(head_dim: int, block_tokens: int, channels: int) -> int:
-    """Dynamic shared memory of a program: sketch_mma.cu's Geometry (header, then per warp its ring of stages and
-    two step buffers). Mirrors the .cu, which the host cannot read before a launch."""
+    """Dynamic shared memory of a program: sketch_mma.cu's WARP_BYTES (the header, then per warp its ring of code
+    stages, its tile buffer of min / max rows and two step buffers). Mirrors the .cu, which the host cannot read
+    before a launch."""
     header = (4 * channels + 4 * (head_dim // 32) + 15) // 16 * 16
     code_stage, tile_row = channels * block_tokens // 2, 4 * head_dim + 16
     return header + _WARPS * (_STAGES * code_stage + 16 * tile_row + 8 * channels)

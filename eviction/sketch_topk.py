@@ -54,7 +54,7 @@ class SketchTopK(Policy):
     coarse_factor: int = 4  # fine-pass candidates per kv head = coarse_factor * k; 0: one full 4-bit pass
     # ... and at least this many (256: the most the top-k kernel's two-stage path selects in one launch)
     min_candidates: int = 256
-    use_kernel: bool | None = None  # None: the Triton kernels on CUDA, the torch references elsewhere
+    use_kernel: bool | None = None  # None: the GPU kernels (Triton; CUDA C++ where built) on CUDA, torch elsewhere
     # tuning knobs of the first level (eviction/sketch_channels.py DEFAULT_KNOBS when empty) and of the fine pass
     # (eviction/sketch_kernel.py); bench_longctx/sketch_bench.py sweeps them
     scan_knobs: dict = field(default_factory=dict)

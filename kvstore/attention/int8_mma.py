@@ -42,7 +42,6 @@ _BLOCK_TOKENS = (16, 32, 64, 128)
 _MAX_GROUP = 8
 
 
-
 class _Params(ctypes.Structure):
     """int8_mma.cu's Params, field for field."""
 
