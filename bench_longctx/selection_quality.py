@@ -11,7 +11,7 @@ blocks plus the blocks of highest true mass, the same count. Reported per (metho
 size, budget): mean over layer-heads of captured mass and of mass / oracle, and the worst
 layer-head (each layer-head averaged over the steps first). The certified bound on the
 omitted mass (eviction/certify.py) is checked against the true omitted mass on every case.
-`sketch` is SketchTopK() (channel first level, head_dim // 2 channels). The old two-plane first level was the
+`sketch` is SketchTopK() (channel first level, head_dim // 2 channels; --channel-pairs: read in adjacent pairs). The old two-plane first level was the
 baseline until commit 7e358f2; its numbers are in BENCHMARKS.md ("The sketch's first level over channel-major codes").
 """
 
@@ -132,21 +132,23 @@ def evaluate_step(q: torch.Tensor, keys: torch.Tensor, block_tokens: int, fracti
 
 
 def run(path: str, method_names: list[str] | None = None, block_sizes=BLOCK_SIZES, fractions=FRACTIONS,
-        layers: list[int] | None = None, progress: Callable = lambda it, _: it) -> dict:
+        layers: list[int] | None = None, progress: Callable = lambda it, _: it,
+        sketch: SketchTopK | None = None) -> dict:
     """Every case of a real_qk capture file."""
     data = torch.load(path, weights_only=True)
-    return evaluate(data["keys"], data["queries"], method_names, block_sizes, fractions, layers, progress)
+    return evaluate(data["keys"], data["queries"], method_names, block_sizes, fractions, layers, progress, sketch)
 
 
 def evaluate(keys_all: list[torch.Tensor], queries_all: list[torch.Tensor], method_names: list[str] | None = None,
              block_sizes=BLOCK_SIZES, fractions=FRACTIONS, layers: list[int] | None = None,
-             progress: Callable = lambda it, _: it) -> dict:
+             progress: Callable = lambda it, _: it, sketch: SketchTopK | None = None) -> dict:
     """Rows per (method, block size, budget) and the certificate's check, over keys [T, H, D] and the
-    queries [steps, Hq, D] of the last positions, per layer (bench_longctx.real_qk.capture)."""
+    queries [steps, Hq, D] of the last positions, per layer (bench_longctx.real_qk.capture). sketch: the
+    `sketch` method's policy (default SketchTopK())."""
     steps = queries_all[0].shape[0]
     names = list(scorers()) + ["sketch"] if method_names is None else method_names
     methods = {k: v for k, v in scorers().items() if k in names}
-    policy = SketchTopK() if "sketch" in names else None
+    policy = (sketch or SketchTopK()) if "sketch" in names else None
     layers = list(range(len(keys_all))) if layers is None else layers
     context = keys_all[0].shape[0] - steps
     acc: dict = {}
@@ -206,12 +208,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("qk", help="file written by bench_longctx.real_qk")
     parser.add_argument("--methods", default=None, help="comma-separated subset of " + ",".join(scorers()))
     parser.add_argument("--blocks", default=",".join(map(str, BLOCK_SIZES)))
+    parser.add_argument("--channel-pairs", action="store_true",
+                        help="the sketch's first level reads its channels in adjacent pairs (SketchTopK.channel_pairs)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     t0 = time.time()
     result = run(args.qk, args.methods.split(",") if args.methods else None,
-                 tuple(int(b) for b in args.blocks.split(",")))
+                 tuple(int(b) for b in args.blocks.split(",")), sketch=SketchTopK(channel_pairs=args.channel_pairs))
+    result["channel_pairs"] = args.channel_pairs
     result["seconds"] = time.time() - t0
     print(table(result))
     if args.out:
