@@ -114,8 +114,9 @@ struct Geometry {
     static constexpr int KR = R / 16;               // code k-steps
     static constexpr int ROW = T / 2;               // bytes of a code row (one channel, the block's tokens)
     static constexpr int CODE = R * ROW;            // a ring stage: the block's read rows, row rho at rho * ROW
-    static constexpr int SROW = 4 * D + 16;         // a block's min row and max row (fp16) in the tile buffer, padded
-                                                    // so the summary fragment loads of 8 blocks hit distinct banks
+    static constexpr int SROW = 4 * D + 16;         // a block's min row and max row (fp16) in the tile buffer, +16
+                                                    // bytes (the once-a-tile fragment loads keep 2-way bank
+                                                    // conflicts; a 64-byte pad would remove them, not measured)
     static constexpr int COPY = ROW < 16 ? ROW : 16;  // cp.async piece of a code row
     static constexpr int CODE_PIECES = CODE / COPY;
     static constexpr int HEADER = (4 * R + 4 * (D / 32) + 15) / 16 * 16;  // channels, read mask
