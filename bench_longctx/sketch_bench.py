@@ -223,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     path = write_json(args.out, "sketch_h200.json", result)
     summary = {"first_level_us": {name: round(row.get("us", row.get("best", {}).get("us", float("nan"))), 1)
                                   for name, row in result["first_level"].items()},
+               "first_level_graph_us": {name: round(row.get("best", {}).get("graph_us", float("nan")), 1)
+                                        for name, row in result["first_level"].items()},
                "select_graph_us": {name: round(row["graph_us"], 1) for name, row in result["select"].items()},
                "recall": {name: row["recall"] for name, row in result["needles"].items()},
                "bound_violations": {name: row["bound_violations"] for name, row in result["needles"].items()},
