@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
-import warnings
 from pathlib import Path
 
 import torch
@@ -87,24 +85,14 @@ def _function(head_dim: int, block_tokens: int, channels: int, device_index: int
 
 @functools.lru_cache(maxsize=None)
 def _loads(head_dim: int, block_tokens: int, channels: int, device_index: int) -> bool:
-    """Compiles and loads the kernel once; a failure is reported once and leaves the first level to Triton."""
-    try:
-        _function(head_dim, block_tokens, channels, device_index)
-        return True
-    except (RuntimeError, OSError, AttributeError) as err:
-        warnings.warn(f"kvtier: the CUDA sketch first-level kernel is unavailable, Triton's serves instead: {err}",
-                      RuntimeWarning, stacklevel=2)
-        return False
-
-
-def _enabled() -> bool:
-    return os.environ.get("KVTIER_SKETCH_MMA", "1") not in ("0", "false", "False")
+    """Compiles and loads the kernel once (nvrtc.builds: a failure warns once and leaves the first level to Triton)."""
+    return nvrtc.builds(lambda: _function(head_dim, block_tokens, channels, device_index), "sketch first-level kernel")
 
 
 def usable(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, num_channels: int) -> bool:
     """Whether channel_block_stats over these tensors (already checked by check_inputs / check_kernel_layout)
     can take the CUDA kernel."""
-    if not (_enabled() and q.is_cuda and torch.cuda.get_device_capability(q.device) >= (8, 0)):
+    if not nvrtc.device_ok(q, "KVTIER_SKETCH_MMA"):
         return False
     num_kv_heads, head_dim, block_tokens = summaries.shape[2], summaries.shape[3], codes.shape[3]
     if (head_dim not in _HEAD_DIMS or block_tokens not in _BLOCK_TOKENS or num_channels not in _CHANNELS
@@ -114,8 +102,6 @@ def usable(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, num_ch
     if q.data_ptr() % 16 or q.stride(0) % 8 or summaries.data_ptr() % 16 or any(s % 8 for s in summaries.stride()[:3]):
         return False
     if codes.data_ptr() % 16 or codes.stride(0) % 16 or codes.stride(1) % 16:
-        return False
-    if not nvrtc.available():
         return False
     return _loads(head_dim, block_tokens, num_channels, q.device.index or 0)
 

@@ -14,6 +14,7 @@ import glob
 import hashlib
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -60,6 +61,26 @@ def driver_library() -> ctypes.CDLL | None:
 def available() -> bool:
     """NVRTC and the CUDA driver library are both found."""
     return nvrtc_library() is not None and driver_library() is not None
+
+
+def device_ok(x: torch.Tensor, switch: str) -> bool:
+    """Whether a kernel may serve tensor x: its environment switch is not 0 / false, x is on a CUDA device of compute
+    capability >= 8.0, and NVRTC and the driver library are found."""
+    if os.environ.get(switch, "1") in ("0", "false", "False"):
+        return False
+    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 0) and available()
+
+
+def builds(build: Callable[[], object], what: str) -> bool:
+    """Runs build() (a compile and load); a failure (an NVRTC too old for the GPU, say) warns and returns False, so
+    the caller's launches go to Triton instead of failing. Callers cache the answer per geometry: one warning."""
+    try:
+        build()
+        return True
+    except (RuntimeError, OSError, AttributeError) as err:
+        warnings.warn(f"kvtier: the CUDA {what} is unavailable, Triton's serves instead: {err}", RuntimeWarning,
+                      stacklevel=3)
+        return False
 
 
 def _check_nvrtc(lib: ctypes.CDLL, rc: int, what: str) -> None:

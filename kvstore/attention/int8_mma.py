@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
-import warnings
 from pathlib import Path
 
 import torch
@@ -95,14 +93,10 @@ def _function(head_dim: int, block_tokens: int, device_index: int) -> ctypes.c_v
                           device_index, smem_bytes(head_dim, block_tokens), "int8_mma")
 
 
-def _enabled() -> bool:
-    return os.environ.get("KVTIER_INT8_MMA", "1") not in ("0", "false", "False")
-
-
 def usable(q: torch.Tensor, warm_data: torch.Tensor, warm_k_scale: torch.Tensor, warm_v_scale: torch.Tensor,
            table: torch.Tensor, geom: DecodeGeometry) -> bool:
     """Whether a warm-only split launch over these tensors can take the CUDA kernel."""
-    if not (_enabled() and q.is_cuda and torch.cuda.get_device_capability(q.device) >= (8, 0)):
+    if not nvrtc.device_ok(q, "KVTIER_INT8_MMA"):
         return False
     if (geom.head_dim not in _HEAD_DIMS or geom.block_tokens not in _BLOCK_TOKENS or geom.group > _MAX_GROUP
             or table.dtype != torch.int32):
@@ -116,22 +110,13 @@ def usable(q: torch.Tensor, warm_data: torch.Tensor, warm_k_scale: torch.Tensor,
         return False
     if q.data_ptr() % 4 or any(s % 2 for s in q.stride()[:-1]):  # q is read two fp16 at a time
         return False
-    if not nvrtc.available():
-        return False
     return _loads(geom.head_dim, geom.block_tokens, q.device.index or 0)
 
 
 @functools.lru_cache(maxsize=None)
 def _loads(head_dim: int, block_tokens: int, device_index: int) -> bool:
-    """Compiles and loads the kernel once; a failure (an NVRTC too old for the GPU, say) is reported once and
-    leaves the launches to Triton rather than failing them."""
-    try:
-        _function(head_dim, block_tokens, device_index)
-        return True
-    except (RuntimeError, OSError, AttributeError) as err:
-        warnings.warn(f"kvtier: the CUDA int8 decode kernel is unavailable, Triton's serves instead: {err}",
-                      RuntimeWarning, stacklevel=2)
-        return False
+    """Compiles and loads the kernel once (nvrtc.builds: a failure warns once and leaves the launches to Triton)."""
+    return nvrtc.builds(lambda: _function(head_dim, block_tokens, device_index), "int8 decode kernel")
 
 
 def launch(q: torch.Tensor, warm_data: torch.Tensor, warm_k_scale: torch.Tensor, warm_v_scale: torch.Tensor,

@@ -1,10 +1,22 @@
-"""kvcuda/nvrtc.py: the disk cache of compiled kernels, and NVRTC compiling the shared header (no GPU needed)."""
+"""kvcuda/nvrtc.py: the disk cache of compiled kernels, NVRTC compiling the shared header (no GPU needed); and what
+every CUDA kernel module built on it keeps: a ctypes Params mirroring its .cu's struct, one warning and Triton when
+its build fails."""
 
 from __future__ import annotations
 
+import re
+import warnings
+from pathlib import Path
+
 import pytest
 
+from eviction import sketch_mma
 from kvcuda import nvrtc
+from kvstore.attention import int8_mma
+
+# each kernel module and a geometry its _loads takes
+KERNELS = [pytest.param(int8_mma, (128, 32, 0), id="int8_mma"),
+           pytest.param(sketch_mma, (128, 64, 64, 0), id="sketch_mma")]
 
 _SOURCE = '#include "kvcuda/device.cuh"\nextern "C" __global__ void probe(float* x) { x[threadIdx.x] = NEG_INF; }\n'
 
@@ -35,3 +47,40 @@ def test_nvrtc_compiles_with_the_shared_header_and_reports_errors() -> None:
     assert len(nvrtc.compile_cubin(_SOURCE, "probe.cu", "sm_90")) > 500
     with pytest.raises(RuntimeError, match="NVRTC compile of broken.cu failed"):
         nvrtc.compile_cubin(_SOURCE + "this is not C++;\n", "broken.cu", "sm_90")
+
+
+def struct_fields(source: Path, name: str = "Params") -> list[str]:
+    """The field names of a C struct in a .cu file, in order."""
+    body = re.search(rf"struct {name} \{{(.*?)\}};", source.read_text(), re.S).group(1)
+    names = []
+    for line in body.splitlines():
+        for decl in line.split("//")[0].split(";"):
+            decl = decl.strip()
+            if decl:
+                names += [re.sub(r"^.*[\s*]", "", part.strip()) for part in decl.split(",")]
+    return names
+
+
+@pytest.mark.parametrize("module,geometry", KERNELS)
+def test_params_mirror_the_kernel_struct(module, geometry) -> None:
+    """_Params must list the .cu's Params fields in the same order (the launch passes it by value)."""
+    assert struct_fields(module._SOURCE) == [name for name, _ in module._Params._fields_]
+
+
+@pytest.mark.parametrize("module,geometry", KERNELS)
+def test_a_failed_load_falls_back_to_triton_with_one_warning(monkeypatch, module, geometry) -> None:
+    """An NVRTC that cannot build the kernel (or a driver that cannot load it) must not fail a decode step."""
+    def broken(*args):
+        raise RuntimeError(f"NVRTC compile of {module._SOURCE.name} failed: (simulated)")
+
+    monkeypatch.setattr(module, "_function", broken)
+    module._loads.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="Triton's serves instead"):
+            assert module._loads(*geometry) is False
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # asked again: the cached answer, no second warning
+            assert module._loads(*geometry) is False
+    finally:
+        module._loads.cache_clear()
+
