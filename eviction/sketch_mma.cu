@@ -40,7 +40,7 @@
 struct Params {
     const u16* q; i64 s_q_head;                                   // fp16 [Hq, D], elements
     const u16* summ; i64 s_s_blk, s_s_minmax, s_s_head;           // fp16 [N, 2, H, D], elements
-    const u8* codes; i64 s_c_blk, s_c_head;                       // uint8 channel rows [N, H, D, T / 2], bytes
+    const u8* codes; i64 s_c_blk, s_c_head; int s_c_chan;         // uint8 channel rows [N, H, D, T / 2], bytes
     const int* channels; i64 s_ch_head;                           // int32 [H, R]: the channels read
     const u8* valid;                                              // bool [N], or null: every block
     float* lse; float* upper; i64 s_o_head;                       // float32 [Hq, N]
@@ -171,7 +171,7 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
     for (int i = 0; i < CP; ++i) {
         const int piece = lane + 32 * i;
         const int rho = piece / (ROW / G::COPY), part = piece % (ROW / G::COPY);
-        src_off[i] = piece < G::CODE_PIECES ? chan[rho] * ROW + part * G::COPY : 0;
+        src_off[i] = piece < G::CODE_PIECES ? chan[rho] * p.s_c_chan + part * G::COPY : 0;
     }
     const u8* code_head = p.codes + head * p.s_c_head;
     const u16* summ_head = p.summ + head * p.s_s_head;

@@ -39,7 +39,7 @@ class _Params(ctypes.Structure):
         ("q", ctypes.c_void_p), ("s_q_head", ctypes.c_int64),
         ("summ", ctypes.c_void_p), ("s_s_blk", ctypes.c_int64), ("s_s_minmax", ctypes.c_int64),
         ("s_s_head", ctypes.c_int64),
-        ("codes", ctypes.c_void_p), ("s_c_blk", ctypes.c_int64), ("s_c_head", ctypes.c_int64),
+        ("codes", ctypes.c_void_p), ("s_c_blk", ctypes.c_int64), ("s_c_head", ctypes.c_int64), ("s_c_chan", ctypes.c_int32),
         ("channels", ctypes.c_void_p), ("s_ch_head", ctypes.c_int64),
         ("valid", ctypes.c_void_p),
         ("lse", ctypes.c_void_p), ("upper", ctypes.c_void_p), ("s_o_head", ctypes.c_int64),
@@ -108,16 +108,17 @@ def usable(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, num_ch
 
 def launch(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, channels: torch.Tensor,
            valid: torch.Tensor | None, lse: torch.Tensor, upper: torch.Tensor, num_tokens: int,
-           scale: float) -> None:
+           scale: float, code_strides: tuple[int, int, int] | None = None) -> None:
     """lse, upper float32 [Hq, N] (row-contiguous) from the read channels int32 [H, r] (the plan's); the other
-    arguments as channel_block_stats has them."""
+    arguments as channel_block_stats has them. code_strides: (block, kv head, channel row) byte strides of the codes
+    (default: codes' own, rows of block_tokens / 2 bytes back to back)."""
     num_blocks, _, num_kv_heads, head_dim = summaries.shape
     block_tokens, num_channels = codes.shape[3], channels.shape[1]
     func = _function(head_dim, block_tokens, num_channels, q.device.index or 0)
     p = _Params(
         q.data_ptr(), q.stride(0),
         summaries.data_ptr(), *summaries.stride()[:3],
-        codes.data_ptr(), codes.stride(0), codes.stride(1),
+        codes.data_ptr(), *(code_strides or (codes.stride(0), codes.stride(1), block_tokens // 2)),
         channels.data_ptr(), channels.stride(0),
         None if valid is None else valid.data_ptr(),
         lse.data_ptr(), upper.data_ptr(), lse.stride(0),

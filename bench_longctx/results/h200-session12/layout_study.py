@@ -1,0 +1,53 @@
+"""Session 12 study: the CUDA first level (eviction/sketch_mma.cu) over two physical layouts of the same codes.
+
+  block-major    the store's layout: uint8 [N, H, D, T/2], a block's channel rows back to back (32-byte rows
+                 chosen among D per block: the gather DRAM serves in 64-byte pieces)
+  channel-major  uint8 [H, D, N, T/2] seen as the same [N, H, D, T/2] by strides: channel d of consecutive
+                 blocks is contiguous, so a warp's 16-block tile reads each chosen channel as one 512-byte run
+
+Same bytes, same kernel (only the code strides differ): outputs must be identical. Graph-replayed times at 1M
+tokens, llama3-8b geometry, r in {32, 64}. python3 layout_study.py OUT.json
+"""
+import json
+import math
+import sys
+
+import torch
+
+from bench_longctx.select_bench import graph_us
+from bench_longctx.timing import copy_ceiling_GBps, environment
+from eviction import sketch_mma
+
+N, H, HQ, D, T = 16384, 8, 32, 128, 64
+dev = torch.device("cuda")
+g = torch.Generator(device=dev).manual_seed(0)
+low = torch.randn(N, H, D, device=dev, generator=g)
+summ = torch.stack((low, low + 0.1 + torch.rand(N, H, D, device=dev, generator=g)), 1).half()  # [N, 2, H, D]
+rows = torch.randint(0, 256, (N, H, D, T // 2), device=dev, generator=g, dtype=torch.uint8)
+codes5 = rows.view(N, H, 2, T, D // 4)
+phys = rows.permute(1, 2, 0, 3).contiguous()  # [H, D, N, T/2]
+fake5 = torch.as_strided(phys, (N, H, 2, T, D // 4), (T // 2, D * N * T // 2, 0, 0, 0))  # ptr + shape[3] only
+q = torch.randn(HQ, D, device=dev, generator=g).half()
+out = {"environment": environment(dev), "tokens": N * T, "copy_ceiling_GBps": copy_ceiling_GBps(dev), "rows": []}
+for r in (32, 64):
+    imp = q.float().view(H, HQ // H, D).abs().sum(1)
+    channels = imp.argsort(1, descending=True, stable=True)[:, :r].int().contiguous()
+    res = {}
+    for name, codes, strides in (("block_major", codes5, None),
+                                 ("channel_major", fake5, (T // 2, D * N * T // 2, N * T // 2))):
+        lse = torch.empty(HQ, N, device=dev)
+        upper = torch.empty_like(lse)
+        run = lambda: sketch_mma.launch(q, summ, codes, channels, None, lse, upper, N * T, 1 / math.sqrt(D),
+                                        code_strides=strides)
+        run()
+        torch.cuda.synchronize()
+        res[name] = (lse.clone(), upper.clone(), graph_us(run))
+    nbytes = summ.numel() * 2 + N * H * r * T // 2
+    row = {"r": r, "MiB": nbytes / 2**20,
+           "identical": bool(torch.equal(res["block_major"][0], res["channel_major"][0])
+                             and torch.equal(res["block_major"][1], res["channel_major"][1])),
+           **{f"{k}_graph_us": v[2] for k, v in res.items()},
+           **{f"{k}_GBps": nbytes / v[2] / 1e3 for k, v in res.items()}}
+    out["rows"].append(row)
+    print(json.dumps(row), flush=True)
+json.dump(out, open(sys.argv[1], "w"), indent=1)
