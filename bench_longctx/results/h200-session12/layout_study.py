@@ -31,7 +31,7 @@ q = torch.randn(HQ, D, device=dev, generator=g).half()
 out = {"environment": environment(dev), "tokens": N * T, "copy_ceiling_GBps": copy_ceiling_GBps(dev), "rows": []}
 for r in (32, 64):
     imp = q.float().view(H, HQ // H, D).abs().sum(1)
-    channels = imp.argsort(1, descending=True, stable=True)[:, :r].int().contiguous()
+    channels = imp.argsort(dim=1, descending=True, stable=True)[:, :r].int().contiguous()
     res = {}
     for name, codes, strides in (("block_major", codes5, None),
                                  ("channel_major", fake5, (T // 2, D * N * T // 2, N * T // 2))):
