@@ -6,7 +6,9 @@
                  blocks is contiguous, so a warp's 16-block tile reads each chosen channel as one 512-byte run
 
 Same bytes, same kernel (only the code strides differ): outputs must be identical. Graph-replayed times at 1M
-tokens, llama3-8b geometry, r in {32, 64}. python3 layout_study.py OUT.json
+tokens, llama3-8b geometry, r in {32, 64}. Then (call 5) the block-major layout with the read channels in rank order
+(the plan's) against ascending channel order: a warp's copy instruction then touches adjacent rows of the same
+128-byte lines. python3 layout_study.py OUT.json
 """
 import json
 import math
@@ -48,6 +50,16 @@ for r in (32, 64):
                              and torch.equal(res["block_major"][1], res["channel_major"][1])),
            **{f"{k}_graph_us": v[2] for k, v in res.items()},
            **{f"{k}_GBps": nbytes / v[2] / 1e3 for k, v in res.items()}}
+    for order in ("rank", "ascending"):
+        chans = channels if order == "rank" else channels.sort(dim=1).values.contiguous()
+        lse = torch.empty(HQ, N, device=dev)
+        upper = torch.empty_like(lse)
+        run = lambda: sketch_mma.launch(q, summ, codes5, chans, None, lse, upper, N * T, 1 / math.sqrt(D))
+        run()
+        torch.cuda.synchronize()
+        row[f"block_major_{order}_graph_us"] = graph_us(run)
+        row[f"block_major_{order}_lse_max_diff"] = float((lse - res["block_major"][0]).abs().max())
+        row[f"block_major_{order}_upper_max_diff"] = float((upper - res["block_major"][1]).abs().max())
     out["rows"].append(row)
     print(json.dumps(row), flush=True)
 json.dump(out, open(sys.argv[1], "w"), indent=1)
