@@ -64,8 +64,11 @@ DEFAULT_KNOBS = dict(blocks_per_program=16, decode=1, num_warps=4, num_stages=1)
 @triton.jit
 def _plan_kernel(q_ptr, ch_ptr, stride_qh, stride_ch, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                  HEAD_DIM: tl.constexpr, CHANNELS: tl.constexpr, PAIRS: tl.constexpr):
-    """One program per kv head: the CHANNELS channels of largest sum_g |q_gd| (ties: the lower channel), by rank;
-    PAIRS: the CHANNELS / 2 adjacent pairs (2p, 2p + 1) of largest summed importance, both channels of a pair."""
+    """One program per kv head: the CHANNELS channels of largest sum_g |q_gd| (ties: the lower channel), ascending
+    (read_channels_ref's order); PAIRS: the CHANNELS / 2 adjacent pairs (2p, 2p + 1) of largest summed importance,
+    both channels of a pair. Ascending, not by rank: a warp's copy of the chosen code rows then walks each block's
+    rows in address order, neighbours sharing 128-byte lines (CUDA first level at 1M, r = 64: 155.8 vs 166.8 us,
+    results/h200-session12 call 5)."""
     head = tl.program_id(0)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -77,14 +80,15 @@ def _plan_kernel(q_ptr, ch_ptr, stride_qh, stride_ch, GROUP: tl.constexpr, GROUP
         pair = tl.sum(tl.reshape(importance, (HEAD_DIM // 2, 2)), 1)  # [HEAD_DIM / 2]
         ahead = (pair[None, :] > pair[:, None]) | ((pair[None, :] == pair[:, None])
                                                   & (offs_p[None, :] < offs_p[:, None]))
-        rank = tl.sum(ahead.to(tl.int32), 1)  # [HEAD_DIM / 2]: pairs ahead of each
-        tl.store(ch_ptr + head * stride_ch + 2 * rank, 2 * offs_p, mask=2 * rank < CHANNELS)
-        tl.store(ch_ptr + head * stride_ch + 2 * rank + 1, 2 * offs_p + 1, mask=2 * rank < CHANNELS)
+        chosen = tl.sum(ahead.to(tl.int32), 1) < CHANNELS // 2  # [HEAD_DIM / 2]: fewer pairs ahead than taken
+        at = 2 * (tl.cumsum(chosen.to(tl.int32), 0) - 1)  # its place: two channels per chosen pair before it
+        tl.store(ch_ptr + head * stride_ch + at, 2 * offs_p, mask=chosen)
+        tl.store(ch_ptr + head * stride_ch + at + 1, 2 * offs_p + 1, mask=chosen)
     else:
         ahead = (importance[None, :] > importance[:, None]) | ((importance[None, :] == importance[:, None])
                                                               & (offs_d[None, :] < offs_d[:, None]))
-        rank = tl.sum(ahead.to(tl.int32), 1)  # [HEAD_DIM]: channels ahead of each
-        tl.store(ch_ptr + head * stride_ch + rank, offs_d, mask=rank < CHANNELS)
+        chosen = tl.sum(ahead.to(tl.int32), 1) < CHANNELS  # [HEAD_DIM]: fewer channels ahead than taken
+        tl.store(ch_ptr + head * stride_ch + tl.cumsum(chosen.to(tl.int32), 0) - 1, offs_d, mask=chosen)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_blocks"])
@@ -202,10 +206,7 @@ def channel_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.T
     # GROUP_PAD >= 2 below: with one q head per kv head (a dot's N = 1) triton 3.6 miscompiles the channel kernel on
     # sm_90 for BLOCKS > 1 (wrong bounds for some blocks, depending on num_warps; found on the H200, 2026-12-01,
     # results/h200-session4); a padded second column is masked out and costs nothing measurable at these sizes
-    channels = torch.empty(num_kv_heads, num_channels, dtype=torch.int32, device=q.device)  # [H, r]
-    _plan_kernel[(num_kv_heads,)](q, channels, q.stride(0), channels.stride(0), GROUP=group,
-                                  GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, CHANNELS=num_channels,
-                                  PAIRS=pairs)
+    channels = read_channels(q, num_kv_heads, num_channels, pairs)  # int32 [H, r]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if not given and sketch_mma.usable(q, summaries, codes, num_channels):  # explicit knobs ask for Triton's
         sketch_mma.launch(q, summaries, codes, channels, valid, lse, upper, num_tokens, scale)
@@ -231,6 +232,16 @@ def _check_channels(num_channels: int, head_dim: int, valid: torch.Tensor | None
         raise ValueError(f"channels read in pairs need an even num_channels, got {num_channels}")
     if valid is not None and (valid.shape != (num_blocks,) or valid.dtype != torch.bool):
         raise ValueError(f"valid: expected bool [{num_blocks}], got {valid.dtype} {list(valid.shape)}")
+
+
+def read_channels(q: torch.Tensor, num_kv_heads: int, num_channels: int, pairs: bool = False) -> torch.Tensor:
+    """int32 [H, num_channels]: `read_channels_ref`'s channels, ascending, from one small launch (no host sync)."""
+    group, head_dim = q.shape[0] // num_kv_heads, q.shape[1]
+    channels = torch.empty(num_kv_heads, num_channels, dtype=torch.int32, device=q.device)
+    _plan_kernel[(num_kv_heads,)](q, channels, q.stride(0), channels.stride(0), GROUP=group,
+                                  GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, CHANNELS=num_channels,
+                                  PAIRS=pairs)
+    return channels
 
 
 def read_channels_ref(q: torch.Tensor, num_kv_heads: int, num_channels: int, pairs: bool = False) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 
 from bench_longctx.sketch_bench import true_block_lse  # the exact per-block log-sum-exp the bound must cover
 from eviction.sketch import sketch_keys
-from eviction.sketch_channels import channel_block_stats, channel_block_stats_ref, read_channels_ref
+from eviction.sketch_channels import channel_block_stats, channel_block_stats_ref, read_channels, read_channels_ref
 from tests.eviction.test_sketch_kernel import DEVICE, make_case
 
 
@@ -122,3 +122,16 @@ def test_pairs_read_adjacent_channel_pairs_and_match_reference(num_tokens, block
     assert bool((got[1] >= true_block_lse(q, keys, block_tokens)).all())
     with pytest.raises(ValueError, match="even num_channels"):
         channel_block_stats_ref(q, summaries, codes, num_tokens, 15, pairs=True)
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+@pytest.mark.parametrize("num_kv_heads,group,head_dim,channels", [(2, 3, 64, 16), (3, 4, 128, 64), (1, 1, 32, 32)])
+def test_plan_kernel_picks_the_reference_channels_ascending(pairs, num_kv_heads, group, head_dim, channels) -> None:
+    """The launch the kernels read their channels from: the reference's set in its ascending order (the CUDA first
+    level copies code rows in this order), ties included: the lower channel (pair) wins."""
+    g = torch.Generator().manual_seed(head_dim + channels)
+    q = torch.randint(-2, 3, (num_kv_heads * group, head_dim), generator=g).half().to(DEVICE)  # ties everywhere
+    got = read_channels(q, num_kv_heads, channels, pairs)
+    want = read_channels_ref(q, num_kv_heads, channels, pairs)
+    assert got.dtype == torch.int32 and torch.equal(got.long(), want)
+    assert bool((got[:, 1:] > got[:, :-1]).all())
