@@ -12,8 +12,11 @@
 // geometry, r = 64) it took 350 us and issued ~1,160 warp-instructions per block and kv head. Here each lane decodes
 // exactly the nibbles its mma.sync fragments hold (~540 per block in the loop): 170 us, of which streaming the
 // bytes alone takes ~157 (results/h200-session11, calls 5-8). The rest of the gap to the copy ceiling is the
-// gather: r code rows of T/2 = 32 bytes chosen among D cost ~1.5x their bytes (DRAM serves 64-byte pieces), which
-// the plan's adjacent pairs (sketch_channels.py) avoid.
+// gather: r code rows of T/2 = 32 bytes chosen among D cost ~1.5x their bytes, which the plan's adjacent pairs
+// (sketch_channels.py) avoid. What costs is the lines a copy instruction touches, not DRAM locality: the plan's
+// channels in ascending order (a warp's pieces walk each block's rows in address order) took 156 against 167 us,
+// a channel-major layout (a channel's rows of consecutive blocks adjacent, seen through s_c_chan) 158 us
+// (results/h200-session12, calls 3 and 5).
 //
 // Work: a warp owns a tile of 16 consecutive blocks of one kv head; a program is WARPS warps of one kv head.
 //   1. Per block, a cp.async ring (STAGES blocks deep) brings the block's r code rows (gathered by channel) into

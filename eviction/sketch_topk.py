@@ -45,7 +45,8 @@ class SketchTopK(Policy):
     # (bench_longctx/results/h200-session3, call3 and call5): 16 of 128 channels found 204 (select 274 us in a
     # graph), 32 found 238 (315 us), 64 found all 241 (421 us), like the old two-plane scan (677 us): the default
     # keeps every needle, a smaller count trades needles for speed. With the CUDA first level (session 11, call 8)
-    # 64 channels select in 225 us in a graph (the first level 170 us of it)
+    # 64 channels select in 225 us in a graph (the first level 170 us of it); with the plan's channels ascending
+    # (session 12, call 6) 217 us (162)
     channels: int | None = None
     # read the channels in adjacent pairs (2p, 2p + 1) of largest summed |q|: 64-byte code rows at 64-token blocks,
     # which DRAM serves whole, where single channels' 32-byte rows cost ~1.5x their bytes. At 1M (session 11, call 8):
