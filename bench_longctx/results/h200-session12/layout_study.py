@@ -8,7 +8,8 @@
 Same bytes, same kernel (only the code strides differ): outputs must be identical. Graph-replayed times at 1M
 tokens, llama3-8b geometry, r in {32, 64}. Then (call 5) the block-major layout with the read channels in rank order
 (the plan's) against ascending channel order: a warp's copy instruction then touches adjacent rows of the same
-128-byte lines. python3 layout_study.py OUT.json
+128-byte lines. Then (call 7) channel-major codes with a ring stage of SB = 1, 2, 4 blocks (sketch_mma._STAGE_BLOCKS:
+each read channel's SB rows copied as one run). python3 layout_study.py OUT.json
 """
 import json
 import math
@@ -60,6 +61,22 @@ for r in (32, 64):
         row[f"block_major_{order}_graph_us"] = graph_us(run)
         row[f"block_major_{order}_lse_max_diff"] = float((lse - res["block_major"][0]).abs().max())
         row[f"block_major_{order}_upper_max_diff"] = float((upper - res["block_major"][1]).abs().max())
+        asc = (lse.clone(), upper.clone())
+    # call 7: channel-major codes copied SB blocks a stage (each read channel's SB rows one run), channels ascending
+    chans = channels.sort(dim=1).values.contiguous()
+    for sb in (1, 2, 4):
+        sketch_mma._STAGE_BLOCKS = sb
+        lse = torch.empty(HQ, N, device=dev)
+        upper = torch.empty_like(lse)
+        run = lambda: sketch_mma.launch(q, summ, fake5, chans, None, lse, upper, N * T, 1 / math.sqrt(D),
+                                        code_strides=(T // 2, D * N * T // 2, N * T // 2))
+        run()
+        torch.cuda.synchronize()
+        row[f"channel_major_ascending_sb{sb}_graph_us"] = graph_us(run)
+        row[f"channel_major_ascending_sb{sb}_max_diff"] = max(float((lse - res["block_major"][0]).abs().max()),
+                                                              float((upper - res["block_major"][1]).abs().max()))
+        row[f"channel_major_ascending_sb{sb}_equal_to_block_major_ascending"] = bool(
+            torch.equal(lse, asc[0]) and torch.equal(upper, asc[1]))
     out["rows"].append(row)
     print(json.dumps(row), flush=True)
 json.dump(out, open(sys.argv[1], "w"), indent=1)
