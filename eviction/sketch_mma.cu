@@ -13,10 +13,10 @@
 // exactly the nibbles its mma.sync fragments hold (~540 per block in the loop): 170 us, of which streaming the
 // bytes alone takes ~157 (results/h200-session11, calls 5-8). The rest of the gap to the copy ceiling is the
 // gather: r code rows of T/2 = 32 bytes chosen among D cost ~1.5x their bytes, which the plan's adjacent pairs
-// (sketch_channels.py) avoid. What costs is the lines a copy instruction touches, not DRAM locality: the plan's
-// channels in ascending order (a warp's pieces walk each block's rows in address order) took 156 against 167 us,
-// a channel-major layout (a channel's rows of consecutive blocks adjacent, seen through s_c_chan) 158 us
-// (results/h200-session12, calls 3 and 5).
+// (sketch_channels.py) avoid. Not DRAM locality: the plan's channels in ascending order (a warp's copy instruction
+// walks each block's rows in address order) took 156 against 167 us; channel-major codes (a channel's rows of
+// consecutive blocks adjacent) 159 us, and ring stages of 2 or 4 blocks copying each channel's rows as one run
+// 185 / 233 us (fewer warps an SM: the shared memory) (results/h200-session12, calls 3, 5, 7, layout_study.py).
 //
 // Work: a warp owns a tile of 16 consecutive blocks of one kv head; a program is WARPS warps of one kv head.
 //   1. Per block, a cp.async ring (STAGES blocks deep) brings the block's r code rows (gathered by channel) into
@@ -43,7 +43,7 @@
 struct Params {
     const u16* q; i64 s_q_head;                                   // fp16 [Hq, D], elements
     const u16* summ; i64 s_s_blk, s_s_minmax, s_s_head;           // fp16 [N, 2, H, D], elements
-    const u8* codes; i64 s_c_blk, s_c_head; int s_c_chan;         // uint8 channel rows [N, H, D, T / 2], bytes
+    const u8* codes; i64 s_c_blk, s_c_head;                       // uint8 channel rows [N, H, D, T / 2], bytes
     const int* channels; i64 s_ch_head;                           // int32 [H, R]: the channels read
     const u8* valid;                                              // bool [N], or null: every block
     float* lse; float* upper; i64 s_o_head;                       // float32 [Hq, N]
@@ -125,17 +125,11 @@ struct Geometry {
     static constexpr int HEADER = (4 * R + 4 * (D / 32) + 15) / 16 * 16;  // channels, read mask
 };
 
-// SB: blocks a ring stage holds. SB > 1 needs channel-major codes (s_c_blk == T / 2: a channel's rows of consecutive
-// blocks adjacent), so that each read channel's SB rows are one run of SB T / 2 bytes that a few lanes copy together.
-template <int D, int T, int R, int WARPS, int STAGES, int SB>
+template <int D, int T, int R, int WARPS, int STAGES>
 __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
     using G = Geometry<D, T, R>;
     constexpr int MT = G::MT, KR = G::KR, ROW = G::ROW;
-    constexpr int ROW_PIECES = ROW / G::COPY;       // cp.async pieces of one code row
-    constexpr int RUN_PIECES = SB * ROW_PIECES;     // ... of one channel's run in a stage
-    constexpr int STAGE_PIECES = R * RUN_PIECES;
-    constexpr int CP = (STAGE_PIECES + 31) / 32;    // code pieces per lane and stage
-    static_assert(16 % SB == 0, "a tile's 16 blocks fill whole stages");
+    constexpr int CP = (G::CODE_PIECES + 31) / 32;  // code pieces per lane and block
     constexpr int RL = (R + 31) / 32;               // read channels whose step a lane computes: rho = lane + 32 i
     static_assert(R % 16 == 0 && R <= D && D % 32 == 0, "r a multiple of 16, at most head_dim");
     static_assert(MT == 1 || MT == 2 || MT == 4 || MT == 8, "block_tokens 16, 32, 64 or 128");
@@ -145,9 +139,9 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n = lane >> 2, j = lane & 3;
     const int head = blockIdx.y, group = p.group;
-    constexpr int WARP_BYTES = STAGES * SB * G::CODE + 16 * G::SROW + 2 * 4 * R;  // sketch_mma.py's smem_bytes
-    unsigned char* ring = smem + G::HEADER + warp * WARP_BYTES;    // STAGES x SB blocks' code rows   // mirrors
-    unsigned char* tilebuf = ring + STAGES * SB * G::CODE;         // the tile's 16 blocks' min / max rows
+    constexpr int WARP_BYTES = STAGES * G::CODE + 16 * G::SROW + 2 * 4 * R;  // sketch_mma.py's smem_bytes mirrors
+    unsigned char* ring = smem + G::HEADER + warp * WARP_BYTES;    // STAGES blocks' code rows
+    unsigned char* tilebuf = ring + STAGES * G::CODE;              // the tile's 16 blocks' min / max rows
     float* stepbuf = reinterpret_cast<float*>(tilebuf + 16 * G::SROW);  // [2][R], by k-step slot order
 
     for (int i = threadIdx.x; i < D / 32; i += blockDim.x) readbits[i] = 0u;
@@ -178,9 +172,9 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
     int src_off[CP];
     #pragma unroll
     for (int i = 0; i < CP; ++i) {
-        const int piece = lane + 32 * i;  // piece `part` of read channel rho's run
-        const int rho = piece / RUN_PIECES, part = piece % RUN_PIECES;
-        src_off[i] = piece < STAGE_PIECES ? chan[rho] * p.s_c_chan + part * G::COPY : 0;
+        const int piece = lane + 32 * i;
+        const int rho = piece / (ROW / G::COPY), part = piece % (ROW / G::COPY);
+        src_off[i] = piece < G::CODE_PIECES ? chan[rho] * ROW + part * G::COPY : 0;
     }
     const u8* code_head = p.codes + head * p.s_c_head;
     const u16* summ_head = p.summ + head * p.s_s_head;
@@ -191,46 +185,38 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
         const int b0 = tile * 16, n_tile = min(16, p.num_blocks - b0);
         // the tile's live blocks, one bit each (valid read once, not on every block's critical path)
         const u32 live_bits = __ballot_sync(0xffffffffu, lane < n_tile && (p.valid == nullptr || p.valid[b0 + lane]));
-        // stage `item`: blocks b0 + SB item + sub (sub < SB): code rows -> ring stage item % STAGES, block sub's
-        // rows at sub * CODE; min / max rows -> tile rows SB item + sub
-        auto issue = [&](int item) {
-            const int t0 = SB * item;
-            if (t0 < n_tile) {
-                unsigned char* dst = ring + (item % STAGES) * SB * G::CODE;
-                const u8* src = code_head + (i64)(b0 + t0) * p.s_c_blk;
+        auto issue = [&](int t) {  // block b0 + t: code rows -> ring stage t % STAGES, min / max rows -> tile row t
+            if (t < n_tile) {
+                const i64 blk = b0 + t;
+                unsigned char* dst = ring + (t % STAGES) * G::CODE;
+                const u8* src = code_head + blk * p.s_c_blk;
                 #pragma unroll
                 for (int i = 0; i < CP; ++i) {
                     const int piece = lane + 32 * i;
-                    const int rho = piece / RUN_PIECES, part = piece % RUN_PIECES, sub = part / ROW_PIECES;
-                    if ((STAGE_PIECES % 32 == 0 || piece < STAGE_PIECES) && (SB == 1 || t0 + sub < n_tile)) {
-                        unsigned char* to = dst + sub * G::CODE + rho * ROW + (part % ROW_PIECES) * G::COPY;
-                        if constexpr (G::COPY == 16) cp_async16(to, src + src_off[i]);
-                        else cp_async8(to, src + src_off[i]);
+                    if (G::CODE_PIECES % 32 == 0 || piece < G::CODE_PIECES) {
+                        if constexpr (G::COPY == 16) cp_async16(dst + piece * 16, src + src_off[i]);
+                        else cp_async8(dst + piece * 8, src + src_off[i]);
                     }
                 }
-                #pragma unroll
-                for (int sub = 0; sub < SB; ++sub)
-                    if (t0 + sub < n_tile && lane < D / 4) {  // min row then max row, 16 bytes a lane
-                        const int which = lane / (D / 8), part = lane % (D / 8);
-                        cp_async16(tilebuf + (t0 + sub) * G::SROW + lane * 16,
-                                   summ_head + (i64)(b0 + t0 + sub) * p.s_s_blk + which * p.s_s_minmax + part * 8);
-                    }
+                if (lane < D / 4) {  // min row then max row, 16 bytes a lane
+                    const int which = lane / (D / 8), part = lane % (D / 8);
+                    cp_async16(tilebuf + t * G::SROW + lane * 16,
+                               summ_head + blk * p.s_s_blk + which * p.s_s_minmax + part * 8);
+                }
             }
             cp_async_commit();
         };
         #pragma unroll
-        for (int item = 0; item < STAGES - 1; ++item) issue(item);
+        for (int t = 0; t < STAGES - 1; ++t) issue(t);
 
         // ---- 1. per block: the read channels' estimates, reduced to a log-sum-exp per q head
         float lse_keep[2][2] = {{NEG_INF, NEG_INF}, {NEG_INF, NEG_INF}};  // blocks n, n + 8; heads 2j, 2j + 1
         for (int t = 0; t < n_tile; ++t) {
-            if (t % SB == 0) {
-                issue(t / SB + STAGES - 1);
-                cp_async_wait<STAGES - 1>();
-                __syncwarp();
-            }
+            issue(t + STAGES - 1);
+            cp_async_wait<STAGES - 1>();
+            __syncwarp();
             if ((live_bits >> t) & 1u) {
-                const unsigned char* st = ring + ((t / SB) % STAGES) * SB * G::CODE + (t % SB) * G::CODE;
+                const unsigned char* st = ring + (t % STAGES) * G::CODE;
                 const u16* smin = reinterpret_cast<const u16*>(tilebuf + t * G::SROW);
                 float* steps = stepbuf + (t & 1) * R;
                 #pragma unroll
@@ -317,7 +303,7 @@ __device__ __forceinline__ void sketch_first_level_body(const Params& p) {
                     if (t == n + 8) lse_keep[1][h] = lp;
                 }
             }
-            __syncwarp();  // every lane is done with this block before a later iteration refills its stage
+            __syncwarp();  // every lane is done with this stage before the next iteration refills it
         }
         cp_async_wait<0>();
         __syncwarp();

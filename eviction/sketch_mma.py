@@ -23,11 +23,8 @@ from kvcuda import nvrtc
 
 _SOURCE = Path(__file__).with_name("sketch_mma.cu")
 _WARPS = 4
-_STAGES = 2  # ring stages per warp, the one being read included
-# blocks a stage holds: 1 over the store's block-major codes; over channel-major codes (a channel's rows of
-# consecutive blocks adjacent) several, so that a channel's rows are copied as one run
-_STAGE_BLOCKS = 4
-_PROGRAMS_PER_SM = {1: 4, 2: 3, 4: 2}  # __launch_bounds__'s minimum per stage size (registers, shared memory)
+_STAGES = 2  # blocks in flight per warp, the one being read included
+_PROGRAMS_PER_SM = 4  # __launch_bounds__'s minimum: <= 128 registers a thread
 _HEAD_DIMS = (64, 128)
 _BLOCK_TOKENS = (16, 32, 64, 128)
 _CHANNELS = (16, 32, 64, 128)
@@ -42,7 +39,7 @@ class _Params(ctypes.Structure):
         ("q", ctypes.c_void_p), ("s_q_head", ctypes.c_int64),
         ("summ", ctypes.c_void_p), ("s_s_blk", ctypes.c_int64), ("s_s_minmax", ctypes.c_int64),
         ("s_s_head", ctypes.c_int64),
-        ("codes", ctypes.c_void_p), ("s_c_blk", ctypes.c_int64), ("s_c_head", ctypes.c_int64), ("s_c_chan", ctypes.c_int32),
+        ("codes", ctypes.c_void_p), ("s_c_blk", ctypes.c_int64), ("s_c_head", ctypes.c_int64),
         ("channels", ctypes.c_void_p), ("s_ch_head", ctypes.c_int64),
         ("valid", ctypes.c_void_p),
         ("lse", ctypes.c_void_p), ("upper", ctypes.c_void_p), ("s_o_head", ctypes.c_int64),
@@ -51,41 +48,39 @@ class _Params(ctypes.Structure):
     ]
 
 
-def kernel_name(head_dim: int, block_tokens: int, channels: int, stage_blocks: int = 1) -> str:
-    return f"sketch_first_level_d{head_dim}_t{block_tokens}_r{channels}" + (f"_s{stage_blocks}" if stage_blocks > 1
-                                                                              else "")
+def kernel_name(head_dim: int, block_tokens: int, channels: int) -> str:
+    return f"sketch_first_level_d{head_dim}_t{block_tokens}_r{channels}"
 
 
 
-def kernel_source(head_dim: int, block_tokens: int, channels: int, stage_blocks: int = 1) -> str:
+def kernel_source(head_dim: int, block_tokens: int, channels: int) -> str:
     """The .cu file plus one extern "C" entry point for this geometry."""
     defines = "".join(f"#define {k} {v}\n" for k, v in sorted(_DEFINES.items()))
     return defines + _SOURCE.read_text() + (
-        f'\nextern "C" __global__ void __launch_bounds__({_WARPS * 32}, {_PROGRAMS_PER_SM[stage_blocks]}) '
-        f"{kernel_name(head_dim, block_tokens, channels, stage_blocks)}(const Params p) "
-        f"{{ sketch_first_level_body<{head_dim}, {block_tokens}, {channels}, {_WARPS}, {_STAGES}, {stage_blocks}>(p); }}\n")
+        f'\nextern "C" __global__ void __launch_bounds__({_WARPS * 32}, {_PROGRAMS_PER_SM}) '
+        f"{kernel_name(head_dim, block_tokens, channels)}(const Params p) "
+        f"{{ sketch_first_level_body<{head_dim}, {block_tokens}, {channels}, {_WARPS}, {_STAGES}>(p); }}\n")
 
 
-def smem_bytes(head_dim: int, block_tokens: int, channels: int, stage_blocks: int = 1) -> int:
+def smem_bytes(head_dim: int, block_tokens: int, channels: int) -> int:
     """Dynamic shared memory of a program: sketch_mma.cu's WARP_BYTES (the header, then per warp its ring of code
     stages, its tile buffer of min / max rows and two step buffers). Mirrors the .cu, which the host cannot read
     before a launch."""
     header = (4 * channels + 4 * (head_dim // 32) + 15) // 16 * 16
-    code_block, tile_row = channels * block_tokens // 2, 4 * head_dim + 16
-    return header + _WARPS * (_STAGES * stage_blocks * code_block + 16 * tile_row + 8 * channels)
+    code_stage, tile_row = channels * block_tokens // 2, 4 * head_dim + 16
+    return header + _WARPS * (_STAGES * code_stage + 16 * tile_row + 8 * channels)
 
 
-def compile_cubin(head_dim: int, block_tokens: int, channels: int, arch: str, stage_blocks: int = 1) -> bytes:
+def compile_cubin(head_dim: int, block_tokens: int, channels: int, arch: str) -> bytes:
     """NVRTC: the kernel for this geometry as a CUBIN for arch (e.g. "sm_90"). Needs no GPU."""
-    return nvrtc.compile_cubin(kernel_source(head_dim, block_tokens, channels, stage_blocks), _SOURCE.name, arch)
+    return nvrtc.compile_cubin(kernel_source(head_dim, block_tokens, channels), _SOURCE.name, arch)
 
 
 @functools.lru_cache(maxsize=None)
-def _function(head_dim: int, block_tokens: int, channels: int, device_index: int,
-              stage_blocks: int = 1) -> ctypes.c_void_p:
-    return nvrtc.function(kernel_source(head_dim, block_tokens, channels, stage_blocks), _SOURCE.name,
-                          kernel_name(head_dim, block_tokens, channels, stage_blocks), device_index,
-                          smem_bytes(head_dim, block_tokens, channels, stage_blocks), "sketch_mma")
+def _function(head_dim: int, block_tokens: int, channels: int, device_index: int) -> ctypes.c_void_p:
+    return nvrtc.function(kernel_source(head_dim, block_tokens, channels), _SOURCE.name,
+                          kernel_name(head_dim, block_tokens, channels), device_index,
+                          smem_bytes(head_dim, block_tokens, channels), "sketch_mma")
 
 
 @functools.lru_cache(maxsize=None)
@@ -113,19 +108,16 @@ def usable(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, num_ch
 
 def launch(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, channels: torch.Tensor,
            valid: torch.Tensor | None, lse: torch.Tensor, upper: torch.Tensor, num_tokens: int,
-           scale: float, code_strides: tuple[int, int, int] | None = None) -> None:
+           scale: float) -> None:
     """lse, upper float32 [Hq, N] (row-contiguous) from the read channels int32 [H, r] (the plan's); the other
-    arguments as channel_block_stats has them. code_strides: (block, kv head, channel row) byte strides of the codes
-    (default: codes' own, rows of block_tokens / 2 bytes back to back)."""
+    arguments as channel_block_stats has them."""
     num_blocks, _, num_kv_heads, head_dim = summaries.shape
     block_tokens, num_channels = codes.shape[3], channels.shape[1]
-    code_strides = code_strides or (codes.stride(0), codes.stride(1), block_tokens // 2)
-    stage_blocks = _STAGE_BLOCKS if code_strides[0] == block_tokens // 2 else 1  # channel-major: runs
-    func = _function(head_dim, block_tokens, num_channels, q.device.index or 0, stage_blocks)
+    func = _function(head_dim, block_tokens, num_channels, q.device.index or 0)
     p = _Params(
         q.data_ptr(), q.stride(0),
         summaries.data_ptr(), *summaries.stride()[:3],
-        codes.data_ptr(), *code_strides,
+        codes.data_ptr(), codes.stride(0), codes.stride(1),
         channels.data_ptr(), channels.stride(0),
         None if valid is None else valid.data_ptr(),
         lse.data_ptr(), upper.data_ptr(), lse.stride(0),
@@ -134,4 +126,4 @@ def launch(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, channe
     # a warp per tile of 16 blocks (the kernel's tile loop also serves smaller grids: programs that stay resident
     # and walk several tiles measured 153 vs 148 us at 1M, results/h200-session11 call 8)
     grid = ((num_blocks + 16 * _WARPS - 1) // (16 * _WARPS), num_kv_heads, 1)
-    nvrtc.launch(func, grid, _WARPS * 32, smem_bytes(head_dim, block_tokens, num_channels, stage_blocks), p, q.device)
+    nvrtc.launch(func, grid, _WARPS * 32, smem_bytes(head_dim, block_tokens, num_channels), p, q.device)

@@ -10,6 +10,9 @@ tokens, llama3-8b geometry, r in {32, 64}. Then (call 5) the block-major layout 
 (the plan's) against ascending channel order: a warp's copy instruction then touches adjacent rows of the same
 128-byte lines. Then (call 7) channel-major codes with a ring stage of SB = 1, 2, 4 blocks (sketch_mma._STAGE_BLOCKS:
 each read channel's SB rows copied as one run). python3 layout_study.py OUT.json
+
+Runs at the trees its calls record (callN/REV): the launcher's code_strides argument and _STAGE_BLOCKS were measured
+here and removed after call 7 (neither layout nor stage size beat the ascending plan over the store's layout).
 """
 import json
 import math
