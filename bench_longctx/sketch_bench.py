@@ -52,7 +52,7 @@ SPEC = ModelSpec.preset("llama3-8b", num_layers=1)
 SINK, RECENT, MIN_WEIGHT = 64, 256, 0.05
 # {} first: the default path (eviction/sketch_mma.py's CUDA kernel where it serves); explicit knobs time Triton's
 SCAN_SWEEP = [{}] + [dict(blocks_per_program=b, num_warps=w) for b, w in ((4, 2), (8, 4), (8, 8), (16, 4), (16, 8))]
-FINE_SWEEP = [dict(blocks_per_program=b, num_warps=w) for b, w in ((1, 2), (2, 2), (1, 4))]
+FINE_SWEEP = [{}] + [dict(blocks_per_program=b, num_warps=w) for b, w in ((1, 2), (2, 2), (1, 4))]  # {}: REFINE_KNOBS
 REF_BLOCKS = 1024  # the torch reference's slice
 
 

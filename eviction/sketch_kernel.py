@@ -47,6 +47,9 @@ ROUNDING_SLACK = 1e-4  # relative slack on sum_d |q_d| (|min_d| + |max_d|): fp32
 ABSOLUTE_SLACK = 1e-5  # nats: exp / log run on approximate units (relative error ~2^-22); covers size ~ 0 too
 FP16_REL, FP16_TINY, FP16_MAX = 2.0**-11, 2.0**-25, 65504.0  # fp16 rounding: relative, subnormal, largest
 DEFAULT_KNOBS = dict(blocks_per_program=1, decode=1, num_warps=2, num_stages=3)  # the old fine pass's (H200)
+# refine_candidates' own: 256 candidates x 8 kv heads of 64-token blocks at d128 replayed from a graph on the H200,
+# 17.2 us against DEFAULT_KNOBS' 21.5 (36 settings; results/h200-session12 call 8, select_study.py)
+REFINE_KNOBS = dict(DEFAULT_KNOBS, blocks_per_program=2, num_warps=1, num_stages=2)
 # The constants as the compiled kernel sees them (a compiled kernel reads only constexpr globals)
 _LEVELS, _HALF_STEP, _ROUNDING_SLACK = tl.constexpr(LEVELS), tl.constexpr(HALF_STEP), tl.constexpr(ROUNDING_SLACK)
 _FP16_REL, _FP16_TINY, _FP16_MAX = tl.constexpr(FP16_REL), tl.constexpr(FP16_TINY), tl.constexpr(FP16_MAX)
@@ -235,7 +238,7 @@ def refine_candidates(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Ten
     exp(lse - z) (z float32 [Hq]: each head's normalizer), +inf where `keep`, -inf outside `valid` (bool [N]),
     0 for a live block followed by a dead one (a tail, unless kept); the fine bound of each live candidate is
     min'ed into upper float32 [Hq, N] in place. num_tokens defaults to every token of every block (capacity-sized
-    summaries and codes, as the captured step passes them)."""
+    summaries and codes, as the captured step passes them). knobs override REFINE_KNOBS."""
     num_tokens = summaries.shape[0] * codes.shape[3] if num_tokens is None else num_tokens
     num_blocks, num_kv_heads, block_tokens = check_inputs(q, summaries, codes, num_tokens)
     check_ids(candidates, num_kv_heads, q.device)
@@ -245,7 +248,8 @@ def refine_candidates(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Ten
                          f"expected, got {list(z.shape)}, {list(keep.shape)}, {list(valid.shape)}, "
                          f"{upper.dtype} {list(upper.shape)}")
     scores = torch.empty(candidates.shape, dtype=torch.float32, device=q.device)  # [H, C]
-    _launch(q, summaries, codes, num_tokens, candidates, scale, scores, upper, (z.float(), keep, valid), knobs)
+    _launch(q, summaries, codes, num_tokens, candidates, scale, scores, upper, (z.float(), keep, valid),
+            {**REFINE_KNOBS, **knobs})
     return scores
 
 
