@@ -1,9 +1,9 @@
 """The sketch selector's first level: a few channels of every block's 4-bit codes, the rest bounded by min/max.
 
 SparQ (Ribar et al. 2023) estimates logits from the r channels of largest |q|. Here a small launch picks, per kv
-head, the r channels of largest |q_d| summed over the GQA group, and the scan reads, per block, the summaries
-(every channel's min and max) and the codes of those r channels only: r rows of B/2 bytes in the channel-major
-layout (eviction/sketch.py), r / D of the codes. (Weighting |q_d| by the channel's typical step, max - min,
+head, the r channels of largest |q_d| summed over the GQA group (eviction/sketch_plan.py), and the scan reads, per
+block, the summaries (every channel's min and max) and the codes of those r channels only: r rows of B/2 bytes in
+the channel-major layout (eviction/sketch.py), r / D of the codes. (Weighting |q_d| by the channel's typical step, max - min,
 ranked norm-matched needles among 256K-1M synthetic keys worse, e.g. 237th instead of 7th of 4K blocks at
 r = 32 of 128, and kept real SmolLM2 blocks no better.)
 Per q head i and block b, with R the read channels and U the others, c = (min + max) / 2, w = (max - min) / 2:
@@ -32,7 +32,7 @@ the Triton kernel below serves the rest and any call that passes knobs. The plan
 (pairs=True): 64-byte code rows, 148 us, one needle of 241 lost at r = 64 (results/h200-session11, call 8).
 
 Layout: kernels -> launcher -> pure-torch reference. Imports only torch and triton (and the nibble decoder and
-constants of eviction/sketch_kernel.py).
+constants of eviction/sketch_kernel.py, the channel plan of eviction/sketch_plan.py, the CUDA kernel's launcher).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from eviction import sketch_mma
 from eviction.sketch_kernel import (ABSOLUTE_SLACK, FP16_MAX, FP16_REL, FP16_TINY, HALF_STEP, LEVELS, ROUNDING_SLACK,
                                     _ABSOLUTE_SLACK, _FP16_MAX, _FP16_REL, _FP16_TINY, _HALF_STEP, _LEVELS,
                                     _ROUNDING_SLACK, check_inputs, check_kernel_layout, nibble)
+from eviction.sketch_plan import read_channels, read_channels_ref
 
 
 # the fastest of bench_longctx/sketch_bench.py's sweep at 1M on the H200 for r = 16, 32 and 64 (194 / 244 / 353 us;
@@ -61,42 +62,12 @@ from eviction.sketch_kernel import (ABSOLUTE_SLACK, FP16_MAX, FP16_REL, FP16_TIN
 DEFAULT_KNOBS = dict(blocks_per_program=16, decode=1, num_warps=4, num_stages=1)
 
 
-@triton.jit
-def _plan_kernel(q_ptr, ch_ptr, stride_qh, stride_ch, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, CHANNELS: tl.constexpr, PAIRS: tl.constexpr):
-    """One program per kv head: the CHANNELS channels of largest sum_g |q_gd| (ties: the lower channel), ascending
-    (read_channels_ref's order); PAIRS: the CHANNELS / 2 adjacent pairs (2p, 2p + 1) of largest summed importance,
-    both channels of a pair. Ascending, not by rank: a warp's copy of the chosen code rows then walks each block's
-    rows in address order, neighbours sharing 128-byte lines (CUDA first level at 1M, r = 64: 155.8 vs 166.8 us,
-    results/h200-session12 call 5)."""
-    head = tl.program_id(0)
-    offs_g = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + (head * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :], mask=(offs_g < GROUP)[:, None],
-                other=0.0)
-    importance = tl.sum(tl.abs(q.to(tl.float32)), 0)  # [HEAD_DIM]
-    if PAIRS:
-        offs_p = tl.arange(0, HEAD_DIM // 2)
-        pair = tl.sum(tl.reshape(importance, (HEAD_DIM // 2, 2)), 1)  # [HEAD_DIM / 2]
-        ahead = (pair[None, :] > pair[:, None]) | ((pair[None, :] == pair[:, None])
-                                                  & (offs_p[None, :] < offs_p[:, None]))
-        chosen = tl.sum(ahead.to(tl.int32), 1) < CHANNELS // 2  # [HEAD_DIM / 2]: fewer pairs ahead than taken
-        at = 2 * (tl.cumsum(chosen.to(tl.int32), 0) - 1)  # its place: two channels per chosen pair before it
-        tl.store(ch_ptr + head * stride_ch + at, 2 * offs_p, mask=chosen)
-        tl.store(ch_ptr + head * stride_ch + at + 1, 2 * offs_p + 1, mask=chosen)
-    else:
-        ahead = (importance[None, :] > importance[:, None]) | ((importance[None, :] == importance[:, None])
-                                                              & (offs_d[None, :] < offs_d[:, None]))
-        chosen = tl.sum(ahead.to(tl.int32), 1) < CHANNELS  # [HEAD_DIM]: fewer channels ahead than taken
-        tl.store(ch_ptr + head * stride_ch + tl.cumsum(chosen.to(tl.int32), 0) - 1, offs_d, mask=chosen)
-
-
 @triton.jit(do_not_specialize=["num_tokens", "num_blocks"])
 def _channel_kernel(
     q_ptr,  # float16 [Hq, HEAD_DIM]
     s_ptr,  # float16 [num_blocks, 2, H, HEAD_DIM]
     c_ptr,  # uint8 [num_blocks, H, HEAD_DIM, BLOCK_TOKENS // 2] (channel rows)
-    ch_ptr,  # int32 [H, CHANNELS]: the channels to read (_plan_kernel)
+    ch_ptr,  # int32 [H, CHANNELS]: the channels to read (eviction/sketch_plan.py)
     valid_ptr,  # bool [num_blocks] (HAS_VALID) or unused
     lse_ptr, upper_ptr,  # float32 [Hq, num_blocks]
     num_tokens, num_blocks, scale,
@@ -185,7 +156,7 @@ def channel_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.T
     """(lse, upper) float32 [Hq, N] from num_channels channels of every block's codes and every block's summaries
     (module docstring); -inf outside valid (bool [N]). q float16 [Hq, D], summaries float16 [N, 2, H, D], codes
     uint8 [>= N, H, 2, B, D // 4]; D and num_channels powers of two >= 16, B even. Sync-free. pairs: the channels
-    are read in adjacent pairs (2p, 2p + 1) (read_channels_ref). The CUDA kernel (eviction/sketch_mma.py) serves
+    are read in adjacent pairs (2p, 2p + 1) (eviction/sketch_plan.py). The CUDA kernel (eviction/sketch_mma.py) serves
     where it can; knobs (blocks_per_program, decode, num_warps, num_stages) override DEFAULT_KNOBS and ask for the
     Triton kernel."""
     num_blocks, num_kv_heads, block_tokens = check_inputs(q, summaries, codes, num_tokens)
@@ -232,31 +203,6 @@ def _check_channels(num_channels: int, head_dim: int, valid: torch.Tensor | None
         raise ValueError(f"channels read in pairs need an even num_channels, got {num_channels}")
     if valid is not None and (valid.shape != (num_blocks,) or valid.dtype != torch.bool):
         raise ValueError(f"valid: expected bool [{num_blocks}], got {valid.dtype} {list(valid.shape)}")
-
-
-def read_channels(q: torch.Tensor, num_kv_heads: int, num_channels: int, pairs: bool = False) -> torch.Tensor:
-    """int32 [H, num_channels]: `read_channels_ref`'s channels, ascending, from one small launch (no host sync)."""
-    group, head_dim = q.shape[0] // num_kv_heads, q.shape[1]
-    channels = torch.empty(num_kv_heads, num_channels, dtype=torch.int32, device=q.device)
-    _plan_kernel[(num_kv_heads,)](q, channels, q.stride(0), channels.stride(0), GROUP=group,
-                                  GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, CHANNELS=num_channels,
-                                  PAIRS=pairs)
-    return channels
-
-
-def read_channels_ref(q: torch.Tensor, num_kv_heads: int, num_channels: int, pairs: bool = False) -> torch.Tensor:
-    """int64 [H, num_channels] ascending: the channels of largest sum_g |q_gd| per kv head (ties: the lower one);
-    pairs: the num_channels / 2 adjacent pairs (2p, 2p + 1) of largest summed importance. Pairs make the first
-    level's reads 2 code rows (64 bytes at 64-token blocks) long: DRAM serves 64-byte pieces, so single 32-byte rows
-    chosen at random cost ~1.5x their bytes (results/h200-session11, call 7)."""
-    importance = q.float().abs().view(num_kv_heads, -1, q.shape[1]).sum(1)  # [H, D]
-    if pairs:
-        pair = importance.view(num_kv_heads, -1, 2).sum(-1)  # [H, D / 2]
-        order = torch.sort(pair, dim=1, descending=True, stable=True).indices[:, :num_channels // 2]
-        order = torch.stack((2 * order, 2 * order + 1), -1).flatten(1)
-        return torch.sort(order, dim=1).values
-    order = torch.sort(importance, dim=1, descending=True, stable=True).indices[:, :num_channels]
-    return torch.sort(order, dim=1).values
 
 
 def channel_block_stats_ref(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, num_tokens: int,

@@ -9,7 +9,8 @@ import torch
 
 from bench_longctx.sketch_bench import true_block_lse  # the exact per-block log-sum-exp the bound must cover
 from eviction.sketch import sketch_keys
-from eviction.sketch_channels import channel_block_stats, channel_block_stats_ref, read_channels, read_channels_ref
+from eviction.sketch_channels import channel_block_stats, channel_block_stats_ref
+from eviction.sketch_plan import read_channels, read_channels_ref
 from tests.eviction.test_sketch_kernel import DEVICE, make_case
 
 
