@@ -3,9 +3,9 @@
 SparQ (Ribar et al. 2023) estimates logits from the r channels of largest |q|. Here a small launch picks, per kv
 head, the r channels of largest |q_d| summed over the GQA group (eviction/sketch_plan.py), and the scan reads, per
 block, the summaries (every channel's min and max) and the codes of those r channels only: r rows of B/2 bytes in
-the channel-major layout (eviction/sketch.py), r / D of the codes. (Weighting |q_d| by the channel's typical step, max - min,
-ranked norm-matched needles among 256K-1M synthetic keys worse, e.g. 237th instead of 7th of 4K blocks at
-r = 32 of 128, and kept real SmolLM2 blocks no better.)
+the channel-major layout (eviction/sketch.py), r / D of the codes. (Weighting |q_d| by the channel's typical step,
+max - min, ranked norm-matched needles among 256K-1M synthetic keys worse, e.g. 237th instead of 7th of 4K blocks
+at r = 32 of 128, and kept real SmolLM2 blocks no better.)
 Per q head i and block b, with R the read channels and U the others, c = (min + max) / 2, w = (max - min) / 2:
   partial_t = q_R . k_hat_R,t   (4-bit estimate over R, |error| <= err_R = S_R / 2 + fp16 rounding,
                                  S_R = sum_R |q_j| step_j)
@@ -156,9 +156,9 @@ def channel_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.T
     """(lse, upper) float32 [Hq, N] from num_channels channels of every block's codes and every block's summaries
     (module docstring); -inf outside valid (bool [N]). q float16 [Hq, D], summaries float16 [N, 2, H, D], codes
     uint8 [>= N, H, 2, B, D // 4]; D and num_channels powers of two >= 16, B even. Sync-free. pairs: the channels
-    are read in adjacent pairs (2p, 2p + 1) (eviction/sketch_plan.py). The CUDA kernel (eviction/sketch_mma.py) serves
-    where it can; knobs (blocks_per_program, decode, num_warps, num_stages) override DEFAULT_KNOBS and ask for the
-    Triton kernel."""
+    are read in adjacent pairs (2p, 2p + 1) (eviction/sketch_plan.py). The CUDA kernel (eviction/sketch_mma.py)
+    serves where it can; knobs (blocks_per_program, decode, num_warps, num_stages) override DEFAULT_KNOBS and ask
+    for the Triton kernel."""
     num_blocks, num_kv_heads, block_tokens = check_inputs(q, summaries, codes, num_tokens)
     check_kernel_layout(q, summaries, codes, block_tokens)
     _check_channels(num_channels, summaries.shape[3], valid, num_blocks, pairs)

@@ -13,7 +13,7 @@
 // exactly the nibbles its mma.sync fragments hold (~540 per block in the loop): 170 us, of which streaming the
 // bytes alone takes ~157 (results/h200-session11, calls 5-8). The rest of the gap to the copy ceiling is the
 // gather: r code rows of T/2 = 32 bytes chosen among D cost ~1.5x their bytes, which the plan's adjacent pairs
-// (sketch_channels.py) avoid. Not DRAM locality: the plan's channels in ascending order (a warp's copy instruction
+// (sketch_plan.py) avoid. Not DRAM locality: the plan's channels in ascending order (a warp's copy instruction
 // walks each block's rows in address order) took 156 against 167 us; channel-major codes (a channel's rows of
 // consecutive blocks adjacent) 159 us, and ring stages of 2 or 4 blocks copying each channel's rows as one run
 // 185 / 233 us (fewer warps an SM: the shared memory) (results/h200-session12, calls 3, 5, 7, layout_study.py).

@@ -45,7 +45,6 @@ def _plan_kernel(q_ptr, ch_ptr, stride_qh, stride_ch, GROUP: tl.constexpr, GROUP
         tl.store(ch_ptr + head * stride_ch + tl.cumsum(chosen.to(tl.int32), 0) - 1, offs_d, mask=chosen)
 
 
-
 def read_channels(q: torch.Tensor, num_kv_heads: int, num_channels: int, pairs: bool = False) -> torch.Tensor:
     """int32 [H, num_channels]: `read_channels_ref`'s channels, ascending, from one small launch (no host sync)."""
     group, head_dim = q.shape[0] // num_kv_heads, q.shape[1]

@@ -49,7 +49,7 @@ class SketchTopK(Policy):
     # (session 12, call 6) 217 us (162)
     channels: int | None = None
     # read the channels in adjacent pairs (2p, 2p + 1) of largest summed |q|: 64-byte code rows at 64-token blocks,
-    # which DRAM serves whole, where single channels' 32-byte rows cost ~1.5x their bytes. At 1M (session 11, call 8):
+    # which the first level copies at less cost than single channels' 32-byte rows. At 1M (session 11, call 8):
     # first level 148 vs 170 us, e2e sketch 86.4 vs 80.7 tok/s, but 240 of the 241 needles: off by default
     channel_pairs: bool = False
     coarse_factor: int = 4  # fine-pass candidates per kv head = coarse_factor * k; 0: one full 4-bit pass
