@@ -13,8 +13,9 @@ sketch's first level over channel-major codes") and results/h200-session3/call3/
                GPU's time), GB/s of the bytes it must read, bound violations against the true keys' per-block
                log-sum-exp (every block, needle query 0), largest difference from the torch reference over the first
                REF_BLOCKS blocks
-  stages       the sketch selection's steps alone with the fastest knobs: ranking, candidate top-k, fine pass with
-               merge, final top-k
+  stages       the sketch selection's steps alone: ranking, candidate top-k, fine pass with merge (over FINE_SWEEP,
+               the default knobs first), final top-k; replayed from a CUDA graph on CUDA (eager times there are the
+               host's launch cost), eager elsewhere. The selection below runs the default fine pass
   select       select_masked eager and replayed from a CUDA graph: the sketch per r, Quest's selection for scale
   needles      per needle query and selector (the sketch per r, Quest): recall of (needle, q head) pairs holding
                >= 5% of the dense softmax (the needle's block selected), dense mass the selection holds, bound
@@ -110,22 +111,27 @@ def first_levels(args, q, summaries, codes, true) -> dict:
     return out
 
 
+def step_us(fn, device: torch.device) -> float:
+    """Microseconds of fn: replayed from a CUDA graph on CUDA, eager elsewhere."""
+    return graph_us(fn) if device.type == "cuda" else 1e3 * time_ms(fn, device)
+
+
 def stages(args, q, summaries, codes, valid, protected, k, r, knobs, pairs=False) -> dict:
-    """The sketch selection's steps alone (eager do_bench each, fastest knobs)."""
+    """The sketch selection's steps alone (module docstring)."""
     h, t = SPEC.num_kv_heads, summaries.shape[0] * args.block
     keep = protected & valid
     lse, upper = channel_block_stats(q, summaries, codes, t, r, valid, pairs=pairs, **knobs)
     scores, z = block_shares(lse, keep, valid, h)
     c = SketchTopK().num_candidates(k)
     candidates = top_blocks(scores, c)
-    row = {"rank_us": 1e3 * time_ms(lambda: block_shares(lse, keep, valid, h), q.device),
-           "candidates_topk_us": 1e3 * time_ms(lambda: top_blocks(scores, c), q.device)}
-    fine = [{"knobs": f, "us": 1e3 * time_ms(lambda f=f: refine_candidates(q, summaries, codes, candidates, z, keep,
-                                                                         valid, upper.clone(), **f), q.device)}
+    row = {"rank_us": step_us(lambda: block_shares(lse, keep, valid, h), q.device),
+           "candidates_topk_us": step_us(lambda: top_blocks(scores, c), q.device)}
+    fine = [{"knobs": f, "us": step_us(lambda f=f: refine_candidates(q, summaries, codes, candidates, z, keep, valid,
+                                                                       upper.clone(), **f), q.device)}
             for f in FINE_SWEEP]
     row["fine_sweep"], row["fine_best"] = fine, min(fine, key=lambda x: x["us"])
     scores_c = refine_candidates(q, summaries, codes, candidates, z, keep, valid, upper, **row["fine_best"]["knobs"])
-    row["final_topk_us"] = 1e3 * time_ms(lambda: candidates.gather(1, top_blocks(scores_c, k)), q.device)
+    row["final_topk_us"] = step_us(lambda: candidates.gather(1, top_blocks(scores_c, k)), q.device)
     return row
 
 
@@ -205,11 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     policies = {}
     for r, pairs in ((r, pairs) for r in args.channels for pairs in args.pairs):
         scan = result["first_level"][name(r, pairs)]["best"].get("knobs", {})
-        stage = result[f"stages_{r}" + ("_pairs" if pairs else "")] = stages(args, q, summaries, codes, valid,
-                                                                            protected, k, r, scan, pairs)
+        result[f"stages_{r}" + ("_pairs" if pairs else "")] = stages(args, q, summaries, codes, valid, protected, k,
+                                                                    r, scan, pairs)
         policies[f"sketch_r{r}" + ("_pairs" if pairs else "")] = SketchTopK(
-            channels=r, channel_pairs=pairs, use_kernel=True, scan_knobs=scan,
-            candidate_knobs=stage["fine_best"]["knobs"])
+            channels=r, channel_pairs=pairs, use_kernel=True, scan_knobs=scan)
     selectors = {name: (lambda x, p=p: p.select_masked(x, summaries, codes, valid, protected, k))
                  for name, p in policies.items()}
     selectors["quest"] = lambda x: (topk_select(x, summaries, num_tokens=t, block_tokens=b, budget_tokens=args.budget,
