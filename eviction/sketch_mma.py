@@ -1,7 +1,7 @@
 """The sketch selector's first level as a CUDA kernel (sketch_mma.cu), compiled at run time with NVRTC.
 
 Same inputs and outputs as eviction/sketch_channels.py's Triton `_channel_kernel` (the read channels come from
-its `_plan_kernel`), same error analysis: `channel_block_stats` routes here when `usable` says so. Why a CUDA
+eviction/sketch_plan.py, ascending), same error analysis: `channel_block_stats` routes here when `usable` says so. Why a CUDA
 kernel: the Triton form issued ~1,160 warp-instructions per block and kv head at r = 64 (its dot takes the
 decoded codes through shared memory) and took 350 us at 1M tokens; here each lane decodes the nibbles its mma.sync
 fragments hold: 170 us, most of it the copy stream (results/h200-session11). The .cu file says how.
@@ -29,7 +29,6 @@ _HEAD_DIMS = (64, 128)
 _BLOCK_TOKENS = (16, 32, 64, 128)
 _CHANNELS = (16, 32, 64, 128)
 _MAX_GROUP = 8
-_DEFINES: dict[str, int] = {}  # #defines put before the .cu (none by default): for measuring variants
 
 
 class _Params(ctypes.Structure):
@@ -52,11 +51,9 @@ def kernel_name(head_dim: int, block_tokens: int, channels: int) -> str:
     return f"sketch_first_level_d{head_dim}_t{block_tokens}_r{channels}"
 
 
-
 def kernel_source(head_dim: int, block_tokens: int, channels: int) -> str:
     """The .cu file plus one extern "C" entry point for this geometry."""
-    defines = "".join(f"#define {k} {v}\n" for k, v in sorted(_DEFINES.items()))
-    return defines + _SOURCE.read_text() + (
+    return _SOURCE.read_text() + (
         f'\nextern "C" __global__ void __launch_bounds__({_WARPS * 32}, {_PROGRAMS_PER_SM}) '
         f"{kernel_name(head_dim, block_tokens, channels)}(const Params p) "
         f"{{ sketch_first_level_body<{head_dim}, {block_tokens}, {channels}, {_WARPS}, {_STAGES}>(p); }}\n")
