@@ -73,6 +73,7 @@ def _channel_kernel(
     num_tokens, num_blocks, scale,
     stride_qh, stride_sn, stride_sm, stride_sh, stride_cn, stride_ch, stride_chh, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, CHANNELS: tl.constexpr,
+    CHANNELS_PAD: tl.constexpr,  # CHANNELS rounded up to a power of two: the padding reads nothing, q_j = 0 there
     BLOCK_TOKENS: tl.constexpr, HALF_PAD: tl.constexpr, BLOCKS: tl.constexpr, HAS_VALID: tl.constexpr,
     FULL: tl.constexpr,  # every token of every block is real (num_tokens = num_blocks * BLOCK_TOKENS, a power of 2)
     DECODE: tl.constexpr,
@@ -89,8 +90,9 @@ def _channel_kernel(
     blocks = offs_b.to(tl.int64)
     q_row = q_ptr + (head * GROUP + offs_g) * stride_qh  # [GROUP_PAD]
     q_t = tl.load(q_row[None, :] + offs_d[:, None], mask=g_ok[None, :], other=0.0)  # fp16 [HEAD_DIM, GROUP_PAD]
-    ch = tl.load(ch_ptr + head * stride_chh + tl.arange(0, CHANNELS))  # int32 [CHANNELS]
-    read = tl.max((offs_d[:, None] == ch[None, :]).to(tl.int32), 1) > 0  # [HEAD_DIM]
+    ch_ok = tl.arange(0, CHANNELS_PAD) < CHANNELS
+    ch = tl.load(ch_ptr + head * stride_chh + tl.arange(0, CHANNELS_PAD), mask=ch_ok, other=0)  # int32 [CHANNELS_PAD]
+    read = tl.max(((offs_d[:, None] == ch[None, :]) & ch_ok[None, :]).to(tl.int32), 1) > 0  # [HEAD_DIM]
     zero = tl.zeros_like(q_t)
     q_u = tl.where(read[:, None], zero, q_t)  # fp16 [HEAD_DIM, GROUP_PAD]: the unread channels' q, the read ones'
     q_r = tl.where(read[:, None], q_t, zero)
@@ -110,17 +112,17 @@ def _channel_kernel(
     size = tl.dot(tl.abs(k_min), q_abs) + tl.dot(tl.abs(k_max), q_abs)  # |q| . (|min| + |max|)
     slack = _ROUNDING_SLACK * size
     # the read channels' codes against fp16(q_j step_j); size / 15 bounds every |q_j step_j| (fp16 overflow check)
-    q_j = tl.load(q_row[:, None] + ch[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)  # [GROUP_PAD, CH]
+    q_j = tl.load(q_row[:, None] + ch[None, :], mask=g_ok[:, None] & ch_ok[None, :], other=0.0).to(tl.float32)
     r_rows = s_ptr + blocks[:, None] * stride_sn + head * stride_sh + ch[None, :]
     r_min = tl.load(r_rows, mask=live[:, None], other=0.0).to(tl.float32)  # [BLOCKS, CHANNELS]
     r_max = tl.load(r_rows + stride_sm, mask=live[:, None], other=0.0).to(tl.float32)
-    qs = q_j[None, :, :] * ((r_max - r_min) / _LEVELS)[:, None, :]  # [BLOCKS, GROUP_PAD, CHANNELS]
+    qs = q_j[None, :, :] * ((r_max - r_min) / _LEVELS)[:, None, :]  # [BLOCKS, GROUP_PAD, CHANNELS_PAD]
     operand = tl.minimum(tl.maximum(qs, -_FP16_MAX), _FP16_MAX).to(tl.float16)
     fits = size < _LEVELS * _FP16_MAX
     codes = (c_ptr + blocks[:, None, None] * stride_cn + head * stride_ch
              + ch[None, :, None] * (BLOCK_TOKENS // 2) + offs_t[None, None, :])
     byte = tl.load(codes, mask=live[:, None, None] & (offs_t < BLOCK_TOKENS // 2)[None, None, :], other=0)
-    operand_t = tl.permute(operand, (0, 2, 1))  # [BLOCKS, CHANNELS, GROUP_PAD]
+    operand_t = tl.permute(operand, (0, 2, 1))  # [BLOCKS, CHANNELS_PAD, GROUP_PAD]
     est_lo = tl.dot(tl.permute(nibble(byte, 0, DECODE), (0, 2, 1)), operand_t)  # [BLOCKS, HALF_PAD, GROUP_PAD]
     est_hi = tl.dot(tl.permute(nibble(byte, 1, DECODE), (0, 2, 1)), operand_t)  # tokens 2t (lo), 2t + 1 (hi)
     log2_scale = scale * 1.4426950408889634  # logits in base 2: exp2 needs no extra multiply
@@ -155,15 +157,15 @@ def channel_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.T
                         pairs: bool = False, **knobs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(lse, upper) float32 [Hq, N] from num_channels channels of every block's codes and every block's summaries
     (module docstring); -inf outside valid (bool [N]). q float16 [Hq, D], summaries float16 [N, 2, H, D], codes
-    uint8 [>= N, H, 2, B, D // 4]; D and num_channels powers of two >= 16, B even. Sync-free. pairs: the channels
-    are read in adjacent pairs (2p, 2p + 1) (eviction/sketch_plan.py). The CUDA kernel (eviction/sketch_mma.py)
-    serves where it can; knobs (blocks_per_program, decode, num_warps, num_stages) override DEFAULT_KNOBS and ask
-    for the Triton kernel."""
+    uint8 [>= N, H, 2, B, D // 4]; D a power of two >= 16, num_channels a multiple of 16, B even. Sync-free.
+    pairs: the channels are read in adjacent pairs (2p, 2p + 1) (eviction/sketch_plan.py). The CUDA kernel
+    (eviction/sketch_mma.py) serves where it can; knobs (blocks_per_program, decode, num_warps, num_stages)
+    override DEFAULT_KNOBS and ask for the Triton kernel."""
     num_blocks, num_kv_heads, block_tokens = check_inputs(q, summaries, codes, num_tokens)
     check_kernel_layout(q, summaries, codes, block_tokens)
     _check_channels(num_channels, summaries.shape[3], valid, num_blocks, pairs)
-    if num_channels < 16 or num_channels & (num_channels - 1):
-        raise ValueError(f"the kernel reads a power of two >= 16 channels, got {num_channels}")
+    if num_channels % 16:
+        raise ValueError(f"the kernels read a multiple of 16 channels, got {num_channels}")
     unknown = set(knobs) - set(DEFAULT_KNOBS)
     if unknown:
         raise ValueError(f"unknown knobs {sorted(unknown)}; expected some of {sorted(DEFAULT_KNOBS)}")
@@ -187,7 +189,7 @@ def channel_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.T
         q.stride(0), summaries.stride(0), summaries.stride(1), summaries.stride(2), codes.stride(0), codes.stride(1),
         channels.stride(0), lse.stride(0),
         GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 2), HEAD_DIM=head_dim, CHANNELS=num_channels,
-        BLOCK_TOKENS=block_tokens, HALF_PAD=triton.next_power_of_2(block_tokens // 2), BLOCKS=per_program,
+        CHANNELS_PAD=triton.next_power_of_2(num_channels), BLOCK_TOKENS=block_tokens, HALF_PAD=triton.next_power_of_2(block_tokens // 2), BLOCKS=per_program,
         HAS_VALID=valid is not None, DECODE=knobs["decode"], num_warps=knobs["num_warps"],
         FULL=num_tokens == num_blocks * block_tokens and block_tokens & (block_tokens - 1) == 0,
         num_stages=knobs["num_stages"],

@@ -7,7 +7,7 @@ decoded codes through shared memory) and took 350 us at 1M tokens; here each lan
 fragments hold: 170 us, most of it the copy stream (results/h200-session11). The .cu file says how.
 
 Used for: a CUDA device of compute capability >= 8.0 with NVRTC, head_dim 64 or 128, block_tokens 16..128,
-r in {16, 32, 64, 128} (<= head_dim), GQA groups of up to 8 q heads, 16-byte aligned rows.
+r a multiple of 16 (<= head_dim), GQA groups of up to 8 q heads, 16-byte aligned rows.
 KVTIER_SKETCH_MMA=0 turns it off; a failed compile or load warns once and leaves Triton's kernel to serve.
 """
 
@@ -27,7 +27,6 @@ _STAGES = 2  # blocks in flight per warp, the one being read included
 _PROGRAMS_PER_SM = 4  # __launch_bounds__'s minimum: <= 128 registers a thread
 _HEAD_DIMS = (64, 128)
 _BLOCK_TOKENS = (16, 32, 64, 128)
-_CHANNELS = (16, 32, 64, 128)
 _MAX_GROUP = 8
 
 
@@ -92,7 +91,7 @@ def usable(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, num_ch
     if not nvrtc.device_ok(q, "KVTIER_SKETCH_MMA"):
         return False
     num_kv_heads, head_dim, block_tokens = summaries.shape[2], summaries.shape[3], codes.shape[3]
-    if (head_dim not in _HEAD_DIMS or block_tokens not in _BLOCK_TOKENS or num_channels not in _CHANNELS
+    if (head_dim not in _HEAD_DIMS or block_tokens not in _BLOCK_TOKENS or num_channels % 16
             or num_channels > head_dim or q.shape[0] // num_kv_heads > _MAX_GROUP):
         return False
     # 16-byte loads and copies: q rows, summary rows, code rows (cp.async of min(16, block_tokens / 2) bytes)

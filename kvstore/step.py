@@ -16,7 +16,9 @@ per layer, inside the step (no host sync):
                  topk (Quest's min/max bound) or sketch (the 4-bit key sketch, select_masked_table):
                  block scores over capacity, invalid blocks -inf, sinks and the recent window +inf,
                  top k (k fixed: budget // B), ascending
-    3. attend    the paged kernel over that block table, token count computed on the device
+    3. attend    the paged kernel over that block table, token count computed on the device; a dense phase
+                 with no warm block in any layer passes no warm pool, so a long table takes the hot-only
+                 walk instead of partitioning itself by pool (host-known; a graph per case)
     4. account   the kernel's block mass into the table's H2O scores (added by the kernel's merge); sketch:
                  the certified omitted mass per q head from the merge's log-sum-exp (one launch)
 Counts that depend only on the token (tokens the kernel reads, the sketch's live/protected masks) are
@@ -102,6 +104,7 @@ class DecodeStep:
         self.stages_cold = False  # this token stages cpu blocks (fixed per token: part of the graph's key)
         self.phase = self._phase(length + 1)
         self.dense_blocks = self._dense_bucket(length + 1)  # the dense table's length (part of the graph's key)
+        self.hot_only = self._hot_only()  # the kernel gets no warm pool (part of the graph's key)
         self._next_layer = 0
         self._sync_tail_slots()
 
@@ -129,9 +132,10 @@ class DecodeStep:
 
     def graph_key(self) -> tuple:
         """What a captured graph of this token depends on beyond device state: its phase, whether it stages cpu
-        blocks and, if so, the cpu tier's slab table and sums (they move when the tier grows); dense: its bucket."""
+        blocks and, if so, the cpu tier's slab table and sums (they move when the tier grows); dense: its bucket
+        and whether any block is warm."""
         return (self.phase, self.stages_cold, self.store.tiers.cpu.generation if self.stages_cold else 0,
-                self.dense_blocks if self.phase == "dense" else 0)
+                self.dense_blocks if self.phase == "dense" else 0, self.hot_only)
 
     def verify(self) -> None:
         """IntegrityError if a cpu slice the steps since the last call read failed its checksum (one host sync;
@@ -157,6 +161,7 @@ class DecodeStep:
                 raise StepNotReady("DecodeStep: this token cools a block to a tier the step cannot serve; use "
                                    "store.append and store.attend")
         self.stages_cold = any(t.num_cold for t in self.tables)
+        self.hot_only = self._hot_only()
         if self.length % self.block_tokens == 0:
             tiers, b, spec = self.store.tiers, self.block_tokens, self.store.spec
             tiers.check_room(len(self.tables))
@@ -206,6 +211,12 @@ class DecodeStep:
         quarter = max(1, (1 << max(0, (blocks - 1).bit_length() - 1)) // 4)
         return min(self.capacity, max(16, -(-blocks // quarter) * quarter))
 
+    def _hot_only(self) -> bool:
+        """Whether this token's kernel can go without the warm pool: a dense phase whose blocks are all hot (a
+        long table then takes the hot-only walk, not the partition walk that mixed pools need; new tail blocks
+        are hot, so the answer changes only when a block cools, at begin_token)."""
+        return self.phase == "dense" and not any(t.num_warm for t in self.tables)
+
     def _crosses_window(self, old: int) -> bool:
         """Whether growing from old to old + 1 tokens moves some block out of the hot or warm window."""
         c, b = self.store.config, self.block_tokens
@@ -242,7 +253,8 @@ class DecodeStep:
         selected, slots, is_int8, upper = self._select(table, q)  # [H, k] ascending, the tail block last
         if self.stages_cold:  # selected cpu blocks: one head's slice each into the staging rows, verified
             self.cold.stage(layer, table, selected, slots, is_int8)
-        warm = tiers.warm.pool  # always both pools: blocks cool into int8 while a capture stays valid
+        # both pools unless no block is warm: blocks cool into int8 between tokens, and the key says which
+        warm = tiers.warm.pool.index(slice(0, 0)) if self.hot_only else tiers.warm.pool
         out, _ = self.store.decode.kernel(q[None], tiers.hot.pool, warm.data, warm.k_scale, warm.v_scale,
                                           slots[None], is_int8[None], self.kernel_tokens,
                                           add_mass_to=(table.h2o_scores, selected),

@@ -21,6 +21,8 @@ from tests.eviction.test_sketch_kernel import DEVICE, make_case
     (9, 64, 3, 2, 64, 64),  # one partial block, every channel read
     (19 * 64 - 3, 64, 2, 4, 128, 16),  # llama3-8b's group and blocks, 19 blocks (programs run past the end)
     (40 * 16 - 3, 16, 2, 1, 64, 16),  # no GQA, many blocks a program: miscompiled on sm_90 unless the group is padded
+    (21 * 64 - 5, 64, 2, 4, 128, 48),  # a channel count that is no power of two (Triton pads it to 64)
+    (45, 16, 1, 3, 64, 48),
 ])
 def test_kernel_matches_reference(num_tokens, block_tokens, num_kv_heads, group, head_dim, channels) -> None:
     q, summaries, codes, keys = make_case(num_tokens, block_tokens, num_kv_heads, group, head_dim, seed=num_tokens)
@@ -93,7 +95,7 @@ def test_bad_arguments_raise() -> None:
     q, summaries, codes, keys = make_case(64, 16, 2, 2, 64, seed=1)
     with pytest.raises(ValueError, match="num_channels"):
         channel_block_stats_ref(q, summaries, codes, 64, 0)
-    with pytest.raises(ValueError, match="power of two"):
+    with pytest.raises(ValueError, match="multiple of 16"):
         channel_block_stats(q, summaries, codes, 64, 24)
     with pytest.raises(ValueError, match="blocks_per_program"):
         channel_block_stats(q, summaries, codes, 64, 16, blocks_per_program=3)
@@ -126,7 +128,8 @@ def test_pairs_read_adjacent_channel_pairs_and_match_reference(num_tokens, block
 
 
 @pytest.mark.parametrize("pairs", [False, True])
-@pytest.mark.parametrize("num_kv_heads,group,head_dim,channels", [(2, 3, 64, 16), (3, 4, 128, 64), (1, 1, 32, 32)])
+@pytest.mark.parametrize("num_kv_heads,group,head_dim,channels", [(2, 3, 64, 16), (3, 4, 128, 64), (2, 4, 128, 48),
+                                                             (1, 1, 32, 32)])
 def test_plan_kernel_picks_the_reference_channels_ascending(pairs, num_kv_heads, group, head_dim, channels) -> None:
     """The launch the kernels read their channels from: the reference's set in its ascending order (the CUDA first
     level copies code rows in this order), ties included: the lower channel (pair) wins."""

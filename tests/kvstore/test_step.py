@@ -45,11 +45,13 @@ def test_step_equals_append_plus_attend(tmp_path, mode, budget):
         eager.append(sa, layer, prefill_k, prefill_v)
         stepped.append(sb, layer, prefill_k, prefill_v)
     step = stepped.decode_step(sb, mode=mode, budget=budget, capacity_tokens=1024)
-    phases, buckets = set(), set()
+    phases, buckets, hot_only = set(), set(), []
     work = tokens(170, seed=1)  # 100 -> 270 tokens: 11 block boundaries, cooling, the topk phase from 128,
     for t in range(170):  # dense tables of 16 blocks, then 20 (the 17th block opens at 257)
         phases.add(step.begin_token())
-        buckets.add(step.graph_key()[-1])
+        *_, bucket, no_warm = step.graph_key()
+        buckets.add(bucket)
+        hot_only.append(no_warm)
         for layer in range(SPEC.num_layers):
             q, k, v = work[t * SPEC.num_layers + layer]
             eager.append(sa, layer, k[None], v[None])
@@ -59,6 +61,9 @@ def test_step_equals_append_plus_attend(tmp_path, mode, budget):
         step.end_token()
     assert phases == ({"dense"} if mode == "dense" else {"dense", "topk"})
     assert buckets == ({16, 20} if mode == "dense" else {16, 0})  # topk keys carry no bucket
+    # the kernel goes without the warm pool until the first block cools (dense) or the topk phase begins
+    first_not = hot_only.index(False)
+    assert first_not > 0 and not any(hot_only[first_not:])
     stepped.check_integrity()
     assert stepped.stats()["tiers"]["warm"]["blocks"] > 0  # blocks cooled to int8 under the step
     for layer in range(SPEC.num_layers):
