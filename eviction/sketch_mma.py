@@ -1,8 +1,8 @@
 """The sketch selector's first level as a CUDA kernel (sketch_mma.cu), compiled at run time with NVRTC.
 
 Same inputs and outputs as eviction/sketch_channels.py's Triton `_channel_kernel` (the read channels come from
-eviction/sketch_plan.py, ascending), same error analysis: `channel_block_stats` routes here when `usable` says so. Why a CUDA
-kernel: the Triton form issued ~1,160 warp-instructions per block and kv head at r = 64 (its dot takes the
+eviction/sketch_plan.py, ascending), same error analysis: `channel_block_stats` routes here when `usable` says so.
+Why a CUDA kernel: the Triton form issued ~1,160 warp-instructions per block and kv head at r = 64 (its dot takes the
 decoded codes through shared memory) and took 350 us at 1M tokens; here each lane decodes the nibbles its mma.sync
 fragments hold: 170 us, most of it the copy stream (results/h200-session11). The .cu file says how.
 

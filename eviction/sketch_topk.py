@@ -40,7 +40,7 @@ from eviction.topk_kernel import FASTER_THAN_TORCH, topk_gather_table
 
 @dataclass
 class SketchTopK(Policy):
-    # channels whose codes the first level reads per block (a power of two >= 16 on CUDA); None: head_dim // 2.
+    # channels whose codes the first level reads per block (a multiple of 16 on CUDA); None: head_dim // 2.
     # H200, 1M tokens, llama3-8b geometry, 241 norm-matched needles holding >= 5% of the dense weight, budget 4096
     # (bench_longctx/results/h200-session3, call3 and call5): 16 of 128 channels found 204 (select 274 us in a
     # graph), 32 found 238 (315 us), 64 found all 241 (421 us), like the old two-plane scan (677 us): the default
