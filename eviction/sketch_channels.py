@@ -114,7 +114,7 @@ def _channel_kernel(
     # the read channels' codes against fp16(q_j step_j); size / 15 bounds every |q_j step_j| (fp16 overflow check)
     q_j = tl.load(q_row[:, None] + ch[None, :], mask=g_ok[:, None] & ch_ok[None, :], other=0.0).to(tl.float32)
     r_rows = s_ptr + blocks[:, None] * stride_sn + head * stride_sh + ch[None, :]
-    r_min = tl.load(r_rows, mask=live[:, None], other=0.0).to(tl.float32)  # [BLOCKS, CHANNELS]
+    r_min = tl.load(r_rows, mask=live[:, None], other=0.0).to(tl.float32)  # [BLOCKS, CHANNELS_PAD]
     r_max = tl.load(r_rows + stride_sm, mask=live[:, None], other=0.0).to(tl.float32)
     qs = q_j[None, :, :] * ((r_max - r_min) / _LEVELS)[:, None, :]  # [BLOCKS, GROUP_PAD, CHANNELS_PAD]
     operand = tl.minimum(tl.maximum(qs, -_FP16_MAX), _FP16_MAX).to(tl.float16)

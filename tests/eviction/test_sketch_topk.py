@@ -145,3 +145,16 @@ def test_kernel_with_tuning_knobs_selects_what_the_reference_selects() -> None:
         got, upper = SketchTopK(**levels, use_kernel=True, **knobs).select_with_bounds(ctx, 400)
         assert torch.equal(got, want)
         torch.testing.assert_close(upper, want_upper, rtol=1e-5, atol=1e-4)
+
+
+def test_a_channel_count_no_power_of_two_selects_what_the_reference_selects() -> None:
+    """48 of 64 channels: the Triton first level pads the count to 64, the CUDA one (on a GPU) takes three k-steps."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    ctx, needle_blocks = _needle_case(3, device=dev)
+    levels = dict(channels=48, coarse_factor=2, min_candidates=0)
+    want, want_upper = SketchTopK(**levels, use_kernel=False).select_with_bounds(ctx, 400)
+    got, upper = SketchTopK(**levels, use_kernel=True).select_with_bounds(ctx, 400)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(upper, want_upper, rtol=1e-5, atol=1e-3 if dev == "cuda" else 1e-4)
+    for head in range(needle_blocks.shape[0]):
+        assert set(needle_blocks[head].tolist()) <= set(got[head].tolist())
