@@ -13,7 +13,8 @@ may promote at other steps than the writer would have.
   - more selected cold blocks than staging rows: the step attends over temporary pools of every
     selected block, again one pool per format;
   - the kernel always gets both pools (the warm one always has its staging rows), so which build and walk
-    it runs never depends on where the step's blocks happen to be.
+    it runs never depends on where the step's blocks happen to be (the captured step's dense phase is the one
+    exception: while no block of the sequence is warm it passes no warm pool, kvstore/step.py).
 The ssd and saved tiers report each block's own format (`fetch_as_stored`: verified where the values lie,
 one batch per format, one host-to-device copy); the sidecar and redis tiers hand a batch mixing fp16 and
 int8 back as fp16.
