@@ -249,3 +249,40 @@ def test_the_step_refuses_cold_blocks_it_cannot_reach(tmp_path):
     _, store, (_, seq) = cold_pair(tmp_path, "c")
     assert store.decode_step(seq, mode="topk", budget=128).ready()
     assert not store.decode_step(seq, mode="dense").ready()  # a dense step would read every cold block
+
+
+@pytest.mark.cuda
+def test_a_long_all_hot_dense_step_skips_the_partition_walk(tmp_path, monkeypatch):
+    """A table long enough for the split walk (80K tokens x 2 kv heads), every block hot, a warm pool present: the
+    eager path partitions the table by pool, the step (no block warm) takes the hot-only walk; same outputs."""
+    import kvstore.attention.paged_decode as paged
+
+    calls = []
+    real = paged.partition_table
+    monkeypatch.setattr(paged, "partition_table", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ctx = 80_000
+    big = dict(hot_tokens=ctx + 512, warm_tokens=1024, gpu_bytes=96 << 20, cpu_bytes=16 << 20)
+    eager, stepped = make_store(tmp_path, "a", **big), make_store(tmp_path, "b", **big)
+    g = torch.Generator().manual_seed(3)
+    prefill_k, prefill_v = (torch.randn(ctx, 2, 32, generator=g).half().to(DEVICE) for _ in range(2))
+    sa, sb = eager.create_sequence(), stepped.create_sequence()
+    for layer in range(SPEC.num_layers):
+        eager.append(sa, layer, prefill_k, prefill_v)
+        stepped.append(sb, layer, prefill_k, prefill_v)
+    step = stepped.decode_step(sb, mode="dense", budget=4096, capacity_tokens=ctx + 256)
+    work = tokens(3, seed=4)
+    for t in range(3):
+        step.begin_token()
+        assert step.graph_key()[-1] is True  # no block is warm: no warm pool for the kernel
+        for layer in range(SPEC.num_layers):
+            q, k, v = work[t * SPEC.num_layers + layer]
+            eager.append(sa, layer, k[None], v[None])
+            before = len(calls)
+            want = eager.attend(sa, layer, q, mode="dense")
+            assert len(calls) == before + 1  # the eager kernel walked the partitioned table
+            got = step.attend(layer, q, k, v)
+            assert len(calls) == before + 1  # the step did not
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-3)
+        step.end_token()
+    stepped.check_integrity()
+    eager.close(), stepped.close()
