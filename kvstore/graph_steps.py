@@ -1,8 +1,8 @@
 """GraphedSteps: a DecodeStep's token (a model's layers around step.attend) replayed as one CUDA graph.
 
 A graph is captured per DecodeStep.graph_key() (the phase, whether the token stages cpu blocks, the cpu
-tier's slab generation and, dense, the table's bucket) and replayed for every later token with that key;
-between tokens only the host work DecodeStep.begin_token / end_token names runs.
+tier's slab generation and, dense, the table's bucket and whether any block is warm) and replayed for every
+later token with that key; between tokens only the host work DecodeStep.begin_token / end_token names runs.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from kvstore.step import DecodeStep
 class GraphedSteps:
     """Runs `forward` (one token's device work over `step`, e.g. a model's layers around step.attend) with
     the host work around it, as one CUDA graph replay per step.graph_key() (phase, cpu blocks staged or
-    not, the cpu slab generation, the dense bucket); eagerly off CUDA.
+    not, the cpu slab generation, the dense bucket, any block warm); eagerly off CUDA.
 
     The first token of a phase runs for real on a side stream (compiling every kernel), then the same
     forward is recorded; recording runs nothing, so that token runs once."""
