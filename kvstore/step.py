@@ -104,7 +104,6 @@ class DecodeStep:
         self.stages_cold = False  # this token stages cpu blocks (fixed per token: part of the graph's key)
         self.phase = self._phase(length + 1)
         self.dense_blocks = self._dense_bucket(length + 1)  # the dense table's length (part of the graph's key)
-        self.hot_only = self._hot_only()  # the kernel gets no warm pool (part of the graph's key)
         self._next_layer = 0
         self._sync_tail_slots()
 
@@ -161,7 +160,6 @@ class DecodeStep:
                 raise StepNotReady("DecodeStep: this token cools a block to a tier the step cannot serve; use "
                                    "store.append and store.attend")
         self.stages_cold = any(t.num_cold for t in self.tables)
-        self.hot_only = self._hot_only()
         if self.length % self.block_tokens == 0:
             tiers, b, spec = self.store.tiers, self.block_tokens, self.store.spec
             tiers.check_room(len(self.tables))
@@ -211,10 +209,11 @@ class DecodeStep:
         quarter = max(1, (1 << max(0, (blocks - 1).bit_length() - 1)) // 4)
         return min(self.capacity, max(16, -(-blocks // quarter) * quarter))
 
-    def _hot_only(self) -> bool:
-        """Whether this token's kernel can go without the warm pool: a dense phase whose blocks are all hot (a
-        long table then takes the hot-only walk, not the partition walk that mixed pools need; new tail blocks
-        are hot, so the answer changes only when a block cools, at begin_token)."""
+    @property
+    def hot_only(self) -> bool:
+        """Whether this token's kernel goes without the warm pool (part of the graph's key): a dense phase whose
+        blocks are all hot (a long table then takes the hot-only walk, not the partition walk that mixed pools
+        need; new tail blocks are hot, so the answer changes only when a block cools, at begin_token)."""
         return self.phase == "dense" and not any(t.num_warm for t in self.tables)
 
     def _crosses_window(self, old: int) -> bool:
