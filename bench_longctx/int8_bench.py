@@ -10,7 +10,8 @@ step builds it). Per context and block size: torch SDPA over contiguous fp16 K/V
     sinks_recent           both pools; the first 4 blocks and the last 8192 tokens fp16, the rest int8
     alternate              both pools; blocks alternate fp16 / int8 (worst case for a per-split pick)
 Both-pool cases run every split walk of paged_decode: partition (two launches over the device-partitioned
-table), fused (one launch over it), dispatch (the old per-split pick). Every paged call returns block
+table), fused (one launch over it), dispatch (the old per-split pick), partition_kept (the partition walk
+over a partition made before the timing: what the decode step's dense phase runs). Every paged call returns block
 mass, as the decode step asks; fp16 and int8 also run without it. Unless --quick, at 1M tokens the
 fp16 and int8 loops (hot-only and warm-only builds) are first swept over tile, warps, stages and split
 count; each case then also runs with the fastest config of its pool ("best"; mixed cases take int8's).
@@ -43,6 +44,7 @@ ONE_POOL = ("fp16", "int8")
 BOTH = ("int8+hot", "fp16+warm", "sinks_recent", "alternate")
 TARGET_INT8_VS_SDPA = 1.7  # issue 10: int8 warm-only at 1M; mixed tables never slower than our fp16
 SPLIT_WALKS = ("partition", "fused", "dispatch")  # paged_decode's walks over two pools of a long table
+KEPT = "partition_kept"  # the partition walk over a partition made beforehand (what the decode step's dense phase runs)
 SWEEP = dict(warps=(4, 8), tokens=(128, 64), stages=(2, 1, 3), split_factor=(1.0, 0.5, 2.0))  # likeliest first
 
 
@@ -130,13 +132,17 @@ def run_context(pools: dict, q: torch.Tensor, sdpa: float, ceiling: float, best:
     configs = {"default": {}, **{f"best_{k}": resolve(c, pools, q.device) for k, c in best.items()}}
     for case in ONE_POOL + BOTH:
         args = case_args(pools, case, q)
-        variants = SPLIT_WALKS if case in BOTH else ("one_pool",)
+        variants = SPLIT_WALKS + (KEPT,) if case in BOTH else ("one_pool",)
         for label, config in configs.items():
             if label.startswith("best") and label != f"best_{'fp16' if case in ('fp16', 'fp16+warm') else 'int8'}":
                 continue
             masses = (True, False) if case in ONE_POOL and label == "default" else (True,)
             for variant, mass in itertools.product(variants, masses):
                 kwargs = {**config, **({"walk": variant} if case in BOTH else {})}
+                if variant == KEPT:
+                    kwargs["walk"] = "partition"
+                    kwargs["partition"] = partition_table(args[5], args[6].view(torch.int8), args[7],
+                                                          pools["block_tokens"])
                 ms = time_ms(lambda: paged_decode(*args, return_block_mass=mass, **kwargs), q.device)
                 rows.append(row(pools, case, variant, ms, sdpa, ceiling, config=label, mass=mass, **config))
     args = case_args(pools, "sinks_recent", q)
@@ -158,7 +164,7 @@ def summarize(rows: list[dict]) -> dict:
            "target": TARGET_INT8_VS_SDPA, "met": int8["speed_vs_sdpa"] >= TARGET_INT8_VS_SDPA,
            "fp16_with_mass_ms": fp16["ms"], "int8_ms": int8["ms"], "int8_block_tokens": int8["block_tokens"]}
     for case in BOTH:
-        runs = {v: fastest(case, v) for v in SPLIT_WALKS}
+        runs = {v: fastest(case, v) for v in SPLIT_WALKS + (KEPT,)}
         out[case] = {v: {"ms": r["ms"], "vs_our_fp16": fp16["ms"] / r["ms"], "of_ceiling": r["of_ceiling"],
                          "block_tokens": r["block_tokens"], "config": r["config"]} for v, r in runs.items()}
     return out

@@ -18,7 +18,8 @@ per layer, inside the step (no host sync):
                  top k (k fixed: budget // B), ascending
     3. attend    the paged kernel over that block table, token count computed on the device; a dense phase
                  with no warm block in any layer passes no warm pool, so a long table takes the hot-only
-                 walk instead of partitioning itself by pool (host-known; a graph per case)
+                 walk (host-known; a graph per case); with warm blocks, a long table's partition by pool
+                 is made at begin_token when the tables changed, not in every token (step_dense.py)
     4. account   the kernel's block mass into the table's H2O scores (added by the kernel's merge); sketch:
                  the certified omitted mass per q head from the merge's log-sum-exp (one launch)
 Counts that depend only on the token (tokens the kernel reads, the sketch's live/protected masks) are
@@ -54,6 +55,7 @@ from kvstore.attention.append import NewToken, append_token, append_token_ref
 from kvstore.decode import block_table
 from kvstore.table import DROPPED
 from kvstore.step_cold import StepColdBlocks
+from kvstore.step_dense import StepPartitions, dense_bucket
 from kvstore.tierset import HOT_TIER, WARM_TIER
 from tiers.base import device_ints
 
@@ -101,9 +103,10 @@ class DecodeStep:
         self._scores = quest_scores_live if dev.type == "cuda" else quest_scores_live_ref
         self._append_token = append_token if dev.type == "cuda" else append_token_ref  # one launch on the GPU
         self.cold = StepColdBlocks(store, spec.num_layers, self.capacity)  # staging, verifying, promoting
+        self.partitions = StepPartitions(spec, self.capacity, b, dev)  # the dense tables by pool (long, mixed)
         self.stages_cold = False  # this token stages cpu blocks (fixed per token: part of the graph's key)
         self.phase = self._phase(length + 1)
-        self.dense_blocks = self._dense_bucket(length + 1)  # the dense table's length (part of the graph's key)
+        self.dense_blocks = dense_bucket(length + 1, b, self.capacity)  # the dense table's length (graph key)
         self._next_layer = 0
         self._sync_tail_slots()
 
@@ -152,7 +155,7 @@ class DecodeStep:
             self._sync_tail_slots()
         self._next_layer = 0  # a token that failed part way left nothing on the device count: start over
         self.phase = self._phase(self.length + 1)
-        self.dense_blocks = self._dense_bucket(self.length + 1)
+        self.dense_blocks = dense_bucket(self.length + 1, self.block_tokens, self.capacity)
         if self._crosses_window(self.length):  # as store.append does: cool, then the token attends
             for table in self.tables:
                 self.store.tiers.cool(table, self.length, self.length + 1)
@@ -174,6 +177,8 @@ class DecodeStep:
                 table.summaries[index, 1] = float("-inf")
                 table.h2o_scores[:, index] = 0.0
             self._sync_tail_slots()
+        self.partitions.update(self.tables, self.dense_blocks, self.length + 1, self.phase == "dense" and
+                               not self.hot_only)
         return self.phase
 
     def end_token(self) -> None:
@@ -200,14 +205,6 @@ class DecodeStep:
 
     def _phase(self, num_tokens: int) -> str:
         return "dense" if self.mode == "dense" or -(-num_tokens // self.block_tokens) <= self.k else "topk"
-
-    def _dense_bucket(self, num_tokens: int) -> int:
-        """Blocks of the dense table at num_tokens: the blocks held rounded up to a multiple of a quarter of the
-        power of two below them (at most 1.25x; >= 16), at most capacity. The kernel sizes its walk and grid by
-        the table's length; a graph serves one bucket, four per doubling of the context."""
-        blocks = -(-num_tokens // self.block_tokens)
-        quarter = max(1, (1 << max(0, (blocks - 1).bit_length() - 1)) // 4)
-        return min(self.capacity, max(16, -(-blocks // quarter) * quarter))
 
     @property
     def hot_only(self) -> bool:
@@ -257,7 +254,8 @@ class DecodeStep:
         out, _ = self.store.decode.kernel(q[None], tiers.hot.pool, warm.data, warm.k_scale, warm.v_scale,
                                           slots[None], is_int8[None], self.kernel_tokens,
                                           add_mass_to=(table.h2o_scores, selected),
-                                          lse_out=self._lse if upper is not None else None, append=new)
+                                          lse_out=self._lse if upper is not None else None, append=new,
+                                          partition=self.partitions.of_layer(layer))
         if upper is not None:  # the sketch's certified omitted mass, kept on the device (end_token counts it)
             omitted_mass_bounds(upper, selected, self._lse[0], out=self.certified[layer])
         if layer == len(self.tables) - 1:

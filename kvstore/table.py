@@ -39,6 +39,7 @@ class LayerTable:
     num_dropped: int = 0  # blocks H2O drop mode freed
     h2o_scores: torch.Tensor | None = None  # fp32 [H, capacity]: accumulated attention mass
     cold_hits: dict[int, int] = field(default_factory=dict)  # block index -> times fetched while cold
+    moves: int = 0  # times the device maps were written or reallocated (a kept partition of them is stale)
 
     @property
     def num_blocks(self) -> int:
@@ -76,6 +77,7 @@ class TableTensors:
             grown[3][:, :capacity] = table.h2o_scores
             grown[4][:capacity] = table.sketch
         table.summaries, table.slot_map, table.tier_map, table.h2o_scores, table.sketch = grown
+        table.moves += 1
 
     def extend_tail(self, table: LayerTable, index: int, k: torch.Tensor) -> None:
         """Fold keys k [t, H, D] appended to block `index` into its summary."""
@@ -118,3 +120,4 @@ class TableTensors:
         idx = device_ints(indices, self.device)
         table.slot_map[idx] = device_ints(slots, self.device, torch.int32)
         table.tier_map.index_fill_(0, idx, tier)  # `tier_map[idx] = tier` would copy the scalar over and sync
+        table.moves += 1

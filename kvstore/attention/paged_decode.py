@@ -32,7 +32,7 @@ from kvstore.attention import int8_mma
 from kvstore.attention.append import NewToken, append_token
 from kvstore.attention.merge import merge_splits
 from kvstore.attention.one_tile import one_tile_partials
-from kvstore.attention.partition import partition_table
+from kvstore.attention.partition import PartitionedTable, partition_table
 from kvstore.attention.plan import (DecodeConfig, DecodeGeometry, check_append, check_decode_inputs,
                                    check_kernel_layout, check_lse_target, check_mass_target, decode_config)
 from kvstore.attention.tiles import entries, load_kv
@@ -204,7 +204,7 @@ def paged_decode(
     *, sm_scale: float | None = None, return_block_mass: bool = False, num_splits: int | None = None,
     blocks_per_iter: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
     walk: str = "auto", add_mass_to: tuple[torch.Tensor, torch.Tensor] | None = None,
-    lse_out: torch.Tensor | None = None, append: NewToken | None = None,
+    lse_out: torch.Tensor | None = None, append: NewToken | None = None, partition: PartitionedTable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decode step of attention over paged KV: returns (out fp16 [B, Hq, D], block_mass f32 [B, H, max_blocks]).
 
@@ -219,6 +219,8 @@ def paged_decode(
     (natural log, -inf for a row without tokens; the merge has it anyway): what a bound on omitted mass needs.
     append (batch 1; append.py): the new token, stored in the hot pool before it is attended as the row's last
     token (num_tokens counts it): inside the one-tile launch, or by append_token before the split walk.
+    partition: partition_table(block_table, block_is_int8, num_tokens, T) made earlier (the table unchanged
+    since): the partition walk reads it instead of partitioning the table again (kvstore/step_partition.py).
     """
     geom = check_decode_inputs(q, hot_pool, warm_data, warm_k_scale, warm_v_scale, block_table, block_is_int8,
                                num_tokens)
@@ -242,7 +244,7 @@ def paged_decode(
     else:
         if append is not None:
             append_token(hot_pool, append.summaries, append.k, append.v, append.tail_slot, append.count)
-        parts = split_partials(*args, geom, cfg, scale, with_mass, "partition" if walk == "auto" else walk)
+        parts = split_partials(*args, geom, cfg, scale, with_mass, "partition" if walk == "auto" else walk, partition)
     return merge_splits(*parts, num_tokens, geom, return_block_mass, add_mass_to, lse_out)
 
 
@@ -250,6 +252,7 @@ def split_partials(
     q: torch.Tensor, hot_pool: torch.Tensor, warm_words: torch.Tensor, warm_k_scale: torch.Tensor,
     warm_v_scale: torch.Tensor, block_table: torch.Tensor, block_is_int8: torch.Tensor, num_tokens: torch.Tensor,
     geom: DecodeGeometry, cfg: DecodeConfig, scale: float, return_block_mass: bool, walk: str,
+    partition: PartitionedTable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The split walk (walk: partition, fused or dispatch): (o_part, lse_part, lse_block) as merge_splits reads
     them. Arguments as paged_decode checked them (warm_words: warm_data viewed as int32, flags as int8)."""
@@ -263,7 +266,11 @@ def split_partials(
     lse_block = torch.empty((b, nq, max_blocks) if return_block_mass else (1,), dtype=f32, device=dev)
     table, positions, num_fp16 = block_table, block_table, num_tokens[:, None].expand(b, h)  # direct: last 2 unused
     if partitioned:
-        part = partition_table(block_table, block_is_int8, num_tokens, geom.block_tokens)
+        part = partition if partition is not None else partition_table(block_table, block_is_int8, num_tokens,
+                                                                       geom.block_tokens)
+        if part.slots.shape != block_table.shape or part.num_fp16.shape != (b, h):
+            raise ValueError(f"partition: a partition of this table {tuple(block_table.shape)}, got slots "
+                             f"{tuple(part.slots.shape)} and num_fp16 {tuple(part.num_fp16.shape)}")
         table, positions, num_fp16 = part.slots, part.positions, part.num_fp16
 
     warm_bytes = warm_words.view(torch.int8)  # the CUDA walk reads the pool as bytes

@@ -121,21 +121,29 @@ class PartitionedTable:
 
 
 def partition_table(block_table: torch.Tensor, block_is_int8: torch.Tensor, num_tokens: torch.Tensor,
-                    block_tokens: int, *, chunk: int = PARTITION_CHUNK) -> PartitionedTable:
+                    block_tokens: int, *, chunk: int = PARTITION_CHUNK,
+                    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> PartitionedTable:
     """block_table int32 [B, H, M], block_is_int8 int8 [B, H, M] (checked by paged_decode) -> PartitionedTable.
 
-    A table and flags that are one row expanded over the kv heads (stride 0) are partitioned once per row.
-    A table of one chunk (M <= chunk entries, a power of two) is scanned by one program per row; a longer one by a
-    program per chunk in two launches (counts, then the scatter): at 1M tokens a row is 16 chunks of 2,048,
-    which one program took ~43 us to walk (H200, results/h200-int8, "partition_table_only").
+    A table and flags that are one row expanded over the kv heads (stride 0) are partitioned once per row (H' = 1,
+    else H' = H). A table of one chunk (M <= chunk entries, a power of two) is scanned by one program per row; a
+    longer one by a program per chunk in two launches (counts, then the scatter): at 1M tokens a row is 16 chunks
+    of 2,048, which one program took ~43 us to walk (H200, results/h200-int8, "partition_table_only").
+    out: contiguous int32 buffers (slots [B, H', M], positions [B, H', M], num_fp16 [B, H']) to write into instead
+    of new ones: what a caller that keeps a partition between launches (a captured decode step) gives.
     """
     batch, heads, max_blocks = block_table.shape
     shared = heads == 1 or (block_table.stride(1) == 0 and block_is_int8.stride(1) == 0)
     scan_heads = 1 if shared else heads
     dev = block_table.device
-    slots = torch.empty((batch, scan_heads, max_blocks), dtype=torch.int32, device=dev)  # [B, H', M]
-    positions = torch.empty_like(slots)  # [B, H', M]
-    num_fp16 = torch.empty((batch, scan_heads), dtype=torch.int32, device=dev)  # [B, H']
+    if out is None:
+        slots = torch.empty((batch, scan_heads, max_blocks), dtype=torch.int32, device=dev)  # [B, H', M]
+        out = (slots, torch.empty_like(slots), torch.empty((batch, scan_heads), dtype=torch.int32, device=dev))
+    slots, positions, num_fp16 = out  # [B, H', M], [B, H', M], [B, H']
+    shapes = ((batch, scan_heads, max_blocks),) * 2 + ((batch, scan_heads),)
+    if any(t.shape != s or t.dtype != torch.int32 or t.device != dev or not t.is_contiguous()
+           for t, s in zip(out, shapes)):
+        raise ValueError(f"partition_table out: contiguous int32 tensors of shapes {shapes} on {dev}")
     num_chunks = triton.cdiv(max_blocks, chunk)
     if num_chunks == 1:  # one launch, one program per row
         _partition_kernel[(batch, scan_heads)](

@@ -36,9 +36,9 @@ def paged_decode_ref(
     warm_v_scale: torch.Tensor, block_table: torch.Tensor, block_is_int8: torch.Tensor, num_tokens: torch.Tensor,
     *, sm_scale: float | None = None, return_block_mass: bool = False, num_splits: int | None = None,
     add_mass_to: tuple[torch.Tensor, torch.Tensor] | None = None, lse_out: torch.Tensor | None = None,
-    append: NewToken | None = None,
+    append: NewToken | None = None, partition: object = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Same contract as paged_decode (num_splits is accepted and ignored)."""
+    """Same contract as paged_decode (num_splits and partition, a launch plan, are accepted and ignored)."""
     geom = check_decode_inputs(q, hot_pool, warm_data, warm_k_scale, warm_v_scale, block_table, block_is_int8,
                                num_tokens)
     check_mass_target(add_mass_to, geom, q.device)

@@ -19,14 +19,14 @@ SPEC = ModelSpec.preset("llama3-8b", num_layers=4)
 PROMPT, NEW = 3000, 150
 
 
-def run(mode: str, graphs: bool, forced: list[int] | None = None, **overrides) -> tuple[list[int], torch.Tensor,
-                                                                                        torch.Tensor, dict]:
+def run(mode: str, graphs: bool, forced: list[int] | None = None, prompt: int = PROMPT,
+        **overrides) -> tuple[list[int], torch.Tensor, torch.Tensor, dict]:
     """Greedy decode after a prefill; with `forced`, the inputs are those tokens (teacher forcing), so two
     runs compare logits on identical inputs even where a near-tie flips one argmax."""
     model = random_llama(SPEC, seed=0, dtype=torch.float16, device="cuda")
     config = Config(**{**dict(model=SPEC, block_tokens=64, sink_tokens=64, hot_tokens=1024, warm_tokens=65536,
                               recent_tokens=256, gpu_bytes=4 << 30, cpu_bytes=1 << 30, device="cuda"), **overrides})
-    ids = torch.randint(0, model.args.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, model.args.vocab_size, (prompt,), generator=torch.Generator().manual_seed(0))
     with KVStore(config) as store:
         decoder = Decoder(model, store, graphs=graphs)
         seq = store.create_sequence()
@@ -37,7 +37,7 @@ def run(mode: str, graphs: bool, forced: list[int] | None = None, **overrides) -
             all_logits.append(logits)
             tokens.append(int(logits.argmax()))
         store.check_integrity()
-        k, _ = store.read(seq, 0, PROMPT, PROMPT + NEW)
+        k, _ = store.read(seq, 0, prompt, prompt + NEW)
         return tokens, torch.stack(all_logits), k.clone(), store.stats()
 
 
@@ -50,6 +50,17 @@ def test_captured_decode_generates_what_eager_decode_does(mode):
     assert agree >= 0.97  # random weights: near-ties in the logits may flip an argmax, nothing more
     assert torch.equal(graph_k, eager_k)  # every generated token's K stored, the same bytes
     assert stats["tiers"]["warm"]["blocks"] > 0 and stats["attend"]["calls"] == SPEC.num_layers * NEW
+
+
+def test_captured_dense_decode_over_a_long_mixed_table_equals_eager_decode():
+    """A 20K-token prompt (8 kv heads: past the one-tile walk, so the kernel walks the table partitioned by pool,
+    a partition the step keeps between tokens and makes again when a block cools or opens): the captured logits
+    and stored K equal the eager path's, which partitions in every call."""
+    eager_tokens, eager_logits, eager_k, _ = run("dense", graphs=False, prompt=20_000)
+    graph_tokens, graph_logits, graph_k, stats = run("dense", graphs=True, forced=eager_tokens, prompt=20_000)
+    torch.testing.assert_close(graph_logits, eager_logits, atol=2e-2, rtol=2e-2)
+    assert torch.equal(graph_k, eager_k)
+    assert stats["tiers"]["warm"]["blocks"] > 0
 
 
 @pytest.mark.parametrize("prompt, warm_tokens", [
@@ -121,7 +132,7 @@ def test_a_damaged_cpu_block_read_by_the_captured_step_raises():
     model = random_llama(SPEC, seed=0, dtype=torch.float16, device="cuda")
     config = Config(model=SPEC, block_tokens=64, sink_tokens=64, hot_tokens=1024, warm_tokens=512,
                     recent_tokens=256, gpu_bytes=4 << 30, cpu_bytes=1 << 30, cpu_dtype="int8", device="cuda")
-    ids = torch.randint(0, model.args.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, model.args.vocab_size, (prompt,), generator=torch.Generator().manual_seed(0))
     with KVStore(config) as store:
         decoder = Decoder(model, store)
         seq = store.create_sequence()

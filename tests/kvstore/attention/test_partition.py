@@ -85,3 +85,29 @@ def test_walks_match_reference_with_a_chunked_partition(monkeypatch) -> None:
     ref_out, ref_mass = paged_decode_ref(*case.args(), return_block_mass=True)
     torch.testing.assert_close(out.float(), ref_out.float(), atol=4e-3, rtol=1e-2)
     torch.testing.assert_close(mass, ref_mass, atol=1e-3, rtol=1e-2)
+
+
+def test_a_partition_written_into_given_buffers_is_the_one_made_fresh_and_the_walk_reads_it() -> None:
+    """partition_table(out=...) writes the caller's buffers (what a decode step keeps between tokens); paged_decode
+    given that partition returns what it returns partitioning the table itself; a wrong out or partition raises."""
+    case, kwargs = _build_variant("gqa2_d64_bt16_shared_many_splits")
+    block_tokens, (batch, _, m) = case.hot.shape[3], case.table.shape
+    flags = case.is_int8.view(torch.int8)
+    fresh = partition_table(case.table, flags, case.num_tokens, block_tokens)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    out = (torch.full((batch, 1, m), -7, **i32), torch.full((batch, 1, m), -7, **i32), torch.zeros((batch, 1), **i32))
+    kept = partition_table(case.table, flags, case.num_tokens, block_tokens, out=out)
+    assert kept.slots.data_ptr() == out[0].data_ptr() and kept.num_fp16.data_ptr() == out[2].data_ptr()
+    for b in range(batch):  # entries past a row's blocks are undefined: compare the used ones
+        n = -(-int(case.num_tokens[b]) // block_tokens)
+        assert torch.equal(kept.slots[b, :, :n], fresh.slots[b, :, :n])
+        assert torch.equal(kept.positions[b, :, :n], fresh.positions[b, :, :n])
+    assert torch.equal(kept.num_fp16, fresh.num_fp16)
+    want = paged_decode(*case.args(), return_block_mass=True, walk="partition", **kwargs)
+    got = paged_decode(*case.args(), return_block_mass=True, walk="partition", partition=kept, **kwargs)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="out"):
+        partition_table(case.table, flags, case.num_tokens, block_tokens, out=(out[0][:, :, :-1], *out[1:]))
+    with pytest.raises(ValueError, match="partition"):
+        other = partition_table(case.table[:, :, :-1], flags[:, :, :-1], case.num_tokens, block_tokens)
+        paged_decode(*case.args(), walk="partition", partition=other, **kwargs)
