@@ -132,7 +132,7 @@ def test_a_damaged_cpu_block_read_by_the_captured_step_raises():
     model = random_llama(SPEC, seed=0, dtype=torch.float16, device="cuda")
     config = Config(model=SPEC, block_tokens=64, sink_tokens=64, hot_tokens=1024, warm_tokens=512,
                     recent_tokens=256, gpu_bytes=4 << 30, cpu_bytes=1 << 30, cpu_dtype="int8", device="cuda")
-    ids = torch.randint(0, model.args.vocab_size, (prompt,), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, model.args.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(0))
     with KVStore(config) as store:
         decoder = Decoder(model, store)
         seq = store.create_sequence()
