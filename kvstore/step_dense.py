@@ -5,7 +5,7 @@ capacity gets a short table's kernel (one captured graph per bucket).
 
 StepPartitions: a long dense table holding hot (fp16) and warm (int8) blocks takes paged_decode's partition
 walk: the table is reordered on the device, fp16 entries first (kvstore/attention/partition.py, two launches:
-~24 us a layer at 1M tokens on an H200, results/h200-session10 call 6, "partition_table_only"), then each pool's
+5.6 us a layer of a 1M-token dense int8 token on an H200, results/h200-session12 call 4), then each pool's
 entries are attended by a launch specialised to its format. Between block boundaries a step's tables do not
 change: the token goes into the tail block, which stays where it is; blocks change tier or slot only through
 TableTensors.set_location, which counts the change in LayerTable.moves (new tail blocks and cooled blocks
