@@ -9,6 +9,8 @@ step builds it). Per context and block size: torch SDPA over contiguous fp16 K/V
     int8+hot / fp16+warm   the same tables with both full pools present (what the captured step passes)
     sinks_recent           both pools; the first 4 blocks and the last 8192 tokens fp16, the rest int8
     alternate              both pools; blocks alternate fp16 / int8 (worst case for a per-split pick)
+    first_cooled           both pools; all fp16 but the 1/64 of the blocks after the sinks, int8 (a table whose
+                           oldest blocks have just begun to cool: "mixed never slower than fp16" at its hardest)
 Both-pool cases run every split walk of paged_decode: partition (two launches over the device-partitioned
 table), fused (one launch over it), dispatch (the old per-split pick), partition_kept (the partition walk
 over a partition made before the timing: what the decode step's dense phase runs). Every paged call returns block
@@ -41,7 +43,7 @@ CONTEXTS = (131072, 1048576)
 BLOCK_SIZES = (32, 64)
 SINK_BLOCKS, RECENT_TOKENS = 4, 8192
 ONE_POOL = ("fp16", "int8")
-BOTH = ("int8+hot", "fp16+warm", "sinks_recent", "alternate")
+BOTH = ("int8+hot", "fp16+warm", "sinks_recent", "alternate", "first_cooled")
 TARGET_INT8_VS_SDPA = 1.7  # issue 10: int8 warm-only at 1M; mixed tables never slower than our fp16
 SPLIT_WALKS = ("partition", "fused", "dispatch")  # paged_decode's walks over two pools of a long table
 KEPT = "partition_kept"  # the partition walk over a partition made beforehand (what the decode step's dense phase runs)
@@ -60,7 +62,8 @@ def make_pools(num_tokens: int, block_tokens: int, device: torch.device) -> dict
     blk = torch.arange(n, device=device)
     sinks_recent = (blk >= SINK_BLOCKS) & (blk < n - RECENT_TOKENS // block_tokens)
     flags = {"fp16": blk < 0, "int8": blk >= 0, "int8+hot": blk >= 0, "fp16+warm": blk < 0,
-             "sinks_recent": sinks_recent, "alternate": blk % 2 == 1}
+             "sinks_recent": sinks_recent, "alternate": blk % 2 == 1,
+             "first_cooled": (blk >= SINK_BLOCKS) & (blk < SINK_BLOCKS + n // 64)}
     flags = {k: f[None, None].expand(1, NUM_KV_HEADS, n) for k, f in flags.items()}
     return dict(hot=hot, warm=(warm, k_scale, v_scale), table=table, flags=flags, n=n, block_tokens=block_tokens,
                 num_tokens=torch.tensor([num_tokens], dtype=torch.int32, device=device))
