@@ -22,7 +22,6 @@ All log-sum-exps here are base 2 (scores are pre-multiplied by log2(e)).
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -43,7 +42,6 @@ LOG2E = 1.4426950408889634
 # or the split walk, which over two non-empty pools partitions the table, or fuses both pools' launches, or
 # dispatches per split (over one pool the last three are the same direct walk)
 WALKS = ("auto", "one_tile", "partition", "fused", "dispatch")
-OVERLAP_POOLS = True  # the partition walk's two launches on two streams (session 14 study)
 
 
 @triton.jit
@@ -195,11 +193,6 @@ def _split_kernel(
     tl.store(lse_part_ptr + part, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=g_ok)
 
 
-@functools.lru_cache(maxsize=None)
-def _side_stream(device_index: int) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device_index)
-
-
 def _use_asm(device: torch.device) -> bool:
     """Inline PTX only on a real CUDA launch; the interpreter runs the plain-Triton twin."""
     return device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
@@ -305,14 +298,7 @@ def split_partials(
             USE_ASM=_use_asm(q.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    if partitioned and walk == "partition" and OVERLAP_POOLS and q.is_cuda:  # the pools' launches side by side
-        main, side = torch.cuda.current_stream(q.device), _side_stream(q.device.index or 0)
-        side.wait_stream(main)  # a fork and a join: legal inside a graph capture too
-        with torch.cuda.stream(side):
-            launch(cfg.num_splits, cfg.num_splits, False, True)  # the int8 entries
-        launch(0, cfg.num_splits, True, False)  # the fp16 entries
-        main.wait_stream(side)
-    elif partitioned and walk == "partition":
+    if partitioned and walk == "partition":
         launch(0, cfg.num_splits, True, False)  # the fp16 entries
         launch(cfg.num_splits, cfg.num_splits, False, True)  # the int8 entries
     else:
