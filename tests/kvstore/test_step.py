@@ -35,15 +35,21 @@ def tokens(n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Te
     return out
 
 
-@pytest.mark.parametrize("mode, budget", [("dense", 4096), ("topk", 128)])
-def test_step_equals_append_plus_attend(tmp_path, mode, budget):
-    eager, stepped = make_store(tmp_path, "a"), make_store(tmp_path, "b")
-    g = torch.Generator().manual_seed(0)
-    prefill_k, prefill_v = (torch.randn(100, 2, 32, generator=g).half().to(DEVICE) for _ in range(2))
+def twin_stores(tmp_path, length: int, seed: int, **overrides) -> tuple[KVStore, KVStore, int, int]:
+    """Two stores holding the same `length` prefill tokens in every layer: (eager, stepped, their sequences)."""
+    eager, stepped = make_store(tmp_path, "a", **overrides), make_store(tmp_path, "b", **overrides)
+    g = torch.Generator().manual_seed(seed)
+    prefill_k, prefill_v = (torch.randn(length, 2, 32, generator=g).half().to(DEVICE) for _ in range(2))
     sa, sb = eager.create_sequence(), stepped.create_sequence()
     for layer in range(SPEC.num_layers):
         eager.append(sa, layer, prefill_k, prefill_v)
         stepped.append(sb, layer, prefill_k, prefill_v)
+    return eager, stepped, sa, sb
+
+
+@pytest.mark.parametrize("mode, budget", [("dense", 4096), ("topk", 128)])
+def test_step_equals_append_plus_attend(tmp_path, mode, budget):
+    eager, stepped, sa, sb = twin_stores(tmp_path, 100, seed=0)
     step = stepped.decode_step(sb, mode=mode, budget=budget, capacity_tokens=1024)
     phases, buckets, hot_only = set(), set(), []
     work = tokens(170, seed=1)  # 100 -> 270 tokens: 11 block boundaries, cooling, the topk phase from 128,
@@ -262,13 +268,7 @@ def test_a_long_all_hot_dense_step_skips_the_partition_walk(tmp_path, monkeypatc
     monkeypatch.setattr(paged, "partition_table", lambda *a, **k: calls.append(1) or real(*a, **k))
     ctx = 80_000
     big = dict(hot_tokens=ctx + 512, warm_tokens=1024, gpu_bytes=96 << 20, cpu_bytes=16 << 20)
-    eager, stepped = make_store(tmp_path, "a", **big), make_store(tmp_path, "b", **big)
-    g = torch.Generator().manual_seed(3)
-    prefill_k, prefill_v = (torch.randn(ctx, 2, 32, generator=g).half().to(DEVICE) for _ in range(2))
-    sa, sb = eager.create_sequence(), stepped.create_sequence()
-    for layer in range(SPEC.num_layers):
-        eager.append(sa, layer, prefill_k, prefill_v)
-        stepped.append(sb, layer, prefill_k, prefill_v)
+    eager, stepped, sa, sb = twin_stores(tmp_path, ctx, seed=3, **big)
     step = stepped.decode_step(sb, mode="dense", budget=4096, capacity_tokens=ctx + 256)
     work = tokens(3, seed=4)
     for t in range(3):

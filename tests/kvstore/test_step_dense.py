@@ -13,7 +13,7 @@ import torch
 from kvstore import step_dense
 from kvstore.attention.paged_decode import paged_decode
 from kvstore.attention.partition import partition_table_ref
-from tests.kvstore.test_step import DEVICE, SPEC, make_store, tokens
+from tests.kvstore.test_step import DEVICE, SPEC, make_store, tokens, twin_stores
 
 
 def test_table_moves_count_every_map_write(tmp_path):
@@ -32,13 +32,7 @@ def test_table_moves_count_every_map_write(tmp_path):
 
 def _run_dense_step(tmp_path, monkeypatch, num_tokens: int, interpret_every: int) -> tuple:
     monkeypatch.setattr(step_dense, "partition_walk", lambda device, geom: True)
-    eager, stepped = make_store(tmp_path, "a"), make_store(tmp_path, "b")
-    g = torch.Generator().manual_seed(0)
-    prefill_k, prefill_v = (torch.randn(200, 2, 32, generator=g).half().to(DEVICE) for _ in range(2))
-    sa, sb = eager.create_sequence(), stepped.create_sequence()
-    for layer in range(SPEC.num_layers):
-        eager.append(sa, layer, prefill_k, prefill_v)
-        stepped.append(sb, layer, prefill_k, prefill_v)
+    eager, stepped, sa, sb = twin_stores(tmp_path, 200, seed=0)
     step = stepped.decode_step(sb, mode="dense", budget=4096, capacity_tokens=1024)
     reference, seen = stepped.decode.kernel, []
 
@@ -131,13 +125,7 @@ def test_a_long_mixed_dense_step_partitions_between_tokens_not_in_them(tmp_path,
     monkeypatch.setattr(paged, "partition_table", lambda *a, **k: calls.append(1) or real(*a, **k))
     ctx = 80_000
     big = dict(hot_tokens=40_000, warm_tokens=60_000, gpu_bytes=96 << 20, cpu_bytes=16 << 20)
-    eager, stepped = make_store(tmp_path, "a", **big), make_store(tmp_path, "b", **big)
-    g = torch.Generator().manual_seed(3)
-    prefill_k, prefill_v = (torch.randn(ctx, 2, 32, generator=g).half().to(DEVICE) for _ in range(2))
-    sa, sb = eager.create_sequence(), stepped.create_sequence()
-    for layer in range(SPEC.num_layers):
-        eager.append(sa, layer, prefill_k, prefill_v)
-        stepped.append(sb, layer, prefill_k, prefill_v)
+    eager, stepped, sa, sb = twin_stores(tmp_path, ctx, seed=3, **big)
     assert stepped.table(sb, 0).num_warm > 0
     step = stepped.decode_step(sb, mode="dense", budget=4096, capacity_tokens=ctx + 256)
     work = tokens(3, seed=4)
