@@ -63,24 +63,25 @@ class StepPartitions:
         """Before a token: each table's first num_entries entries partitioned at num_tokens tokens where the kernel
         gets both pools (both_pools: a dense phase with warm blocks) and would walk the table partitioned;
         unless the buffers hold that already (same length, block count and moves)."""
-        s, m = self.spec, num_entries
-        geom = DecodeGeometry(1, s.num_q_heads, s.num_kv_heads, s.head_dim, self.block_tokens, m)
-        if not both_pools or not partition_walk(self.device, geom):
+        if not both_pools:
             self.layers, self._key = [], None
             return
+        s, m = self.spec, num_entries
         key = (m, -(-num_tokens // self.block_tokens), tuple(t.moves for t in tables))
-        if key == self._key:
+        if key == self._key:  # host work of most tokens ends here
             return
-        self.count.fill_(num_tokens)
         self.layers = []
-        for layer, table in enumerate(tables):
-            out = (self.slots[layer, :m].view(1, 1, m), self.positions[layer, :m].view(1, 1, m),
-                   self.num_fp16[layer].view(1, 1))
-            self.layers.append(partition_table(table.slot_map[None, None, :m].expand(1, s.num_kv_heads, m),
-                                               table.tier_map[None, None, :m].expand(1, s.num_kv_heads, m),
-                                               self.count, self.block_tokens, out=out))
+        if partition_walk(self.device, DecodeGeometry(1, s.num_q_heads, s.num_kv_heads, s.head_dim,
+                                                      self.block_tokens, m)):
+            self.count.fill_(num_tokens)
+            for layer, table in enumerate(tables):
+                out = (self.slots[layer, :m].view(1, 1, m), self.positions[layer, :m].view(1, 1, m),
+                       self.num_fp16[layer].view(1, 1))
+                self.layers.append(partition_table(table.slot_map[None, None, :m].expand(1, s.num_kv_heads, m),
+                                                   table.tier_map[None, None, :m].expand(1, s.num_kv_heads, m),
+                                                   self.count, self.block_tokens, out=out))
+            self.partitions += 1
         self._key = key
-        self.partitions += 1
 
     def of_layer(self, layer: int) -> PartitionedTable | None:
         return self.layers[layer] if self.layers else None

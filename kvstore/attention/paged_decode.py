@@ -22,8 +22,6 @@ All log-sum-exps here are base 2 (scores are pre-multiplied by log2(e)).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -32,9 +30,10 @@ from kvstore.attention import int8_mma
 from kvstore.attention.append import NewToken, append_token
 from kvstore.attention.merge import merge_splits
 from kvstore.attention.one_tile import one_tile_partials
-from kvstore.attention.partition import PartitionedTable, partition_table
+from kvstore.attention.partition import PartitionedTable, kept_or_new_partition
 from kvstore.attention.plan import (DecodeConfig, DecodeGeometry, check_append, check_decode_inputs,
-                                   check_kernel_layout, check_lse_target, check_mass_target, decode_config)
+                                   check_kernel_layout, check_lse_target, check_mass_target, decode_config,
+                                   use_asm)
 from kvstore.attention.tiles import entries, load_kv
 
 LOG2E = 1.4426950408889634
@@ -193,11 +192,6 @@ def _split_kernel(
     tl.store(lse_part_ptr + part, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=g_ok)
 
 
-def _use_asm(device: torch.device) -> bool:
-    """Inline PTX only on a real CUDA launch; the interpreter runs the plain-Triton twin."""
-    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
-
-
 def paged_decode(
     q: torch.Tensor, hot_pool: torch.Tensor, warm_data: torch.Tensor, warm_k_scale: torch.Tensor,
     warm_v_scale: torch.Tensor, block_table: torch.Tensor, block_is_int8: torch.Tensor, num_tokens: torch.Tensor,
@@ -240,7 +234,7 @@ def paged_decode(
     warm_words = warm_data.view(torch.int32)  # [n_warm, 2, H, T, D / 4]: 4 int8 per word
     args = (q, hot_pool, warm_words, warm_k_scale, warm_v_scale, block_table, block_is_int8, num_tokens)
     if cfg.one_tile:
-        parts = one_tile_partials(*args, geom, cfg, scale, with_mass, _use_asm(q.device), append)
+        parts = one_tile_partials(*args, geom, cfg, scale, with_mass, use_asm(q.device), append)
     else:
         if append is not None:
             append_token(hot_pool, append.summaries, append.k, append.v, append.tail_slot, append.count)
@@ -266,11 +260,7 @@ def split_partials(
     lse_block = torch.empty((b, nq, max_blocks) if return_block_mass else (1,), dtype=f32, device=dev)
     table, positions, num_fp16 = block_table, block_table, num_tokens[:, None].expand(b, h)  # direct: last 2 unused
     if partitioned:
-        part = partition if partition is not None else partition_table(block_table, block_is_int8, num_tokens,
-                                                                       geom.block_tokens)
-        if part.slots.shape != block_table.shape or part.num_fp16.shape != (b, h):
-            raise ValueError(f"partition: a partition of this table {tuple(block_table.shape)}, got slots "
-                             f"{tuple(part.slots.shape)} and num_fp16 {tuple(part.num_fp16.shape)}")
+        part = kept_or_new_partition(partition, block_table, block_is_int8, num_tokens, geom.block_tokens)
         table, positions, num_fp16 = part.slots, part.positions, part.num_fp16
 
     warm_bytes = warm_words.view(torch.int8)  # the CUDA walk reads the pool as bytes
@@ -295,7 +285,7 @@ def split_partials(
             GROUP=geom.group, GROUP_PAD=max(16, triton.next_power_of_2(geom.group)), HEAD_DIM=d,
             BLOCK_TOKENS=geom.block_tokens, BLOCKS_PER_ITER=cfg.blocks_per_iter,
             HAS_HOT=hot, HAS_WARM=warm, PARTITIONED=partitioned, RETURN_MASS=return_block_mass,
-            USE_ASM=_use_asm(q.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            USE_ASM=use_asm(q.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
     if partitioned and walk == "partition":

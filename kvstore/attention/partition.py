@@ -167,6 +167,19 @@ def partition_table(block_table: torch.Tensor, block_is_int8: torch.Tensor, num_
                             num_fp16.expand(batch, heads))
 
 
+def kept_or_new_partition(kept: PartitionedTable | None, block_table: torch.Tensor, block_is_int8: torch.Tensor,
+                          num_tokens: torch.Tensor, block_tokens: int) -> PartitionedTable:
+    """`kept` (a partition_table of this table made earlier, e.g. by a decode step between tokens), checked for the
+    table's shape, or the table partitioned now."""
+    if kept is None:
+        return partition_table(block_table, block_is_int8, num_tokens, block_tokens)
+    batch, heads, _ = block_table.shape
+    if kept.slots.shape != block_table.shape or kept.num_fp16.shape != (batch, heads):
+        raise ValueError(f"partition: a partition of this table {tuple(block_table.shape)}, got slots "
+                         f"{tuple(kept.slots.shape)} and num_fp16 {tuple(kept.num_fp16.shape)}")
+    return kept
+
+
 def partition_table_ref(block_table: torch.Tensor, block_is_int8: torch.Tensor, num_tokens: torch.Tensor,
                         block_tokens: int) -> list[list[tuple[int, torch.Tensor, torch.Tensor]]]:
     """Per (b, h): (num_fp16, slots, positions) of the used entries, in the order partition_table gives."""

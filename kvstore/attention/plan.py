@@ -164,6 +164,11 @@ def check_kernel_layout(q: torch.Tensor, hot_pool: torch.Tensor, warm_data: torc
         raise ValueError(f"head_dim: the compiled kernel needs >= 32, got {q.shape[-1]}; use paged_decode_ref")
 
 
+def use_asm(device: torch.device) -> bool:
+    """Inline PTX only on a real CUDA launch; the interpreter runs the plain-Triton twin."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True")
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":

@@ -261,11 +261,11 @@ def test_the_step_refuses_cold_blocks_it_cannot_reach(tmp_path):
 def test_a_long_all_hot_dense_step_skips_the_partition_walk(tmp_path, monkeypatch):
     """A table long enough for the split walk (80K tokens x 2 kv heads), every block hot, a warm pool present: the
     eager path partitions the table by pool, the step (no block warm) takes the hot-only walk; same outputs."""
-    import kvstore.attention.paged_decode as paged
+    import kvstore.attention.partition as partition_module  # what paged_decode partitions with (not step_dense)
 
     calls = []
-    real = paged.partition_table
-    monkeypatch.setattr(paged, "partition_table", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = partition_module.partition_table
+    monkeypatch.setattr(partition_module, "partition_table", lambda *a, **k: calls.append(1) or real(*a, **k))
     ctx = 80_000
     big = dict(hot_tokens=ctx + 512, warm_tokens=1024, gpu_bytes=96 << 20, cpu_bytes=16 << 20)
     eager, stepped, sa, sb = twin_stores(tmp_path, ctx, seed=3, **big)

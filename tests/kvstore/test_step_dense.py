@@ -118,11 +118,11 @@ def _geom(step):
 def test_a_long_mixed_dense_step_partitions_between_tokens_not_in_them(tmp_path, monkeypatch):
     """80K tokens x 2 kv heads (the split walk), the blocks past a 40K hot window warm: the eager kernel partitions
     the table in every call, the step once before its first token (nothing moves in the next two); same outputs."""
-    import kvstore.attention.paged_decode as paged
+    import kvstore.attention.partition as partition_module  # what paged_decode partitions with (not step_dense)
 
     calls = []
-    real = paged.partition_table
-    monkeypatch.setattr(paged, "partition_table", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = partition_module.partition_table
+    monkeypatch.setattr(partition_module, "partition_table", lambda *a, **k: calls.append(1) or real(*a, **k))
     ctx = 80_000
     big = dict(hot_tokens=40_000, warm_tokens=60_000, gpu_bytes=96 << 20, cpu_bytes=16 << 20)
     eager, stepped, sa, sb = twin_stores(tmp_path, ctx, seed=3, **big)

@@ -10,7 +10,6 @@ import functools
 import pytest
 import torch
 
-from kvstore.attention import paged_decode as paged_decode_module
 from kvstore.attention.paged_decode import WALKS, paged_decode
 from kvstore.attention import partition
 from kvstore.attention.partition import PARTITION_CHUNK, partition_table, partition_table_ref
@@ -79,7 +78,7 @@ def test_partition_caps_rows_at_the_table() -> None:
 
 def test_walks_match_reference_with_a_chunked_partition(monkeypatch) -> None:
     """paged_decode's partition walk over a table partitioned a program per chunk (as a 1M-token table is)."""
-    monkeypatch.setattr(paged_decode_module, "partition_table", functools.partial(partition_table, chunk=4))
+    monkeypatch.setattr(partition, "partition_table", functools.partial(partition_table, chunk=4))
     case, kwargs = _build_variant("gqa2_d64_bt16_shared_many_splits")
     out, mass = paged_decode(*case.args(), return_block_mass=True, walk="partition", **kwargs)
     ref_out, ref_mass = paged_decode_ref(*case.args(), return_block_mass=True)
