@@ -16,7 +16,7 @@ timeout 200 python3 $S/walk_variants.py $R/variants > $R/variants.log 2>&1; save
 timeout 120 python3 $S/mixed_parts.py $R/mixed > $R/mixed.log 2>&1; save
 timeout 120 python3 -m pytest -q -p no:cacheprovider -m cuda tests/kvstore/test_step.py tests/kvstore/test_step_dense.py > $R/tests_step.log 2>&1; save
 if [ -n "$NCU" ]; then
-  timeout 120 $NCU --kernel-name regex:int8_split --launch-skip 2 --launch-count 1 --set full --import-source yes \
+  timeout 150 $NCU --clock-control none --kernel-name regex:int8_split --launch-skip 2 --launch-count 1 --set full --import-source yes \
     -o $R/walk python3 $S/walk_once.py > $R/ncu.log 2>&1
   $NCU -i $R/walk.ncu-rep --page details --print-details all > $R/ncu_details.txt 2>&1
   $NCU -i $R/walk.ncu-rep --page source --csv --print-source sass 2>&1 | gzip > $R/ncu_source.csv.gz

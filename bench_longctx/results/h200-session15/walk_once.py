@@ -1,7 +1,7 @@
 """Session 15: the int8 walk at 1M tokens (int8_bench's int8 case), compiled with -lineinfo, launched a few times:
 what Nsight Compute profiles (run1.sh, when the device has ncu).
 
-    ncu --kernel-name regex:int8_split --launch-skip 2 --launch-count 1 --set full --import-source yes \
+    ncu --kernel-name regex:int8_split --clock-control none --launch-skip 2 --launch-count 1 --set full --import-source yes \
         -o walk python bench_longctx/results/h200-session15/walk_once.py
 """
 
