@@ -31,7 +31,7 @@
 
 struct Params {
     const u16* q; i64 s_q_batch, s_q_head;                       // fp16 [B, Hq, D], elements
-    const signed char* warm; i64 s_w_slot, s_w_kv, s_w_head, s_w_tok;  // int8 [n, 2, H, T, D], bytes
+    const signed char* warm; i64 s_w_slot, s_w_kv, s_w_head;  // int8 [n, 2, H, T, D], bytes; a token's D bytes apart
     const float* k_scale; i64 s_ks_slot, s_ks_head;                // [n, H, D]
     const float* v_scale; i64 s_vs_slot, s_vs_head;                // [n, H, T]
     const int* table; const int* pos; i64 s_tab_batch, s_tab_head, s_tab_blk;
@@ -56,16 +56,16 @@ __device__ __forceinline__ u32 transpose8x8(u32 x) {
 
 
 template <int WORDS>
-__device__ __forceinline__ void lds_words(u32 (&w)[WORDS], const unsigned char* src) {
+__device__ __forceinline__ void lds_words(u32 (&w)[WORDS], u32 src) {  // src: a shared-space address
     if constexpr (WORDS % 4 == 0) {
         #pragma unroll
         for (int i = 0; i < WORDS / 4; ++i) {
-            const uint4 x = reinterpret_cast<const uint4*>(src)[i];
+            const uint4 x = lds128(src + 16 * i);
             w[4 * i] = x.x; w[4 * i + 1] = x.y; w[4 * i + 2] = x.z; w[4 * i + 3] = x.w;
         }
     } else {
         static_assert(WORDS == 2, "2 or a multiple of 4 words");
-        const uint2 x = *reinterpret_cast<const uint2*>(src);
+        const uint2 x = lds64(src);
         w[0] = x.x; w[1] = x.y;
     }
 }
@@ -110,7 +110,7 @@ __device__ __forceinline__ void int8_split_body(const Params& p) {
     const int per_warp = max(0, (hi - lo + WARPS - 1) / WARPS);
     const int wlo = lo + warp * per_warp, whi = min(wlo + per_warp, hi);
     const int n_items = max(0, whi - wlo) * CPB;
-    unsigned char* stages = smem + warp * STAGES * G::STAGE;
+    const u32 stages = smem_addr(smem) + warp * STAGES * G::STAGE;  // shared-space addresses from here on
 
     const int* trow = p.table + b * p.s_tab_batch + head * p.s_tab_head;
     const int* prow = p.pos + b * p.s_tab_batch + head * p.s_tab_head;
@@ -126,28 +126,40 @@ __device__ __forceinline__ void int8_split_body(const Params& p) {
         slot = __shfl_sync(0xffffffffu, tab_slot, blk & 31);
         pos = __shfl_sync(0xffffffffu, tab_pos, blk & 31);
     };
-    constexpr int ROWS_PER_COPY = 32 / (D / 16);  // token rows one 16-byte copy per lane covers
-    static_assert(CH % ROWS_PER_COPY == 0, "a chunk is a whole number of copies");
-    const i64 lane_src = (lane / (D / 16)) * p.s_w_tok + 16 * (lane % (D / 16)), src_step = ROWS_PER_COPY * p.s_w_tok;
+    // A chunk's copies: lane (row, piece) = (lane / (D/16), lane % (D/16)) copies 16 bytes of rows row + i * RPC.
+    // A block's rows are D bytes apart (usable() checks), so every source offset is a constant; the destinations
+    // repeat their swizzle every PERIOD copies, so they are PERIOD lane offsets plus constants.
+    constexpr int RPC = 32 / (D / 16);  // token rows one 16-byte copy per lane covers
+    constexpr int COPIES = CH * D / 16 / 32;
+    constexpr int PERIOD = RPC >= G::PIECES ? 1 : G::PIECES / RPC;
+    static_assert(CH % RPC == 0 && COPIES % PERIOD == 0, "a chunk is a whole number of copies");
     const int lane_row = lane / (D / 16), lane_piece = lane % (D / 16);
+    u32 dst_at[PERIOD];
+    #pragma unroll
+    for (int j = 0; j < PERIOD; ++j) {
+        const int row = lane_row + j * RPC;
+        dst_at[j] = row * ROW + 16 * (lane_piece ^ (row % G::PIECES));
+    }
     auto issue = [&](int item) {  // chunk `item` of this warp's walk -> stage item % STAGES
         const int blk = wlo + item / CPB, t0 = (item % CPB) * CH;
         i64 slot; int pos;
         entry(blk, slot, pos);
-        const signed char* src = p.warm + slot * p.s_w_slot + head * p.s_w_head + t0 * p.s_w_tok + lane_src;
-        unsigned char* dst = stages + (item % STAGES) * G::STAGE;
+        const signed char* k_src = p.warm + slot * p.s_w_slot + head * p.s_w_head + (t0 + lane_row) * D + 16 * lane_piece;
+        const signed char* v_src = k_src + p.s_w_kv;
+        const u32 dst = stages + (item % STAGES) * G::STAGE;
         #pragma unroll
-        for (int i = 0; i < CH * D / 16 / 32; ++i) {  // lane's pieces: rows lane / (D/16) + i * ROWS_PER_COPY
-            const int row = lane_row + i * ROWS_PER_COPY;
-            const int at = row * ROW + 16 * (lane_piece ^ (row % G::PIECES));
-            cp_async16(dst + G::K_OFF + at, src + i * src_step);
-            cp_async16(dst + G::V_OFF + at, src + p.s_w_kv + i * src_step);
+        for (int i = 0; i < COPIES; ++i) {
+            const u32 at = dst_at[i % PERIOD] + (i / PERIOD) * PERIOD * RPC * ROW;
+            cp_async16_l2(dst + G::K_OFF + at, k_src + i * RPC * D);
+            cp_async16_l2(dst + G::V_OFF + at, v_src + i * RPC * D);
         }
-        const float* ks = p.k_scale + slot * p.s_ks_slot + head * p.s_ks_head;
-        for (int i = lane; i < D / 4; i += 32) cp_async16(dst + G::KS_OFF + 16 * i, ks + 4 * i);
+        if (t0 == 0) {  // K's scales: read with the block's first chunk only
+            const float* ks = p.k_scale + slot * p.s_ks_slot + head * p.s_ks_head;
+            for (int i = lane; i < D / 4; i += 32) cp_async16_l2(dst + G::KS_OFF + 16 * i, ks + 4 * i);
+        }
         const float* vs = p.v_scale + slot * p.s_vs_slot + head * p.s_vs_head + t0;
-        if (lane < CH / 4) cp_async16(dst + G::VS_OFF + 16 * lane, vs + 4 * lane);
-        if (lane == 0) *reinterpret_cast<int*>(dst + G::POS_OFF) = pos;
+        if (lane < CH / 4) cp_async16_l2(dst + G::VS_OFF + 16 * lane, vs + 4 * lane);
+        if (lane == 0) sts32(dst + G::POS_OFF, pos);
     };
 
     // Fragments (lane = 4r + c). Q.K^T is computed transposed, S^T = K.Q^T: K is the A operand (16 tokens a
@@ -167,13 +179,14 @@ __device__ __forceinline__ void int8_split_body(const Params& p) {
         }
     }
     const bool h_ok[2] = {2 * c < p.group, 2 * c + 1 < p.group};  // this lane's accumulator columns: q heads 2c, 2c + 1
-    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // per head: running max (same on all r), this lane's share of l
+    // per head: running max of the scaled scores (same on all r); this lane's share of l over the blocks before this one
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
     float acc[VM][4];  // O^T m-tile e: (channel r * D/8 + 2e, heads 2c, 2c + 1), (channel + 1, heads 2c, 2c + 1)
     #pragma unroll
     for (int e = 0; e < VM; ++e) acc[e][0] = acc[e][1] = acc[e][2] = acc[e][3] = 0.f;
     u32 qa[KS][2];                  // q * the block's K scale, as B fragments
     float s0[2] = {0.f, 0.f};       // -1152 sum(q * K's scale) per head: where the block's scores start
-    float bsum[2] = {0.f, 0.f};     // this lane's share of the block's p per head, relative to m
+    float bsum[2] = {0.f, 0.f};     // this lane's share of the block's p per head, relative to m (into l at its end)
     float corr[2] = {0.f, 0.f};     // 1152 sum(p * v_scale * V_BOOST) per head, scaled with acc: acc's surplus
 
     #pragma unroll
@@ -181,21 +194,32 @@ __device__ __forceinline__ void int8_split_body(const Params& p) {
         if (s < n_items) issue(s);
         cp_async_commit();
     }
+    // lane constants of the fragment reads (the swizzle's row % PIECES is r's or c's: 16v and 8h drop out)
+    u32 k_at[KS / 4];  // K: rows r (+ 8h + 16v), pieces c * KS/4 + i
+    #pragma unroll
+    for (int i = 0; i < KS / 4; ++i) k_at[i] = G::K_OFF + r * ROW + 16 * ((c * KS / 4 + i) ^ (r % G::PIECES));
+    u32 v_at[2];  // V: rows 2c + j (+ 8 (x >> 1) + 16v), bytes r * D/8 ..
+    #pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int row = 2 * c + j, byte = r * (D / 8);
+        v_at[j] = G::V_OFF + row * ROW + 16 * ((byte / 16) ^ (row % G::PIECES)) + byte % 16;
+    }
+    const float qk = p.qk_scale;  // > 0 (usable() checks): the max of the raw scores, scaled, is the scaled max
     for (int it = 0; it < n_items; ++it) {
         if (it + STAGES - 1 < n_items) issue(it + STAGES - 1);
         cp_async_commit();
         cp_async_wait<STAGES - 1>();
         __syncwarp();
-        const unsigned char* st = stages + (it % STAGES) * G::STAGE;
-        const int t0 = (it % CPB) * CH, pos = *reinterpret_cast<const int*>(st + G::POS_OFF);
+        const u32 st = stages + (it % STAGES) * G::STAGE;
+        const int t0 = (it % CPB) * CH, pos = static_cast<int>(lds32(st + G::POS_OFF));
         const int valid = min(T, n_tok - pos * T) - t0;  // tokens of this chunk that exist (may be <= 0)
         if (t0 == 0) {
-            const float4* ks = reinterpret_cast<const float4*>(st + G::KS_OFF) + c * (D / 16);
             #pragma unroll
             for (int s = 0; s < KS; ++s) {
-                const float4 k4 = ks[s];  // in fp16, as Triton's kernel scales K: q * scale rounds like k * scale
-                qa[s][0] = hmul2(qh[s][0], pack_h2(k4.x, k4.y));
-                qa[s][1] = hmul2(qh[s][1], pack_h2(k4.z, k4.w));
+                const uint4 k4 = lds128(st + G::KS_OFF + 16 * (c * (D / 16) + s));
+                // in fp16, as Triton's kernel scales K: q * scale rounds like k * scale
+                qa[s][0] = hmul2(qh[s][0], pack_h2(__uint_as_float(k4.x), __uint_as_float(k4.y)));
+                qa[s][1] = hmul2(qh[s][1], pack_h2(__uint_as_float(k4.z), __uint_as_float(k4.w)));
             }
             float d[4] = {0.f, 0.f, 0.f, 0.f};
             #pragma unroll
@@ -203,19 +227,16 @@ __device__ __forceinline__ void int8_split_body(const Params& p) {
                 mma(d, H2_MINUS_1152, H2_MINUS_1152, H2_MINUS_1152, H2_MINUS_1152, qa[s][0], qa[s][1]);
             s0[0] = d[0];
             s0[1] = d[1];
-            bsum[0] = bsum[1] = 0.f;
         }
-        float sc[VS][4];  // tile v: (token 16v + r, heads 2c, 2c + 1), (token 16v + r + 8, heads 2c, 2c + 1)
+        float sc[VS][4];  // raw scores, tile v: (token 16v + r, heads 2c, 2c + 1), (token 16v + r + 8, heads ..)
         #pragma unroll
         for (int v = 0; v < VS; ++v) {
             u32 kw[2][KS];  // tokens 16v + r and 16v + r + 8, channels c * D/4 ..: pieces c * KS / 4 ..
             #pragma unroll
             for (int h = 0; h < 2; ++h)
                 #pragma unroll
-                for (int i = 0; i < KS / 4; ++i) {
-                    const int row = 16 * v + r + 8 * h, piece = (c * KS / 4 + i) ^ (row % G::PIECES);
-                    lds_words(reinterpret_cast<u32(&)[4]>(kw[h][4 * i]), st + G::K_OFF + row * ROW + 16 * piece);
-                }
+                for (int i = 0; i < KS / 4; ++i)
+                    lds_words(reinterpret_cast<u32(&)[4]>(kw[h][4 * i]), st + k_at[i] + (16 * v + 8 * h) * ROW);
             sc[v][0] = sc[v][2] = s0[0];
             sc[v][1] = sc[v][3] = s0[1];
             #pragma unroll
@@ -230,53 +251,53 @@ __device__ __forceinline__ void int8_split_body(const Params& p) {
         for (int v = 0; v < VS; ++v)
             #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                sc[v][i] = 16 * v + r + 8 * (i >> 1) < valid ? sc[v][i] * p.qk_scale : NEG_INF;
+                if (16 * v + r + 8 * (i >> 1) >= valid) sc[v][i] = NEG_INF;
                 mx[i & 1] = fmaxf(mx[i & 1], sc[v][i]);
             }
-        float alpha[2], m_use[2];
+        float m_new[2], m_use[2];
+        bool moved = false;
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 4));
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 8));
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 16));
-            const float m_new = fmaxf(m[h], mx[h]);
-            m_use[h] = m_new == NEG_INF ? 0.f : m_new;
-            alpha[h] = exp2f(m[h] - m_use[h]);
-            m[h] = m_new;
-            l[h] *= alpha[h];
-            bsum[h] *= alpha[h];
-            corr[h] *= alpha[h];
+            m_new[h] = fmaxf(m[h], mx[h] * qk);
+            moved |= m_new[h] != m[h];
+            m_use[h] = m_new[h] == NEG_INF ? 0.f : m_new[h];
         }
-        #pragma unroll
-        for (int e = 0; e < VM; ++e) {
-            acc[e][0] *= alpha[0]; acc[e][2] *= alpha[0];
-            acc[e][1] *= alpha[1]; acc[e][3] *= alpha[1];
+        if (__any_sync(0xffffffffu, moved)) {  // rescale only when a running max moved (alpha is 1 otherwise)
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float alpha = exp2f(m[h] - m_use[h]);
+                l[h] *= alpha;
+                bsum[h] *= alpha;
+                corr[h] *= alpha;
+                #pragma unroll
+                for (int e = 0; e < VM; ++e) { acc[e][h] *= alpha; acc[e][h + 2] *= alpha; }
+            }
         }
-        const float* vsc = reinterpret_cast<const float*>(st + G::VS_OFF);
+        m[0] = m_new[0];
+        m[1] = m_new[1];
         #pragma unroll
         for (int v = 0; v < VS; ++v) {
             u32 pt[2];  // P^T B fragment: tokens 16v + 2c + {0, 1} (+ 8 for pt[1]), head r
             #pragma unroll
             for (int h = 0; h < 2; ++h) {  // h: token 16v + r + 8h
                 const int tok = 16 * v + r + 8 * h;
-                const float vs = vsc[tok];
+                // a select: v_scale past the row's end may be NaN
+                const float vs = tok < valid ? __uint_as_float(lds32(st + G::VS_OFF + 4 * tok)) * V_BOOST : 0.f;
                 float pv[2];
                 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
-                    const float pr = exp2f(sc[v][2 * h + i] - m_use[i]);
-                    l[i] += pr;
+                    const float pr = exp2f(fmaf(sc[v][2 * h + i], qk, -m_use[i]));
                     bsum[i] += pr;
-                    pv[i] = tok < valid ? pr * vs * V_BOOST : 0.f;  // a select: v_scale past the row's end may be NaN
+                    pv[i] = pr * vs;
                 }
                 pt[h] = transpose8x8(pack_h2(pv[0], pv[1]));
             }
             u32 vw[4][VW];  // tokens 16v + 2c + {0, 1, 8, 9}, channels r * D/8 ..
             #pragma unroll
-            for (int x = 0; x < 4; ++x) {
-                const int row = 16 * v + 2 * c + (x & 1) + 8 * (x >> 1), byte = r * (D / 8);
-                const int piece = (byte / 16) ^ (row % G::PIECES);
-                lds_words(vw[x], st + G::V_OFF + row * ROW + 16 * piece + byte % 16);
-            }
+            for (int x = 0; x < 4; ++x) lds_words(vw[x], st + v_at[x & 1] + (16 * v + 8 * (x >> 1)) * ROW);
             #pragma unroll
             for (int e = 0; e < VM; ++e) {  // channels 2e, 2e + 1 of the thread's D/8: word e / 2, bytes 2(e % 2) ..
                 const int w = e / 2, k = 2 * (e % 2);
@@ -293,16 +314,21 @@ __device__ __forceinline__ void int8_split_body(const Params& p) {
             corr[1] = d[1];
         }
         __syncwarp();  // the stage is refilled by the next iteration's issue
-        if (p.return_mass && t0 + CH == T) {
-            #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                float bs = bsum[h] + __shfl_xor_sync(0xffffffffu, bsum[h], 4);
-                bs += __shfl_xor_sync(0xffffffffu, bs, 8);
-                bs += __shfl_xor_sync(0xffffffffu, bs, 16);
-                if (r == 0 && h_ok[h])
-                    p.lse_block[((i64)b * p.num_q_heads + head * p.group + 2 * c + h) * p.max_blocks + pos] =
-                        bs > 0.f ? m_use[h] + log2f(bs) : NEG_INF;
+        if (t0 + CH == T) {  // the block's last chunk: its mass, and its p into l
+            if (p.return_mass) {
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float bs = bsum[h] + __shfl_xor_sync(0xffffffffu, bsum[h], 4);
+                    bs += __shfl_xor_sync(0xffffffffu, bs, 8);
+                    bs += __shfl_xor_sync(0xffffffffu, bs, 16);
+                    if (r == 0 && h_ok[h])
+                        p.lse_block[((i64)b * p.num_q_heads + head * p.group + 2 * c + h) * p.max_blocks + pos] =
+                            bs > 0.f ? m_use[h] + log2f(bs) : NEG_INF;
+                }
             }
+            l[0] += bsum[0];
+            l[1] += bsum[1];
+            bsum[0] = bsum[1] = 0.f;
         }
     }
     cp_async_wait<0>();

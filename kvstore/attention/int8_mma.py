@@ -46,7 +46,7 @@ class _Params(ctypes.Structure):
     _fields_ = [
         ("q", ctypes.c_void_p), ("s_q_batch", ctypes.c_int64), ("s_q_head", ctypes.c_int64),
         ("warm", ctypes.c_void_p), ("s_w_slot", ctypes.c_int64), ("s_w_kv", ctypes.c_int64),
-        ("s_w_head", ctypes.c_int64), ("s_w_tok", ctypes.c_int64),
+        ("s_w_head", ctypes.c_int64),
         ("k_scale", ctypes.c_void_p), ("s_ks_slot", ctypes.c_int64), ("s_ks_head", ctypes.c_int64),
         ("v_scale", ctypes.c_void_p), ("s_vs_slot", ctypes.c_int64), ("s_vs_head", ctypes.c_int64),
         ("table", ctypes.c_void_p), ("pos", ctypes.c_void_p),
@@ -94,15 +94,17 @@ def _function(head_dim: int, block_tokens: int, device_index: int) -> ctypes.c_v
 
 
 def usable(q: torch.Tensor, warm_data: torch.Tensor, warm_k_scale: torch.Tensor, warm_v_scale: torch.Tensor,
-           table: torch.Tensor, geom: DecodeGeometry) -> bool:
-    """Whether a warm-only split launch over these tensors can take the CUDA kernel."""
-    if not nvrtc.device_ok(q, "KVTIER_INT8_MMA"):
+           table: torch.Tensor, geom: DecodeGeometry, scale: float) -> bool:
+    """Whether a warm-only split launch over these tensors can take the CUDA kernel (scale: the log2-domain
+    score scale; the kernel takes the max of unscaled scores, so it must be positive)."""
+    if not nvrtc.device_ok(q, "KVTIER_INT8_MMA") or not scale > 0:
         return False
     if (geom.head_dim not in _HEAD_DIMS or geom.block_tokens not in _BLOCK_TOKENS or geom.group > _MAX_GROUP
             or table.dtype != torch.int32):
         return False
-    # cp.async copies 16-byte pieces: of K / V rows, K's scale rows and V's scale rows
-    if warm_data.data_ptr() % 16 or any(s % 16 for s in warm_data.stride()[:-1]):
+    # cp.async copies 16-byte pieces: of K / V rows (a block's tokens D bytes apart), K's and V's scale rows
+    if (warm_data.data_ptr() % 16 or any(s % 16 for s in warm_data.stride()[:-1])
+            or warm_data.stride()[3:] != (geom.head_dim, 1)):
         return False
     if warm_k_scale.data_ptr() % 16 or any(s % 4 for s in warm_k_scale.stride()[:-1]):
         return False
@@ -129,7 +131,7 @@ def launch(q: torch.Tensor, warm_data: torch.Tensor, warm_k_scale: torch.Tensor,
     func = _function(geom.head_dim, geom.block_tokens, q.device.index or 0)
     p = _Params(
         q.data_ptr(), q.stride(0), q.stride(1),
-        warm_data.data_ptr(), *warm_data.stride()[:4],
+        warm_data.data_ptr(), *warm_data.stride()[:3],
         warm_k_scale.data_ptr(), warm_k_scale.stride(0), warm_k_scale.stride(1),
         warm_v_scale.data_ptr(), warm_v_scale.stride(0), warm_v_scale.stride(1),
         table.data_ptr(), positions.data_ptr(), *table.stride(),

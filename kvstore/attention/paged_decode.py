@@ -264,7 +264,7 @@ def split_partials(
         table, positions, num_fp16 = part.slots, part.positions, part.num_fp16
 
     warm_bytes = warm_words.view(torch.int8)  # the CUDA walk reads the pool as bytes
-    int8_cuda = has_warm and int8_mma.usable(q, warm_bytes, warm_k_scale, warm_v_scale, table, geom)
+    int8_cuda = has_warm and int8_mma.usable(q, warm_bytes, warm_k_scale, warm_v_scale, table, geom, scale)
 
     def launch(split_base: int, grid_splits: int, hot: bool, warm: bool) -> None:
         if warm and not hot and int8_cuda:

@@ -49,7 +49,7 @@ def test_cpu_tensors_never_take_the_cuda_kernel() -> None:
     if case.q.is_cuda:
         pytest.skip("CPU tensors only")
     geom = check_decode_inputs(*case.args())
-    assert not int8_mma.usable(case.q, case.warm_data, case.k_scale, case.v_scale, case.table, geom)
+    assert not int8_mma.usable(case.q, case.warm_data, case.k_scale, case.v_scale, case.table, geom, 0.1)
 
 
 def _run(case, monkeypatch, enabled: bool, **kwargs):
@@ -68,7 +68,7 @@ def test_cuda_int8_matches_reference_and_triton(row, splits: int, monkeypatch) -
     case = make_case(lengths, heads, group, head_dim, block_tokens, frac, seed=head_dim + block_tokens + group,
                      empty_pool="hot" if frac == 1.0 else None)
     geom = check_decode_inputs(*case.args())
-    assert int8_mma.usable(case.q, case.warm_data, case.k_scale, case.v_scale, case.table, geom)
+    assert int8_mma.usable(case.q, case.warm_data, case.k_scale, case.v_scale, case.table, geom, 0.1)
     out, mass, lse = _run(case, monkeypatch, True, num_splits=splits)
     ref_out, ref_mass = paged_decode_ref(*case.args(), return_block_mass=True)
     torch.testing.assert_close(out.float(), ref_out.float(), atol=4e-3, rtol=1e-2)
