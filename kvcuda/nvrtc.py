@@ -161,11 +161,45 @@ def function(source: str, filename: str, kernel: str, device_index: int, smem_by
     return func
 
 
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: an id, then a 64-byte union (8-byte aligned) of which the ids used here read an int."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig."""
+
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+def programmatic_launch_ok(device: torch.device) -> bool:
+    """Whether launches on device may start before the previous kernel in the stream ends (programmatic dependent
+    launch: compute capability >= 9.0 and a driver with cuLaunchKernelEx; KVTIER_PDL=0 turns it off)."""
+    return (os.environ.get("KVTIER_PDL", "1") != "0" and torch.cuda.get_device_capability(device)[0] >= 9
+            and hasattr(driver_library(), "cuLaunchKernelEx"))
+
+
 def launch(func: ctypes.c_void_p, grid: tuple[int, int, int], threads: int, smem_bytes: int,
-           params: ctypes.Structure, device: torch.device) -> None:
-    """cuLaunchKernel(func) with one by-value argument (params) on PyTorch's current stream of device."""
+           params: ctypes.Structure, device: torch.device, *, programmatic: bool = False) -> None:
+    """cuLaunchKernel(func) with one by-value argument (params) on PyTorch's current stream of device.
+
+    programmatic (where programmatic_launch_ok): the kernel's programs may start once every program of the
+    previous kernel in the stream has started and signalled (griddepcontrol.launch_dependents) or ended, instead
+    of after it ends; only for a kernel that reads nothing the previous one writes and waits for it
+    (griddepcontrol.wait) before it ends, so the launches after it still find both done."""
     args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
     stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
     with torch.cuda.device(device):  # the function belongs to this device's context, which must be current
-        check_driver(driver_library().cuLaunchKernel(func, *grid, threads, 1, 1, smem_bytes, stream, args, None),
-                     "launch")
+        if not programmatic:
+            check_driver(driver_library().cuLaunchKernel(func, *grid, threads, 1, 1, smem_bytes, stream, args, None),
+                         "launch")
+            return
+        attr = _LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(threads, 1, 1), smem_bytes, stream,
+                               ctypes.pointer(attr), 1)
+        check_driver(driver_library().cuLaunchKernelEx(ctypes.byref(config), func, args, None), "launch")

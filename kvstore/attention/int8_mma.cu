@@ -371,4 +371,9 @@ __device__ __forceinline__ void int8_split_body(const Params& p) {
         p.o_part[part * D + ch] = ll > 0.f ? o / (ll * V_BOOST) : 0.f;
         if (ch == 0) p.lse_part[part] = ll > 0.f ? mm + log2f(ll) : NEG_INF;
     }
+#if __CUDA_ARCH__ >= 900
+    // Launched programmatically after the fp16 launch of the same walk (int8_mma.py), this grid may have started
+    // before that one ended: it ends only after it, so the merge that follows finds both done. Otherwise a no-op.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }

@@ -125,9 +125,10 @@ def launch(q: torch.Tensor, warm_data: torch.Tensor, warm_k_scale: torch.Tensor,
            table: torch.Tensor, positions: torch.Tensor, num_tokens: torch.Tensor, num_fp16: torch.Tensor,
            o_part: torch.Tensor, lse_part: torch.Tensor, lse_block: torch.Tensor, geom: DecodeGeometry,
            cfg: DecodeConfig, scale: float, *, partitioned: bool, split_base: int, grid_splits: int,
-           total_splits: int, return_mass: bool) -> None:
+           total_splits: int, return_mass: bool, programmatic: bool = False) -> None:
     """One warm-only launch: grid (batch, kv heads, grid_splits), split = split_base + its index; arguments as
-    split_partials has them (warm_data int8, as paged_decode checked it)."""
+    split_partials has them (warm_data int8, as paged_decode checked it). programmatic: right after the fp16
+    launch of the same partition walk, overlapping its last programs (nvrtc.launch says when that is allowed)."""
     func = _function(geom.head_dim, geom.block_tokens, q.device.index or 0)
     p = _Params(
         q.data_ptr(), q.stride(0), q.stride(1),
@@ -141,4 +142,4 @@ def launch(q: torch.Tensor, warm_data: torch.Tensor, warm_k_scale: torch.Tensor,
         geom.group, cfg.blocks_per_iter, int(partitioned), int(return_mass),
     )
     nvrtc.launch(func, (geom.batch, geom.num_kv_heads, grid_splits), _WARPS * 32,
-                 smem_bytes(geom.head_dim, geom.block_tokens), p, q.device)
+                 smem_bytes(geom.head_dim, geom.block_tokens), p, q.device, programmatic=programmatic)

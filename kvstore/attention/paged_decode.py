@@ -7,17 +7,13 @@ range of its row of entries, BLOCKS_PER_ITER blocks per iteration, dequantizing 
 blocks in registers (tiles.py; KIVI: K scaled per channel, V per token). The splits are
 merged, and per-block log-sums turned into block mass for H2O, in merge.py (one launch).
 
-A short table (a top-k budget) takes the one-tile walk (one_tile.py): one launch in which
-every program reads one tile in its own pool's format, then the merge; two launches in all.
-A long one takes the split walk here. With one pool, the row is the block table and the loop
-is specialised to that pool. With both (what the captured decode step always passes), the
-table is first partitioned per row on the device (partition.py) and each pool's entries get
-a launch of their own, so int8 blocks are read at int8 cost and fp16 ones at fp16 cost,
-whatever the mix; the older per-split dispatch stays selectable (walk="dispatch") for the
-benchmark.
-
-Memory read: tiers/layout.py. Reference: reference.py. Config: plan.py.
-All log-sum-exps here are base 2 (scores are pre-multiplied by log2(e)).
+A short table (a top-k budget) takes the one-tile walk (one_tile.py): one launch, then the merge.
+A long one takes the split walk here. With one pool, the row is the block table and the loop is
+specialised to that pool. With both (what the captured decode step always passes), the table is
+partitioned per row on the device (partition.py) and each pool's entries get a launch of their own
+(int8 at int8 cost, fp16 at fp16 cost; on sm_90 the int8 one starts as the fp16 one's programs end),
+whatever the mix; the per-split dispatch stays selectable (walk="dispatch") for the benchmark.
+Memory read: tiers/layout.py. Reference: reference.py. Config: plan.py. Log-sum-exps are base 2.
 """
 
 from __future__ import annotations
@@ -26,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcuda import nvrtc
 from kvstore.attention import int8_mma
 from kvstore.attention.append import NewToken, append_token
 from kvstore.attention.merge import merge_splits
@@ -34,7 +31,7 @@ from kvstore.attention.partition import PartitionedTable, kept_or_new_partition
 from kvstore.attention.plan import (DecodeConfig, DecodeGeometry, check_append, check_decode_inputs,
                                    check_kernel_layout, check_lse_target, check_mass_target, decode_config,
                                    use_asm)
-from kvstore.attention.tiles import entries, load_kv
+from kvstore.attention.tiles import entries, launch_dependents, load_kv
 
 LOG2E = 1.4426950408889634
 # how paged_decode walks a table: "auto" (one_tile for a short table, else partition), one tile per program,
@@ -118,7 +115,7 @@ def _split_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr,
     HAS_HOT: tl.constexpr, HAS_WARM: tl.constexpr, PARTITIONED: tl.constexpr, RETURN_MASS: tl.constexpr,
-    USE_ASM: tl.constexpr,
+    USE_ASM: tl.constexpr, TRIGGER: tl.constexpr,
 ):
     """Program (b, kv head, split): partial attention of the group's q heads over one range of entries.
 
@@ -127,8 +124,11 @@ def _split_kernel(
     a loop specialised to that pool; mixed splits load from both.
     PARTITIONED: table_ptr / pos_ptr are partition.py's slots / positions; splits [0, pool_splits) share
     the row's fp16 entries, [pool_splits, 2 pool_splits) its int8 ones (split = split_base + program id;
-    one launch per pool, or one for both when HAS_HOT and HAS_WARM).
+    one launch per pool, or one for both when HAS_HOT and HAS_WARM). TRIGGER: the int8 launch after this one
+    is programmatic (split_partials) and may start its programs as soon as these have all started.
     """
+    if TRIGGER:
+        launch_dependents()
     b = tl.program_id(0)
     head = tl.program_id(1)
     split = split_base + tl.program_id(2)
@@ -265,13 +265,15 @@ def split_partials(
 
     warm_bytes = warm_words.view(torch.int8)  # the CUDA walk reads the pool as bytes
     int8_cuda = has_warm and int8_mma.usable(q, warm_bytes, warm_k_scale, warm_v_scale, table, geom, scale)
+    # the partition walk's int8 launch reads nothing its fp16 launch writes: it may overlap that one's last programs
+    overlap = partitioned and walk == "partition" and int8_cuda and nvrtc.programmatic_launch_ok(q.device)
 
     def launch(split_base: int, grid_splits: int, hot: bool, warm: bool) -> None:
         if warm and not hot and int8_cuda:
             int8_mma.launch(q, warm_bytes, warm_k_scale, warm_v_scale, table, positions, num_tokens,
                             num_fp16, o_part, lse_part, lse_block, geom, cfg, scale, partitioned=partitioned,
                             split_base=split_base, grid_splits=grid_splits, total_splits=total_splits,
-                            return_mass=return_block_mass)
+                            return_mass=return_block_mass, programmatic=overlap)
             return
         _split_kernel[(b, h, grid_splits)](
             q, hot_pool, warm_words, warm_k_scale, warm_v_scale, table, positions, block_is_int8, num_tokens,
@@ -285,7 +287,7 @@ def split_partials(
             GROUP=geom.group, GROUP_PAD=max(16, triton.next_power_of_2(geom.group)), HEAD_DIM=d,
             BLOCK_TOKENS=geom.block_tokens, BLOCKS_PER_ITER=cfg.blocks_per_iter,
             HAS_HOT=hot, HAS_WARM=warm, PARTITIONED=partitioned, RETURN_MASS=return_block_mass,
-            USE_ASM=use_asm(q.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            USE_ASM=use_asm(q.device), TRIGGER=overlap and hot, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
     if partitioned and walk == "partition":

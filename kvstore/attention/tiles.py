@@ -48,6 +48,14 @@ def words_to_fp16(words, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def launch_dependents():
+    """griddepcontrol.launch_dependents (sm_90+): a kernel launched programmatically after this one may start its
+    programs once every program of this one has run this (or ended). A no-op for launches that are not."""
+    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
 def entries(slot_row, pos_row, s_ent, idx, idx_hi, PARTITIONED: tl.constexpr):
     """Entries idx (any shape) of a row: slot int64, position in the original table, and idx < idx_hi.
 

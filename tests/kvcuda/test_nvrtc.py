@@ -84,3 +84,14 @@ def test_a_failed_load_falls_back_to_triton_with_one_warning(monkeypatch, module
     finally:
         module._loads.cache_clear()
 
+
+
+def test_launch_structs_have_cuda_h_layout() -> None:
+    """cuLaunchKernelEx reads these by address: CUlaunchAttribute is 72 bytes (an id, padding, a 64-byte union at
+    8), CUlaunchConfig 56 (7 uints, the stream at 32, the attribute pointer at 40, their count at 48)."""
+    import ctypes
+
+    assert ctypes.sizeof(nvrtc._LaunchAttribute) == 72 and nvrtc._LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(nvrtc._LaunchConfig) == 56
+    assert (nvrtc._LaunchConfig.stream.offset, nvrtc._LaunchConfig.attrs.offset,
+            nvrtc._LaunchConfig.num_attrs.offset) == (32, 40, 48)

@@ -102,3 +102,34 @@ def test_cuda_int8_in_a_cuda_graph(monkeypatch) -> None:
     torch.cuda.synchronize()
     ref_out, _ = paged_decode_ref(*case.args())
     torch.testing.assert_close(out.float(), ref_out.float(), atol=4e-3, rtol=1e-2)
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("frac", [0.02, 0.5, 0.95])
+def test_programmatic_int8_launch_equals_the_plain_one(frac: float, monkeypatch) -> None:
+    """The partition walk's int8 launch overlapping its fp16 launch (sm_90) writes what it writes launched after
+    it: eagerly and replayed from a CUDA graph, equal to the reference."""
+    if not nvrtc.programmatic_launch_ok(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
+    monkeypatch.setenv("KVTIER_INT8_MMA", "1")
+    case = make_case([20000, 9000], 2, 4, 128, 64, frac, seed=11)
+    runs = {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("KVTIER_PDL", pdl)
+        lse = torch.empty(case.q.shape[:2], dtype=torch.float32, device=case.q.device)
+        out, mass = paged_decode(*case.args(), return_block_mass=True, lse_out=lse, walk="partition", num_splits=6)
+        runs[pdl] = (out, mass, lse)
+    for a, b in zip(runs["0"], runs["1"]):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    ref_out, ref_mass = paged_decode_ref(*case.args(), return_block_mass=True)
+    torch.testing.assert_close(runs["1"][0].float(), ref_out.float(), atol=4e-3, rtol=1e-2)
+    torch.testing.assert_close(runs["1"][1], ref_mass, atol=1e-3, rtol=1e-2)
+    out = torch.empty_like(case.q)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(paged_decode(*case.args(), walk="partition", num_splits=6)[0])
+    case.q.mul_(-0.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), paged_decode_ref(*case.args())[0].float(), atol=4e-3, rtol=1e-2)
