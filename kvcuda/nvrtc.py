@@ -184,6 +184,19 @@ def programmatic_launch_ok(device: torch.device) -> bool:
             and hasattr(driver_library(), "cuLaunchKernelEx"))
 
 
+CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR = 81
+CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK = 111
+
+
+def device_attribute(device_index: int, attribute: int) -> int:
+    """cuDeviceGetAttribute of the device PyTorch calls device_index."""
+    cuda, dev, value = driver_library(), ctypes.c_int(), ctypes.c_int()
+    check_driver(cuda.cuInit(0), "init")
+    check_driver(cuda.cuDeviceGet(ctypes.byref(dev), device_index), "device")
+    check_driver(cuda.cuDeviceGetAttribute(ctypes.byref(value), attribute, dev), "device attribute")
+    return value.value
+
+
 def launch(func: ctypes.c_void_p, grid: tuple[int, int, int], threads: int, smem_bytes: int,
            params: ctypes.Structure, device: torch.device, *, programmatic: bool = False) -> None:
     """cuLaunchKernel(func) with one by-value argument (params) on PyTorch's current stream of device.

@@ -35,6 +35,10 @@ _SOURCE = Path(__file__).with_name("int8_mma.cu")
 _WARPS = 4
 _STAGES = 2  # 2 x 4 warps x 8.8 KB at head_dim 128: room for 3 programs per SM
 _PROGRAMS_PER_SM = 3  # __launch_bounds__'s minimum: holds registers to <= 168 a thread
+# Programs an SM may hold at once (shared memory caps it, launch_smem): plan.py sizes the grid for 2 an SM, and a
+# launch that starts while another kernel's programs still run (the partition walk's programmatic int8 launch)
+# would otherwise pack 3 on some SMs and leave others idle (session 15: sinks + recent at 1M, 0.73 ms against 0.58)
+_RESIDENT_PER_SM = 2
 _HEAD_DIMS = (64, 128)
 _BLOCK_TOKENS = (16, 32, 64, 128)
 _MAX_GROUP = 8
@@ -82,6 +86,15 @@ def smem_bytes(head_dim: int, block_tokens: int) -> int:
     return max(_WARPS * _STAGES * stage, 4 * _WARPS * (16 + 8 * head_dim))
 
 
+@functools.lru_cache(maxsize=None)
+def launch_smem(head_dim: int, block_tokens: int, device_index: int) -> int:
+    """The dynamic shared memory a launch asks for: smem_bytes, or more, so that no more than _RESIDENT_PER_SM
+    programs fit on one of the device's SMs."""
+    per_sm = nvrtc.device_attribute(device_index, nvrtc.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)
+    reserved = nvrtc.device_attribute(device_index, nvrtc.CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK)
+    return max(smem_bytes(head_dim, block_tokens), per_sm // (_RESIDENT_PER_SM + 1) - reserved + 1)
+
+
 def compile_cubin(head_dim: int, block_tokens: int, arch: str) -> bytes:
     """NVRTC: the kernel for this geometry as a CUBIN for arch (e.g. "sm_90"). Needs no GPU."""
     return nvrtc.compile_cubin(kernel_source(head_dim, block_tokens), _SOURCE.name, arch)
@@ -90,7 +103,7 @@ def compile_cubin(head_dim: int, block_tokens: int, arch: str) -> bytes:
 @functools.lru_cache(maxsize=None)
 def _function(head_dim: int, block_tokens: int, device_index: int) -> ctypes.c_void_p:
     return nvrtc.function(kernel_source(head_dim, block_tokens), _SOURCE.name, kernel_name(head_dim, block_tokens),
-                          device_index, smem_bytes(head_dim, block_tokens), "int8_mma")
+                          device_index, launch_smem(head_dim, block_tokens, device_index), "int8_mma")
 
 
 def usable(q: torch.Tensor, warm_data: torch.Tensor, warm_k_scale: torch.Tensor, warm_v_scale: torch.Tensor,
@@ -142,4 +155,5 @@ def launch(q: torch.Tensor, warm_data: torch.Tensor, warm_k_scale: torch.Tensor,
         geom.group, cfg.blocks_per_iter, int(partitioned), int(return_mass),
     )
     nvrtc.launch(func, (geom.batch, geom.num_kv_heads, grid_splits), _WARPS * 32,
-                 smem_bytes(geom.head_dim, geom.block_tokens), p, q.device, programmatic=programmatic)
+                 launch_smem(geom.head_dim, geom.block_tokens, q.device.index or 0), p, q.device,
+                 programmatic=programmatic)

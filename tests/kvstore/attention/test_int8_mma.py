@@ -133,3 +133,20 @@ def test_programmatic_int8_launch_equals_the_plain_one(frac: float, monkeypatch)
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out.float(), paged_decode_ref(*case.args())[0].float(), atol=4e-3, rtol=1e-2)
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("head_dim,block_tokens", [(128, 64), (64, 16)])
+def test_an_sm_holds_at_most_two_programs(head_dim: int, block_tokens: int) -> None:
+    """The grid is sized for 2 programs an SM; the shared memory a launch asks for keeps a third off every SM, so a
+    programmatic launch cannot crowd some SMs while others idle."""
+    import ctypes
+
+    dev = torch.cuda.current_device()
+    func = int8_mma._function(head_dim, block_tokens, dev)
+    n = ctypes.c_int()
+    with torch.cuda.device(dev):
+        nvrtc.check_driver(nvrtc.driver_library().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ctypes.byref(n), func, int8_mma._WARPS * 32, int8_mma.launch_smem(head_dim, block_tokens, dev)), "occupancy")
+    assert n.value == int8_mma._RESIDENT_PER_SM
