@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from kvstore.attention.paged_decode import paged_decode
+from kvstore.attention.plan import check_decode_inputs, decode_config
 from kvstore.attention.reference import paged_decode_ref
-from tests.kvstore.attention.cases import DEVICE, build_case, dense_lse
+from tests.kvstore.attention.cases import DEVICE, build_case, dense_lse, make_case
 
 
 def test_block_mass_sums_to_one_per_row_and_zero_on_padding() -> None:
@@ -70,3 +71,19 @@ def test_lse_out_is_the_log_sum_exp_of_the_attended_logits(name: str, walk: str)
             assert torch.equal(out, plain)
     with pytest.raises(ValueError, match="lse_out"):
         paged_decode(*case.args(), lse_out=torch.zeros(case.q.shape[:2], dtype=torch.float16, device=DEVICE))
+
+
+@pytest.mark.parametrize("splits,steps", [(40, 1), (100, 2)])
+def test_more_splits_than_one_merge_step_holds(splits: int, steps: int) -> None:
+    """A partitioned table's 2 x splits partials (76: one 128-wide merge step; 152: two) merge to the reference's
+    output, mass and log-sum-exp."""
+    case = make_case([4800, 3000], 2, 4, 64, 16, 0.5, seed=5)
+    cfg = decode_config(check_decode_inputs(*case.args()), case.q.device, num_splits=splits, blocks_per_iter=2)
+    assert -(-2 * cfg.num_splits // 128) == steps and 2 * cfg.num_splits > 64
+    lse = torch.zeros(case.q.shape[:2], device=DEVICE)
+    out, mass = paged_decode(*case.args(), walk="partition", num_splits=splits, blocks_per_iter=2,
+                             return_block_mass=True, lse_out=lse)
+    ref_out, ref_mass = paged_decode_ref(*case.args(), return_block_mass=True)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=4e-3, rtol=1e-2)
+    torch.testing.assert_close(mass, ref_mass, atol=1e-4, rtol=1e-3)
+    torch.testing.assert_close(lse.cpu(), dense_lse(case), atol=2e-3, rtol=1e-4)
