@@ -18,9 +18,7 @@ import triton.language as tl
 
 from kvstore.attention.plan import DecodeGeometry
 
-# splits per step of the merge: every split of a 1M-token row on the H200 in one step (a partitioned table's 2 x 33;
-# at 64 a second step cost ~3.5 us, session 15), 8 warps past 64 to keep the [S, D] tile in registers
-_MAX_SPLIT_CHUNK = 128
+_MAX_SPLIT_CHUNK = 64  # splits per step of the merge: a short table's splits in one step
 _MASS_CHUNK = 256  # blocks per program of the mass
 
 
@@ -116,14 +114,13 @@ def merge_splits(
     with_mass = return_block_mass or add_mass_to is not None
     scores, index = add_mass_to if add_mass_to is not None else (mass, mass.view(1, -1))  # unread without ADD_MASS
     programs = max(geom.group, triton.cdiv(max_blocks, _MASS_CHUNK) if with_mass else 0)
-    split_chunk = min(_MAX_SPLIT_CHUNK, triton.next_power_of_2(num_splits))
     _merge_kernel[(b, h, programs)](
         o_part, lse_part, lse_block, num_tokens, out, mass, scores, index, lse_out if lse_out is not None else mass,
         out.stride(0), out.stride(1), h,
         num_splits, max_blocks, scores.stride(0), index.stride(0), index.stride(1),
         GROUP=geom.group, GROUP_PAD=triton.next_power_of_2(geom.group), HEAD_DIM=d, BLOCK_TOKENS=geom.block_tokens,
-        SPLIT_CHUNK=split_chunk, MASS_CHUNK=_MASS_CHUNK,
+        SPLIT_CHUNK=min(_MAX_SPLIT_CHUNK, triton.next_power_of_2(num_splits)), MASS_CHUNK=_MASS_CHUNK,
         RETURN_MASS=with_mass, STORE_MASS=return_block_mass, ADD_MASS=add_mass_to is not None,
-        STORE_LSE=lse_out is not None, num_warps=8 if split_chunk > 64 else 4,
+        STORE_LSE=lse_out is not None, num_warps=4,
     )
     return out, (mass if return_block_mass else None)
