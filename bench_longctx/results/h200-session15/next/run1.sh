@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 15 call 4: e2e llama3-8b geometry at 1M, dense int8, every token appended and read back: this tree (the leaner int8
+# Planned as session 15 call 4 (no machine was lent; e2e ran in call 5): e2e llama3-8b geometry at 1M, dense int8, every token appended and read back: this tree (the leaner int8
 # walk, the programmatic int8 launch) against session 14's final tree 9a3bfd2, alternated twice in one call;
 # then walk_variants2.py (3 stages, an L2 prefetch of the next block) on this tree.
 set -uo pipefail
