@@ -20,7 +20,15 @@
 // V's per-token scale into p. The decoded operands are 1152 + v; the 1152s come off in fp32, not per
 // element: a block's scores start at -1152 sum(q') (one mma per k-step against a constant -1152
 // operand), and P.V's surplus 1152 sum(p') is accumulated beside it (one mma per k-step against 1152)
-// and subtracted at the end.
+// and subtracted at the end. The score scale (log2(e) / sqrt(D), positive) is applied in the exponent's FMA:
+// the running max is taken over raw scores and scaled once; the accumulators are rescaled only when a
+// running max moves, and l gets each block's sum of p at the block's end.
+//
+// Every shared-memory address is a shared-space u32 computed from lane constants once per warp, and every
+// copy's source a compile-time offset from its chunk's base (a block's tokens are D bytes apart), so a chunk's
+// 16-byte copies and fragment reads cost no address arithmetic (session 15's profile: a fifth of the
+// instructions were that). Launched programmatically after the partition walk's fp16 launch (int8_mma.py), the
+// grid waits for that one before it ends.
 //
 // Program (batch row, kv head, split) = WARPS warps, each walking its own part of the split's blocks
 // with its own online softmax (log2 domain), combined through shared memory at the end. Writes exactly
