@@ -8,12 +8,14 @@ It serves warm-only launches of `split_partials` (a table of int8 blocks, or the
 partitioned mixed table) and writes exactly what Triton's `_split_kernel` writes there, so the merge
 is shared. Used when `usable` says so: a CUDA device of compute capability >= 8.0, NVRTC and the
 driver library found (every CUDA build of PyTorch ships libnvrtc), head_dim 64 or 128, block_tokens
-16..128, GQA groups of up to 8 q heads, 16-byte aligned rows; KVTIER_INT8_MMA=0 turns it off.
+16..128, GQA groups of up to 8 q heads, 16-byte aligned rows with a block's tokens head_dim bytes apart,
+a positive score scale; KVTIER_INT8_MMA=0 turns it off.
 Everything else takes the Triton kernel. NVRTC needs no CUDA toolkit; the CUBIN is cached on disk
 (~/.cache/kvtier/int8_mma, or $KVTIER_CACHE_DIR) keyed by the source, the options and the GPU.
 
 Launches go through the driver's cuLaunchKernel on PyTorch's current stream, so they are captured
-into CUDA graphs like any other launch. The first `usable` check per geometry compiles (or reads the
+into CUDA graphs like any other launch; the partition walk's (after its fp16 launch) is programmatic
+on sm_90 (nvrtc.launch), and every launch asks for enough shared memory to hold an SM to 2 programs. The first `usable` check per geometry compiles (or reads the
 cache) and loads the module: like Triton's first launch, it belongs before a capture, not inside one.
 """
 
