@@ -12,14 +12,7 @@ warm pool only, through paged_decode, each against the unchanged kernel in the s
 from __future__ import annotations
 
 import importlib.util
-import json
-import sys
 from pathlib import Path
-
-import torch
-
-from kvcuda import nvrtc
-from kvstore.attention import int8_mma
 
 _spec = importlib.util.spec_from_file_location("walk_variants", Path(__file__).with_name("walk_variants.py"))
 wv = importlib.util.module_from_spec(_spec)
