@@ -177,11 +177,19 @@ class _LaunchConfig(ctypes.Structure):
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
+@functools.lru_cache(maxsize=None)
+def _driver_version() -> int:
+    version = ctypes.c_int()
+    check_driver(driver_library().cuDriverGetVersion(ctypes.byref(version)), "driver version")
+    return version.value
+
+
 def programmatic_launch_ok(device: torch.device) -> bool:
     """Whether launches on device may start before the previous kernel in the stream ends (programmatic dependent
-    launch: compute capability >= 9.0 and a driver with cuLaunchKernelEx; KVTIER_PDL=0 turns it off)."""
+    launch: compute capability >= 9.0 and a CUDA 12.3+ driver, which also captures it into graphs; KVTIER_PDL=0
+    turns it off)."""
     return (os.environ.get("KVTIER_PDL", "1") != "0" and torch.cuda.get_device_capability(device)[0] >= 9
-            and hasattr(driver_library(), "cuLaunchKernelEx"))
+            and _driver_version() >= 12030)
 
 
 CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR = 81

@@ -95,3 +95,14 @@ def test_launch_structs_have_cuda_h_layout() -> None:
     assert ctypes.sizeof(nvrtc._LaunchConfig) == 56
     assert (nvrtc._LaunchConfig.stream.offset, nvrtc._LaunchConfig.attrs.offset,
             nvrtc._LaunchConfig.num_attrs.offset) == (32, 40, 48)
+
+
+@pytest.mark.parametrize("capability,driver,env,ok", [
+    ((9, 0), 13000, "1", True), ((9, 0), 12030, "1", True), ((9, 0), 12020, "1", False),
+    ((8, 0), 13000, "1", False), ((9, 0), 13000, "0", False)])
+def test_programmatic_launch_needs_sm90_a_capturing_driver_and_no_opt_out(monkeypatch, capability, driver, env,
+                                                                          ok) -> None:
+    monkeypatch.setattr(nvrtc.torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(nvrtc, "_driver_version", lambda: driver)
+    monkeypatch.setenv("KVTIER_PDL", env)
+    assert nvrtc.programmatic_launch_ok("cuda:0") is ok
