@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from kvcuda import nvrtc
-from kvstore.attention.plan import DecodeConfig, DecodeGeometry
+from kvstore.attention.plan import PROGRAMS_PER_SM, DecodeConfig, DecodeGeometry
 
 _SOURCE = Path(__file__).with_name("int8_mma.cu")
 # Measured on the H200 at 1M tokens (bench_longctx/results/h200-session10): 4 warps a program, 2 stages (chunks in
@@ -36,11 +36,11 @@ _SOURCE = Path(__file__).with_name("int8_mma.cu")
 # SM), 3 stages, or Q.K^T's k-steps in two accumulator chains were no faster.
 _WARPS = 4
 _STAGES = 2  # 2 x 4 warps x 8.8 KB at head_dim 128: room for 3 programs per SM
-_PROGRAMS_PER_SM = 3  # __launch_bounds__'s minimum: holds registers to <= 168 a thread
-# Programs an SM may hold at once (shared memory caps it, launch_smem): plan.py sizes the grid for 2 an SM, and a
-# launch that starts while another kernel's programs still run (the partition walk's programmatic int8 launch)
+# __launch_bounds__'s minimum blocks: registers for 3 programs an SM (<= 168 a thread). How many an SM holds at
+# once is plan.PROGRAMS_PER_SM, what the grid is sized for, capped by the shared memory a launch asks (launch_smem):
+# a launch that starts while another kernel's programs still run (the partition walk's programmatic int8 launch)
 # would otherwise pack 3 on some SMs and leave others idle (session 15: sinks + recent at 1M, 0.73 ms against 0.58)
-_RESIDENT_PER_SM = 2
+_MIN_BLOCKS = 3
 _HEAD_DIMS = (64, 128)
 _BLOCK_TOKENS = (16, 32, 64, 128)
 _MAX_GROUP = 8
@@ -75,7 +75,7 @@ def kernel_name(head_dim: int, block_tokens: int) -> str:
 def kernel_source(head_dim: int, block_tokens: int) -> str:
     """The .cu file plus one extern "C" entry point for this geometry."""
     return _SOURCE.read_text() + (
-        f'\nextern "C" __global__ void __launch_bounds__({_WARPS * 32}, {_PROGRAMS_PER_SM}) '
+        f'\nextern "C" __global__ void __launch_bounds__({_WARPS * 32}, {_MIN_BLOCKS}) '
         f"{kernel_name(head_dim, block_tokens)}(const Params p) "
         f"{{ int8_split_body<{head_dim}, {block_tokens}, {_WARPS}, {_STAGES}>(p); }}\n")
 
@@ -90,11 +90,11 @@ def smem_bytes(head_dim: int, block_tokens: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def launch_smem(head_dim: int, block_tokens: int, device_index: int) -> int:
-    """The dynamic shared memory a launch asks for: smem_bytes, or more, so that no more than _RESIDENT_PER_SM
+    """The dynamic shared memory a launch asks for: smem_bytes, or more, so that no more than PROGRAMS_PER_SM
     programs fit on one of the device's SMs."""
     per_sm = nvrtc.device_attribute(device_index, nvrtc.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)
     reserved = nvrtc.device_attribute(device_index, nvrtc.CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK)
-    return max(smem_bytes(head_dim, block_tokens), per_sm // (_RESIDENT_PER_SM + 1) - reserved + 1)
+    return max(smem_bytes(head_dim, block_tokens), per_sm // (PROGRAMS_PER_SM + 1) - reserved + 1)
 
 
 def compile_cubin(head_dim: int, block_tokens: int, arch: str) -> bytes:

@@ -25,7 +25,7 @@ _MAX_TOKENS_PER_ITER = 128  # the score tile [16, tokens] in fp32 must stay in r
 # programs take 0.99 and 1.14 (results/h200-session7 calls 2-4; 128-token tiles). A 64-token int8 tile at 4
 # per SM reads a warm-only table in 1.03 ms, but is 23-35% slower in the partition walk the decode step
 # runs (call 4): one tile for every loop.
-_PROGRAMS_PER_SM = 2
+PROGRAMS_PER_SM = 2
 _MIN_ITERS_PER_SPLIT = 4  # below this, a split's fixed cost (q load, partial store) dominates
 # The one-tile walk (one_tile.py): tokens per program (64 at head_dim 128: 95 registers at 4 warps with
 # both pools, 5 programs per SM, so a 4096-token budget's 512 programs run in one wave; offline sm_90
@@ -214,7 +214,7 @@ def decode_config(
 ) -> DecodeConfig:
     """one_tile None: the one-tile walk when the table is short (one_tile_fits) and num_splits is not forced.
     One tile: _ONE_TILE_TOKENS per program. Splits: ~_TILE_ELEMENTS of K per iteration; balanced_splits
-    for _PROGRAMS_PER_SM programs on every SM."""
+    for PROGRAMS_PER_SM programs on every SM."""
     if one_tile is None:
         one_tile = num_splits is None and one_tile_fits(geom, device)
     if one_tile:
@@ -231,7 +231,7 @@ def decode_config(
     blocks_per_iter = _tile_blocks(geom, blocks_per_iter)
     iters = max(1, triton.cdiv(geom.max_blocks, blocks_per_iter))
     if num_splits is None:
-        num_splits = balanced_splits(max(1, geom.batch * geom.num_kv_heads), _sm_count(device), _PROGRAMS_PER_SM,
+        num_splits = balanced_splits(max(1, geom.batch * geom.num_kv_heads), _sm_count(device), PROGRAMS_PER_SM,
                                      max(1, iters // _MIN_ITERS_PER_SPLIT))
     if num_splits < 1:
         raise ValueError(f"num_splits: expected >= 1, got {num_splits}")

@@ -16,7 +16,7 @@ import torch
 from kvcuda import nvrtc
 from kvstore.attention import int8_mma
 from kvstore.attention.paged_decode import paged_decode
-from kvstore.attention.plan import check_decode_inputs
+from kvstore.attention.plan import PROGRAMS_PER_SM, check_decode_inputs
 from kvstore.attention.reference import paged_decode_ref
 from tests.kvstore.attention.cases import dense_lse, make_case
 
@@ -149,4 +149,4 @@ def test_an_sm_holds_at_most_two_programs(head_dim: int, block_tokens: int) -> N
     with torch.cuda.device(dev):
         nvrtc.check_driver(nvrtc.driver_library().cuOccupancyMaxActiveBlocksPerMultiprocessor(
             ctypes.byref(n), func, int8_mma._WARPS * 32, int8_mma.launch_smem(head_dim, block_tokens, dev)), "occupancy")
-    assert n.value == int8_mma._RESIDENT_PER_SM
+    assert n.value == PROGRAMS_PER_SM
