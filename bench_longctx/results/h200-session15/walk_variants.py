@@ -11,6 +11,8 @@ Each variant is a text edit of the .cu source (and of the launch's stages / shar
     combined     ks_once + l2_256 + split_wait
 
 Outputs are compared with the unchanged kernel's (max abs difference of out and lse); times alternate base / variant.
+The edits match session 14's kernel text, which call 1 ran (tree 403c2c5); on later trees they no longer apply, and
+walk_variants2.py reuses only this file's machinery (source, use, main) with variants of the leaner kernel.
 
     python bench_longctx/results/h200-session15/walk_variants.py OUT_DIR [--source FILE.cu]  # FILE: compile only
 """
