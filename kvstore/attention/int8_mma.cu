@@ -49,21 +49,11 @@ struct Params {
     float qk_scale;
     int blocks_per_split, pool_splits, split_base, num_splits, max_blocks, num_q_heads, group, blocks_per_iter;
     int partitioned, return_mass;
-    int hot_work, warm_work;  // partitioned: what an fp16 / an int8 block costs (partition.pool_split_counts)
 };
 
 #define V_BOOST 256.0f  // p * v_scale * 256 stays out of fp16's subnormals (Triton's kernel does the same)
 #define H2_1152 0x64806480u       // fp16x2 (1152, 1152)
 #define H2_MINUS_1152 0xe480e480u // fp16x2 (-1152, -1152)
-
-// Launched programmatically after the fp16 launch of the same walk (int8_mma.py), this grid may have started
-// before that one ended: every program ends only after it, so the merge that follows finds both done. Otherwise
-// (before sm_90, or an ordinary launch) a no-op.
-__device__ __forceinline__ void wait_primary() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
 
 // the warp's 8x8 fp16 matrix (lane 4r + c holds row r, columns 2c, 2c + 1), transposed
 __device__ __forceinline__ u32 transpose8x8(u32 x) {
@@ -111,26 +101,15 @@ __device__ __forceinline__ void int8_split_body(const Params& p) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int r = lane >> 2, c = lane & 3;
-    const int b = blockIdx.x, head = blockIdx.y;
-    int split = p.split_base + blockIdx.z;  // the partial's slot
+    const int b = blockIdx.x, head = blockIdx.y, split = p.split_base + blockIdx.z;
     const int n_tok = p.num_tokens[b];
     const int n_blocks = min((n_tok + T - 1) / T, p.max_blocks);
     int lo, hi;
     if (p.partitioned) {  // the int8 entries of partition.py's row: [num_fp16, n_blocks), split as Triton's kernel does
         const int pool_lo = p.num_fp16[b * p.s_nf_batch + head * p.s_nf_head];
-        // partition.pool_split_counts: the row's slots [0, hot_n) are its fp16 splits', then warm_n int8 ones
-        const i64 hot = (i64)pool_lo * p.hot_work, warm = (i64)(n_blocks - pool_lo) * p.warm_work;
-        const i64 work = max(hot + warm, (i64)1);
-        const int hot_n = (int)((p.pool_splits * hot + work - 1) / work);
-        const int warm_n = (int)((p.pool_splits * warm + work - 1) / work);
-        if ((int)blockIdx.z >= warm_n) {  // no int8 split of this row is this program's
-            wait_primary();
-            return;
-        }
-        split = hot_n + blockIdx.z;
-        int per = (n_blocks - pool_lo + warm_n - 1) / warm_n;
+        int per = (n_blocks - pool_lo + p.pool_splits - 1) / p.pool_splits;
         per = (per + p.blocks_per_iter - 1) / p.blocks_per_iter * p.blocks_per_iter;
-        lo = pool_lo + blockIdx.z * per;
+        lo = pool_lo + (split - p.pool_splits) * per;
         hi = min(lo + per, n_blocks);
     } else {
         lo = split * p.blocks_per_split;
@@ -400,5 +379,9 @@ __device__ __forceinline__ void int8_split_body(const Params& p) {
         p.o_part[part * D + ch] = ll > 0.f ? o / (ll * V_BOOST) : 0.f;
         if (ch == 0) p.lse_part[part] = ll > 0.f ? mm + log2f(ll) : NEG_INF;
     }
-    wait_primary();
+#if __CUDA_ARCH__ >= 900
+    // Launched programmatically after the fp16 launch of the same walk (int8_mma.py), this grid may have started
+    // before that one ended: it ends only after it, so the merge that follows finds both done. Otherwise a no-op.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from kvcuda import nvrtc
-from kvstore.attention.plan import HOT_BLOCK_WORK, PROGRAMS_PER_SM, WARM_BLOCK_WORK, DecodeConfig, DecodeGeometry
+from kvstore.attention.plan import PROGRAMS_PER_SM, DecodeConfig, DecodeGeometry
 
 _SOURCE = Path(__file__).with_name("int8_mma.cu")
 # Measured on the H200 at 1M tokens (bench_longctx/results/h200-session10): 4 warps a program, 2 stages (chunks in
@@ -65,7 +65,6 @@ class _Params(ctypes.Structure):
         ("num_splits", ctypes.c_int32), ("max_blocks", ctypes.c_int32), ("num_q_heads", ctypes.c_int32),
         ("group", ctypes.c_int32), ("blocks_per_iter", ctypes.c_int32),
         ("partitioned", ctypes.c_int32), ("return_mass", ctypes.c_int32),
-        ("hot_work", ctypes.c_int32), ("warm_work", ctypes.c_int32),
     ]
 
 
@@ -142,8 +141,7 @@ def launch(q: torch.Tensor, warm_data: torch.Tensor, warm_k_scale: torch.Tensor,
            o_part: torch.Tensor, lse_part: torch.Tensor, lse_block: torch.Tensor, geom: DecodeGeometry,
            cfg: DecodeConfig, scale: float, *, partitioned: bool, split_base: int, grid_splits: int,
            total_splits: int, return_mass: bool, programmatic: bool = False) -> None:
-    """One warm-only launch: grid (batch, kv heads, grid_splits), split = split_base + its index (partitioned:
-    int8 split j of the row's, in the slot after its fp16 splits', partition.pool_split_counts); arguments as
+    """One warm-only launch: grid (batch, kv heads, grid_splits), split = split_base + its index; arguments as
     split_partials has them (warm_data int8, as paged_decode checked it). programmatic: right after the fp16
     launch of the same partition walk, overlapping its last programs (nvrtc.launch says when that is allowed)."""
     func = _function(geom.head_dim, geom.block_tokens, q.device.index or 0)
@@ -156,7 +154,7 @@ def launch(q: torch.Tensor, warm_data: torch.Tensor, warm_k_scale: torch.Tensor,
         num_tokens.data_ptr(), num_fp16.data_ptr(), *num_fp16.stride(),
         o_part.data_ptr(), lse_part.data_ptr(), lse_block.data_ptr(),
         scale, cfg.blocks_per_split, cfg.num_splits, split_base, total_splits, geom.max_blocks, geom.num_q_heads,
-        geom.group, cfg.blocks_per_iter, int(partitioned), int(return_mass), HOT_BLOCK_WORK, WARM_BLOCK_WORK,
+        geom.group, cfg.blocks_per_iter, int(partitioned), int(return_mass),
     )
     nvrtc.launch(func, (geom.batch, geom.num_kv_heads, grid_splits), _WARPS * 32,
                  launch_smem(geom.head_dim, geom.block_tokens, q.device.index or 0), p, q.device,

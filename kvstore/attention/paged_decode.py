@@ -27,10 +27,10 @@ from kvstore.attention import int8_mma
 from kvstore.attention.append import NewToken, append_token
 from kvstore.attention.merge import merge_splits
 from kvstore.attention.one_tile import one_tile_partials
-from kvstore.attention.partition import PartitionedTable, kept_or_new_partition, pool_split_counts
-from kvstore.attention.plan import (HOT_BLOCK_WORK, WARM_BLOCK_WORK, DecodeConfig, DecodeGeometry, check_append,
-                                   check_decode_inputs, check_kernel_layout, check_lse_target, check_mass_target,
-                                   decode_config, use_asm)
+from kvstore.attention.partition import PartitionedTable, kept_or_new_partition
+from kvstore.attention.plan import (DecodeConfig, DecodeGeometry, check_append, check_decode_inputs,
+                                   check_kernel_layout, check_lse_target, check_mass_target, decode_config,
+                                   use_asm)
 from kvstore.attention.tiles import entries, launch_dependents, load_kv
 
 LOG2E = 1.4426950408889634
@@ -115,19 +115,17 @@ def _split_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr,
     HAS_HOT: tl.constexpr, HAS_WARM: tl.constexpr, PARTITIONED: tl.constexpr, RETURN_MASS: tl.constexpr,
-    USE_ASM: tl.constexpr, TRIGGER: tl.constexpr, HOT_WORK: tl.constexpr, WARM_WORK: tl.constexpr,
+    USE_ASM: tl.constexpr, TRIGGER: tl.constexpr,
 ):
     """Program (b, kv head, split): partial attention of the group's q heads over one range of entries.
 
     Direct (PARTITIONED false): table_ptr is the block table and split s walks its blocks
     [s * blocks_per_split, ...). With both pools, a split whose blocks are all fp16 or all int8 runs
     a loop specialised to that pool; mixed splits load from both.
-    PARTITIONED: table_ptr / pos_ptr are partition.py's slots / positions; programs [0, P] (P = pool_splits)
-    share the row's fp16 entries, [P + 1, 2P + 1) its int8 ones (split = split_base + program id; one launch per
-    pool, or one for both when HAS_HOT and HAS_WARM), and the row's P + 1 partial slots are shared by the pools'
-    work (partition.pool_split_counts): fp16 split i stores slot i, int8 split j slot hot_n + j; a program past its
-    pool's count walks nothing, and stores an empty partial only into a slot no split has. TRIGGER: the int8 launch
-    after this one is programmatic (split_partials) and may start its programs as soon as these have all started.
+    PARTITIONED: table_ptr / pos_ptr are partition.py's slots / positions; splits [0, pool_splits) share
+    the row's fp16 entries, [pool_splits, 2 pool_splits) its int8 ones (split = split_base + program id;
+    one launch per pool, or one for both when HAS_HOT and HAS_WARM). TRIGGER: the int8 launch after this one
+    is programmatic (split_partials) and may start its programs as soon as these have all started.
     """
     if TRIGGER:
         launch_dependents()
@@ -136,22 +134,14 @@ def _split_kernel(
     split = split_base + tl.program_id(2)
     n_tok = tl.load(num_tokens_ptr + b)
     n_blocks = tl.minimum(tl.cdiv(n_tok, BLOCK_TOKENS), max_blocks)
-    slot = split  # where the partial goes
-    keep = n_blocks >= 0  # whether this program stores a partial (a boolean tensor: always, but partitioned)
-    if PARTITIONED:  # programs [0, P] work the fp16 entries, [P + 1, 2P + 1) the int8 ones (P = pool_splits)
+    if PARTITIONED:
         n_fp16 = tl.load(num_fp16_ptr + b * s_nf_batch + head * s_nf_head)
-        hot_n, warm_n = pool_split_counts(n_fp16, n_blocks - n_fp16, pool_splits, HOT_WORK, WARM_WORK)
-        is_warm = split > pool_splits
-        i = tl.where(is_warm, split - pool_splits - 1, split)  # the program's split of its pool
-        busy = i < tl.where(is_warm, warm_n, hot_n)
-        slot = tl.where(is_warm, hot_n + i, i)  # an idle fp16 program empties slot i if no split has it
-        keep = busy | ((split <= pool_splits) & (i >= hot_n + warm_n))
+        is_warm = split >= pool_splits
         pool_lo = tl.where(is_warm, n_fp16, 0)
         pool_hi = tl.where(is_warm, n_blocks, n_fp16)
-        pool_n = tl.maximum(tl.where(is_warm, warm_n, hot_n), 1)
-        per_split = tl.cdiv(tl.cdiv(pool_hi - pool_lo, pool_n), BLOCKS_PER_ITER) * BLOCKS_PER_ITER
-        lo = pool_lo + i * per_split
-        hi = tl.where(busy, tl.minimum(lo + per_split, pool_hi), lo)
+        per_split = tl.cdiv(tl.cdiv(pool_hi - pool_lo, pool_splits), BLOCKS_PER_ITER) * BLOCKS_PER_ITER
+        lo = pool_lo + (split % pool_splits) * per_split
+        hi = tl.minimum(lo + per_split, pool_hi)
     else:
         lo = split * blocks_per_split
         hi = tl.minimum(lo + blocks_per_split, n_blocks)
@@ -197,10 +187,9 @@ def _split_kernel(
                                 HAS_HOT, HAS_WARM, PARTITIONED, RETURN_MASS, USE_ASM)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # 0 only for a split with no entries
-    part = (b * num_q_heads + q_head) * num_splits + slot  # [M]
-    out_ok = tl.where(keep, g_ok, False)  # (g_ok & keep: the interpreter refuses a mask of a [M] & [] and)
-    tl.store(o_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None], mask=out_ok[:, None])
-    tl.store(lse_part_ptr + part, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=out_ok)
+    part = (b * num_q_heads + q_head) * num_splits + split  # [M]
+    tl.store(o_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None], mask=g_ok[:, None])
+    tl.store(lse_part_ptr + part, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=g_ok)
 
 
 def paged_decode(
@@ -263,8 +252,7 @@ def split_partials(
     them. Arguments as paged_decode checked them (warm_words: warm_data viewed as int32, flags as int8)."""
     has_hot, has_warm = hot_pool.shape[0] > 0, warm_words.shape[0] > 0
     partitioned = has_hot and has_warm and walk != "dispatch"
-    pool_splits = cfg.num_splits  # partitioned: each pool's grid, sharing pool_splits + 1 partial slots
-    total_splits = pool_splits + 1 if partitioned else cfg.num_splits
+    total_splits = 2 * cfg.num_splits if partitioned else cfg.num_splits
     b, nq, h, d, max_blocks = geom.batch, geom.num_q_heads, geom.num_kv_heads, geom.head_dim, geom.max_blocks
     dev, f32 = q.device, torch.float32
     o_part = torch.empty((b, nq, total_splits, d), dtype=f32, device=dev)  # [B, Hq, S, D]
@@ -299,15 +287,12 @@ def split_partials(
             GROUP=geom.group, GROUP_PAD=max(16, triton.next_power_of_2(geom.group)), HEAD_DIM=d,
             BLOCK_TOKENS=geom.block_tokens, BLOCKS_PER_ITER=cfg.blocks_per_iter,
             HAS_HOT=hot, HAS_WARM=warm, PARTITIONED=partitioned, RETURN_MASS=return_block_mass,
-            USE_ASM=use_asm(q.device), TRIGGER=overlap and hot, HOT_WORK=HOT_BLOCK_WORK, WARM_WORK=WARM_BLOCK_WORK,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            USE_ASM=use_asm(q.device), TRIGGER=overlap and hot, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
     if partitioned and walk == "partition":
-        launch(0, pool_splits + 1, True, False)  # the fp16 entries
-        launch(pool_splits + 1, pool_splits, False, True)  # the int8 entries
-    elif partitioned:  # fused: both in one launch
-        launch(0, 2 * pool_splits + 1, True, True)
+        launch(0, cfg.num_splits, True, False)  # the fp16 entries
+        launch(cfg.num_splits, cfg.num_splits, False, True)  # the int8 entries
     else:
         launch(0, total_splits, has_hot, has_warm)
     return o_part, lse_part, lse_block

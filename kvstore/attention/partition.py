@@ -6,12 +6,6 @@ entries fill from the row's end). Each entry keeps its slot and its position in 
 table, so the split kernel can run one launch per pool, each a loop specialised to that pool's
 format, and still store per-block mass where the table had the block. Everything stays on the
 device (no count reaches the host): the launch is capturable in a CUDA graph.
-
-How the two launches share the merge's partials (`pool_split_counts`): each launch has a grid of P programs a
-row (P = the planner's split count; P + 1 for the fp16 one), and the row's P + 1 partial slots go to the pools in
-proportion to the time their blocks take (plan.HOT_BLOCK_WORK : plan.WARM_BLOCK_WORK), counted on the device
-from the row's partition. Whatever the mix, the programs that work get about a 1/P share of the row each, and
-the merge reads P + 1 slots, not 2P: one step of its loop where two pools of P splits each took two.
 """
 
 from __future__ import annotations
@@ -24,24 +18,6 @@ import triton.language as tl
 
 PARTITION_CHUNK = 2048  # table entries per step of the scan, and per program of the chunked one
 _PREFIX = 1024  # earlier chunks' counts summed per step by a chunk's program
-
-
-@triton.jit
-def pool_split_counts(num_fp16, num_int8, grid_splits, HOT_WORK: tl.constexpr, WARM_WORK: tl.constexpr):
-    """How many of a row's grid_splits + 1 partial slots its fp16 and its int8 entries get: ceil(P x each pool's
-    share of the work), each at most P, together at most P + 1, and 0 for an empty pool (pool_split_counts_ref)."""
-    hot = num_fp16.to(tl.int64) * HOT_WORK
-    warm = num_int8.to(tl.int64) * WARM_WORK
-    work = tl.maximum(hot + warm, 1)
-    return ((grid_splits * hot + work - 1) // work).to(tl.int32), ((grid_splits * warm + work - 1) // work).to(tl.int32)
-
-
-def pool_split_counts_ref(num_fp16: int, num_int8: int, grid_splits: int, hot_work: int, warm_work: int
-                          ) -> tuple[int, int]:
-    """pool_split_counts in Python (int8_mma.cu has the same arithmetic)."""
-    hot, warm = num_fp16 * hot_work, num_int8 * warm_work
-    work = max(hot + warm, 1)
-    return -(-grid_splits * hot // work), -(-grid_splits * warm // work)
 
 
 @triton.jit

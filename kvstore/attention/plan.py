@@ -26,9 +26,6 @@ _MAX_TOKENS_PER_ITER = 128  # the score tile [16, tokens] in fp32 must stay in r
 # per SM reads a warm-only table in 1.03 ms, but is 23-35% slower in the partition walk the decode step
 # runs (call 4): one tile for every loop.
 PROGRAMS_PER_SM = 2
-# What a block costs the partition walk, fp16 to int8 (partition.pool_split_counts shares a row's splits by it):
-# at 1M tokens the fp16 walk read every block in 0.998 ms, the int8 one in 0.555 (H200, results/h200-session15).
-HOT_BLOCK_WORK, WARM_BLOCK_WORK = 9, 5
 _MIN_ITERS_PER_SPLIT = 4  # below this, a split's fixed cost (q load, partial store) dominates
 # The one-tile walk (one_tile.py): tokens per program (64 at head_dim 128: 95 registers at 4 warps with
 # both pools, 5 programs per SM, so a 4096-token budget's 512 programs run in one wave; offline sm_90

@@ -9,13 +9,10 @@ import functools
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from kvstore.attention.paged_decode import WALKS, paged_decode
 from kvstore.attention import partition
-from kvstore.attention.partition import (PARTITION_CHUNK, partition_table, partition_table_ref, pool_split_counts,
-                                         pool_split_counts_ref)
+from kvstore.attention.partition import PARTITION_CHUNK, partition_table, partition_table_ref
 from kvstore.attention.reference import paged_decode_ref
 from tests.kvstore.attention.cases import CASE_KEYS, DEVICE, Case, build_case, make_case
 
@@ -26,9 +23,6 @@ VARIANT_CASES = {  # both pools present; lengths, kv heads, group, head_dim, blo
     "gqa4_d64_bt64_all_int8": ([190], 2, 4, 64, 64, 1.0, {}),
     "gqa4_d64_bt32_all_fp16": ([97, 0], 2, 4, 64, 32, 0.0, {}),
     "gqa2_d64_bt16_shared_many_splits": ([260, 31], 2, 2, 64, 16, 0.6, {"shared_table": True, "num_splits": 7}),
-    # a few int8 blocks among many fp16 ones: one int8 split beside seven fp16 ones in a row's 8 slots, or none
-    "gqa4_d64_bt16_few_cooled": ([2000, 700, 0], 2, 4, 64, 16, 0.03, {"num_splits": 7}),
-    "gqa2_d128_bt32_few_hot": ([1500], 2, 2, 128, 32, 0.97, {"num_splits": 5}),
 }
 
 
@@ -116,35 +110,3 @@ def test_a_partition_written_into_given_buffers_is_the_one_made_fresh_and_the_wa
     with pytest.raises(ValueError, match="partition"):
         other = partition_table(case.table[:, :, :-1], flags[:, :, :-1], case.num_tokens, block_tokens)
         paged_decode(*case.args(), walk="partition", partition=other, **kwargs)
-
-
-@triton.jit
-def _pool_split_counts_kernel(fp16_ptr, int8_ptr, out_ptr, grid_splits, N: tl.constexpr, HOT: tl.constexpr,
-                              WARM: tl.constexpr):
-    i = tl.arange(0, N)
-    hot_n, warm_n = pool_split_counts(tl.load(fp16_ptr + i), tl.load(int8_ptr + i), grid_splits, HOT, WARM)
-    tl.store(out_ptr + 2 * i, hot_n)
-    tl.store(out_ptr + 2 * i + 1, warm_n)
-
-
-@pytest.mark.parametrize("grid_splits", [1, 7, 33, 64])
-def test_pool_split_counts_share_the_slots_by_work(grid_splits: int) -> None:
-    """A row's P + 1 partial slots (P = grid_splits): an empty pool gets none, a non-empty one at least one and at
-    most P, the two together P or P + 1, each about its share of the work; the kernel's arithmetic is the
-    reference's (int8_mma.cu's is the same expression, checked on the GPU by the walks' tests)."""
-    fp16 = [0, 0, 1, 5, 16128, 8192, 132, 1 << 20, 3, 0]
-    int8 = [0, 9, 0, 1, 256, 8192, 16252, 1, 1 << 20, 1 << 20]
-    refs = [pool_split_counts_ref(h, w, grid_splits, 9, 5) for h, w in zip(fp16, int8)]
-    for (hot_n, warm_n), h, w in zip(refs, fp16, int8):
-        assert (hot_n == 0) == (h == 0) and (warm_n == 0) == (w == 0)
-        assert hot_n <= grid_splits and warm_n <= grid_splits
-        if h and w:
-            assert grid_splits <= hot_n + warm_n <= grid_splits + 1
-            assert abs(hot_n - grid_splits * 9 * h / (9 * h + 5 * w)) < 1
-    assert refs[4] == (grid_splits, 1) and refs[7] == (grid_splits, 1)  # a few int8 blocks: one slot more
-    n = 16
-    pad = n - len(fp16)
-    as_i32 = lambda xs: torch.tensor(xs + [0] * pad, dtype=torch.int32, device=DEVICE)  # noqa: E731
-    out = torch.zeros(2 * n, dtype=torch.int32, device=DEVICE)
-    _pool_split_counts_kernel[(1,)](as_i32(fp16), as_i32(int8), out, grid_splits, N=n, HOT=9, WARM=5)
-    assert [tuple(pair) for pair in out.view(n, 2)[:len(fp16)].tolist()] == refs
