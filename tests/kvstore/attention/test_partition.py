@@ -23,6 +23,9 @@ VARIANT_CASES = {  # both pools present; lengths, kv heads, group, head_dim, blo
     "gqa4_d64_bt64_all_int8": ([190], 2, 4, 64, 64, 1.0, {}),
     "gqa4_d64_bt32_all_fp16": ([97, 0], 2, 4, 64, 32, 0.0, {}),
     "gqa2_d64_bt16_shared_many_splits": ([260, 31], 2, 2, 64, 16, 0.6, {"shared_table": True, "num_splits": 7}),
+    # a few int8 blocks among many fp16 ones (a row may have none), and the other way round
+    "gqa4_d64_bt16_few_cooled": ([2000, 700, 0], 2, 4, 64, 16, 0.03, {"num_splits": 7}),
+    "gqa2_d128_bt32_few_hot": ([1500], 2, 2, 128, 32, 0.97, {"num_splits": 5}),
 }
 
 
