@@ -113,10 +113,12 @@ def source(name: str, head_dim: int, block_tokens: int) -> tuple[str, int, int]:
 def use(name: str, head_dim: int, block_tokens: int, device_index: int) -> None:
     """Points int8_mma's launches at the variant's kernel."""
     src, smem, _ = source(name, head_dim, block_tokens)
-    func = nvrtc.function(src, int8_mma._SOURCE.name, int8_mma.kernel_name(head_dim, block_tokens), device_index,
-                          smem, "int8_mma_study")
-    int8_mma._function = lambda hd, bt, dev: func
     int8_mma.smem_bytes = lambda hd, bt: smem
+    int8_mma.launch_smem.cache_clear()  # (session 16) what a launch asks: the variant's, capped as int8_mma caps it
+    asked = int8_mma.launch_smem(head_dim, block_tokens, device_index)
+    func = nvrtc.function(src, int8_mma._SOURCE.name, int8_mma.kernel_name(head_dim, block_tokens), device_index,
+                          asked, "int8_mma_study")
+    int8_mma._function = lambda hd, bt, dev: func
 
 
 def main() -> None:

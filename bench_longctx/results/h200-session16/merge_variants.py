@@ -4,6 +4,8 @@ microseconds of its kernel per call (torch.profiler over a CUDA graph of 50 call
 merge_splits. Shapes: llama3-8b layer (32 q / 8 kv heads, head_dim 128), 16,384 blocks, block mass on.
 
     shipped_33 / shipped_66   merge_splits itself over 33 / 66 splits (the floor and what a mixed table pays)
+    shipped_N / w64_N         (call 3, merge.py's steps now 128 wide) merge_splits and this file's kernel at 64-wide
+                              steps (merge.py before) over N = 256, 1024, 2112 splits (a one-tile walk's tiles)
     same_66                   this file's kernel, unpipelined: must match shipped_66 (the harness's control)
     stages1_66                the same, num_stages=1 (no Triton loop pipelining)
     pipelined_66[_w8]         the next step's loads issued before this step's arithmetic (4 / 8 warps)
@@ -162,6 +164,16 @@ def main() -> None:
         except Exception as exc:  # a variant that does not compile is a result too
             result[f"{name}_error"] = repr(exc)[:300]
         print(name, {k: v for k, v in result.items() if k.startswith(name)}, flush=True)
+    for splits in (256, 1024, 2112):
+        inputs = _inputs(splits, device)
+        want_out, want_mass = merge_splits(*inputs[:3], inputs[3], geom, True)
+        result[f"shipped_{splits}_us"] = _gpu_us(lambda: merge_splits(*inputs[:3], inputs[3], geom, True), device)
+        run = _variant(inputs, 64, 4, None, False)
+        out, mass = run()
+        result[f"w64_{splits}_max_err"] = [float((out.float() - want_out.float()).abs().max()),
+                                           float((mass - want_mass).abs().max())]
+        result[f"w64_{splits}_us"] = _gpu_us(run, device)
+        print(splits, result[f"shipped_{splits}_us"], result[f"w64_{splits}_us"], flush=True)
     print(json.dumps(result))
     write_json(out_dir, "merge_variants.json", result)
 
