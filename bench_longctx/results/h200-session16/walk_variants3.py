@@ -7,7 +7,8 @@ into two): 192 of the ~850 instructions of the loop's SASS (sm_90, NVRTC) for V,
              of two channels and two PRMTs interleaving them with 0x64: 64 instructions a 16-token tile, not 96
     v_lop3   the shipped gather, the mask and the bias in one LOP3 (the constant in an opaque register)
 
-Both produce the shipped kernel's fp16 operands bit for bit: outputs must be equal (max_abs 0).
+Both produce the shipped kernel's fp16 operands bit for bit: outputs must be equal (max_abs 0). The edits match
+int8_mma.cu as of tree f4216a7; call 7 measured v_prmt 0.5-1.5% faster and it became the shipped decode.
 
     python bench_longctx/results/h200-session16/walk_variants3.py OUT_DIR | --compile
 """
