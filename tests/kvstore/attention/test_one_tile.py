@@ -60,7 +60,8 @@ def test_peaked_scores_merge_across_tiles() -> None:
     torch.testing.assert_close(mass, ref_mass, atol=1e-3, rtol=1e-2)
 
 
-@pytest.mark.parametrize("num_splits, group, max_blocks", [(5, 4, 7), (70, 2, 300), (33, 1, 1), (200, 4, 40), (300, 2, 9)])
+@pytest.mark.parametrize("num_splits, group, max_blocks",
+                         [(5, 4, 7), (70, 2, 300), (33, 1, 1), (200, 4, 40), (300, 2, 9)])
 def test_merge_matches_reference(num_splits: int, group: int, max_blocks: int) -> None:
     """Random partials with empty splits (-inf), lse spread over 2^±60, a row with no tokens; split counts in one
     step of the merge and in several (200: two steps of 128; 300: three)."""
