@@ -152,7 +152,8 @@ __device__ __forceinline__ void int8_split_body(const Params& p) {
         const int blk = wlo + item / CPB, t0 = (item % CPB) * CH;
         i64 slot; int pos;
         entry(blk, slot, pos);
-        const signed char* k_src = p.warm + slot * p.s_w_slot + head * p.s_w_head + (t0 + lane_row) * D + 16 * lane_piece;
+        const signed char* k_src =
+            p.warm + slot * p.s_w_slot + head * p.s_w_head + (t0 + lane_row) * D + 16 * lane_piece;
         const signed char* v_src = k_src + p.s_w_kv;
         const u32 dst = stages + (item % STAGES) * G::STAGE;
         #pragma unroll
@@ -187,7 +188,8 @@ __device__ __forceinline__ void int8_split_body(const Params& p) {
         }
     }
     const bool h_ok[2] = {2 * c < p.group, 2 * c + 1 < p.group};  // this lane's accumulator columns: q heads 2c, 2c + 1
-    // per head: running max of the scaled scores (same on all r); this lane's share of l over the blocks before this one
+    // per head: running max of the scaled scores (same on all r); this lane's share of l over the blocks before
+    // this one
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
     float acc[VM][4];  // O^T m-tile e: (channel r * D/8 + 2e, heads 2c, 2c + 1), (channel + 1, heads 2c, 2c + 1)
     #pragma unroll

@@ -15,8 +15,9 @@ Everything else takes the Triton kernel. NVRTC needs no CUDA toolkit; the CUBIN 
 
 Launches go through the driver's cuLaunchKernel on PyTorch's current stream, so they are captured
 into CUDA graphs like any other launch; the partition walk's (after its fp16 launch) is programmatic
-on sm_90 (nvrtc.launch), and every launch asks for enough shared memory to hold an SM to 2 programs. The first `usable` check per geometry compiles (or reads the
-cache) and loads the module: like Triton's first launch, it belongs before a capture, not inside one.
+on sm_90 (nvrtc.launch), and every launch asks for enough shared memory to hold an SM to
+plan.PROGRAMS_PER_SM programs (launch_smem). The first `usable` check per geometry compiles (or reads
+the cache) and loads the module: like Triton's first launch, it belongs before a capture, not inside one.
 """
 
 from __future__ import annotations
