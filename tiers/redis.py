@@ -18,10 +18,13 @@ node that reports `cluster_enabled:1` is opened as a cluster.
 
 Sharing: a private tier (shared=False; namespace `kvtier:<random>` unless named) deletes the
 keys of what it deletes and everything left on close(), and never overwrites a key it did not
-write (SET NX: the batch is undone, ValueError). A shared tier (shared=True, a namespace other processes also
-name) never deletes from Redis: its ids must name the same content fleet-wide (e.g. content
-hashes); a put whose key already exists stores nothing and adopts the block there (stored once);
-`attach(ids)` adopts blocks another process wrote. Redis's own maxmemory policy removes them.
+write (SET NX: the batch is undone, ValueError). Keys a failed put may have written (a timeout or a
+server killed mid-pipeline loses the replies, not the SETs) are its own leftovers: never served, a
+later put of those ids overwrites them (plain SET), close() deletes them. A shared tier
+(shared=True, a namespace other processes also name) never deletes from Redis: its ids must name
+the same content fleet-wide (e.g. content hashes); a put whose key already exists stores nothing
+and adopts the block there (stored once), its own leftovers included; `attach(ids)` adopts blocks
+another process wrote. Redis's own maxmemory policy removes them.
 A put returns after Redis acknowledged every SET: durable on restart only if the server runs
 `appendonly yes` with `appendfsync always` (README: "Shared cold tier on Redis").
 """
@@ -70,7 +73,8 @@ class RedisTier(BudgetedTier):
         self._local = threading.local()
         self.sizes: dict[int, int] = {}  # block id -> bytes of its value in Redis
         self._used = 0
-        self._orphans: set[bytes] = set()  # keys a failed put may have written (private tiers delete them on close)
+        # Keys a failed put of a private tier may have written (its replies lost): its own, to overwrite or delete.
+        self._orphans: set[bytes] = set()
         self.integrity_errors = 0
         self.missing_blocks = 0
         self.envelope_bytes = _ENVELOPE.size + len(self.key(0))
@@ -91,7 +95,7 @@ class RedisTier(BudgetedTier):
 
     # -- protocol ------------------------------------------------------------------------
     def put(self, ids: Sequence[int], blocks: Blocks) -> None:
-        """Stores the batch (one SET NX per block, pipelined); returns once Redis acknowledged all."""
+        """Stores the batch (one SET per block, pipelined); returns once Redis acknowledged all."""
         self.layout.check(blocks)
         check_ids(ids, num_blocks(blocks), self.name)
         if any(not 0 <= i < 1 << 64 for i in ids):
@@ -104,19 +108,28 @@ class RedisTier(BudgetedTier):
             raise MemoryError(f"redis tier: {need} more bytes exceed the capacity of {self._capacity}")
         blocks = blocks.to("cpu")
         keys = [self.key(i) for i in ids]
+        sizes, results = self._set_all(ids, keys, blocks)
+        self._record(ids, keys, sizes, results)
+
+    def _set_all(self, ids: Sequence[int], keys: list[bytes], blocks: Blocks) -> tuple[list[int], list]:
+        """(value sizes, SET answers), a pipeline per chunk: SET NX, but a plain SET over this tier's own
+        leftovers. A failure leaves every key that may have been written among the leftovers."""
+        own = self._orphans.intersection(keys)
         sizes: list[int] = []
         results: list = []
+        sent = 0
         try:
             for start in range(0, len(ids), self.chunk_blocks):
                 chunk = slice(start, start + self.chunk_blocks)
                 values = self._encode_chunk(ids[chunk], keys[chunk], blocks, start)
                 sizes += map(len, values)
-                results += self._run(keys[chunk], lambda pipe, k, v: pipe.set(k, v, nx=True), values)
-        except ConnectionError:
-            if not self.shared:
-                self._orphans.update(keys)
+                sent = start + len(values)
+                results += self._run(keys[chunk], lambda pipe, k, v: pipe.set(k, v, nx=k not in own), values)
+        except BaseException:
+            if not self.shared:  # answered True: written; unanswered: maybe written (a lost reply)
+                self._orphans.update([k for k, r in zip(keys, results) if r is True] + keys[len(results):sent])
             raise
-        self._record(ids, keys, sizes, results)
+        return sizes, results
 
     def _encode_chunk(self, ids: Sequence[int], keys: list[bytes], blocks: Blocks, first_row: int) -> list[memoryview]:
         """The values of one pipeline, each a view into this thread's reused buffer (valid until
@@ -136,19 +149,27 @@ class RedisTier(BudgetedTier):
     def _record(self, ids: Sequence[int], keys: list[bytes], sizes: list[int], results: list) -> None:
         """Index what the SETs stored; undo the batch if any failed (nothing half-written stays)."""
         failed = [r for r in results if isinstance(r, Exception)]
-        taken = [k for k, r in zip(keys, results) if r is None]  # SET NX found the key there
+        taken = [k for k, r in zip(keys, results) if r is None]  # SET NX found the key there (not a leftover of this tier)
         if failed or (taken and not self.shared):
-            written = [k for k, r in zip(keys, results) if r is True]
-            if written:
-                self._run(written, lambda pipe, k, _: pipe.delete(k))
+            self._undo([k for k, r in zip(keys, results) if r is True])
             if failed:  # _run lets only OOM answers to a SET through
                 raise MemoryError(f"redis at {self.url} is out of memory (maxmemory, noeviction): {failed[0]}")
             raise ValueError(f"redis: {len(taken)} keys already exist in namespace {self.namespace!r} "
                              f"(another store writes there?): {taken[:4]}")
         adopted = dict(zip(taken, self._run(taken, lambda pipe, k, _: pipe.strlen(k)))) if taken else {}
+        self._orphans.difference_update(keys)
         for block_id, key, size in zip(ids, keys, sizes):
             self.sizes[block_id] = adopted.get(key, size)
             self._used += self.sizes[block_id]
+
+    def _undo(self, written: list[bytes]) -> None:
+        """Delete what a refused batch wrote; until Redis confirms, those keys are leftovers."""
+        if not written:
+            return
+        if not self.shared:
+            self._orphans.update(written)
+        self._run(written, lambda pipe, k, _: pipe.delete(k))
+        self._orphans.difference_update(written)
 
     def get(self, ids: Sequence[int]) -> Blocks:
         """Verified blocks, in order; a batch mixing fp16 and int8 blocks comes back fp16. Raw
@@ -236,6 +257,8 @@ class RedisTier(BudgetedTier):
         changed = [i for i, n in zip(ids, lengths) if n and n != self.sizes[i]]
         if changed:
             raise AssertionError(f"redis tier: values of blocks {changed[:8]} changed size behind this tier")
+        if any(self.key(i) in self._orphans for i in ids):
+            raise AssertionError("redis tier: a recorded block's key is also listed as a leftover")
 
     def close(self) -> None:
         """A private tier deletes its keys (no table points at them once closed); a shared one leaves them."""
@@ -244,6 +267,7 @@ class RedisTier(BudgetedTier):
                 keys = [self.key(i) for i in self.sizes] + list(self._orphans)
                 self._run(keys, lambda pipe, k, _: pipe.delete(k))
                 self.sizes.clear()
+                self._orphans.clear()
                 self._used = 0
         except ConnectionError as exc:
             warnings.warn(f"redis tier: could not delete {len(self.sizes)} blocks of {self.namespace!r}: {exc}")
