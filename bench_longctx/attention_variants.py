@@ -1,4 +1,4 @@
-"""Paged decode attention per layer in a CUDA graph: the old launch sequence against the one-tile walk (issue 10).
+"""Paged decode attention per layer in a CUDA graph: the split launch sequence against the one-tile walk.
 
     python -m bench_longctx.attention_variants --out DIR
 
@@ -11,12 +11,12 @@ the captured decode step passes) unless the case says warm-only. Cases:
     dense1m_int8       16384 entries, all int8 (int8_bench's "int8+hot"), and warm_only (its "int8")
 Short cases capture 32 layers (distinct tables and slots, 0.8-3 GB of pools, so KV comes from HBM as
 in the step) and report us per layer; the 1M cases capture one. Variants:
-    old        the launch sequence before the one-tile walk: partition_table, one split launch per pool,
-               combine and block-mass kernels (copied below from e6a404d; the split kernel is unchanged)
-    auto       paged_decode as the step calls it now (walk chosen by plan.decode_config)
+    old        the baseline launch sequence without the one-tile walk: partition_table, one split launch per
+               pool, separate combine and block-mass kernels (below; the split kernel is paged_decode's)
+    auto       paged_decode as the step calls it (walk chosen by plan.decode_config)
     one_tile_tTOKENS_wWARPS   the one-tile walk at a forced tile size and warp count
-    partition  the split walk with the new one-launch merge
-Per short case also the per-kernel time (torch profiler over graph replays, as issue 10 measured it).
+    partition  the split walk with the one-launch merge (kvstore/attention/merge.py)
+Per short case also the per-kernel time (torch profiler over graph replays).
 Checks every variant against old (allclose) and the short cases against paged_decode_ref. ~2 min on an H200.
 """
 
@@ -36,7 +36,7 @@ from kvstore.attention.plan import DecodeGeometry, check_decode_inputs, decode_c
 from kvstore.attention.reference import paged_decode_ref
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_TOKENS = 32, 8, 128, 64
-TARGET_US = 14.0  # issue 10: the whole attention of a layer at budget 4096
+TARGET_US = 14.0  # the goal for the whole attention of a layer at budget 4096
 SHORT_LAYERS = 32
 ONE_TILE_CONFIGS = [(64, 4), (64, 8), (128, 4), (128, 8)]  # (tile tokens, warps)
 
@@ -91,10 +91,10 @@ def _old_block_mass_kernel(
 
 
 def old_paged_decode(q, hot, warm, k_scale, v_scale, table, is_int8, num_tokens) -> tuple[torch.Tensor, torch.Tensor]:
-    """paged_decode as of e6a404d with block mass: the split walk (partitioned over two pools), then the combine
-    and the block-mass kernels."""
+    """The baseline with block mass: the split walk (partitioned over two pools), then separate combine and
+    block-mass kernels."""
     geom = check_decode_inputs(q, hot, warm, k_scale, v_scale, table, is_int8, num_tokens)
-    cfg = decode_config(geom, q.device, one_tile=False)  # the old planner: same code path
+    cfg = decode_config(geom, q.device, one_tile=False)  # the split walk's config, as paged_decode plans it
     args = (q, hot, warm.view(torch.int32), k_scale, v_scale, table, is_int8.view(torch.int8), num_tokens)
     o_part, lse_part, lse_block = split_partials(*args, geom, cfg, HEAD_DIM**-0.5 * LOG2E, True, "partition")
     b, nq, num_splits, d = o_part.shape

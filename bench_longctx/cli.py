@@ -1,7 +1,7 @@
 """`kvtier bench <suite>`: long-context speed and accuracy in one run, baselines measured alongside.
 
     kvtier bench all --preset quick                      # 2-core CPU, < 5 minutes, no downloads
-    kvtier bench all --preset h200 --out bench_longctx/results/h200
+    kvtier bench all --preset h200 --out DIR
     kvtier bench e2e --preset h200 --geometry llama3-8b --context 1M
 
 Suites: decode (layer-step latency vs context, against SDPA and the copy ceiling), needle

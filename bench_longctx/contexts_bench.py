@@ -1,4 +1,4 @@
-"""Contexts as objects: what fork shares and what opening a saved context costs (issue 12).
+"""Contexts as objects: what fork shares and what opening a saved context costs.
 
     python -m bench_longctx.contexts_bench --preset cpu  [--out FILE]      # 2-core CPU, tiny geometry, ~1 min
     python -m bench_longctx.contexts_bench --preset h200 --open-tokens 1M [--out FILE]

@@ -1,4 +1,4 @@
-"""Verified cpu -> GPU fetch of scattered blocks (issue 10): 2,000 of 4,096 blocks in pinned cpu-tier slabs, fp16
+"""Verified cpu -> GPU fetch of scattered blocks: 2,000 of 4,096 blocks in pinned cpu-tier slabs, fp16
 (128 KiB at 8 kv heads x 32 tokens x 128) and int8 (data + KIVI scales). Per format, GB/s of block bytes:
 
     gather_kernel        gather_rows alone, from one pinned [4096, block words] tensor (the transfer itself)
@@ -11,9 +11,10 @@
     verified_fetch       fetch(ids, cuda) with block sums: the summed gather, then the comparison on the
                          GPU, one host sync (fused)
     unfused_verified_fetch  the same fetch unfused: the tier's gather, then block_sums over the gathered
-                         rows, then the comparison (the previous fetch, less its launch per slab)
+                         rows, then the comparison (what fusing the sums into the gather saves)
     verified_fetch_wall  verified_fetch by the host's clock over 20 back-to-back calls (what a caller waits)
-    host_verified_fetch  the old fetch: xxh3 of the stored rows on 4 worker threads while the GPU gathers
+    host_verified_fetch  the host-checked fetch (checksums="host"): xxh3 of the stored rows on 4 worker threads
+                         while the GPU gathers
     get / host_get       get(ids) into pinned host memory: rows copied on the host, then checked on the GPU / by xxh3
     put_from_gpu         put of GPU blocks (summed on the GPU, copied to the host), 512 at a time, into a fresh
                          tier (the puts grow it: new pinned slabs)
@@ -23,11 +24,11 @@ and one big pinned H2D copy of the same bytes as the ceiling. Results are checke
 host-verified fetches agree; the summed gather's sums are block_sums' and the recorded ones; a flipped bit
 in a pinned row makes the verified fetch raise) before they are written.
 
-    python -m bench_longctx.fetch_bench --out bench_longctx/results/fetch_h200.json   (CUDA; ~1 minute)
+    python -m bench_longctx.fetch_bench --out FILE.json   (CUDA; ~1 minute)
     python -m bench_longctx.fetch_bench --blocks 24 --of 48 --heads 2 --tokens 16 --head-dim 32 \
         --out /tmp/fetch_cpu.json   (a smoke run on CPU: block sums on the CPU, no ceiling)
 
-Earlier runs: results/fetch_h200.txt.
+Numbers: BENCHMARKS.md, Tiers.
 """
 
 from __future__ import annotations

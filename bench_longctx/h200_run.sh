@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The H200 session's commands, in order (each result JSON lands in $1, default bench_longctx/results).
+# The H200 benchmark suites, in order; STEP=<suite> runs one. Each result JSON lands in $1 (default
+# bench_longctx/results).
 # The device image has torch/triton/numpy/psutil; lmdb, zstandard and xxhash come as wheels in .whl/.
 set -uo pipefail
 out=${1:-bench_longctx/results}
@@ -28,7 +29,7 @@ if [ "$step" = all ] || [ "$step" = tiers ]; then
   timeout 200 python3 -m bench_longctx.tiers_bench --out "$out" 2>&1 | tail -60
 fi
 if [ "$step" = all ] || [ "$step" = sketch ]; then
-  # issue 11: the sketch selector's passes at 1M; graded norm-matched needles at 32K/256K/1M (topk = sketch,
+  # the sketch selector's stages at 1M; graded norm-matched needles at 32K/256K/1M (topk = sketch,
   # quest, window and h2o as controls); real SmolLM2 Q/K at 8K, mass vs oracle (quality suite, with perplexity)
   timeout 300 python3 -m bench_longctx.sketch_bench --out "$out" 2>&1 | tail -4
   timeout 500 python3 -c "from kvstore.cli import main; raise SystemExit(main())" bench needle --preset h200 \
@@ -37,11 +38,11 @@ if [ "$step" = all ] || [ "$step" = sketch ]; then
     --no-plots --out "$out/quality-h200" 2>&1 | tail -40
 fi
 if [ "$step" = all ] || [ "$step" = contexts ]; then
-  # issue 12: save, then open in a new process (cold, then warmed up + store.load) and decode; 512K fits a 64 GiB
+  # save, then open in a new process (cold, then warmed up + store.load) and decode; 512K fits a 64 GiB
   # disk (37 GB saved), 1M needs ~80 GB free (--open-tokens 1M)
   timeout 400 python3 -m bench_longctx.contexts_bench --preset h200 --open-tokens 512K --fork-tokens 0 \
     --out "$out/contexts_h200.json" 2>&1 | tail -4
 fi
 if [ "$step" = all ] || [ "$step" = fetch ]; then
-  timeout 120 python3 -m bench_longctx.fetch_bench --out "$out/fetch_h200.json" 2>&1 | tail -4  # issue 10
+  timeout 120 python3 -m bench_longctx.fetch_bench --out "$out/fetch_h200.json" 2>&1 | tail -4
 fi

@@ -1,6 +1,6 @@
 """The README's benchmark table: headline numbers of one or more `kvtier bench` runs.
 
-    python -m bench_longctx.headline bench_longctx/results/h200/results.json [more results.json ...]
+    python -m bench_longctx.headline DIR/results.json [more results.json ...]
 
 Each row puts a kvtier number next to its baseline from the same run; the header names
 the device, date and command. Rows whose suite did not run are left out.

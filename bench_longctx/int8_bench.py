@@ -12,7 +12,7 @@ step builds it). Per context and block size: torch SDPA over contiguous fp16 K/V
     first_cooled           both pools; all fp16 but the 1/64 of the blocks after the sinks, int8 (a table whose
                            oldest blocks have just begun to cool: "mixed never slower than fp16" at its hardest)
 Both-pool cases run every split walk of paged_decode: partition (two launches over the device-partitioned
-table), fused (one launch over it), dispatch (the old per-split pick), partition_kept (the partition walk
+table), fused (one launch over it), dispatch (a pool picked per split), partition_kept (the partition walk
 over a partition made before the timing: what the decode step's dense phase runs). Every paged call returns block
 mass, as the decode step asks; fp16 and int8 also run without it. Unless --quick, at 1M tokens the
 fp16 and int8 loops (hot-only and warm-only builds) are first swept over tile, warps, stages and split
@@ -44,7 +44,7 @@ BLOCK_SIZES = (32, 64)
 SINK_BLOCKS, RECENT_TOKENS = 4, 8192
 ONE_POOL = ("fp16", "int8")
 BOTH = ("int8+hot", "fp16+warm", "sinks_recent", "alternate", "first_cooled")
-TARGET_INT8_VS_SDPA = 1.7  # issue 10: int8 warm-only at 1M; mixed tables never slower than our fp16
+TARGET_INT8_VS_SDPA = 1.7  # the goal for int8 warm-only at 1M against SDPA; mixed tables never slower than our fp16
 SPLIT_WALKS = ("partition", "fused", "dispatch")  # paged_decode's walks over two pools of a long table
 KEPT = "partition_kept"  # the partition walk over a partition made beforehand (what the decode step's dense phase runs)
 SWEEP = dict(warps=(4, 8), tokens=(128, 64), stages=(2, 1, 3), split_factor=(1.0, 0.5, 2.0))  # likeliest first

@@ -1,4 +1,4 @@
-"""Where store.open's time goes on the host (issue 12), in two regimes, each saved once into --dir:
+"""Where store.open's time goes on the host, in two regimes, each saved once into --dir:
 
     python -m bench_longctx.open_profile --regime blocks --dir DIR [--profile 25] [--out FILE]
     python -m bench_longctx.open_profile --regime bytes --dir DIR

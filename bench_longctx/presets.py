@@ -117,7 +117,7 @@ PRESETS: dict[str, Preset] = {
     # multi-threaded small ops 10-50x slower and the timings meaningless.
     "quick": Preset(name="quick", device="auto", repeat=3, cpu_threads=1, time_budget_s=280.0),
     # 64-token blocks on the H200: half the summary bytes a sparse step scans, and the one-launch
-    # top-k applies (select 73 us vs 123 us at 32; BENCHMARKS.md).
+    # top-k applies (select 73 us vs 123 us at 32: bench_longctx.select_bench; BENCHMARKS.md, Top-K selection).
     "h200": Preset(
         name="h200", device="cuda", repeat=5, cpu_threads=0, time_budget_s=480.0,
         decode=DecodePreset(geometry="llama3-8b", contexts=(8 * K, 32 * K, 128 * K, 512 * K, M),

@@ -12,8 +12,7 @@ size, budget): mean over layer-heads of captured mass and of mass / oracle, and 
 layer-head (each layer-head averaged over the steps first). The certified bound on the
 omitted mass (eviction/certify.py) is checked against the true omitted mass on every case.
 `sketch` is SketchTopK() (channel first level, head_dim // 2 channels; --channel-pairs: read in adjacent pairs).
-The old two-plane first level was the baseline until commit 7e358f2; its numbers are in BENCHMARKS.md ("The
-sketch's first level over channel-major codes").
+Numbers: BENCHMARKS.md, Selection quality.
 """
 
 from __future__ import annotations

@@ -6,8 +6,6 @@
 Llama-3-8B attention geometry (32 q / 8 kv heads, head_dim 128), one layer: keys drawn from SmolLM2's key
 distribution with 10 norm-matched needles at graded margins (bench_longctx/needle.py's haystack; each needle
 has its own query, isotropic: the channel first level's hard case), coded channel-major (eviction/sketch.py).
-The old two-plane first level was the baseline until commit 7e358f2; its numbers are in BENCHMARKS.md ("The
-sketch's first level over channel-major codes") and results/h200-session3/call3/g1, call5/sketch_h200.json.
   first_level  the channel pass (eviction/sketch_channels.py) for r in --channels (and --pairs) over a knob sweep
                ({} first: the CUDA kernel where it serves): us (eager), graph_us (replayed from a CUDA graph: the
                GPU's time), GB/s of the bytes it must read, bound violations against the true keys' per-block
@@ -22,7 +20,8 @@ sketch's first level over channel-major codes") and results/h200-session3/call3/
                violations (blocks whose upper bound is below the true log-sum-exp) and the certified omitted
                mass (eviction/certify.py) against the true one
 Writes DIR/sketch_h200.json (device, date, command inside). ~2-3 minutes on an H200. Without CUDA it is a smoke run
-of the same code under TRITON_INTERPRET=1 (use a small --tokens; no graph timings).
+of the same code under TRITON_INTERPRET=1 (use a small --tokens; no graph timings). Numbers: BENCHMARKS.md, Sketch
+selector.
 """
 
 from __future__ import annotations

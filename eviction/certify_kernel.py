@@ -2,8 +2,8 @@
 
 certify.py's torch form masks the attended blocks out of block_upper [Hq, N], takes a log-sum-exp and a
 sigmoid: a mask, a scatter, a repeat, a masked fill, a reduction in several launches and a sigmoid per
-layer of a decode step (228 us at 1M tokens by do_bench on the H200, where the bounds are one read of 2 MB;
-this kernel 13 us, and the e2e sketch decode 48.5 -> 51.7 tok/s: results/h200-session8). Here the terms
+layer of a decode step (228 us at 1M tokens on the H200, where the bounds are one read of 2 MB; this kernel
+13 us: BENCHMARKS.md, Sketch selector). Here the terms
 are taken relative to the attended log-sum-exp L_i, which the kernel knows before it starts, so they add up
 in any order, and the attended blocks are subtracted instead of masked:
     S = sum_{every b} t_b - sum_{b in A} t_b,   t_b = exp(min(U_ib - L_i, 80)),   bound_i = S / (1 + S).
@@ -23,9 +23,8 @@ import triton
 import triton.language as tl
 
 CAP = 80.0  # nats above L_i a term may reach: e^80 in fp32, N of them in fp64
-# bounds per step of the pass and launch options: the fastest of 12 at 1M tokens (llama3-8b, 16K blocks, k = 64),
-# 13 us against 32 for 2048 x 4 warps x 1 stage and 228 for the torch form, do_bench in one run (H200,
-# results/h200-session8 call 5)
+# bounds per step of the pass and launch options: fastest at 1M tokens on the H200 (13 us a layer, llama3-8b,
+# k = 64): BENCHMARKS.md, Sketch selector
 DEFAULT_KNOBS = dict(chunk=4096, num_warps=8, num_stages=3)
 
 

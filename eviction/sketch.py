@@ -15,8 +15,7 @@ block size, channel d's row is bytes d * B/2 .. (d + 1) * B/2 - 1 and byte j hol
 and 2j + 1 (bits 4-7). The tensor keeps the shape the store allocates and saves,
 codes uint8 [num_blocks, kv_heads, 2, block_tokens, head_dim // 4] (B * D / 2 bytes per block and kv
 head: `channel_rows` views it as [num_blocks, kv_heads, head_dim, block_tokens // 2]); only this module
-writes or reads its bytes. (Until the channel-major change the same bytes held two token-major 2-bit
-planes, scanned by the old first level: git history up to 7e358f2, numbers in BENCHMARKS.md.)
+writes or reads its bytes.
 Bytes per token and kv head: head_dim / 2 (32 B at d64, 64 B at d128: 1/4 of the fp16 key,
 1/8 of the fp16 K+V it describes), plus the summaries every block already has.
 
@@ -34,7 +33,7 @@ from eviction.summaries import summarize_keys
 
 LEVELS = 15  # 4-bit codes 0..15
 FINE_HALF = 0.5  # 4-bit codes: |k - k_hat| <= step / 2
-COARSE_MID, COARSE_HALF = 1.5, 2.0  # the top 2 bits alone (a study): k_hat = min + step (4 (code >> 2) + 1.5) +- 2 step
+COARSE_MID, COARSE_HALF = 1.5, 2.0  # the top 2 bits alone (a 2-bit sketch): k_hat = min + step (4 (code >> 2) + 1.5) +- 2 step
 
 
 def grid_steps(summaries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +52,7 @@ def pack(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, planes: int = 2) -> torch.Tensor:
     """uint8 [..., 2, B, D // 4] -> float32 [..., B, D]: the 4-bit code (planes=2) or its top 2 bits times 4
-    (planes=1, a coarser study estimate)."""
+    (planes=1, a coarser estimate to compare with)."""
     code = unpack_codes(packed)
     return code if planes == 2 else torch.div(code, 4, rounding_mode="floor") * 4
 
@@ -130,7 +129,8 @@ def token_estimates_ref(q: torch.Tensor, summaries: torch.Tensor, codes: torch.T
     and a bound on |q . k - q . k_hat| that holds for every token of the block.
 
     q: [Hq, D] (Hq a multiple of H: q head i reads kv head i // group); summaries [N, 2, H, D];
-    codes [N, H, 2, B, D // 4]. planes=1 uses only the top 2 bits of each code (a study of a 2-bit sketch).
+    codes [N, H, 2, B, D // 4]. planes=1 uses only the top 2 bits of each code (a 2-bit sketch, for comparison in
+    bench_longctx/selection_quality.py).
     """
     num_kv_heads = summaries.shape[2]
     group = q.shape[0] // num_kv_heads

@@ -4,8 +4,8 @@ SparQ (Ribar et al. 2023) estimates logits from the r channels of largest |q|. H
 head, the r channels of largest |q_d| summed over the GQA group (eviction/sketch_plan.py), and the scan reads, per
 block, the summaries (every channel's min and max) and the codes of those r channels only: r rows of B/2 bytes in
 the channel-major layout (eviction/sketch.py), r / D of the codes. (Weighting |q_d| by the channel's typical step,
-max - min, ranked norm-matched needles among 256K-1M synthetic keys worse, e.g. 237th instead of 7th of 4K blocks
-at r = 32 of 128, and kept real SmolLM2 blocks no better.)
+max - min, ranks norm-matched needles among 256K-1M synthetic keys worse, e.g. 237th instead of 7th of 4K blocks
+at r = 32 of 128, and keeps real SmolLM2 blocks no better: BENCHMARKS.md, Selection quality.)
 Per q head i and block b, with R the read channels and U the others, c = (min + max) / 2, w = (max - min) / 2:
   partial_t = q_R . k_hat_R,t   (4-bit estimate over R, |error| <= err_R = S_R / 2 + fp16 rounding,
                                  S_R = sum_R |q_j| step_j)
@@ -22,14 +22,14 @@ summaries against fp16 columns of q masked to U or R (exact products, fp32 sums)
 one batched dot per nibble, codes [B/2, r] x fp16(q_R step) [r, G] per block. A block whose size / 15 reaches
 fp16's range (never for real keys) keeps Quest's bound alone. Garbage in blocks outside `valid` stays there:
 their lse and upper are -inf.
-Instruction counts (sm_90 SASS, triton 3.6, offline) steered the form: per-block sums by dots instead of
-cross-lane reductions (982 -> 792 warp-instructions per block and kv head at r = 16), no token masks when every
-block is full (1128 -> 982), a channel-at-a-time FMA loop was 3x worse.
+The form keeps the instruction count down (sm_90 SASS, triton 3.6): per-block sums by dots instead of cross-lane
+reductions (792 against 982 warp-instructions per block and kv head at r = 16), no token masks when every block is
+full (982 against 1128); a channel-at-a-time FMA loop issues 3x as many.
 
 On CUDA, `channel_block_stats` runs the scan as eviction/sketch_mma.cu where it can (the same numbers from a kernel
-that decodes the codes into tensor-core operands in registers: 170 against 350 us at 1M, results/h200-session11);
-the Triton kernel below serves the rest and any call that passes knobs. The plan may read channels in adjacent pairs
-(pairs=True): 64-byte code rows, 148 us, one needle of 241 lost at r = 64 (results/h200-session11, call 8).
+that decodes the codes into tensor-core operands in registers: 170 against 350 us at 1M); the Triton kernel below
+serves the rest and any call that passes knobs. The plan may read channels in adjacent pairs (pairs=True): 64-byte
+code rows, 148 us, one needle of 241 lost at r = 64. Both: bench_longctx.sketch_bench; BENCHMARKS.md, Sketch selector.
 
 Layout: kernels -> launcher -> pure-torch reference. Imports only torch and triton (and the nibble decoder and
 constants of eviction/sketch_kernel.py, the channel plan of eviction/sketch_plan.py, the CUDA kernel's launcher).
@@ -50,15 +50,8 @@ from eviction.sketch_kernel import (ABSOLUTE_SLACK, FP16_MAX, FP16_REL, FP16_TIN
 from eviction.sketch_plan import read_channels, read_channels_ref
 
 
-# the fastest of bench_longctx/sketch_bench.py's sweep at 1M on the H200 for r = 16, 32 and 64 (194 / 244 / 353 us;
-# 8 x 4: 213 / 272 / 364; results/h200-session3 call3 and call5), although 16 x 4 spills registers at r = 32.
-# Tried at r = 64 and not kept (results/h200-session8 calls 1-2): a persistent loop of 2 programs per SM took
-# 346 us against 373 alone, but the e2e sketch decode at 1M ran 47.0 tok/s with it against 48.6 without; smaller
-# tiles, more programs per SM and 2-3 stages took 410-1320 us; codes decoded 8 tokens a word (64 + code by byte
-# permutes, the bias off once per block) issued fewer instructions but reached the dot as an fp16 tile through
-# shared memory (131 KB a program at 16 blocks; the byte tile's is 16 KB) and took 2x as long. Session 9 (call 4):
-# nibbles decoded 4 bytes at a time in packed PTX in the dot's operand layout (same fp16 codes, same bits; 970 vs
-# 1,160 warp-instructions per block and kv head offline) took 339 vs 353 us alone and 52.0 vs 52.9 tok/s e2e: removed
+# fastest tile shape at 1M on the H200 for r = 16, 32 and 64 (194 / 244 / 353 us), although 16 x 4 spills registers
+# at r = 32: bench_longctx.sketch_bench; BENCHMARKS.md, Sketch selector
 DEFAULT_KNOBS = dict(blocks_per_program=16, decode=1, num_warps=4, num_stages=1)
 
 
@@ -177,8 +170,8 @@ def channel_block_stats(q: torch.Tensor, summaries: torch.Tensor, codes: torch.T
     upper = torch.empty_like(lse)
     group, head_dim = q.shape[0] // num_kv_heads, summaries.shape[3]
     # GROUP_PAD >= 2 below: with one q head per kv head (a dot's N = 1) triton 3.6 miscompiles the channel kernel on
-    # sm_90 for BLOCKS > 1 (wrong bounds for some blocks, depending on num_warps; found on the H200, 2026-12-01,
-    # results/h200-session4); a padded second column is masked out and costs nothing measurable at these sizes
+    # sm_90 for BLOCKS > 1 (wrong bounds for some blocks on the H200, depending on num_warps); a padded second
+    # column is masked out and costs nothing measurable at these sizes
     channels = read_channels(q, num_kv_heads, num_channels, pairs)  # int32 [H, r]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     if not given and sketch_mma.usable(q, summaries, codes, num_channels):  # explicit knobs ask for Triton's

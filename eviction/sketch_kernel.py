@@ -46,9 +46,9 @@ HALF_STEP = 0.5  # |k - k_hat| <= step / 2
 ROUNDING_SLACK = 1e-4  # relative slack on sum_d |q_d| (|min_d| + |max_d|): fp32 arithmetic in the bounds
 ABSOLUTE_SLACK = 1e-5  # nats: exp / log run on approximate units (relative error ~2^-22); covers size ~ 0 too
 FP16_REL, FP16_TINY, FP16_MAX = 2.0**-11, 2.0**-25, 65504.0  # fp16 rounding: relative, subnormal, largest
-DEFAULT_KNOBS = dict(blocks_per_program=1, decode=1, num_warps=2, num_stages=3)  # the old fine pass's (H200)
-# refine_candidates' own: 256 candidates x 8 kv heads of 64-token blocks at d128 replayed from a graph on the H200,
-# 17.2 us against DEFAULT_KNOBS' 21.5 (36 settings; results/h200-session12 call 8, select_study.py)
+DEFAULT_KNOBS = dict(blocks_per_program=1, decode=1, num_warps=2, num_stages=3)  # sketch_block_stats' (H200)
+# refine_candidates' own: fastest for 256 candidates x 8 kv heads of 64-token blocks at d128 in a graph on the H200
+# (17.2 us against DEFAULT_KNOBS' 21.5): bench_longctx.sketch_bench, stages; BENCHMARKS.md, Sketch selector
 REFINE_KNOBS = dict(DEFAULT_KNOBS, blocks_per_program=2, num_warps=1, num_stages=2)
 # The constants as the compiled kernel sees them (a compiled kernel reads only constexpr globals)
 _LEVELS, _HALF_STEP, _ROUNDING_SLACK = tl.constexpr(LEVELS), tl.constexpr(HALF_STEP), tl.constexpr(ROUNDING_SLACK)

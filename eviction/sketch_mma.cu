@@ -9,14 +9,13 @@
 // products fp16 x fp16 are exact in fp32, and q_j step_j is rounded to fp16 (with saturation) as there.
 //
 // Why not Triton: its dot takes the decoded codes through shared memory as an fp16 tile; at 1M tokens (llama3-8b
-// geometry, r = 64) it took 350 us and issued ~1,160 warp-instructions per block and kv head. Here each lane decodes
+// geometry, r = 64) it takes 350 us and issues ~1,160 warp-instructions per block and kv head. Here each lane decodes
 // exactly the nibbles its mma.sync fragments hold (~540 per block in the loop): 170 us, of which streaming the
-// bytes alone takes ~157 (results/h200-session11, calls 5-8). The rest of the gap to the copy ceiling is the
-// gather: r code rows of T/2 = 32 bytes chosen among D cost ~1.5x their bytes, which the plan's adjacent pairs
-// (sketch_plan.py) avoid. Not DRAM locality: the plan's channels in ascending order (a warp's copy instruction
-// walks each block's rows in address order) took 156 against 167 us; channel-major codes (a channel's rows of
-// consecutive blocks adjacent) 159 us, and ring stages of 2 or 4 blocks copying each channel's rows as one run
-// 185 / 233 us (fewer warps an SM: the shared memory) (results/h200-session12, calls 3, 5, 7, layout_study.py).
+// bytes alone takes ~157 (bench_longctx.sketch_bench; BENCHMARKS.md, Sketch selector). The rest of the gap to the
+// copy ceiling is the gather: r code rows of T/2 = 32 bytes chosen among D cost ~1.5x their bytes, which the plan's
+// adjacent pairs (sketch_plan.py) avoid. DRAM locality is not it: the plan's channels in ascending order (a warp's
+// copy instruction walks each block's rows in address order) take 156 against 167 us, and other code layouts or
+// copy shapes are slower (BENCHMARKS.md, Sketch selector).
 //
 // Work: a warp owns a tile of 16 consecutive blocks of one kv head; a program is WARPS warps of one kv head.
 //   1. Per block, a cp.async ring (STAGES blocks deep) brings the block's r code rows (gathered by channel) into

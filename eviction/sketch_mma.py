@@ -2,9 +2,10 @@
 
 Same inputs and outputs as eviction/sketch_channels.py's Triton `_channel_kernel` (the read channels come from
 eviction/sketch_plan.py, ascending), same error analysis: `channel_block_stats` routes here when `usable` says so.
-Why a CUDA kernel: the Triton form issued ~1,160 warp-instructions per block and kv head at r = 64 (its dot takes the
-decoded codes through shared memory) and took 350 us at 1M tokens; here each lane decodes the nibbles its mma.sync
-fragments hold: 170 us, most of it the copy stream (results/h200-session11). The .cu file says how.
+Why a CUDA kernel: the Triton form issues ~1,160 warp-instructions per block and kv head at r = 64 (its dot takes the
+decoded codes through shared memory) and takes 350 us at 1M tokens; here each lane decodes the nibbles its mma.sync
+fragments hold: 170 us, most of it the copy stream (bench_longctx.sketch_bench; BENCHMARKS.md, Sketch selector).
+The .cu file says how.
 
 Used for: a CUDA device of compute capability >= 8.0 with NVRTC, head_dim 64 or 128, block_tokens 16..128,
 r a multiple of 16 (<= head_dim), GQA groups of up to 8 q heads, 16-byte aligned rows.
@@ -119,7 +120,7 @@ def launch(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, channe
         lse.data_ptr(), upper.data_ptr(), lse.stride(0),
         scale, num_tokens, num_blocks, q.shape[0] // num_kv_heads,
     )
-    # a warp per tile of 16 blocks (the kernel's tile loop also serves smaller grids: programs that stay resident
-    # and walk several tiles measured 153 vs 148 us at 1M, results/h200-session11 call 8)
+    # a warp per tile of 16 blocks (the kernel's tile loop also serves smaller grids, but resident programs that
+    # walk several tiles are slower at 1M, 153 against 148 us: BENCHMARKS.md, Sketch selector)
     grid = ((num_blocks + 16 * _WARPS - 1) // (16 * _WARPS), num_kv_heads, 1)
     nvrtc.launch(func, grid, _WARPS * 32, smem_bytes(head_dim, block_tokens, num_channels), p, q.device)

@@ -1,11 +1,11 @@
 """Which channels the sketch's first level reads (eviction/sketch_channels.py): per kv head, the r channels of
 largest |q_d| summed over the GQA group (SparQ, Ribar et al. 2023), ties to the lower channel; or, with pairs, the
 r / 2 adjacent pairs (2p, 2p + 1) of largest summed importance (64-byte code rows at 64-token blocks, which the
-gather reads at less cost; one of 241 needles lost at 1M, results/h200-session11).
+gather reads at less cost; one of 241 needles lost at 1M: BENCHMARKS.md, Sketch selector).
 
 The list is ascending, not by rank: the CUDA first level (eviction/sketch_mma.cu) copies the chosen code rows in
 list order, and ascending rows let a warp's copy instruction walk each block's rows in address order, neighbours
-sharing 128-byte lines (156 vs 167 us at 1M, r = 64, results/h200-session12 call 5). The kernels' dot products do
+sharing 128-byte lines (156 against 167 us at 1M, r = 64: BENCHMARKS.md, Sketch selector). The kernels' dot products do
 not care in which order they sum.
 
 Layout: kernel -> launcher -> pure-torch reference. Imports only torch and triton.

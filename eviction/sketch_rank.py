@@ -1,6 +1,6 @@
 """Blocks ranked by their share of each head's estimated softmax, averaged over the GQA group (the sketch selector's
 ranking: on real SmolLM2 Q/K ranking by estimated mass instead of the largest logit matters as much as the bits,
-BENCHMARKS.md "Selection quality").
+BENCHMARKS.md, Selection quality).
 
 From per-(q head, block) log-sum-exps lse [Hq, N] of estimated logits: z_i = log sum_b exp(lse_ib) over the
 ranked blocks and score_hb = mean over the group of exp(lse_ib - z_i). Blocks outside `valid` score -inf, kept

@@ -15,13 +15,13 @@ Candidates always include the protected blocks (sinks, recent window). coarse_fa
 blocks, runs one 4-bit pass over every block instead. min_candidates keeps the fine pass, a fixed cost per step,
 busy on short contexts, where its tighter bound on more blocks is what makes the certificate tight (with
 min_candidates=0 the first level's bound dominates it: certified / true 2.8-9.4x against 1.7-2.8x on real
-SmolLM2 keys at 8K, BENCHMARKS.md).
+SmolLM2 keys at 8K: BENCHMARKS.md, Selection quality).
 
 `select_with_bounds` / `select_masked` also return, per q head and block, an upper bound on the log-sum-exp
 of the block's true logits: eviction/certify.py turns it and the attention kernel's log-sum-exp of the attended
 blocks into a certified omitted mass. Outside the candidates that bound is the first level's (the unread
 channels bounded by their min/max: valid, but several nats loose on real keys, so the certificate is looser than
-the previous two-plane first level's: BENCHMARKS.md).
+one from 2-bit codes of every channel: BENCHMARKS.md, Selection quality).
 """
 
 from __future__ import annotations
@@ -40,17 +40,13 @@ from eviction.topk_kernel import FASTER_THAN_TORCH, topk_gather_table
 
 @dataclass
 class SketchTopK(Policy):
-    # channels whose codes the first level reads per block (a multiple of 16 on CUDA); None: head_dim // 2.
-    # H200, 1M tokens, llama3-8b geometry, 241 norm-matched needles holding >= 5% of the dense weight, budget 4096
-    # (bench_longctx/results/h200-session3, call3 and call5): 16 of 128 channels found 204 (select 274 us in a
-    # graph), 32 found 238 (315 us), 64 found all 241 (421 us), like the old two-plane scan (677 us): the default
-    # keeps every needle, a smaller count trades needles for speed. With the CUDA first level (session 11, call 8)
-    # 64 channels select in 225 us in a graph (the first level 170 us of it); with the plan's channels ascending
-    # (session 12, call 6) 217 us (162)
+    # channels whose codes the first level reads per block (a multiple of 16 on CUDA); None: head_dim // 2, which
+    # finds all 241 needles at 1M (selection 217 us in a graph on the H200); a smaller count trades needles for
+    # speed: bench_longctx.sketch_bench; BENCHMARKS.md, Sketch selector
     channels: int | None = None
     # read the channels in adjacent pairs (2p, 2p + 1) of largest summed |q|: 64-byte code rows at 64-token blocks,
-    # which the first level copies at less cost than single channels' 32-byte rows. At 1M (session 11, call 8):
-    # first level 148 vs 170 us, e2e sketch 86.4 vs 80.7 tok/s, but 240 of the 241 needles: off by default
+    # which the first level copies at less cost than single channels' 32-byte rows; off by default, as it loses one
+    # of 241 needles at 1M: bench_longctx.sketch_bench --pairs 0,1; BENCHMARKS.md, Sketch selector
     channel_pairs: bool = False
     coarse_factor: int = 4  # fine-pass candidates per kv head = coarse_factor * k; 0: one full 4-bit pass
     # ... and at least this many (256: the most the top-k kernel's two-stage path selects in one launch)

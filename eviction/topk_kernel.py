@@ -6,16 +6,15 @@ program keeps a run of scores in registers, bisects on the order-preserving inte
 the floats for the k-th largest value, and compacts the winners with a prefix sum: indices come
 out already ascending, ties broken by the lower index (torch's stable sort order).
 
-One program per row holding the whole row used only kv_heads SMs and took 95 us per layer at
-1M tokens (17K blocks; bench_longctx/results/h200-profile). Long rows therefore go in two
+One program per row holding the whole row would use only kv_heads SMs (95 us per layer at
+1M tokens, 17K blocks: BENCHMARKS.md, Top-K selection), so long rows go in two
 stages: every CHUNK scores of a row keep their own top k (two-stage rows have k <= CHUNK / 4; the
 global top k is always among them), then one program per row selects k of the
 ceil(n / CHUNK) * k candidates, which sit in ascending index order, so the same compaction
 gives ascending indices. Stage two can also write the kernel block table of the winners
 (slot_map[i], tier_map[i] == int8_tier), which saves the decode step three gather launches.
-A one-launch Quest + top-k (QuestSelect, code at commit e2ef62e) measured slower on the H200 than
-the two launches quest_scores_live + topk_block_table (1M tokens: 50-71 us per layer vs 46.9; 128K:
-20.9 vs 20.2; bench_longctx/results/h200-select-fused) and was removed.
+Quest's scores and the top-k stay two launches (quest_scores_live, then topk_block_table): one fused
+launch is slower on the H200 (BENCHMARKS.md, Top-K selection).
 """
 
 from __future__ import annotations
@@ -41,10 +40,9 @@ def _keys(x, valid):
 @triton.jit
 def _kth_key(key, k):
     """The k-th largest key, its bits decided from the top on the unsigned image key ^ 0x80000000: 32
-    counting passes with no 64-bit midpoint in their dependency chain. (With the merge loading only the
-    winners' indices: 16.0 us for the decode step's top-k at 1M tokens on the H200 against 17.2 for bisection
-    on the int64 midpoint, results/h200-select-fused. A radix select, four 8-bit histogram passes, took 3x
-    longer in the merge stage, and a 4-way search, 16 passes of four counts, 1.4x longer: results/h200-profile.)"""
+    counting passes with no 64-bit midpoint in their dependency chain: the fastest search for the decode
+    step's top-k at 1M tokens on the H200, 16.0 us with the merge loading only the winners' indices
+    (bench_longctx.select_bench; BENCHMARKS.md, Top-K selection)."""
     t = tl.full((), 0, tl.uint32)  # invariant: count(key >= t) >= k
     bit = tl.full((), 0x80000000, tl.uint32)
     for _ in range(32):

@@ -42,7 +42,7 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 }
 
 // the same with a shared-space address (smem_addr) and L2's 128-byte prefetch: the rest of the line comes with the
-// first 16 bytes (measured on the H200 for the int8 walk's streams: 1.8% faster than without, 256B no better)
+// first 16 bytes (1.8% faster on the H200 for the int8 walk's streams: BENCHMARKS.md, Int8 kernels)
 __device__ __forceinline__ void cp_async16_l2(u32 dst, const void* src) {
     asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
 }

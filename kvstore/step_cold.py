@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from kvstore.store import KVStore
 
 MAX_PROMOTIONS = 64  # blocks promoted at one boundary, at most: bounds its host work (and the warm blocks
-# making room, put into the cpu tier from the GPU at ~0.6 GB/s: fetch_bench, results/h200-session6 call 3)
+# making room, put into the cpu tier from the GPU at ~0.6 GB/s: bench_longctx.fetch_bench; BENCHMARKS.md, Tiers)
 
 
 class StepColdBlocks:

@@ -3,16 +3,15 @@
 dense_bucket: the step's dense table is viewed up to a bucket of blocks, so that a short sequence in a long
 capacity gets a short table's kernel (one captured graph per bucket).
 
-StepPartitions: a long dense table holding hot (fp16) and warm (int8) blocks takes paged_decode's partition
-walk: the table is reordered on the device, fp16 entries first (kvstore/attention/partition.py, two launches:
-5.6 us a layer of a 1M-token dense int8 token on an H200, results/h200-session12 call 4), then each pool's
-entries are attended by a launch specialised to its format. Between block boundaries a step's tables do not
+StepPartitions: a long dense table holding hot (fp16) and warm (int8) blocks takes paged_decode's partition walk:
+the table is reordered on the device, fp16 entries first (kvstore/attention/partition.py, two launches: 5.6 us a
+layer of a 1M-token dense int8 token on an H200: bench_longctx.step_profile; BENCHMARKS.md, Decode step), then each
+pool's entries are attended by a launch specialised to its format. Between block boundaries a step's tables do not
 change: the token goes into the tail block, which stays where it is; blocks change tier or slot only through
-TableTensors.set_location, which counts the change in LayerTable.moves (new tail blocks and cooled blocks
-included). So the step partitions each layer's table before a token (host side, eager launches on the step's
-stream, not part of the graph) only when the tables' moves, the table length the kernel reads or the block count
-differ from the last partition, into buffers of fixed address that the captured kernel reads
-(paged_decode(partition=...)).
+TableTensors.set_location, which counts the change in LayerTable.moves (new tail blocks and cooled blocks included).
+So the step partitions each layer's table before a token (host side, eager launches on the step's stream, not part
+of the graph) only when the tables' moves, the table length the kernel reads or the block count differ from the last
+partition, into buffers of fixed address that the captured kernel reads (paged_decode(partition=...)).
 """
 
 from __future__ import annotations

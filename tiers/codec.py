@@ -12,8 +12,8 @@ A payload that zstd does not shrink is stored raw (compression 0), so a value ne
 its block plus header and prefix.
 
 The byte-plane split stores the low bytes of every fp16 value, then the high bytes. On
-real SmolLM2 KV, one 12 KiB block per value, it gained nothing over plain zstd (1.074x vs
-1.073x at level 1, bench_longctx/results/zstd_real_kv_cpu.json) and cost ~20% speed, so
+real SmolLM2 KV, one 12 KiB block per value, it gains nothing over plain zstd (1.074x vs
+1.073x at level 1: bench_longctx.tiers_bench --kv-file; BENCHMARKS.md, Tiers) and costs ~20% speed, so
 plain zstd level 1 is the default; the split stays selectable.
 """
 

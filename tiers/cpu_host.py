@@ -74,6 +74,6 @@ class HostRows:
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None:
-            # 4 threads: host-side hashing peaked there on the H200 host (results/hash_threads_h200.txt)
+            # 4 threads: host-side hashing peaks there on the H200 host (BENCHMARKS.md, Tiers)
             self._executor = ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="kvtier-cpu")
         return self._executor

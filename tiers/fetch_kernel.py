@@ -1,10 +1,10 @@
 """Gather scattered rows of pinned host slabs straight into device memory, in one launch.
 
-One copy call per block reaches ~12 GB/s of the 55 GB/s a pinned host-to-device link
-gives (ANCHORS.md: 33 GB/s at best), and gathering on the host first costs a pass over
-host memory. Pinned host memory is mapped into the GPU's address space (unified
-addressing), so these kernels' loads read it over PCIe directly: every program copies
-one chunk of one row, and all rows travel in a single launch.
+One copy call per block reaches ~12 GB/s of the ~53 GB/s one large pinned host-to-device
+copy gives on the H200 host (bench_longctx.fetch_bench; BENCHMARKS.md, Tiers), and gathering
+on the host first costs a pass over host memory. Pinned host memory is mapped into the GPU's
+address space (unified addressing), so these kernels' loads read it over PCIe directly: every
+program copies one chunk of one row, and all rows travel in a single launch.
 
 - gather_rows: rows of one tensor, optionally to given rows of dst.
 - gather_slab_rows: the blocks of a cpu tier by slot, every slab and every field of a block

@@ -7,9 +7,9 @@ launch is the same for every token: slot = tail_slot[0], offset = num_tokens[0] 
 index = num_tokens[0] // B.
 
 `NewToken` hands the same append to paged_decode: the one-tile walk (one_tile.py) writes the token from
-the program that attends its tile, in the same launch (no launch of its own: the dense 8K layer step of a
-captured llama3-8b token 27.7 -> 25.5 us on the H200, bench_longctx/results/h200-session9); the split walk runs
-`append_token` first.
+the program that attends its tile, in the same launch (no launch of its own: a captured llama3-8b token's dense
+8K layer step takes 25.5 us on the H200 against 27.7 with a separate append: bench_longctx.decode_bench;
+BENCHMARKS.md, Decode step); the split walk runs `append_token` first.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@
 //
 // Every shared-memory address is a shared-space u32 computed from lane constants once per warp, and every
 // copy's source a compile-time offset from its chunk's base (a block's tokens are D bytes apart), so a chunk's
-// 16-byte copies and fragment reads cost no address arithmetic (session 15's profile: a fifth of the
-// instructions were that). Launched programmatically after the partition walk's fp16 launch (int8_mma.py), the
+// 16-byte copies and fragment reads cost no address arithmetic (otherwise a fifth of the instructions:
+// BENCHMARKS.md, Int8 kernels). Launched programmatically after the partition walk's fp16 launch (int8_mma.py), the
 // grid waits for that one before it ends.
 //
 // Program (batch row, kv head, split) = WARPS warps, each walking its own part of the split's blocks
@@ -306,7 +306,7 @@ __device__ __forceinline__ void int8_split_body(const Params& p) {
                 pt[h] = transpose8x8(pack_h2(pv[0], pv[1]));
             }
             // V: words biased once, then per register pair one gather of both tokens' bytes and two interleaves
-            // with 0x64 (a mask and a bias per register cost 50% more instructions: results/h200-session16)
+            // with 0x64 (a mask and a bias per register cost 50% more instructions: BENCHMARKS.md, Int8 kernels)
             u32 vw[4][VW];  // tokens 16v + 2c + {0, 1, 8, 9}, channels r * D/8 .., as 128 + V
             #pragma unroll
             for (int x = 0; x < 4; ++x) {

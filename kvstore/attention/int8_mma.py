@@ -2,7 +2,7 @@
 
 Why a CUDA kernel beside the Triton ones: the int8 loop needs its bytes decoded into tensor-core
 operand registers, and Triton routes every decoded tile through shared memory as fp16 (int8 read
-that way was slower than fp16 at 1M tokens). The .cu file says how the fragments are laid out.
+that way is slower than fp16 at 1M tokens). The .cu file says how the fragments are laid out.
 
 It serves warm-only launches of `split_partials` (a table of int8 blocks, or the int8 half of a
 partitioned mixed table) and writes exactly what Triton's `_split_kernel` writes there, so the merge
@@ -32,15 +32,16 @@ from kvcuda import nvrtc
 from kvstore.attention.plan import PROGRAMS_PER_SM, DecodeConfig, DecodeGeometry
 
 _SOURCE = Path(__file__).with_name("int8_mma.cu")
-# Measured on the H200 at 1M tokens (bench_longctx/results/h200-session10): 4 warps a program, 2 stages (chunks in
-# flight per warp, the one being read included) read 90% of the copy ceiling's rate; 6 warps a program (12 warps an
-# SM), 3 stages, or Q.K^T's k-steps in two accumulator chains were no faster.
+# 4 warps a program, 2 stages (chunks in flight per warp, the one being read included): 90% of the copy ceiling's
+# rate at 1M tokens on the H200, where 6 warps or 3 stages are no faster: bench_longctx.int8_bench; BENCHMARKS.md,
+# Int8 kernels
 _WARPS = 4
 _STAGES = 2  # 2 x 4 warps x 8.8 KB at head_dim 128: room for 3 programs per SM
 # __launch_bounds__'s minimum blocks: registers for 3 programs an SM (<= 168 a thread). How many an SM holds at
 # once is plan.PROGRAMS_PER_SM, what the grid is sized for, capped by the shared memory a launch asks (launch_smem):
 # a launch that starts while another kernel's programs still run (the partition walk's programmatic int8 launch)
-# would otherwise pack 3 on some SMs and leave others idle (session 15: sinks + recent at 1M, 0.73 ms against 0.58)
+# would otherwise pack 3 on some SMs and leave others idle (sinks + recent at 1M: 0.73 ms against 0.58;
+# bench_longctx.int8_bench; BENCHMARKS.md, Int8 kernels)
 _MIN_BLOCKS = 3
 _HEAD_DIMS = (64, 128)
 _BLOCK_TOKENS = (16, 32, 64, 128)

@@ -5,7 +5,7 @@ output and its log2-sum-exp2, and per (row, q head, block) the block's log2-sum-
 runs a program per (row, kv head, p): each finds its group's log-sum-exp over the splits (a few hundred
 floats), program p < GROUP also weights q head p's splits by exp2(lse_split - lse) into the output, and
 program p turns chunk p of the block log-sums into softmax mass averaged over the group's q heads (what
-H2O adds up). One launch where a combine and a mass kernel used to wait on each other. With a score table
+H2O adds up). One launch, not a combine kernel and a mass kernel that wait on each other. With a score table
 (batch 1, the decode step's H2O scores) the mass is added into it where the block table's entries came
 from, instead of into a buffer a scatter would read: one launch less per layer.
 """
@@ -18,8 +18,8 @@ import triton.language as tl
 
 from kvstore.attention.plan import DecodeGeometry
 
-# Splits per step of the merge: a partitioned 1M row's 66 (33 a pool, llama3-8b on an H200) in one step took 6.3 us
-# where two 64-wide steps took 9.0 (one pool's 33: 5.9; 4 warps either way, 8 were slower: results/h200-session16)
+# Splits per step of the merge: a partitioned 1M row's 66 (33 a pool, llama3-8b) in one step, 6.3 us on the H200
+# against 9.0 in two 64-wide steps: bench_longctx.int8_bench; BENCHMARKS.md, Paged decode kernel
 _MAX_SPLIT_CHUNK = 128
 _MASS_CHUNK = 256  # blocks per program of the mass
 

@@ -82,7 +82,8 @@ def _one_tile_kernel(
     )
     if APPEND:  # the program whose tile holds the new token (the row's last) stores it before its tile's loads,
         # a barrier ordering them for all its threads: it reads the bits append-then-attend reads, and every other
-        # program's tile pipeline stays as it was (selecting the row into every tile instead cost ~8%: session 9)
+        # program's tile pipeline is unchanged (selecting the row into every tile instead costs ~8%: BENCHMARKS.md,
+        # Paged decode kernel)
         row = n_tok - 1 - j0 * BLOCK_TOKENS
         if (row >= 0) & (row < N):
             append_head(hot_ptr, sum_ptr, tail_slot_ptr, count_ptr, new_k, new_v, head, offs_d, s_hot_slot,

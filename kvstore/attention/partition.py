@@ -128,7 +128,7 @@ def partition_table(block_table: torch.Tensor, block_is_int8: torch.Tensor, num_
     A table and flags that are one row expanded over the kv heads (stride 0) are partitioned once per row (H' = 1,
     else H' = H). A table of one chunk (M <= chunk entries, a power of two) is scanned by one program per row; a
     longer one by a program per chunk in two launches (counts, then the scatter): at 1M tokens a row is 16 chunks
-    of 2,048, which one program took ~43 us to walk (H200, results/h200-int8, "partition_table_only").
+    of 2,048, which one program takes ~43 us to walk on the H200 (BENCHMARKS.md, Int8 kernels).
     out: contiguous int32 buffers (slots [B, H', M], positions [B, H', M], num_fp16 [B, H']) to write into instead
     of new ones: what a caller that keeps a partition between launches (a captured decode step) gives.
     """

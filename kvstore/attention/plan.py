@@ -15,24 +15,25 @@ import triton
 
 from kvstore.attention.append import NewToken, check_new_token
 
-_TILE_ELEMENTS = 16384  # K elements per iteration: 128 tokens at head_dim 128 (fastest in 3 of 4 H200 sweeps)
+# K elements per iteration: 128 tokens at head_dim 128, the fastest tile on the H200: bench_longctx.kernel_bench;
+# BENCHMARKS.md, Paged decode kernel
+_TILE_ELEMENTS = 16384
 # 16-token tiles compute wrong results compiled on the H200 (triton 3.6; right in the interpreter): refused.
 _MIN_TOKENS_PER_ITER = 32
 _MAX_TOKENS_PER_ITER = 128  # the score tile [16, tokens] in fp32 must stay in registers too
 # Programs per SM the split count aims at, as balanced_splits spreads them. Each SM runs ceil(programs /
-# SMs) programs, so a count that is not a multiple of the SMs leaves a tail: the old cdiv(3 x SMs, rows) gave
-# 400 programs on 132 SMs (llama3-8b, batch 1) and took fp16 1.28 ms, int8 1.47 ms at 1M, where 264
-# programs take 0.99 and 1.14 (results/h200-session7 calls 2-4; 128-token tiles). A 64-token int8 tile at 4
-# per SM reads a warm-only table in 1.03 ms, but is 23-35% slower in the partition walk the decode step
-# runs (call 4): one tile for every loop.
+# SMs) programs, so a count that is not a multiple of the SMs leaves a tail: at 1M (llama3-8b, batch 1, 132 SMs)
+# 264 programs take 0.99 ms (fp16) and 1.14 ms (int8) where 400 take 1.28 and 1.47. The int8 loop takes the fp16
+# loop's tile (a 64-token int8 tile is slower in the partition walk the decode step runs): bench_longctx.kernel_bench,
+# bench_longctx.int8_bench; BENCHMARKS.md, Paged decode kernel.
 PROGRAMS_PER_SM = 2
 _MIN_ITERS_PER_SPLIT = 4  # below this, a split's fixed cost (q load, partial store) dominates
 # The one-tile walk (one_tile.py): tokens per program (64 at head_dim 128: 95 registers at 4 warps with
-# both pools, 5 programs per SM, so a 4096-token budget's 512 programs run in one wave; offline sm_90
-# compile, triton 3.6), and the most table tokens (summed over rows and kv heads) per SM it is chosen
-# for: 8 kv heads x 16K tokens on 132 SMs; past that the split walk's loops. H200 (attention_variants,
-# results/h200-attention): the default was the fastest at budget 4096 and 8K dense; at 16K int8 a 64-token
-# tile (29.7 us) beat the split walk (34.6), which the old limit (512, 8 kv heads x 8K) picked there.
+# both pools, 5 programs per SM, so a 4096-token budget's 512 programs run in one wave; sm_90 compile,
+# triton 3.6), and the most table tokens (summed over rows and kv heads) per SM it is chosen for: 8 kv heads
+# x 16K tokens on 132 SMs; past that the split walk's loops. The fastest walk on the H200 at budget 4096, 8K
+# dense and 16K int8 (29.7 us against the split walk's 34.6): bench_longctx.attention_variants; BENCHMARKS.md,
+# Paged decode kernel.
 _ONE_TILE_TOKENS = 64
 _ONE_TILE_MAX_TOKENS_PER_SM = 1024
 
