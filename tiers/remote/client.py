@@ -13,9 +13,11 @@
 
 Connections are kept alive and reused, and a Client is safe to share between threads:
 httpx for every call but get/get_many, whose bodies tiers.remote.reader reads straight
-into the result tensor (see there why). Every value carries an xxh3-64 checksum both ways:
-the service rejects a put whose bytes changed on the way, the client rejects a get whose
-bytes did. Errors raise a ServiceError subclass (tiers/remote/errors.py).
+into the result tensor (see there why). A GET, PUT or DELETE whose connection dropped before
+a whole answer came is sent once more, as reads are (a server closing a kept-alive connection
+races the next request); a POST or an error answer never is. Every value carries an xxh3-64
+checksum both ways: the service rejects a put whose bytes changed on the way, the client
+rejects a get whose bytes did. Errors raise a ServiceError subclass (tiers/remote/errors.py).
 """
 
 from __future__ import annotations
@@ -47,6 +49,13 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 _NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 assert set(TORCH_DTYPES) == set(DTYPES)
+
+# The connection dropped before a whole answer came: a kept-alive connection the server closed as the
+# request went out, most often. A request whose repeat changes nothing more (RFC 9110's idempotent
+# methods: a PUT replaces the value under its key) is then sent once more; a POST, a timeout (the
+# service may still be at work) and an error answer never are.
+_UNANSWERED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+_IDEMPOTENT = frozenset({"GET", "PUT", "DELETE"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +113,7 @@ class Client:
         return [_tensor(buf[o: o + n], d, c, f"{namespace}/{k}") for k, d, c, o, n in items]
 
     def delete(self, namespace: str, key: str) -> None:
+        """NotFoundError if nothing is stored there (also when an unanswered first try deleted it)."""
         self._call("DELETE", _block_url(namespace, key))
 
     def delete_many(self, namespace: str, keys: Sequence[str]) -> int:
@@ -121,7 +131,7 @@ class Client:
                 return out
 
     def drop_namespace(self, namespace: str) -> int:
-        """Delete every key of `namespace`; returns how many there were."""
+        """Delete every key of `namespace`; returns how many there were (0 if an unanswered first try dropped them)."""
         return self._call("DELETE", f"/v1/namespaces/{_q(namespace)}").json()["deleted"]
 
     # -- prompt chunks by hash -----------------------------------------------------------------
@@ -200,7 +210,12 @@ class Client:
     # -- transport -----------------------------------------------------------------------------
     def _call(self, method: str, path: str, **kwargs: object) -> httpx.Response:
         try:
-            response = self.http.request(method, path, **kwargs)
+            try:
+                response = self.http.request(method, path, **kwargs)
+            except _UNANSWERED:
+                if method not in _IDEMPOTENT:
+                    raise
+                response = self.http.request(method, path, **kwargs)  # the dropped connection has left the pool
         except httpx.TransportError as exc:
             raise UnreachableError(0, "unreachable", f"{method} {self.base_url}{path}: {exc!r}") from exc
         if response.status_code >= 300:
