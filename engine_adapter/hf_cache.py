@@ -6,12 +6,14 @@
         out = model.generate(input_ids, cache=cache, max_new_tokens=16, do_sample=False)
         print(cache.decode_reads())
 
-Each layer's update() appends the new K/V (RoPE already applied by the model) to the store as
-fp16. A decode step (one token) returns that token's K/V tagged with its layer, and the kvtier
-attention function (engine_adapter/hf_attention.py) attends through `store.attend` with the
-cache's mode and budget: no dense read-back. A prefill chunk returns what the store held before
-it (read once per chunk) followed by the chunk's own K/V, for SDPA. A decode step that no kvtier
-attention consumed (the model runs another attention implementation) is refused at the next update.
+Each layer's update() stages the new K/V (RoPE already applied by the model) as fp16 and returns
+them tagged with its layer; the kvtier attention function (engine_adapter/hf_attention.py) checks
+the step (mask, layer count), appends the staged K/V to the store, and attends: a decode step (one
+token) through `store.attend` with the cache's mode and budget, no dense read-back; a prefill chunk
+by SDPA over what the store held before it (read once per chunk) followed by its own K/V. Staged
+K/V that no kvtier attention appended (the model runs another attention implementation) are refused
+at the next update, the next layer's in the same forward: before any token comes out, and with
+every staged K/V dropped, so the store holds only whole steps.
 
 Batch size 1 only; beam search and cropping are refused, since one store sequence is one cache
 row. Run under torch.no_grad() (generate() does), not torch.inference_mode(): store tables grown
@@ -41,9 +43,9 @@ class KVTierLayer(CacheLayerMixin):
         super().__init__()
         self.store, self.seq, self.layer = store, seq, layer
         self.mode, self.budget = mode, budget
-        self.num_tokens = 0
+        self.num_tokens = 0  # tokens the store holds for this layer
         self.num_decode_steps = 0  # store.attend calls made through this layer
-        self.awaiting_attention = False  # a decode token went in; kvtier attention has not attended it yet
+        self.staged: tuple[torch.Tensor, torch.Tensor] | None = None  # K/V [T, Hkv, D] fp16 awaiting commit()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -52,20 +54,17 @@ class KVTierLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """key/value_states [1, Hkv, T, D] -> decode (T = 1): the same token, tagged for kvtier attention;
-        prefill: the store's earlier K/V then this chunk's, [1, Hkv, S, D] in the model's dtype."""
+        """key/value_states [1, Hkv, T, D], staged for commit() -> decode (T = 1): the same token, tagged for
+        kvtier attention; prefill: the store's earlier K/V then this chunk's, [1, Hkv, S, D] in the model's dtype."""
         self._check(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        store_device, num_new, num_before = self.store.device, key_states.shape[2], self.num_tokens
+        store_device, num_before = self.store.device, self.num_tokens
         k = key_states[0].transpose(0, 1).to(store_device, torch.float16).contiguous()  # [T, Hkv, D]
         v = value_states[0].transpose(0, 1).to(store_device, torch.float16).contiguous()
-        self.store.append(self.seq, self.layer, k, v)
-        self.num_tokens += num_new
+        self.staged = (k, v)
         keys, values = key_states.view_as(key_states), value_states
-        if num_new == 1:
-            self.awaiting_attention = True
-        elif num_before:
+        if key_states.shape[2] > 1 and num_before:
             old_keys, old_values = self.store.read(self.seq, self.layer, 0, num_before)  # [S0, Hkv, D] fp16
             as_model = dict(device=key_states.device, dtype=key_states.dtype)
             keys = torch.cat([old_keys.transpose(0, 1)[None].to(**as_model), key_states], dim=2)
@@ -81,16 +80,21 @@ class KVTierLayer(CacheLayerMixin):
                 f"KVTierCache expects key/value states of shape [1, {spec.num_kv_heads}, T, {spec.head_dim}] "
                 f"(batch size 1), got {list(key_states.shape)} and {list(value_states.shape)}"
             )
-        if self.awaiting_attention:
-            raise ValueError(
-                f"KVTierCache layer {self.layer}: the last decode step never attended through the store; "
-                f"the model must run attn_implementation={NAME!r} (engine_adapter.hf_attention.register(), then "
-                f"model.set_attn_implementation({NAME!r}))"
-            )
+
+    def commit(self) -> None:
+        """Append the staged K/V to the store: kvtier attention, once the step passed its checks."""
+        if self.staged is None:
+            raise ValueError(f"KVTierCache layer {self.layer}: nothing staged; each update() is attended once")
+        (k, v), self.staged = self.staged, None
+        self.store.append(self.seq, self.layer, k, v)
+        self.num_tokens += k.shape[0]
+
+    def discard(self) -> None:
+        """Drop the staged K/V: the step was refused and the store never sees it."""
+        self.staged = None
 
     def attended(self) -> None:
         """Called by kvtier attention once the decode token's query attended through the store."""
-        self.awaiting_attention = False
         self.num_decode_steps += 1
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -172,6 +176,26 @@ class KVTierCache(Cache):
         for layer in layers:
             layer.num_tokens = self.store.table(self.seq, layer.layer).num_tokens
         return layers
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage layer_idx's new K/V (KVTierLayer.update). Refused, with every staged K/V dropped, when an
+        earlier update was never attended through the store or the store has no such layer."""
+        if self.seq is None:
+            raise ValueError("KVTierCache.update: the cache was freed; create a new one")
+        unattended = [layer.layer for layer in self.layers if layer.staged is not None]
+        if unattended:
+            for layer in self.layers:
+                layer.discard()
+            raise ValueError(
+                f"KVTierCache layer {unattended[0]}: its K/V never attended through the store (nothing was "
+                f"stored); the model must run attn_implementation={NAME!r} (engine_adapter.hf_attention.register(), "
+                f"then model.set_attn_implementation({NAME!r}))"
+            )
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"the store holds {len(self.layers)} layers (ModelSpec.num_layers), got an update "
+                             f"for layer {layer_idx}: the model has at least {layer_idx + 1}")
+        return self.layers[layer_idx].update(key_states, value_states)
 
     def decode_reads(self) -> DecodeReads:
         """What the store's decode attention read since this cache was made (or reset). The store's

@@ -1,6 +1,7 @@
 """SmolLM2-135M, unmodified, through transformers' generate() with KVTierCache + kvtier attention:
 dense equals HF's own greedy output; top-K at 1/8 of the context answers a passkey like dense while
-reading about its budget per decode step (the window control at the same budget misses it)."""
+reading about its budget per decode step (the window control at the same budget misses it); masks either
+decode the same tokens as transformers' own SDPA run or are refused with nothing stored."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from tests.engine_adapter import smollm2
 pytest.importorskip("transformers")
 from engine_adapter.hf_cache import KVTierCache  # noqa: E402
 from tests.engine_adapter.test_hf_cache import generate, kvtier_attention  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 PASSKEY_TOKENS, PASSKEY_DEPTH, PASSKEY = 2000, 0.5, "13821"
+MASK_PROMPT_TOKENS, NUM_PADS = 40, 5
 BUDGET = PASSKEY_TOKENS // 8 // 32 * 32  # 224: at most 1/8 of the context, whole blocks
 
 
@@ -88,3 +91,85 @@ def test_generate_cli_hf_engine_prints_text_and_bytes_per_step(
     assert kib == pytest.approx(tokens * 30 * 768 / 1024, rel=1e-2)  # the printed tokens are a rounded mean
     with pytest.raises(SystemExit, match="--engine hf runs a packaged model"):
         generate_cli.run(parse("--engine", "hf", "--prompt", "hi", "--random-weights"))
+
+
+def generate_masked(model, ids: torch.Tensor, mask: torch.Tensor, n: int, cache=None) -> list[int]:
+    kwargs = {} if cache is None else {"cache": cache}
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=0, **kwargs)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def forward_greedy(model, ids: torch.Tensor, mask_for, n: int, cache) -> list[int]:
+    """Greedy tokens by forward() alone (generate() takes 2-D masks only), each step given
+    mask_for(num_queries, num_keys)."""
+    tokens, step = [], ids
+    with torch.no_grad():
+        for _ in range(n):
+            mask = mask_for(step.shape[1], cache.get_seq_length() + step.shape[1])
+            tokens.append(int(model(step, attention_mask=mask, cache=cache).logits[0, -1].argmax()))
+            step = torch.tensor([tokens[-1:]])
+    return tokens
+
+
+def same_as_sdpa_or_refused(run) -> str:
+    """run(model, cache) under transformers' SDPA (DynamicCache) and under kvtier: "same" when the tokens are
+    identical, "refused" when kvtier raised a ValueError saying what it supports with nothing stored."""
+    hf_model, _, _ = smollm2.smollm2()
+    expected = run(hf_model, DynamicCache(config=hf_model.config))
+    with kvtier_attention(hf_model), KVStore(config()) as store, KVTierCache(store) as cache:
+        try:
+            ours = run(hf_model, cache)
+        except ValueError as refusal:
+            assert "an all-ones 2-D attention_mask" in str(refusal), refusal
+            assert all(store.table(cache.seq, i).num_tokens == 0 for i in range(store.spec.num_layers))
+            assert all(layer.staged is None for layer in cache.layers) and cache.get_seq_length() == 0
+            store.check_integrity()
+            return "refused"
+    assert ours == expected
+    return "same"
+
+
+def padded(where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [1, S], attention_mask [1, S]): the prompt with pads before or after it, or with a run of zeros."""
+    ids = torch.tensor([smollm2.prose_ids()[:MASK_PROMPT_TOKENS]])
+    ones, pads = torch.ones_like(ids), torch.zeros(1, NUM_PADS, dtype=torch.long)
+    if where == "left":
+        return torch.cat([pads, ids], 1), torch.cat([pads, ones], 1)
+    if where == "right":
+        return torch.cat([ids, pads], 1), torch.cat([ones, pads], 1)
+    return ids, ones.index_fill(1, torch.arange(20, 30), 0)  # zeros at 20..29 change SDPA's continuation
+
+
+@pytest.mark.parametrize("where", ["left", "right", "zeros inside"])
+def test_generate_with_a_padded_prompt_is_refused_before_anything_is_stored(where: str) -> None:
+    ids, mask = padded(where)
+    assert same_as_sdpa_or_refused(lambda model, cache: generate_masked(model, ids, mask, 4, cache)) == "refused"
+
+
+def test_generate_with_an_all_ones_mask_gives_the_sdpa_tokens() -> None:
+    ids = torch.tensor([smollm2.prose_ids()[:MASK_PROMPT_TOKENS]])
+    run = lambda model, cache: generate_masked(model, ids, torch.ones_like(ids), 4, cache)  # noqa: E731
+    assert same_as_sdpa_or_refused(run) == "same"
+
+
+def causal_4d(num_queries: int, num_keys: int) -> torch.Tensor:
+    return torch.ones(1, 1, num_queries, num_keys, dtype=torch.bool).tril(num_keys - num_queries)  # [1, 1, T, S]
+
+
+def prefix_hidden_4d(num_queries: int, num_keys: int) -> torch.Tensor:
+    """Causal, except that queries past the first 8 positions do not see those 8."""
+    mask = causal_4d(num_queries, num_keys)
+    mask[..., torch.arange(num_keys - num_queries, num_keys) >= 8, :8] = False
+    return mask
+
+
+@pytest.mark.parametrize("mask_for,outcome", [
+    (causal_4d, "same"),
+    (lambda num_queries, num_keys: torch.ones(1, num_keys, dtype=torch.long), "same"),  # 2-D, all ones
+    (prefix_hidden_4d, "refused"),
+], ids=["4-D causal", "2-D all ones", "4-D custom"])
+def test_forward_with_an_explicit_mask_gives_the_sdpa_tokens_or_is_refused(mask_for, outcome: str) -> None:
+    ids = torch.tensor([smollm2.prose_ids()[:MASK_PROMPT_TOKENS]])
+    assert same_as_sdpa_or_refused(lambda model, cache: forward_greedy(model, ids, mask_for, 3, cache)) == outcome

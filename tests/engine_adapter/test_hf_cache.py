@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -14,7 +15,10 @@ from tests.engine_adapter.test_llama import TINY, store_for, tiny_hf
 pytest.importorskip("transformers")
 from engine_adapter.hf_attention import NAME, register  # noqa: E402
 from engine_adapter.hf_attention import kvtier_attention as kvtier_attention_fn  # noqa: E402
+from engine_adapter.hf_attention import kvtier_mask  # noqa: E402
 from engine_adapter.hf_cache import KVTierCache  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+from transformers.masking_utils import sliding_window_causal_mask_function  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -66,22 +70,28 @@ def test_decode_updates_return_only_the_new_token_and_prefill_chunks_what_came_b
         keys, values = cache.update(k[:, :, :30], v[:, :, :30], 1)
         assert keys.shape == (1, TINY.num_kv_heads, 30, TINY.head_dim)
         torch.testing.assert_close(keys, k[:, :, :30], rtol=0, atol=0)  # the chunk's own K/V, not rounded
+        assert cache.get_seq_length(1) == 0  # staged: the store gets it when kvtier attention commits it
+        cache.layers[1].commit()
         keys, values = cache.update(k[:, :, 30:40], v[:, :, 30:40], 1)  # a second chunk sees the first
         assert keys.dtype == torch.float32 and keys.shape[2] == 40
         torch.testing.assert_close(keys[:, :, :30], k[:, :, :30].half().float())
         torch.testing.assert_close(values[:, :, 30:], v[:, :, 30:40], rtol=0, atol=0)
+        cache.layers[1].commit()
         reads = []
         real_read = store.read
         store.read = lambda *a, **kw: reads.append(a) or real_read(*a, **kw)  # instance attribute: this store only
         keys, values = cache.update(k[:, :, 40:], v[:, :, 40:], 1)
         assert keys.shape[2] == values.shape[2] == 1 and not reads  # decode: no read-back
         del store.read
+        cache.layers[1].commit()
         stored_k, stored_v = store.read(cache.seq, 1)
         torch.testing.assert_close(stored_k, k[0].transpose(0, 1).half())
         torch.testing.assert_close(stored_v, v[0].transpose(0, 1).half())
         assert cache.get_seq_length(1) == 41 and cache.get_mask_sizes(3, 1) == (44, 0)
+        cache.update(k[:, :, :1], v[:, :, :1], 0)
         with pytest.raises(ValueError, match="never attended through the store"):
-            cache.update(k[:, :, :1], v[:, :, :1], 1)  # nothing attended the last decode token
+            cache.update(k[:, :, :1], v[:, :, :1], 1)  # nothing attended layer 0's token
+        assert store.table(cache.seq, 0).num_tokens == 0 and cache.layers[0].staged is None  # dropped, not stored
         cache.reset()
         assert cache.get_seq_length(1) == 0 and store.stats()["sequences"]["count"] == 1
 
@@ -111,6 +121,13 @@ def test_misuse_is_refused() -> None:
             with pytest.raises(ValueError, match="sliding_window"):
                 kvtier_attention_fn(hf.model.layers[0].self_attn, torch.randn(1, 6, 3, 16), keys, keys, None,
                                     sliding_window=2)
+        with pytest.raises(ValueError, match="mask pattern"):  # e.g. create_sliding_window_causal_mask's
+            kvtier_mask(1, 3, 3, mask_function=sliding_window_causal_mask_function(2))
+        hf.config.layer_types = ["full_attention", "sliding_attention"]  # a window in the second layer only
+        with kvtier_attention(hf), KVTierCache(store) as cache:
+            with pytest.raises(ValueError, match=r"also has \['sliding_attention'\] layers"):
+                generate(hf, ids, 2, cache)
+            assert store.table(cache.seq, 0).num_tokens == 0  # refused in the first layer, before it stored
         with KVTierCache(store) as cache:
             with pytest.raises(ValueError, match="batch size 1"):
                 cache.update(torch.randn(2, 2, 4, 16), torch.randn(2, 2, 4, 16), 0)
@@ -131,6 +148,54 @@ def test_misuse_is_refused() -> None:
         with pytest.raises(ValueError, match="different token counts per layer"):
             KVTierCache(store, seq=ragged)
         store.free(ragged)
+        store.check_integrity()
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2])
+def test_a_model_left_on_sdpa_is_refused_before_any_token_with_nothing_stored(max_new_tokens: int) -> None:
+    hf, ids = tiny_hf("default", tied=True, seed=9), tiny_prompt(20, seed=10)
+    exact = generate(hf, ids, max_new_tokens)
+    with store_for(TINY, hot_tokens=1024) as store, KVTierCache(store) as cache:
+        with pytest.raises(ValueError, match="attn_implementation='kvtier'"):
+            generate(hf, ids, max_new_tokens, cache)  # SDPA would attend a decode token alone
+        assert [store.table(cache.seq, i).num_tokens for i in range(TINY.num_layers)] == [0, 0]
+        with kvtier_attention(hf):  # the refused cache is still whole: switched over, it decodes exactly
+            assert generate(hf, ids, max_new_tokens, cache) == exact
+        store.check_integrity()
+
+
+@pytest.mark.parametrize("num_store_layers", [1, 3])
+def test_a_store_for_another_layer_count_is_refused_with_nothing_stored(num_store_layers: int) -> None:
+    hf, ids = tiny_hf("default", tied=True), tiny_prompt(20)
+    spec = dataclasses.replace(TINY, num_layers=num_store_layers)
+    with kvtier_attention(hf), store_for(spec) as store, KVTierCache(store) as cache:
+        with pytest.raises(ValueError, match=f"the model has 2 layers but the store holds {num_store_layers}"):
+            generate(hf, ids, 2, cache)
+        assert all(store.table(cache.seq, i).num_tokens == 0 for i in range(num_store_layers))
+        assert all(layer.staged is None for layer in cache.layers)
+        store.check_integrity()
+    with store_for(spec) as store, KVTierCache(store) as cache:
+        k = torch.randn(1, TINY.num_kv_heads, 3, TINY.head_dim)
+        with pytest.raises(ValueError, match=f"the store holds {num_store_layers} layers .* layer {num_store_layers}"):
+            cache.update(k, k, num_store_layers)  # an update past the store's layers, without kvtier attention
+
+
+def test_a_4d_mask_is_applied_when_causal_and_refused_otherwise() -> None:
+    hf, ids = tiny_hf("default", tied=True, seed=11), tiny_prompt(24, seed=12)
+    causal = torch.ones(1, 1, 24, 24, dtype=torch.bool).tril()  # [1, 1, T, S]
+    additive = torch.zeros(1, 1, 24, 24).masked_fill(~causal, float("-inf"))
+    biased = additive.masked_fill(causal & (torch.arange(24) < 4), -1.0)  # a soft bias the store cannot apply
+    with torch.no_grad():
+        expected = hf(ids, cache=DynamicCache(config=hf.config), attention_mask=causal).logits  # HF's SDPA
+    with torch.no_grad(), kvtier_attention(hf), store_for(TINY, hot_tokens=1024) as store:
+        for mask in (causal, additive):
+            with KVTierCache(store) as cache:
+                torch.testing.assert_close(hf(ids, cache=cache, attention_mask=mask).logits, expected)
+        for mask in (biased, causal.transpose(2, 3), causal[..., :20]):  # a bias, the future, a short mask
+            with KVTierCache(store) as cache:
+                with pytest.raises(ValueError, match="4-D mask that allows exactly"):
+                    hf(ids, cache=cache, attention_mask=mask)
+                assert [store.table(cache.seq, i).num_tokens for i in range(TINY.num_layers)] == [0, 0]
         store.check_integrity()
 
 
