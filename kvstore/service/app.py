@@ -5,14 +5,15 @@ Every error is JSON {"error": <code>, "detail": <message>}:
     401 unauthorized      missing or wrong bearer token (checked before any body byte is read)
     404 not_found         unknown keys (all of them are named) or route
     408 body_timeout      the request body stalled for body_timeout_s; the connection is closed
-    413 too_large         body or value over the configured limits
+    413 too_large         body or value over the configured limits, or a lookup of too many tokens
     500 integrity_error   a stored value failed its checksum (its bytes are never sent)
     500 internal_error    a bug; the detail names the exception type, the log has the traceback
     503 degraded          a write to a store that runs read-only on a damaged file (see /healthz)
+    503 overloaded        max_requests /v1 requests were in flight; Retry-After says when to try again
     507 storage_full      the ssd budget cannot take the put; nothing was stored
 Routes of the API itself live in kvstore/service/routes.py (blocks by key) and prefix.py (chunks by
 hash); the gate every request passes
-first (token, body limits, body timeout) in kvstore/service/guard.py.
+first (token, requests in flight, body limits, body timeout) in kvstore/service/guard.py.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def create_app(settings: ServiceSettings) -> FastAPI:
                               "binary formats and kvstore/service/app.py for the error codes.")
     app.state.settings = settings
     app.state.metrics = metrics
-    app.add_middleware(RequestGuard, settings=settings)  # inner: runs after metrics started the clock
+    app.add_middleware(RequestGuard, settings=settings, metrics=metrics)  # inner: runs after metrics started the clock
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     _add_error_handlers(app)
     app.include_router(router)
@@ -82,42 +83,31 @@ def _error(status: int, code: str, detail: str, headers: dict | None = None) -> 
     return JSONResponse({"error": code, "detail": detail}, status_code=status, headers=headers)
 
 
+# The service's own exceptions and how each is answered; the message is the detail.
+_ANSWERS: dict[type[Exception], tuple[int, str]] = {
+    WireError: (400, "bad_request"), NotFound: (404, "not_found"), TooLarge: (413, "too_large"),
+    IntegrityError: (500, "integrity_error"), Degraded: (503, "degraded"), StorageFull: (507, "storage_full"),
+}
+_CODES = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 408: "body_timeout",
+          413: "too_large", 507: "storage_full"}
+
+
 def _add_error_handlers(app: FastAPI) -> None:
-    codes = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
-             408: "body_timeout", 413: "too_large", 507: "storage_full"}
+    async def answer(request: Request, exc: Exception) -> JSONResponse:
+        status, code = next(_ANSWERS[c] for c in type(exc).__mro__ if c in _ANSWERS)
+        return _error(status, code, str(exc.args[0]) if exc.args else type(exc).__name__)  # KeyError's str() quotes
+
+    for exc_class in _ANSWERS:
+        app.add_exception_handler(exc_class, answer)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, codes.get(exc.status_code, "error"), str(exc.detail), exc.headers)
+        return _error(exc.status_code, _CODES.get(exc.status_code, "error"), str(exc.detail), exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         problems = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in exc.errors())
         return _error(400, "bad_request", problems[:2000])
-
-    @app.exception_handler(TooLarge)
-    async def too_large(request: Request, exc: TooLarge) -> JSONResponse:
-        return _error(413, "too_large", str(exc))
-
-    @app.exception_handler(WireError)
-    async def bad_request(request: Request, exc: WireError) -> JSONResponse:
-        return _error(400, "bad_request", str(exc))
-
-    @app.exception_handler(NotFound)
-    async def not_found(request: Request, exc: NotFound) -> JSONResponse:
-        return _error(404, "not_found", exc.args[0])
-
-    @app.exception_handler(StorageFull)
-    async def storage_full(request: Request, exc: StorageFull) -> JSONResponse:
-        return _error(507, "storage_full", str(exc))
-
-    @app.exception_handler(IntegrityError)
-    async def integrity_error(request: Request, exc: IntegrityError) -> JSONResponse:
-        return _error(500, "integrity_error", str(exc))
-
-    @app.exception_handler(Degraded)
-    async def degraded(request: Request, exc: Degraded) -> JSONResponse:
-        return _error(503, "degraded", str(exc))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:

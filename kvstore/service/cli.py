@@ -11,10 +11,12 @@ import argparse
 import ipaddress
 import os
 import re
+import resource
 import sys
 
-from kvstore.service.settings import check_token
+from kvstore.service.settings import ServiceSettings, check_token
 
+_RESERVED_FILES = 256  # LMDB, logs, worker threads' files: descriptors kept out of --max-connections
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -35,6 +37,25 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def fit_open_files(max_connections: int) -> int:
+    """Raise this process's soft open-file limit to fit max_connections sockets and _RESERVED_FILES more, as far
+    as the hard limit allows; the connection cap that fits (printed to stderr when it is lower)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max_connections + _RESERVED_FILES
+    if hard != resource.RLIM_INFINITY:
+        want = min(want, hard)
+    if soft != resource.RLIM_INFINITY and want > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        soft = want
+    fits = max_connections if soft == resource.RLIM_INFINITY else min(max_connections, soft - _RESERVED_FILES)
+    if fits < 1:
+        raise ValueError(f"the open-file limit ({soft}, ulimit -n) leaves no room for connections")
+    if fits < max_connections:
+        print(f"kvtier serve: --max-connections lowered to {fits} to fit the open-file limit ({soft}, ulimit -Hn "
+              f"{hard})", file=sys.stderr)
+    return fits
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     parser.add_argument("--port", type=int, default=8470)
@@ -53,11 +74,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="longest wait for a whole request head (then the connection closes) or for the next "
                              "piece of a body (then 408 and the connection closes)")
-    parser.add_argument("--limit-concurrency", type=int, default=1024, metavar="N",
-                        help="open connections / requests in flight beyond which new requests get 503 (uvicorn)")
+    parser.add_argument("--max-requests", type=int, default=1024, metavar="N",
+                        help="/v1 requests in flight beyond which new ones get a JSON 503 'overloaded' (idle "
+                             "connections do not count)")
+    parser.add_argument("--max-connections", type=int, default=4096, metavar="N",
+                        help="open connections beyond which new ones are closed unanswered (at most the open-file "
+                             "limit less 256, which is raised to fit when the hard limit allows)")
+    parser.add_argument("--keep-alive", type=float, default=5.0, metavar="SECONDS",
+                        help="an idle keep-alive connection is closed after this")
+    parser.add_argument("--max-lookup-tokens", type=int, default=1 << 22, metavar="N",
+                        help="token ids (or chunk hashes) one prefix lookup may name; more get 413")
     parser.add_argument("--http", choices=("httptools", "h11"), default=None,
                         help="HTTP parser: httptools (C; the default when installed) or h11 (pure Python)")
     parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+
+
+def settings_from(args: argparse.Namespace) -> ServiceSettings:
+    return ServiceSettings(
+        data_dir=args.data_dir, cpu_bytes=args.cpu_bytes, ssd_bytes=args.ssd_bytes, token=args.token,
+        compression=args.compression, sync=not args.no_sync, max_value_bytes=args.max_value_bytes,
+        max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout, max_requests=args.max_requests,
+        max_connections=args.max_connections, keep_alive_s=args.keep_alive, max_lookup_tokens=args.max_lookup_tokens,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,9 +103,6 @@ def run(args: argparse.Namespace) -> int:
         check_token(args.token)
     except ValueError as exc:
         print(f"kvtier serve: --token / $KVTIER_TOKEN: {exc}", file=sys.stderr)
-        return 2
-    if args.limit_concurrency < 1:
-        print(f"kvtier serve: --limit-concurrency must be at least 1, got {args.limit_concurrency}", file=sys.stderr)
         return 2
     if not is_loopback(args.host) and not args.token:
         print(f"kvtier serve: refusing to bind {args.host!r} without a token; pass --token or set KVTIER_TOKEN "
@@ -82,22 +117,20 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import uvicorn
 
-    from kvstore.service.app import ServiceSettings, create_app
-    from kvstore.service.protocol import http_protocols, with_head_timeout
+    from kvstore.service.app import create_app
+    from kvstore.service.protocol import http_protocols, with_limits
 
     try:
-        settings = ServiceSettings(
-            data_dir=args.data_dir, cpu_bytes=args.cpu_bytes, ssd_bytes=args.ssd_bytes, token=args.token,
-            compression=args.compression, sync=not args.no_sync, max_value_bytes=args.max_value_bytes,
-            max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
-        )
-        protocol = with_head_timeout(args.body_timeout, args.http or http_protocols()[0])
+        settings = settings_from(args)
+        max_connections = fit_open_files(settings.max_connections)
+        protocol = with_limits(settings.body_timeout_s, max_connections, args.http or http_protocols()[0])
     except ValueError as exc:
         print(f"kvtier serve: {exc}", file=sys.stderr)
         return 2
+    # No uvicorn limit_concurrency: it counts open connections, and answers past it in text/plain.
     config = uvicorn.Config(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
                             access_log=False, lifespan="on", timeout_graceful_shutdown=5,
-                            limit_concurrency=args.limit_concurrency, loop="auto",  # uvloop when installed
+                            timeout_keep_alive=settings.keep_alive_s, loop="auto",  # uvloop when installed
                             http=protocol)
     server = uvicorn.Server(config)
     server.run()

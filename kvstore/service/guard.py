@@ -1,10 +1,15 @@
-"""The gate every request passes before routing: token first, then a bounded, timed body.
+"""The gate every request passes before routing: token first, then a slot, then a bounded, timed body.
 
 FastAPI reads and parses a declared JSON body before it runs any dependency, so a token
 check written as a dependency comes after the body is buffered. Here the token is checked
 on the raw headers, and `receive` is wrapped so that no route can read more than
 `max_body_bytes` (413) or wait longer than `body_timeout_s` for the next piece (408).
 Both answers carry `Connection: close`: the rest of the body is never read.
+
+At most `max_requests` /v1 requests are in flight (from their head to their last byte sent);
+one more is answered 503 "overloaded" with Retry-After, and counted. The limit counts requests,
+not connections, so idle keep-alive sockets take nothing from it; /healthz and /metrics are
+never refused, so an overloaded sidecar can still be watched.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import anyio
 from fastapi import HTTPException
 from fastapi.responses import JSONResponse
 
+from kvstore.service.metrics import ServiceMetrics
 from kvstore.service.settings import ServiceSettings
 
 if TYPE_CHECKING:
@@ -25,26 +31,39 @@ CLOSE = {"Connection": "close"}
 UNAUTHORIZED = "missing or wrong bearer token (send 'Authorization: Bearer <token>')"
 
 
+def is_api(path: str) -> bool:
+    """Paths of the API: the ones that take a request slot."""
+    return path == "/v1" or path.startswith("/v1/")
+
+
 def is_guarded(path: str) -> bool:
     """Paths that need the token when one is configured: the API and the metrics."""
-    return path == "/metrics" or path == "/v1" or path.startswith("/v1/")
+    return path == "/metrics" or is_api(path)
 
 
 class RequestGuard:
-    """Pure ASGI middleware: auth on headers, then a receive that enforces the body limits."""
+    """Pure ASGI middleware: auth on headers, a request slot, then a receive that enforces the body limits."""
 
-    def __init__(self, app: ASGIApp, settings: ServiceSettings) -> None:
+    def __init__(self, app: ASGIApp, settings: ServiceSettings, metrics: ServiceMetrics) -> None:
         self.app = app
         self.settings = settings
+        self.metrics = metrics
         self.token = settings.token.encode() if settings.token is not None else None
+        self.in_flight = 0
+        metrics.requests_in_flight.set_function(lambda: self.in_flight)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope["headers"])
+        headers, slot = dict(scope["headers"]), is_api(scope["path"])
         if self.token is not None and is_guarded(scope["path"]) and not self._authorized(headers):
             await _reject(scope, receive, send, 401, "unauthorized", UNAUTHORIZED, {"WWW-Authenticate": "Bearer"})
+            return
+        if slot and self.in_flight >= self.settings.max_requests:
+            self.metrics.overloaded_requests.inc()
+            await _reject(scope, receive, send, 503, "overloaded", f"{self.in_flight} requests in flight, the "
+                          f"limit (max_requests); retry after 1 s", {"Retry-After": "1"})
             return
         declared = headers.get(b"content-length", b"")
         limit = self.settings.max_body_bytes
@@ -52,7 +71,11 @@ class RequestGuard:
             await _reject(scope, receive, send, 413, "too_large",
                           f"body of {int(declared)} bytes exceeds the limit of {limit} bytes")
             return
-        await self.app(scope, self._bounded(receive), send)
+        self.in_flight += slot
+        try:
+            await self.app(scope, self._bounded(receive), send)
+        finally:
+            self.in_flight -= slot
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         scheme, _, credentials = headers.get(b"authorization", b"").partition(b" ")

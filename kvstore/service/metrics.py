@@ -8,6 +8,8 @@
                                                         the client left while its request was being read
                                                         (uvicorn drops sends to a client that has gone, so
                                                         one leaving mid-response keeps the status sent)
+    kvtier_requests_in_flight                           /v1 requests being read or answered now
+    kvtier_overloaded_requests_total                    /v1 requests answered 503 "overloaded" (max_requests in flight)
     kvtier_integrity_errors_total                       stored values that failed a checksum
     kvtier_degraded                                     1 while the store runs read-only on a damaged file
     kvtier_damage_problems, kvtier_damaged_values       what the startup check of the LMDB file found
@@ -46,6 +48,10 @@ class ServiceMetrics:
         self.latency = Histogram("kvtier_request_seconds", "Request latency", ["method", "route"],
                                  buckets=_BUCKETS, registry=r)
         self.responses = Counter("kvtier_responses", "Responses", ["method", "route", "status"], registry=r)
+        self.requests_in_flight = Gauge("kvtier_requests_in_flight", "/v1 requests being read or answered",
+                                        registry=r)
+        self.overloaded_requests = Counter("kvtier_overloaded_requests", "/v1 requests refused with 503 because "
+                                           "max_requests were in flight", registry=r)
         self.integrity_errors = Counter("kvtier_integrity_errors", "Stored values that failed a checksum",
                                         registry=r)
         self.degraded = Gauge("kvtier_degraded", "1 while serving read-only from a damaged LMDB file", registry=r)

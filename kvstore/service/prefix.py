@@ -14,42 +14,17 @@ key "chunk/<hash>" of their namespace, with the durability, checksums and limits
 from __future__ import annotations
 
 import time
-from typing import Annotated
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
+from kvstore.service.lookup import MAX_CHUNKS, ChunkHash, parse_lookup, read_lookup
 from kvstore.service.routes import BINARY, BINARY_BODY, ERRORS, ChunksResponse, Namespace, blocking, read_body
 from kvstore.service.settings import TooLarge
-from tiers.keys import ChunkKeys
-from tiers.remote.wire import WireError, check_chunk_hash, check_namespace, pack_batch, unpack_batch
+from tiers.remote.wire import check_chunk_hash, check_namespace, pack_batch, unpack_batch
 
 router = APIRouter(prefix="/v1/prefix", tags=["prefix"])  # the token is checked before routing (guard.py)
-
-MAX_LOOKUP_TOKENS = 1 << 24
-MAX_CHUNKS = 1 << 20
-ChunkHash = Annotated[str, Field(json_schema_extra={"pattern": "^[0-9a-f]{32}$"})]
-Dim = Annotated[int, Field(ge=1, le=1 << 20)]
-
-
-class ModelIdentity(BaseModel):
-    """What the chain's root hash is made of: one model's keys never name another's chunks."""
-
-    model_id: str = Field(min_length=1, max_length=256)
-    num_layers: Dim
-    num_q_heads: Dim
-    num_kv_heads: Dim
-    head_dim: Dim
-
-
-class LookupRequest(BaseModel):
-    block_tokens: Dim = Field(description="tokens per chunk")
-    token_ids: list[Annotated[int, Field(ge=0, lt=1 << 62)]] | None = Field(
-        None, max_length=MAX_LOOKUP_TOKENS, description="the prompt; needs `model`")
-    model: ModelIdentity | None = None
-    chunk_hashes: list[ChunkHash] | None = Field(
-        None, max_length=MAX_CHUNKS, description="the prompt's chunk hashes, in order (instead of token_ids)")
 
 
 class LookupResult(BaseModel):
@@ -73,36 +48,30 @@ def _key(chunk_hash: str) -> str:
     return "chunk/" + chunk_hash
 
 
-def _lookup_hashes(body: LookupRequest) -> list[str]:
-    if (body.token_ids is None) == (body.chunk_hashes is None):
-        raise WireError("a lookup needs exactly one of token_ids (with model) or chunk_hashes")
-    if body.chunk_hashes is not None:
-        for h in body.chunk_hashes:
-            check_chunk_hash(h)
-        return body.chunk_hashes
-    if body.model is None:
-        raise WireError("token_ids need the model identity they were hashed under: "
-                        "model = {model_id, num_layers, num_q_heads, num_kv_heads, head_dim}")
-    return ChunkKeys(**body.model.model_dump(), block_tokens=body.block_tokens).hashes(body.token_ids)
+LOOKUP_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": {"$ref": "#/components/schemas/LookupRequest"}}}}}
 
 
-@router.post("/{namespace}/lookup", response_model=LookupResult, responses=ERRORS)
-async def lookup(namespace: Namespace, body: LookupRequest, request: Request) -> LookupResult:
+@router.post("/{namespace}/lookup", response_model=LookupResult, responses=ERRORS, openapi_extra=LOOKUP_BODY)
+async def lookup(namespace: Namespace, request: Request) -> Response:
     """How many leading tokens of a prompt are held: its full chunks are hashed in a chain and
-    looked up in order; the first chunk not held ends the match."""
+    looked up in order; the first chunk not held ends the match. The body is bounded as it arrives,
+    then parsed and hashed on a worker thread a slice at a time (kvstore/service/lookup.py)."""
     check_namespace(namespace)
-    storage = request.app.state.storage
+    settings, storage, metrics = request.app.state.settings, request.app.state.storage, request.app.state.metrics
+    pieces = await read_lookup(request, settings.max_lookup_tokens)
 
-    def work() -> tuple[list[str], int]:
-        hashes = _lookup_hashes(body)
-        return hashes, storage.num_held(namespace, [_key(h) for h in hashes])
+    def work() -> bytes:
+        body = parse_lookup(pieces, settings.max_lookup_tokens)
+        hashes = body.hashes()
+        held = storage.num_held(namespace, [_key(h) for h in hashes])
+        metrics.lookup_requests.inc()
+        metrics.lookup_tokens.inc(len(hashes) * body.block_tokens)
+        metrics.lookup_hit_tokens.inc(held * body.block_tokens)
+        return LookupResult(num_tokens=held * body.block_tokens, num_chunks=held,
+                            chunk_hashes=hashes[:held]).model_dump_json().encode()
 
-    hashes, held = await blocking(request, work)
-    metrics = request.app.state.metrics
-    metrics.lookup_requests.inc()
-    metrics.lookup_tokens.inc(len(hashes) * body.block_tokens)
-    metrics.lookup_hit_tokens.inc(held * body.block_tokens)
-    return LookupResult(num_tokens=held * body.block_tokens, num_chunks=held, chunk_hashes=hashes[:held])
+    return Response(await blocking(request, work), media_type="application/json")
 
 
 @router.post("/{namespace}/retrieve", response_class=Response, responses={200: BINARY, **ERRORS})

@@ -1,10 +1,14 @@
-"""uvicorn's HTTP protocols (httptools, or h11) with a deadline on each request head.
+"""uvicorn's HTTP protocols (httptools, or h11) with a deadline on each request head and a cap
+on open connections.
 
 uvicorn times out a keep-alive connection only after a response; a connection that never
-sends a complete request head (nothing at all, or `GET /` and then silence) is held for
-ever and counts against --limit-concurrency, so a few hundred such sockets would lock
-every client out. Here each head must be complete within `head_timeout_s` of its first
-byte (or of the connection), else the connection is closed. Bodies are timed in guard.py.
+sends a complete request head (nothing at all, or `GET /` and then silence) would be held for
+ever, holding a file descriptor. Here each head must be complete within `head_timeout_s` of its
+first byte (or of the connection), else the connection is closed. Bodies are timed in guard.py.
+
+A connection beyond `max_connections` open is closed as soon as it is accepted, before anything
+is read: the cap keeps accept() clear of the open-file limit. It is meant to sit far above
+max_requests (guard.py), which is what bounds the work: idle connections take no request slot.
 
 httptools (C, llhttp) is the default when installed: it parses and hands over body bytes
 without h11's per-event Python work (bench_longctx/prefix_bench.py compares the two).
@@ -47,14 +51,24 @@ class HeadTimer:
             self.transport.close()
 
 
+def over_cap(transport: asyncio.Transport, num_open: int, max_connections: int) -> bool:
+    """Close a connection that takes the count of open ones past max_connections; whether it did."""
+    if num_open <= max_connections:
+        return False
+    transport.close()
+    return True
+
+
 class TimedHeadProtocol(H11Protocol):
-    head_timeout_s = 30.0  # set per server by with_head_timeout()
+    head_timeout_s = 30.0  # set per server by with_limits()
+    max_connections = 4096
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.head_timer = HeadTimer(self.loop, transport, self.head_timeout_s,
                                     lambda: self.conn.their_state is h11.IDLE)
-        self._arm_if_waiting_for_head()
+        if not over_cap(transport, len(self.connections), self.max_connections):
+            self._arm_if_waiting_for_head()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -77,12 +91,14 @@ if HttpToolsProtocol is not None:
         (llhttp's on_message_begin), disarmed when the head is complete."""
 
         head_timeout_s = 30.0
+        max_connections = 4096
         waiting_for_head = True
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self.head_timer = HeadTimer(self.loop, transport, self.head_timeout_s, lambda: self.waiting_for_head)
-            self.head_timer.arm()
+            if not over_cap(transport, len(self.connections), self.max_connections):
+                self.head_timer.arm()
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -104,9 +120,9 @@ def http_protocols() -> list[str]:
     return (["httptools"] if HttpToolsProtocol is not None else []) + ["h11"]
 
 
-def with_head_timeout(seconds: float, http: str = "h11") -> type:
+def with_limits(head_timeout_s: float, max_connections: int, http: str = "h11") -> type:
     """The protocol class to pass as uvicorn.Config(http=...)."""
     if http not in http_protocols():
         raise ValueError(f"http must be one of {http_protocols()}, got {http!r}")
     base = TimedHeadHttpTools if http == "httptools" else TimedHeadProtocol
-    return type(base.__name__, (base,), {"head_timeout_s": seconds})
+    return type(base.__name__, (base,), {"head_timeout_s": head_timeout_s, "max_connections": max_connections})

@@ -65,8 +65,8 @@ BINARY_BODY = {"requestBody": {"required": True, **BINARY}}
 ERRORS: dict = {code: {"model": ErrorBody} for code in (400, 404, 500, 503, 507)}
 # Patterns and enums below only document the API (and steer schemathesis); the wire.check_* functions
 # enforce them with messages that name the problem.
-Namespace = Annotated[str, Path(description="namespaces never share keys",
-                                json_schema_extra={"pattern": "^[A-Za-z0-9_.-]{1,64}$"})]
+Namespace = Annotated[str, Path(description="namespaces never share keys; '.' and '..' are not names",
+                                json_schema_extra={"pattern": r"^(?!\.\.?$)[A-Za-z0-9_.-]{1,64}$"})]
 Key = Annotated[str, Path(description="'/'-separated segments of [A-Za-z0-9_.~:@+=-] (a segment may not be "
                                       "'.' or '..'), at most 400 bytes",
                           json_schema_extra={"pattern": _KEY_PATTERN})]

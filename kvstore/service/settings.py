@@ -22,15 +22,23 @@ class ServiceSettings:
     max_body_bytes: int = 1 << 30  # one request body (a batch or a JSON key list)
     body_timeout_s: float = 30.0  # longest wait for the next piece of a request body (then 408, connection closed)
     worker_threads: int = 16  # blocking LMDB / checksum / zstd work runs on these, never on the event loop
+    # /v1 requests being read or answered at once; more get 503 "overloaded". Open connections do not count:
+    # an idle one costs a socket, and there may be max_connections of them (beyond, new ones are closed).
+    max_requests: int = 1024
+    max_connections: int = 4096
+    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
+    # Token ids (or chunk hashes) one prefix lookup may name: bounds its memory and parsing time (lookup.py).
+    max_lookup_tokens: int = 1 << 22
 
     def __post_init__(self) -> None:
-        for name in ("cpu_bytes", "ssd_bytes", "max_value_bytes", "max_body_bytes", "worker_threads"):
+        for name in ("cpu_bytes", "ssd_bytes", "max_value_bytes", "max_body_bytes", "worker_threads", "max_requests",
+                     "max_connections", "max_lookup_tokens"):
             if getattr(self, name) < (0 if name == "cpu_bytes" else 1):
                 raise ValueError(f"ServiceSettings.{name} must be positive, got {getattr(self, name)}")
-        if not (isinstance(self.body_timeout_s, (int, float)) and math.isfinite(self.body_timeout_s)
-                and self.body_timeout_s > 0):
-            raise ValueError(f"ServiceSettings.body_timeout_s must be a positive number of seconds, "
-                             f"got {self.body_timeout_s!r}")
+        for name in ("body_timeout_s", "keep_alive_s"):
+            seconds = getattr(self, name)
+            if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
+                raise ValueError(f"ServiceSettings.{name} must be a positive number of seconds, got {seconds!r}")
         check_token(self.token)
 
 

@@ -83,9 +83,9 @@ TOKEN = "s3cret-token"
 
 @pytest.fixture(scope="session")
 def guarded(tmp_path_factory) -> ServerProcess:
-    """A token server with small limits: 1 MiB bodies, 1 s body timeout, 8 connections."""
+    """A token server with small limits: 1 MiB bodies, 1 s body timeout."""
     proc = ServerProcess(tmp_path_factory.mktemp("guarded") / "data", "--max-body-bytes", "1M", "--body-timeout", "1",
-                         "--limit-concurrency", "8", token=TOKEN)
+                         token=TOKEN)
     yield proc.start()
     proc.stop()
 
@@ -117,3 +117,50 @@ def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torc
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
         a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def connect(server) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def head(method: str, path: str, headers: dict[str, str]) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", *(f"{k}: {v}" for k, v in headers.items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def read_response(sock: socket.socket, then_closed: bool = True) -> tuple[int, dict, bytes, bool]:
+    """(status, headers, body, whether the server then closed the connection); socket timeouts fail the test."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed before a response: {data!r}"
+        data += chunk
+    top, _, body = data.partition(b"\r\n\r\n")
+    status = int(top.split(b" ")[1])
+    pairs = (line.decode().split(": ", 1) for line in top.split(b"\r\n")[1:])
+    headers = {name.lower(): value for name, value in pairs}
+    while len(body) < int(headers.get("content-length", 0)):
+        body += sock.recv(65536)
+    try:
+        closed = then_closed and sock.recv(1) == b""
+    except socket.timeout:
+        closed = False
+    except ConnectionResetError:  # closed with bytes the server never read
+        closed = True
+    return status, headers, body, closed
+
+
+def metric(server, name: str, headers: dict[str, str] | None = None) -> float:
+    """The sum of a metric's samples over all its labels, scraped from /metrics."""
+    text = httpx.get(f"{server.url}/metrics", headers=headers).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import struct
 import time
 
@@ -14,40 +13,9 @@ import pytest
 
 from kvstore.service.cli import main
 from kvstore.service.settings import ServiceSettings
-from tests.kvstore.service.conftest import TOKEN
+from tests.kvstore.service.conftest import TOKEN, connect, head, read_response
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-def connect(server) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
-
-
-def head(method: str, path: str, headers: dict[str, str]) -> bytes:
-    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", *(f"{k}: {v}" for k, v in headers.items())]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode()
-
-
-def read_response(sock: socket.socket, then_closed: bool = True) -> tuple[int, dict, bytes, bool]:
-    """(status, headers, body, whether the server then closed the connection); socket timeouts fail the test."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, f"connection closed before a response: {data!r}"
-        data += chunk
-    top, _, body = data.partition(b"\r\n\r\n")
-    status = int(top.split(b" ")[1])
-    pairs = (line.decode().split(": ", 1) for line in top.split(b"\r\n")[1:])
-    headers = {name.lower(): value for name, value in pairs}
-    while len(body) < int(headers.get("content-length", 0)):
-        body += sock.recv(65536)
-    try:
-        closed = then_closed and sock.recv(1) == b""
-    except socket.timeout:
-        closed = False
-    return status, headers, body, closed
 
 
 @pytest.mark.parametrize("route, content_type", [("batch/get", "application/json"),
@@ -109,20 +77,6 @@ def test_a_kept_alive_connection_still_works_and_its_next_head_is_timed(guarded)
             assert status == 200 and body == b'{"status":"ok"}'
         sock.sendall(b"GET /heal")
         assert sock.recv(100) == b""
-
-
-def test_connections_beyond_the_limit_get_503(guarded):
-    idle = [connect(guarded) for _ in range(8)]  # closed by the 1 s head timeout if not before
-    try:
-        time.sleep(0.1)
-        assert httpx.get(f"{guarded.url}/healthz").status_code == 503
-    finally:
-        for sock in idle:
-            sock.close()
-    deadline = time.monotonic() + 5
-    while httpx.get(f"{guarded.url}/healthz").status_code != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
 
 
 def test_deeply_nested_json_is_a_400_never_a_500(guarded):
