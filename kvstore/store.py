@@ -39,12 +39,20 @@ class KVStore:
         self.sequences: dict[int, list[LayerTable]] = {}
         self.tensors = TableTensors(c.model.num_kv_heads, c.model.head_dim, c.block_tokens, self.device)
         self.tiers = TierSet(c, self.layout, self.sequences, self.tensors)
+        try:
+            self._assemble(c)
+        except BaseException:  # nothing of a store that never opened stays (its temporary directory)
+            self.tiers.close()
+            raise
+
+    def _assemble(self, c: Config) -> None:
+        """The parts that work on the tier set."""
         self.decode = DecodePath(c, self.tiers)
         self.appends = AppendPath(c, self.tiers, self.tensors)
         self.unread = UnreadCodes(self.sequences, c.block_tokens, self.device)  # sketch codes left in saves
         self.contexts = Contexts(c, self.sequences, self.tiers, self.tensors, self.unread)
         values = values_store(self.tiers.cold)  # None: the sidecar's cold tier holds no saved contexts
-        self.saved = None if values is None else SavedContexts(values, self.tiers, self.contexts.root)
+        self.saved = None if values is None else SavedContexts(values, self.tiers, self.contexts.root, c.model_id)
         if values is not None:
             self.tiers.saved.serve_from(values)
         self.policies: dict[str, Policy] = {name: cls() for name, cls in POLICIES.items()}  # mode -> default policy
@@ -85,7 +93,8 @@ class KVStore:
     # -- saved contexts ----------------------------------------------------------------------
     def save(self, seq: int, name: str) -> None:
         """Persist `seq` as `name` beside the cold tier (the ssd tier's LMDB at Config.ssd_path, or Redis at
-        Config.redis_url, where full blocks of known token ids are stored once under their content keys):
+        Config.redis_url, where full blocks of known token ids are stored once under their content keys, so a
+        save there needs Config.model_id: ValueError without):
         every block from whichever tier holds it, key summaries, sketch codes, H2O scores and token ids.
         Returns once durable; an interrupted save leaves nothing under `name` (an earlier save of `name`
         stays until this one commits, then is replaced)."""

@@ -20,7 +20,8 @@ from tiers.base import Tier
 from tiers.cpu import CpuTier
 from tiers.hot import HotTier
 from tiers.layout import BlockLayout
-from tiers.saved import LmdbValues, SavedTier
+from tiers.saved import SavedTier
+from tiers.saved_values import LmdbValues
 from tiers.ssd import SsdTier
 from tiers.warm import WarmTier
 
@@ -33,7 +34,12 @@ class TierStack:
 
     def __init__(self, c: Config, layout: BlockLayout, placement: Placement) -> None:
         self._tempdir = None if c.ssd_path or c.remote_url or c.redis_url else tempfile.mkdtemp(prefix="kvtier-ssd-")
-        self.tiers: list[Tier] = open_tiers(c, layout, placement, self._tempdir)
+        try:
+            self.tiers: list[Tier] = open_tiers(c, layout, placement, self._tempdir)
+        except BaseException:  # a stack that never opened leaves no directory behind
+            if self._tempdir:
+                shutil.rmtree(self._tempdir, ignore_errors=True)
+            raise
 
     def __iter__(self) -> Iterator[Tier]:
         return iter(self.tiers)

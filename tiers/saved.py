@@ -1,37 +1,58 @@
-"""Saved tier: blocks of opened saved contexts, read where the save put them, never copied; and
-the two key-value stores saved contexts live in.
+"""Saved tier: blocks of opened saved contexts, read where the save put them, never copied (from the
+values stores of tiers/saved_values.py).
 
-Read-only. `adopt` maps block ids onto stored values (codec format: header, payload,
-checksum) under keys the saver chose; `fetch_as_stored` reads and verifies them where they lie in the
-values store (its `view`: LMDB's mapped pages) into one batch per format (tiers/stored.py); `delete`
-forgets the mapping and leaves the saved value where it is.
+Read-only. `adopt` maps block ids onto saved values under keys the saver chose; `fetch_as_stored` reads
+them where they lie in the values store (its `view`: LMDB's mapped pages), checks that each names the key
+it was read under and verifies it into one batch per format (tiers/stored.py); `delete` forgets the
+mapping and leaves the saved value where it is.
 Nothing is ever put here: blocks leave (promoted to a GPU tier when selected) and never come back.
 
-Values stores (one protocol: put, put_new, get, view, exists, delete, keys, delete_prefix, sync, commit):
-    LmdbValues   the cold ssd tier's LMDB environment (keys outside its block prefix); `view` hands out
-                 the values where they lie in the map, no copy
-    RedisValues  the Redis (or cluster) the cold redis tier talks to, under PREFIX: any process with
-                 the same redis_url sees the same saved contexts; `put_new` is SET NX (a content-keyed
-                 value is stored once, whoever writes it first); `commit` is one SET, so a manifest is
-                 there whole or not at all. Durable on restart only as the server's appendfsync allows.
+A saved block value is `seal(key, value)`: b"KVSV", the key's length (u16, big endian), the key, then
+the codec value (tiers/codec.py: header, payload, xxh3 checksum). The reader knows the key it asks for,
+so the envelope is compared byte for byte rather than checksummed: a value read under another key (a
+damaged LMDB key, a value SET under another block's key) is refused, and a save can re-key a stored
+value without decompressing it to recompute a checksum.
 """
 
 from __future__ import annotations
 
 import threading
 from functools import partial
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import Sequence
 
-import lmdb
-import redis
 import torch
 
 from tiers.codec import Codec
-from tiers.errors import BlockMissingError
+from tiers.errors import BlockMissingError, IntegrityError
 from tiers.layout import BlockLayout, Blocks
+from tiers.saved_values import LmdbValues, RedisValues
 from tiers.stored import StoredBlocks, decode_tier_values
 
-T = TypeVar("T")
+_SEAL = b"KVSV"
+_FORMAT_AT = 6  # the format byte of a codec value's header (after magic and layout version): 0 fp16, 1 int8
+
+
+def seal(key: bytes, value: bytes | memoryview) -> bytes:
+    """A codec value as saved under `key`: the envelope naming the key, then the value."""
+    return _SEAL + len(key).to_bytes(2, "big") + key + value
+
+
+def unseal(key: bytes, value: bytes | memoryview, what: str) -> memoryview:
+    """The codec value inside a saved value read under `key` (a view, no copy); IntegrityError unless its
+    envelope names `key`."""
+    head = _SEAL + len(key).to_bytes(2, "big") + key
+    view = memoryview(value)
+    if view[:len(head)] != head:
+        raise IntegrityError(f"{what}: the saved value does not name its key (stored under another key, or damaged)")
+    return view[len(head):]
+
+
+def value_format(value: bytes | memoryview, what: str) -> int:
+    """0 (fp16) or 1 (int8): the format a codec value's header names; IntegrityError for anything else."""
+    fmt = value[_FORMAT_AT] if len(value) > _FORMAT_AT else -1
+    if fmt not in (0, 1):
+        raise IntegrityError(f"{what}: not a block value (format byte {fmt})")
+    return fmt
 
 
 class SavedTier:
@@ -61,9 +82,22 @@ class SavedTier:
         """Whether an adopted block's saved value lies under `prefix` (a save's data: not to be deleted)."""
         return any(key.startswith(prefix) for key in self.key_of.values())
 
+    def key(self, block_id: int) -> bytes | None:
+        """The key of an adopted block's saved value (None: not adopted)."""
+        return self.key_of.get(block_id)
+
     def values(self, ids: Sequence[int]) -> list[bytes | None]:
-        """The saved values of adopted blocks as they are stored (None: gone)."""
-        return self.source.get([self.key_of[i] for i in ids])
+        """The codec values of adopted blocks, each checked to name its key (None: gone)."""
+        keys = [self.key_of[i] for i in ids]
+        got = self.source.get(keys)
+        return [None if v is None else bytes(self._unseal(i, k, v)) for i, k, v in zip(ids, keys, got)]
+
+    def _unseal(self, block_id: int, key: bytes, value: bytes | memoryview) -> memoryview:
+        try:
+            return unseal(key, value, f"saved block {block_id}")
+        except IntegrityError:
+            self.integrity_errors += 1
+            raise
 
     # -- protocol ------------------------------------------------------------------------
     def put(self, ids: Sequence[int], blocks: Blocks) -> None:
@@ -81,6 +115,7 @@ class SavedTier:
         return self.source.view([self.key_of[i] for i in ids], partial(self._decode, ids, device))
 
     def _decode(self, ids: Sequence[int], device: torch.device | str, values: list) -> StoredBlocks:
+        values = [None if v is None else self._unseal(i, self.key_of[i], v) for i, v in zip(ids, values)]
         return decode_tier_values(self, self._local.codec, ids, values, "saved", device, lambda gone: BlockMissingError(
             f"saved tier: the saved values of blocks {gone} are gone (the context was deleted or replaced after "
             "it was opened)"))
@@ -122,146 +157,3 @@ class SavedTier:
 
     def close(self) -> None:
         self.key_of.clear()
-
-
-class LmdbValues:
-    """Saved-context values in an LMDB environment (the cold ssd tier's); each call is one transaction."""
-
-    content_keyed = False  # a save owns its blocks: deleting it deletes them (no other save points at them)
-
-    def __init__(self, env: lmdb.Environment) -> None:
-        self.env = env
-
-    def put(self, items: list[tuple[bytes, bytes]]) -> None:
-        with self.env.begin(write=True) as txn:
-            for key, value in items:
-                txn.put(key, value)
-
-    put_new = put
-
-    def get(self, keys: list[bytes]) -> list[bytes | None]:
-        with self.env.begin() as txn:
-            return [txn.get(k) for k in keys]
-
-    def view(self, keys: list[bytes], use: Callable[[list[memoryview | None]], T]) -> T:
-        """use(values of `keys`), the values zero-copy views of the mapped pages, valid only during the call."""
-        with self.env.begin(buffers=True) as txn:
-            return use([txn.get(k) for k in keys])
-
-    def exists(self, keys: list[bytes]) -> list[bool]:
-        return [v is not None for v in self.get(keys)]
-
-    def delete(self, keys: list[bytes]) -> None:
-        with self.env.begin(write=True) as txn:
-            for key in keys:
-                txn.delete(key)
-
-    def keys(self, prefix: bytes) -> list[bytes]:
-        with self.env.begin() as txn:
-            return [bytes(k) for k, _ in _lmdb_prefix_items(txn, prefix)]
-
-    def delete_prefix(self, prefix: bytes) -> None:
-        while True:  # bounded transactions: a huge save is deleted in steps
-            with self.env.begin(write=True) as txn:
-                cursor, n = txn.cursor(), 0
-                if not cursor.set_range(prefix):
-                    return
-                while bytes(cursor.key()[: len(prefix)]) == prefix and n < 1024:
-                    cursor.delete()  # moves to the next key
-                    n += 1
-                if n == 0:
-                    return
-
-    def sync(self) -> None:
-        self.env.sync(True)
-
-    def commit(self, key: bytes, value: bytes, done: bytes) -> bytes | None:
-        """Put `key` (replacing; returns the old value) and delete `done`, in one transaction."""
-        with self.env.begin(write=True) as txn:
-            old = txn.get(key)
-            txn.put(key, value)
-            txn.delete(done)
-        return old
-
-    def pop(self, key: bytes) -> bytes | None:
-        """Delete `key` and return its value (None if absent), in one transaction."""
-        with self.env.begin(write=True) as txn:
-            return txn.pop(key)
-
-
-def _lmdb_prefix_items(txn: lmdb.Transaction, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
-    cursor = txn.cursor()
-    if not cursor.set_range(prefix):
-        return
-    for key, value in cursor:
-        if not key.startswith(prefix):
-            return
-        yield key, value
-
-
-class RedisValues:
-    """Saved-context values in Redis under PREFIX (shared by every store on that server or cluster)."""
-
-    PREFIX = b"kvtier-saved:"
-    content_keyed = True  # blocks under content keys, stored once and shared by every save that names them
-    _BATCH_BYTES = 64 << 20  # values per pipeline (both ways)
-
-    def __init__(self, client: redis.Redis | redis.RedisCluster) -> None:
-        self.client = client
-
-    def _run(self, keys: list[bytes], command: Callable, sizes: Sequence[int] | None = None) -> list:
-        results, pipe, pending = [], self.client.pipeline(transaction=False), 0
-        for i, key in enumerate(keys):
-            command(pipe, self.PREFIX + key, i)
-            pending += (sizes[i] if sizes else 1 << 16) + 1
-            if pending >= self._BATCH_BYTES or i == len(keys) - 1:
-                results += pipe.execute()
-                pipe, pending = self.client.pipeline(transaction=False), 0
-        return results
-
-    def put(self, items: list[tuple[bytes, bytes]]) -> None:
-        self._run([k for k, _ in items], lambda pipe, k, i: pipe.set(k, items[i][1]), [len(v) for _, v in items])
-
-    def put_new(self, items: list[tuple[bytes, bytes]]) -> None:
-        self._run([k for k, _ in items], lambda pipe, k, i: pipe.set(k, items[i][1], nx=True),
-                  [len(v) for _, v in items])
-
-    def get(self, keys: list[bytes]) -> list[bytes | None]:
-        return self._run(keys, lambda pipe, k, _: pipe.get(k))
-
-    def view(self, keys: list[bytes], use: Callable[[list[bytes | None]], T]) -> T:
-        """use(values of `keys`) (LmdbValues.view's protocol; here the values are the bytes received)."""
-        return use(self.get(keys))
-
-    def exists(self, keys: list[bytes]) -> list[bool]:
-        return [bool(n) for n in self._run(keys, lambda pipe, k, _: pipe.exists(k), [0] * len(keys))]
-
-    def delete(self, keys: list[bytes]) -> None:
-        self._run(keys, lambda pipe, k, _: pipe.delete(k), [0] * len(keys))
-
-    def keys(self, prefix: bytes) -> list[bytes]:
-        """Keys under `prefix` (ASCII without glob characters), on every master of a cluster."""
-        return [k[len(self.PREFIX):] for k in self.client.scan_iter(match=self.PREFIX + prefix + b"*", count=1000)]
-
-    def delete_prefix(self, prefix: bytes) -> None:
-        keys = self.keys(prefix)
-        if keys:
-            self.delete(keys)
-
-    def sync(self) -> None:
-        """Every write above was acknowledged; persistence is the server's (appendfsync)."""
-
-    def commit(self, key: bytes, value: bytes, done: bytes) -> bytes | None:
-        """SET `key` (one command: whole or absent; returns the old value), then delete `done` as far as the
-        server answers: the save is committed once the SET is, and a `done` key left behind is harmless
-        (collect_garbage skips a pending key whose save has a manifest)."""
-        old = self.client.set(self.PREFIX + key, value, get=True)
-        try:
-            self.client.delete(self.PREFIX + done)
-        except (redis.RedisError, OSError):
-            pass
-        return old
-
-    def pop(self, key: bytes) -> bytes | None:
-        """Delete `key` and return its value (None if absent), in one command (GETDEL)."""
-        return self.client.getdel(self.PREFIX + key)

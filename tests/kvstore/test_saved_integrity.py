@@ -3,12 +3,11 @@ place in the LMDB map), before the store holds anything of it; the sketch codes 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from kvstore import KVStore
+from kvstore.saved_reader import seal_manifest
 from tests.kvstore.test_saved import NUM_TOKENS, attend_all, config, filled, query
 from kvstore.tierset import SAVED_TIER
 from tiers.errors import BlockMissingError, IntegrityError
@@ -16,8 +15,8 @@ from tiers.errors import BlockMissingError, IntegrityError
 
 def flip_byte(store: KVStore, value: bytes) -> None:
     """Flip one byte in the middle of the saved value ctx/data/<save id of "doc">/<value>."""
+    key = b"ctx/data/" + store.saved.reader.read_manifest("doc")["save_id"].encode() + b"/" + value
     with store.saved.values.env.begin(write=True) as txn:
-        key = b"ctx/data/" + json.loads(txn.get(b"ctx/name/doc"))["save_id"].encode() + b"/" + value
         damaged = bytearray(txn.get(key))
         damaged[len(damaged) // 2] ^= 0x10
         txn.put(key, bytes(damaged))
@@ -65,12 +64,12 @@ def shorter_by_one_block(layer: dict, block_tokens: int) -> None:
 ])
 def test_a_manifest_whose_geometry_disagrees_with_its_values_is_refused(saved, damage, message):
     """Refused before the store holds anything: a block count that does not cover the tokens, dropped blocks out
-    of range or repeated, or summaries with more (or fewer) bytes than the entry's blocks need."""
+    of range or repeated, or summaries with more (or fewer) bytes than the entry's blocks need (a manifest
+    written so, checksum and all: what a writer's mistake would commit)."""
     store, _ = saved
-    with store.saved.values.env.begin(write=True) as txn:
-        manifest = json.loads(txn.get(b"ctx/name/doc"))
-        damage(manifest["layers"][0], store.config.block_tokens)
-        txn.put(b"ctx/name/doc", json.dumps(manifest).encode())
+    manifest = store.saved.reader.read_manifest("doc")
+    damage(manifest["layers"][0], store.config.block_tokens)
+    store.saved.values.put([(b"ctx/name/doc", seal_manifest("doc", manifest))])
     with pytest.raises(IntegrityError, match=message):
         store.open("doc")
     assert not store.sequences and store.stats()["blocks"]["stored"] == 0
@@ -101,8 +100,8 @@ def test_a_damaged_or_missing_block_fails_the_attend_that_selects_it_and_the_oth
     if damage == "flip":
         flip_byte(store, value)
     else:
+        save_id = store.saved.reader.read_manifest("doc")["save_id"].encode()
         with store.saved.values.env.begin(write=True) as txn:
-            save_id = json.loads(txn.get(b"ctx/name/doc"))["save_id"].encode()
             assert txn.delete(b"ctx/data/" + save_id + b"/" + value)
     q = query(8)
     assert torch.equal(store.attend(opened, 0, q, "dense", budget=64), want[0])  # layer 0 reads as before

@@ -16,7 +16,7 @@ from kvstore import KVStore
 from tests.kvstore.test_saved import REPO, SPEC, attend_all, config, filled, query
 from tests.tiers.redis_servers import raw_client, redis_server  # noqa: F401  (fixture)
 from tiers.base import BlockMissingError
-from tiers.saved import RedisValues
+from tiers.saved_values import RedisValues
 
 VOCAB, PROMPT, NEW_TOKENS = 512, 1203, 6
 MODES = (("topk", 64), ("sketch", 64), ("dense", 4096))
