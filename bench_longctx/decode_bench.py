@@ -24,9 +24,9 @@ from bench_longctx.timing import copy_ceiling_GBps, environment, time_ms, write_
 from kvstore.attention.paged_decode import paged_decode
 from eviction.topk import topk_select
 from kvstore.config import Config, ModelSpec
-from kvstore.graph_steps import GraphedSteps
+from kvstore.decode.graphs import GraphedSteps
 from kvstore.store import KVStore
-from kvstore.tier_stack import staging_bytes
+from kvstore.blocks.tier_stack import staging_bytes
 from tiers.layout import BlockLayout
 
 SPEC = ModelSpec.preset("llama3-8b", num_layers=1)

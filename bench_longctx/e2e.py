@@ -31,7 +31,7 @@ from engine_adapter.llama import Llama, LlamaArgs
 from engine_adapter.decoder import APPEND_TOKENS, Decoder
 from kvstore.config import ModelSpec
 from kvstore.store import KVStore
-from kvstore.tier_stack import staging_bytes
+from kvstore.blocks.tier_stack import staging_bytes
 from tiers.layout import BlockLayout
 
 # geometry -> (dim, hidden_dim, vocab_size, tie_embeddings), from the models' published configs

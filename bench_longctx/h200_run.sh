@@ -15,7 +15,7 @@ if [ "$step" = all ] || [ "$step" = tests ]; then
   # the kernel tests (CPU-interpreted in CI, compiled here), then the tests marked `cuda`, which skip
   # without a GPU (tests/engine_adapter: their modules import with only the wheels above)
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kvstore/attention/test_paged_decode.py \
-    tests/eviction tests/kvstore/test_attend.py 2>&1 | tail -15 | tee "$out/gpu_tests.log"
+    tests/eviction tests/kvstore/decode/test_attend.py 2>&1 | tail -15 | tee "$out/gpu_tests.log"
   timeout 300 python3 -m pytest -q -p no:cacheprovider -m cuda tests/engine_adapter 2>&1 | tail -15 \
     | tee -a "$out/gpu_tests.log"
 fi
@@ -32,9 +32,9 @@ if [ "$step" = all ] || [ "$step" = sketch ]; then
   # the sketch selector's stages at 1M; graded norm-matched needles at 32K/256K/1M (topk = sketch,
   # quest, window and h2o as controls); real SmolLM2 Q/K at 8K, mass vs oracle (quality suite, with perplexity)
   timeout 300 python3 -m bench_longctx.sketch_bench --out "$out" 2>&1 | tail -4
-  timeout 500 python3 -c "from kvstore.cli import main; raise SystemExit(main())" bench needle --preset h200 \
+  timeout 500 python3 -c "from bench_longctx.cli import main; raise SystemExit(main())" bench needle --preset h200 \
     --no-plots --out "$out/needle-h200" 2>&1 | tail -40
-  timeout 500 python3 -c "from kvstore.cli import main; raise SystemExit(main())" bench quality --preset h200 \
+  timeout 500 python3 -c "from bench_longctx.cli import main; raise SystemExit(main())" bench quality --preset h200 \
     --no-plots --out "$out/quality-h200" 2>&1 | tail -40
 fi
 if [ "$step" = all ] || [ "$step" = contexts ]; then

@@ -23,8 +23,8 @@ from bench_longctx.presets import DecodePreset
 from bench_longctx.timing import Deadline, rate, release, time_ms
 from eviction.select import num_selected
 from kvstore.config import ModelSpec
-from kvstore.placement import WARM
-from kvstore.graph_steps import GraphedSteps
+from kvstore.blocks.placement import WARM
+from kvstore.decode.graphs import GraphedSteps
 from kvstore.store import KVStore
 from tiers.layout import BlockLayout
 
@@ -96,7 +96,7 @@ def token_step_per_layer_ms(geometry: str, ctx: int, p: DecodePreset, device: to
 
 
 def appending_layer_step(store: KVStore, seq: int, q: torch.Tensor, mode: str, budget: int) -> GraphedSteps:
-    """Layer 0's decode step as users run it (kvstore/step.py): every call appends a token's K/V, selects,
+    """Layer 0's decode step as users run it (kvstore/decode/step.py): every call appends a token's K/V, selects,
     attends and accounts, one graph replay plus the host work between tokens."""
     step = store.decode_step(seq, mode=mode, budget=budget)
     k = torch.randn((store.spec.num_kv_heads, store.spec.head_dim), device=q.device).half()  # [H, D]

@@ -12,7 +12,7 @@ import torch
 
 from kvstore.config import Config, ModelSpec
 from kvstore.store import KVStore
-from kvstore.tier_stack import staging_bytes
+from kvstore.blocks.tier_stack import staging_bytes
 from tiers.layout import BlockLayout
 
 MODEL = "smollm2-135m"

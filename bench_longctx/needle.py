@@ -33,7 +33,7 @@ from bench_longctx.real_qk import KEY_STATS, load_key_statistics
 from bench_longctx.timing import Deadline, release
 from kvstore.config import Config, ModelSpec
 from kvstore.store import KVStore
-from kvstore.tier_stack import staging_bytes
+from kvstore.blocks.tier_stack import staging_bytes
 from tiers.layout import BlockLayout
 
 CHUNK = 1 << 16

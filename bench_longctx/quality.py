@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench_longctx.measure import Deadline, release
+from bench_longctx.timing import Deadline, release
 from bench_longctx.models import Models, model_store
 from bench_longctx.presets import QualityPreset
 from bench_longctx.real_qk import capture, real_text

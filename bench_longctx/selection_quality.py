@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from eviction.base import ScoreContext
+from eviction.policy import ScoreContext
 from eviction.certify import attended_lse, certified_omitted_mass, true_omitted_mass
 from eviction.quest_kernel import quest_scores_ref
 from eviction.select import cdiv, select

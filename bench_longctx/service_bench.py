@@ -3,7 +3,7 @@
     python -m bench_longctx.service_bench --out DIR [--sizes 64K,256K,1M,4M] [--mib 64] [--batch-mib 16]
 
 Starts a real `python -m kvstore.service` on a free loopback port (fsync per commit, the
-default durability), drives it with kvstore.client.Client from this process, and
+default durability), drives it with tiers.remote.client.Client from this process, and
 reports per (value size, op, single|batched): GB/s and p50/p99 request latency, next to a
 single-threaded memcpy of the same bytes measured in the same run. Also: batched gets
 served from LMDB instead of the CPU cache (a restarted server with --cpu-bytes 0; the OS
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from bench_longctx.timing import memcpy_ceiling_GBps, timed
-from kvstore.service.cli import parse_bytes
+from kvstore.service.serve import parse_bytes
 from kvstore.service.protocol import http_protocols
 from tiers.remote.client import Client
 

@@ -16,7 +16,7 @@ import torch
 
 from engine_adapter.graph_decode import GraphDecoder
 from engine_adapter.llama import Llama, chunk_attention
-from kvstore.step import STEP_MODES, StepNotReady
+from kvstore.decode.step import STEP_MODES, StepNotReady
 from kvstore.store import KVStore
 
 TokenIds = Sequence[int] | torch.Tensor
@@ -135,7 +135,7 @@ class Decoder:
 
         On CUDA, dense, topk and sketch run the captured step (engine_adapter/graph_decode.py: every
         layer's append, select and attend in one graph replay) whenever the step can serve every block
-        (on the GPU, or selected from a cpu tier: kvstore/step.py); otherwise, and on CPU, the eager path
+        (on the GPU, or selected from a cpu tier: kvstore/decode/step.py); otherwise, and on CPU, the eager path
         below (store.append + store.attend per layer, same contract)."""
         graph, recorded = self._graph_decoder(seq, mode, budget), False
         if graph is not None and graph.ready():

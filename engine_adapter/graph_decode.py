@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from engine_adapter.llama import Llama
-from kvstore.graph_steps import GraphedSteps
+from kvstore.decode.graphs import GraphedSteps
 from kvstore.store import KVStore
 
 

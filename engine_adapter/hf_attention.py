@@ -30,18 +30,13 @@ otherwise, before the layer's K/V go into the store.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from engine_adapter.hf_cache import LAYER_ATTRIBUTE, NAME, KVTierLayer
 from engine_adapter.llama import chunk_attention
 
-if TYPE_CHECKING:
-    from engine_adapter.hf_cache import KVTierLayer
-
-NAME = "kvtier"
-LAYER_ATTRIBUTE = "kvtier_layer"  # set by KVTierLayer.update on the key tensor it returns
 SUPPORTED_MASKS = "no mask, an all-ones 2-D attention_mask, or a 4-D mask that allows exactly the causal positions"
 
 

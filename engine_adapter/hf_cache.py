@@ -27,9 +27,11 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from engine_adapter.hf_attention import LAYER_ATTRIBUTE, NAME
 from eviction import Policy
 from kvstore.store import MODES, KVStore
+
+NAME = "kvtier"  # the attn_implementation engine_adapter/hf_attention.py registers
+LAYER_ATTRIBUTE = "kvtier_layer"  # set by KVTierLayer.update on the key tensor it returns; the attention reads it
 
 
 class KVTierLayer(CacheLayerMixin):

@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from eviction.base import Policy, ScoreContext
+from eviction.policy import Policy, ScoreContext
 from eviction.h2o import H2O, h2o_evict
 from eviction.select import protected_mask, protected_range, select
 from eviction.sketch_topk import SketchTopK

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eviction.base import Policy, ScoreContext
+from eviction.policy import Policy, ScoreContext
 from eviction.select import cdiv, num_selected, protected_range
 
 _REDUCES = ("max", "sum")

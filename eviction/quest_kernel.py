@@ -165,7 +165,7 @@ def quest_scores_live(q: torch.Tensor, summaries: torch.Tensor, count: torch.Ten
     count: int64 [1], tokens held before the current token (which the table already holds: n = count + 1).
     Blocks past ceil(n / block_tokens) score -inf; the first sink_blocks and every block holding one of the
     last recent_tokens tokens (the tail included) score +inf; the rest their Quest bound. One launch, no host
-    sync: what the captured decode step (kvstore/step.py) replays as the sequence grows.
+    sync: what the captured decode step (kvstore/decode/step.py) replays as the sequence grows.
     """
     check_inputs(q, summaries, group_reduce)
     if count.dtype != torch.int64 or count.numel() != 1 or count.device != q.device:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eviction.base import Policy, ScoreContext
+from eviction.policy import Policy, ScoreContext
 from eviction.select import all_blocks, num_selected, protected_mask, top_blocks
 from eviction.sketch_channels import channel_block_stats, channel_block_stats_ref
 from eviction.sketch_kernel import refine_candidates, sketch_block_stats, sketch_block_stats_ref

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eviction.base import Policy, ScoreContext
+from eviction.policy import Policy, ScoreContext
 from eviction.quest_kernel import check_inputs, quest_scores, quest_scores_ref
 from eviction.select import all_blocks, cdiv, num_selected, protected_range, select, top_blocks
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eviction.base import Policy, ScoreContext
+from eviction.policy import Policy, ScoreContext
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """kvtier's Python API: a tiered KV-cache block store for long-context decoding."""
 
 from kvstore.config import Config, ModelSpec
-from kvstore.contexts import PrefixMatch
+from kvstore.contexts.sequences import PrefixMatch
 from kvstore.store import KVStore
 from tiers.errors import BlockMissingError, CapacityError, IntegrityError
 

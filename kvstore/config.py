@@ -104,8 +104,8 @@ class Config:
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     host_memory_reserve: int = 2 << 30  # never let host tiers push free RAM below this
     model_id: str = ""  # the weights' identity (e.g. a checkpoint name): blocks are content-keyed and saved
-    # contexts opened only under the same model_id and geometry (kvstore/contexts.py); saving or opening through
-    # Redis, where content-keyed blocks are shared between stores, needs one (kvstore/saved_reader.py)
+    # contexts opened only under the same model_id and geometry (kvstore/contexts/sequences.py); saving or opening through
+    # Redis, where content-keyed blocks are shared between stores, needs one (kvstore/contexts/opening.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelSpec):

@@ -16,14 +16,15 @@ from typing import Sequence
 import torch
 
 from eviction import POLICIES, Policy
-from kvstore.append import AppendPath
+from kvstore.blocks.append_path import AppendPath
 from kvstore.config import Config
-from kvstore.contexts import Contexts, PrefixMatch, check_token_ids
-from kvstore.decode import DecodePath
-from kvstore.saved import SavedContexts, values_store
-from kvstore.table import DROPPED, LayerTable, TableTensors
-from kvstore.tierset import HOT_TIER, TierSet
-from kvstore.unread_codes import UnreadCodes
+from kvstore.contexts.sequences import Contexts, PrefixMatch, check_token_ids
+from kvstore.decode.eager import DecodePath
+from kvstore.decode.step import DecodeStep, StepParts
+from kvstore.contexts.saving import SavedContexts, values_store
+from kvstore.blocks.table import DROPPED, LayerTable, TableTensors
+from kvstore.blocks.tierset import HOT_TIER, TierSet
+from kvstore.contexts.unread_codes import UnreadCodes
 from tiers.errors import CapacityError
 from tiers.layout import BlockLayout
 
@@ -239,15 +240,15 @@ class KVStore:
             self.unread.load_if_needed(seq)  # an opened sequence reads its sketch codes now
         return self.decode.attend(table, q, policy, budget, measure_mass, epsilon)
 
-    def decode_step(self, seq: int, mode: str = "topk", budget: int = 4096, capacity_tokens: int | None = None):
+    def decode_step(self, seq: int, mode: str = "topk", budget: int = 4096,
+                    capacity_tokens: int | None = None) -> DecodeStep:
         """A DecodeStep for `seq`: append + select + attend for every layer of a token from device state,
-        capturable in one CUDA graph (kvstore/step.py). Capacity: the length + max(16K, 1/16 of it)."""
-        from kvstore.step import DecodeStep
-
-        self.table(seq, 0)
+        capturable in one CUDA graph (kvstore/decode/step.py). Capacity: the length + max(16K, 1/16 of it)."""
+        tables = [self.table(seq, layer) for layer in range(self.spec.num_layers)]
         if mode == "sketch":
             self.unread.load_if_needed(seq)  # an opened sequence reads its sketch codes now
-        return DecodeStep(self, seq, mode, budget, capacity_tokens)
+        parts = StepParts(self.config, self.device, self.tiers, self.tensors, self.decode)
+        return DecodeStep(parts, seq, tables, mode, budget, self.policies.get(mode), capacity_tokens)
 
     def _policy(self, mode: str | Policy) -> Policy | None:
         if isinstance(mode, Policy):

@@ -151,7 +151,7 @@ def head_sums(fields: Sequence[torch.Tensor], num_heads: int) -> torch.Tensor:
     """(S1, S2) of every block per kv head: int64 [n, num_heads, 2] on the fields' device, each over the words of
     one head's slices (its K and V rows, its scales) at their positions in the whole block, so that summed over
     the heads they are the block's block_sums (S2 mod 2^64). A step that reads one head's slice of a block
-    (kvstore/step.py, tiers/slice_gather.py) can verify it alone. fields: a block batch's (fp16: (blocks,);
+    (kvstore/decode/step.py, tiers/slice_gather.py) can verify it alone. fields: a block batch's (fp16: (blocks,);
     int8: data, k_scale, v_scale), each [n, 2, H, ...] (K and V) or [n, H, ...] (scales). Torch, any device."""
     words = _checked_words(fields)
     device = words[0].device

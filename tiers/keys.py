@@ -5,7 +5,7 @@ Block i of a prompt covers token ids [i*B, (i+1)*B). Its chain hash is
     h_i = blake2b-128(h_{i-1} || token ids of block i as little-endian int64),
     h_-1 = blake2b-128("kvtier-chain/1|" || model id || geometry || block_tokens)
 
-so h_i names the whole prefix up to block i under one model. The store (kvstore/contexts.py)
+so h_i names the whole prefix up to block i under one model. The store (kvstore/contexts/sequences.py)
 keys block i of layer l as `l (2 bytes) || h_i`; the sidecar's prefix routes and the remote
 Client key a chunk (every layer) by h_i alone. Both import this file, so the two agree.
 """

@@ -1,5 +1,5 @@
-"""The two key-value stores saved contexts live in (kvstore/saved.py writes them, tiers/saved.py and
-kvstore/saved_reader.py read them).
+"""The two key-value stores saved contexts live in (kvstore/contexts/saving.py writes them, tiers/saved.py and
+kvstore/contexts/opening.py read them).
 
 Values stores (one protocol: put, put_new, get, view, exists, delete, keys, delete_prefix, sync, commit):
     LmdbValues   the cold ssd tier's LMDB environment (keys outside its block prefix); `view` hands out

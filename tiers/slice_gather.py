@@ -1,6 +1,6 @@
 """Stage the cpu-tier blocks a decode step selected, one kv head's slice each, verified on the device.
 
-A captured decode step (kvstore/step.py) cannot ask the host which selected blocks are cold, so this
+A captured decode step (kvstore/decode/step.py) cannot ask the host which selected blocks are cold, so this
 launch does it on the device: for each entry (h, j) of the step's block table [H, k] whose block lies in
 the cpu tier, it reads only head h's slice of the block (K and V rows, and its scales for int8) from the
 pinned slab row, over PCIe, into staging row `first + j` of the GPU pool of the tier's format, sums the

@@ -50,7 +50,7 @@ class StoredBlocks:
 
 @runtime_checkable
 class MixedFormatTier(Protocol):
-    """A tier that holds blocks of both formats and hands each back in its own (ssd, saved): kvstore/staging.py
+    """A tier that holds blocks of both formats and hands each back in its own (ssd, saved): kvstore/decode/staging.py
     stages such blocks in the format they were stored in."""
 
     def fetch_as_stored(self, ids: Sequence[int], device: torch.device | str) -> StoredBlocks: ...

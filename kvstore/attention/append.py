@@ -1,6 +1,6 @@
 """Append one decode token to every kv head of a tail block, and widen the block's key summary.
 
-A captured decode step (kvstore/step.py) appends in every layer of every token; done with torch
+A captured decode step (kvstore/decode/step.py) appends in every layer of every token; done with torch
 ops it is ~8 launches per layer (stack, index_put, index_select, min, max, stack, index_copy),
 which a 32-layer graph pays ~250 times per token. Positions come from device state, so the
 launch is the same for every token: slot = tail_slot[0], offset = num_tokens[0] % B, block

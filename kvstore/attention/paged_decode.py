@@ -214,7 +214,7 @@ def paged_decode(
     append (batch 1; append.py): the new token, stored in the hot pool before it is attended as the row's last
     token (num_tokens counts it): inside the one-tile launch, or by append_token before the split walk.
     partition: partition_table(block_table, block_is_int8, num_tokens, T) made earlier (the table unchanged
-    since): the partition walk reads it instead of partitioning the table again (kvstore/step_dense.py).
+    since): the partition walk reads it instead of partitioning the table again (kvstore/decode/dense_tables.py).
     """
     geom = check_decode_inputs(q, hot_pool, warm_data, warm_k_scale, warm_v_scale, block_table, block_is_int8,
                                num_tokens)

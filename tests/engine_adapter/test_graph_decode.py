@@ -103,7 +103,7 @@ def test_captured_decode_reads_cpu_blocks_as_the_eager_path_does():
     """Most of the context in an int8 cpu tier: the captured step stages the selected blocks' head slices itself
     (verified on the GPU) and generates what the eager path, which fetches whole blocks, generates. (With an
     fp16 cpu tier the eager path quantizes blocks it fetched twice into the warm tier, so the two read other
-    values from then on: kvstore/staging.py; the next test covers fp16 staging.)"""
+    values from then on: kvstore/decode/staging.py; the next test covers fp16 staging.)"""
     cold = dict(warm_tokens=512, cpu_dtype="int8")
     eager_tokens, eager_logits, eager_k, eager_stats = run("topk", graphs=False, **cold)
     graph_tokens, graph_logits, graph_k, stats = run("topk", graphs=True, forced=eager_tokens, **cold)
@@ -118,7 +118,7 @@ def test_captured_decode_reads_cpu_blocks_as_the_eager_path_does():
 def test_captured_sketch_decode_over_cpu_blocks_equals_it_over_gpu_blocks():
     """The captured step over GPU-held (warm int8) blocks against the same step reading most of them from an int8
     cpu tier: the same bytes (the sketch's eager selection differs from the step's two-level one on short contexts,
-    so the reference is the step). fp16 cpu tiers: tests/kvstore/test_step.py (their blocks may hold values the
+    so the reference is the step). fp16 cpu tiers: tests/kvstore/decode/test_step.py (their blocks may hold values the
     warm tier never quantized, so only the eager path over the same store is a reference)."""
     warm_tokens, warm_logits, warm_k, _ = run("sketch", graphs=True)
     cold_tokens, cold_logits, cold_k, stats = run("sketch", graphs=True, forced=warm_tokens, warm_tokens=512,

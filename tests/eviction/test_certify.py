@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eviction.base import ScoreContext
+from eviction.policy import ScoreContext
 from eviction.certify import (attended_lse, certified_omitted_mass, omitted_mass_bounds,
                               omitted_mass_bounds_ref, true_omitted_mass)
 from eviction.certify_kernel import omitted_mass_bounds_kernel

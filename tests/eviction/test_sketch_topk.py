@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eviction import TopK
-from eviction.base import ScoreContext
+from eviction.policy import ScoreContext
 from eviction.select import protected_mask
 from eviction.sketch import sketch_keys
 from eviction.sketch_topk import SketchTopK, block_mass

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvstore import CapacityError, Config, IntegrityError, KVStore, ModelSpec
-from kvstore.tier_stack import staging_bytes
+from kvstore.blocks.tier_stack import staging_bytes
 from tiers.codec import HEADER_BYTES
 from tiers.layout import BlockLayout
 

@@ -8,7 +8,7 @@ import pytest
 
 import kvstore.store
 from kvstore import KVStore
-from tests.kvstore.test_saved import config
+from tests.kvstore.contexts.test_saved import config
 
 
 def fails_after_the_tiers_open(*args, **kwargs):

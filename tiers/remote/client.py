@@ -17,7 +17,7 @@ into the result tensor (see there why). A GET, PUT or DELETE whose connection dr
 a whole answer came is sent once more, as reads are (a server closing a kept-alive connection
 races the next request); a POST or an error answer never is. Every value carries an xxh3-64
 checksum both ways: the service rejects a put whose bytes changed on the way, the client
-rejects a get whose bytes did. Errors raise a ServiceError subclass (tiers/remote/errors.py).
+rejects a get whose bytes did. Errors raise a ServiceError subclass (tiers/remote/refusals.py).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 import xxhash
 
 from tiers.keys import ChunkKeys
-from tiers.remote.errors import (  # noqa: F401  (callers import the errors from here too)
+from tiers.remote.refusals import (  # noqa: F401  (callers import the errors from here too)
     AuthError, BadRequestError, CorruptValueError, NotFoundError, ServiceError, StorageFullError, UnreachableError,
     error_of,
 )

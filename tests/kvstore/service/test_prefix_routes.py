@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvstore.config import ModelSpec
-from kvstore.contexts import chain_root
+from kvstore.contexts.sequences import chain_root
 from tests.kvstore.service.conftest import TOKEN, random_tensor, same_bits
 from tiers.keys import ChunkKeys, chain_hashes
 from tiers.remote.client import AuthError, Client, NotFoundError

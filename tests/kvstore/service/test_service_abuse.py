@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from kvstore.service.cli import main
+from kvstore.service.serve import main
 from kvstore.service.settings import ServiceSettings
 from tests.kvstore.service.conftest import TOKEN, connect, head, read_response
 

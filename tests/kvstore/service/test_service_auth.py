@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tiers.remote.client import AuthError, Client
-from kvstore.service.cli import is_loopback, main, parse_bytes
+from kvstore.service.serve import is_loopback, main, parse_bytes
 from tests.kvstore.service.conftest import random_tensor, same_bits
 
 

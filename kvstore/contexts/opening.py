@@ -1,0 +1,291 @@
+"""The saved-context format (what kvstore/contexts/saving.py writes) and reading it back: opening a saved context.
+
+Keys (tiers/saved_values.py's values stores; Redis puts them under its PREFIX; the ssd tier's sweep of
+stale blocks touches only b"kvstore/"):
+    ctx/name/<name>                         manifest, committed last, in one write: a save is complete or
+                                            absent; b"KVSM", xxh3-64 (u64 little endian) of its key and
+                                            JSON, then the JSON: any damage, or a manifest under another
+                                            name, is refused. It owns its save id's data and that of the
+                                            ids in its "inherits"
+    ctx/pending/<save id>                   a save in progress ({pid, host}); deleted with the commit
+    ctx/pending/delete/<save id>            data to delete: xxh3-64 of key and name, then the name whose
+                                            manifest owned it until a re-save or delete replaced it;
+                                            written before that commit, deleted with the data
+                                            (collect_garbage finishes what a writer killed after it left)
+    ctx/block/<fmt u8><layer u16><chain>    Redis: a full block whose token ids are known, under its
+                                            content key (tiers/keys.py) and format (0 fp16, 1 int8), stored
+                                            once (SET NX) and shared by every save naming it; Redis's
+                                            maxmemory policy removes it
+    ctx/data/<id>/b/<layer u16><index u64>  any other block (LMDB: every block) of that save
+    ctx/data/<id>/m/<layer u16><part u32>   key summaries fp16 [p, 2, H, D] of PART_BYTES-sized parts
+    ctx/data/<id>/h/<layer u16>             H2O scores fp32 [H, n]
+    ctx/data/<id>/k/<layer u16><part u32>   key sketch codes uint8 [p, H, 2, B, D/4]
+    ctx/data/<id>/t                         token ids, int64 little endian
+Block values are tiers/saved.py's `seal(key, codec value)`: they name their key, and the codec value
+(checksummed, in the format its tier held: fp16, or int8 from warm/cpu) follows; the manifest holds the
+format of each content-keyed block ("int8": a bitmap) and the xxh3-64 of every other value's key and
+bytes. A value read under another key is refused (IntegrityError); so is a save of an older format
+(ValueError: save it again).
+
+Opening (`SavedReader.load`) reads the manifest and token ids; each layer's key summaries and H2O
+scores, what a top-K (Quest) decode needs, are read by `SavedLayer.read_into` into the opened
+table's own tensors: every value is checked against its xxh3 where it lies (LMDB: the mapped
+pages, no copy) and copied once, straight in for a CPU store, else into pinned memory and on with
+one host-to-device copy. Sketch codes load on first use (`SavedLayer.sketch` reads a range of rows;
+kvstore/contexts/unread_codes.py tracks the rows not read yet, which a save of the opened sequence copies
+from here) and blocks stay where they are until selected (tiers/saved.py reads them in place).
+Deleting a saved context while a store has it open, or replacing it from another process, makes
+that store's later reads of its blocks and codes fail (BlockMissingError). Redis shares content-keyed
+blocks between stores: saving or opening there needs Config.model_id (ValueError without).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import weakref
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import numpy as np
+import torch
+import xxhash
+
+from tiers.errors import BlockMissingError, IntegrityError
+from tiers.keys import block_key, chain_hashes
+from tiers.layout import BlockLayout
+from tiers.saved_values import LmdbValues, RedisValues
+
+NAME = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
+SAVE_ID = re.compile(r"[0-9a-f]{32}")
+MANIFEST, DATA, PENDING, BLOCK = b"ctx/name/", b"ctx/data/", b"ctx/pending/", b"ctx/block/"
+RETIRED = PENDING + b"delete/"  # beside the writers' records: collect_garbage finds both in one scan
+VERSION = 4  # 4: values name their keys, manifests are checksummed, content keys name the format; older: refused
+_SEALED = b"KVSM"
+Values = LmdbValues | RedisValues
+ReadCodes = Callable[[int, int], torch.Tensor]  # (lo, hi) -> uint8 [hi - lo, H, 2, B, D/4] on the CPU, read then
+ReadInto = Callable[[torch.Tensor, torch.Tensor], None]  # (summaries fp16 [n, 2, H, D], H2O fp32 [H, n]), any device
+
+
+@dataclass(slots=True)
+class SavedLayer:
+    num_tokens: int
+    num_blocks: int
+    dropped: list[int]  # block indices H2O drop mode had freed
+    keys: list[bytes]  # the saved value of each block not dropped, in index order
+    read_into: ReadInto  # reads and verifies the layer's summaries and H2O scores into the tensors given
+    sketch: ReadCodes
+
+
+@dataclass(slots=True)
+class SavedContext:
+    name: str
+    token_ids: list[int] | None
+    layers: list[SavedLayer]
+
+
+def check_name(name: object) -> None:
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ValueError(f"a saved context's name must match {NAME.pattern}, got {name!r}")
+
+
+def value_digest(key: bytes, value: bytes | memoryview) -> int:
+    """xxh3-64 of a value's key and bytes (streamed): the digest names where the value belongs."""
+    h = xxhash.xxh3_64()
+    h.update(key)
+    h.update(value)
+    return h.intdigest()
+
+
+def seal_manifest(name: str, manifest: dict) -> bytes:
+    body = json.dumps(manifest).encode()
+    return _SEALED + value_digest(MANIFEST + name.encode(), body).to_bytes(8, "little") + body
+
+
+def unseal_manifest(name: str, raw: bytes | memoryview) -> dict:
+    """The manifest stored as `name`. IntegrityError if it is damaged or was stored under another name;
+    ValueError if an older kvtier wrote it."""
+    raw = bytes(raw)
+    if raw.startswith(b'{"version": '):
+        raise ValueError(f"saved context {name!r} was saved by an older kvtier (format 3 or before; this one reads "
+                         f"format {VERSION}): save it again")
+    if raw[:4] != _SEALED or len(raw) < 12 or \
+            int.from_bytes(raw[4:12], "little") != value_digest(MANIFEST + name.encode(), raw[12:]):
+        raise IntegrityError(f"saved context {name!r}: its manifest is damaged (or was stored under another name)")
+    return json.loads(raw[12:])
+
+
+def owned_ids(name: str, raw: bytes | memoryview | None) -> list[str] | None:
+    """The save ids whose data the manifest of `name` owns: its own and those it inherited (none for no
+    manifest; None when that cannot be read: a damaged manifest). Read from an older format's too, so that
+    replacing or deleting such a save frees its data."""
+    if raw is None:
+        return []
+    try:
+        m = unseal_manifest(name, raw)
+    except IntegrityError:
+        return None
+    except ValueError:
+        try:
+            m = json.loads(bytes(raw))
+        except ValueError:
+            return None
+    ids = [m.get("save_id"), *m.get("inherits", [])] if isinstance(m, dict) else [None]
+    return ids if all(isinstance(s, str) and SAVE_ID.fullmatch(s) for s in ids) else None
+
+
+def content_key(layer: int, fmt: int, chain_hash: bytes) -> bytes:
+    """Where a content-keyed block of one format is stored (shared by every save naming it)."""
+    return BLOCK + bytes([fmt]) + block_key(layer, chain_hash)
+
+
+def own_keys(data: bytes, layer: int, first: int, n: int) -> list[bytes]:
+    """Keys of the save's own values (under `data`) of a layer's blocks [first, n): a million keys at once."""
+    own = data + b"b/" + layer.to_bytes(2, "big")
+    rows = np.empty((n - first, len(own) + 8), dtype=np.uint8)  # [n - first, key bytes]
+    rows[:, :len(own)] = np.frombuffer(own, dtype=np.uint8)
+    rows[:, len(own):] = np.arange(first, n, dtype=">u8").view(np.uint8).reshape(-1, 8)
+    return rows.view(f"V{rows.shape[1]}").ravel().tolist()
+
+
+def pack_formats(formats: list[int]) -> str:
+    """Block formats (0 fp16, 1 int8) as the manifest holds them: a bitmap, base64."""
+    return base64.b64encode(np.packbits(np.asarray(formats, dtype=np.uint8)).tobytes()).decode()
+
+
+def unpack_formats(text: str, n: int) -> list[int] | None:
+    """pack_formats' n formats (None: the bitmap does not hold n)."""
+    bits = np.unpackbits(np.frombuffer(base64.b64decode(text), dtype=np.uint8))
+    return bits[:n].tolist() if len(bits) == -(-n // 8) * 8 else None
+
+
+class SavedReader:
+    """Opens saved contexts of one model (`root`, named by `model_id`) and geometry from `values`."""
+
+    def __init__(self, values: Values, layout: BlockLayout, root: bytes, model_id: str) -> None:
+        self.values, self.root, self.model_id = values, root, model_id
+        self.num_kv_heads, self.head_dim, self.block_tokens = layout.num_kv_heads, layout.head_dim, layout.block_tokens
+        # SavedLayer.sketch of every layer load handed out and something (unread codes) still holds -> save id
+        self.code_readers: weakref.WeakKeyDictionary[Callable, str] = weakref.WeakKeyDictionary()
+
+    def check_model_id(self) -> None:
+        """ValueError where content-keyed blocks would be shared without a model identity: two models of one
+        geometry saving the same token ids would read each other's K/V."""
+        if self.values.content_keyed and not self.model_id:
+            raise ValueError("Config.model_id is empty: saved contexts in Redis share blocks by content key with "
+                             "every store on that Redis, so saving or opening there needs the weights' identity "
+                             "(set Config.model_id to the checkpoint, e.g. 'meta-llama/Meta-Llama-3-8B')")
+
+    def manifest(self, name: str) -> bytes | None:
+        return self.values.get([MANIFEST + name.encode()])[0]
+
+    def read_manifest(self, name: str) -> dict:
+        """The verified manifest of `name` (KeyError: none)."""
+        raw = self.manifest(name)
+        if raw is None:
+            raise KeyError(f"no saved context named {name!r} (saved: {self.names()[:16]})")
+        return unseal_manifest(name, raw)
+
+    def names(self) -> list[str]:
+        return sorted(k[len(MANIFEST):].decode() for k in self.values.keys(MANIFEST))
+
+    def load(self, name: str) -> SavedContext:
+        """The manifest and token ids of `name`; each layer reads its summaries and H2O scores when handed the
+        tensors to read them into (no block or sketch code is read)."""
+        check_name(name)
+        self.check_model_id()
+        m = self.read_manifest(name)
+        if m.get("version") != VERSION or m["root"] != self.root.hex() or \
+                m["geometry"] != [self.num_kv_heads, self.head_dim, self.block_tokens]:
+            raise ValueError(f"saved context {name!r} was saved by another model, geometry, block size or kvtier "
+                             "version (Config.model_id, model, block_tokens must match the saving store's)")
+        data = DATA + m["save_id"].encode() + b"/"
+        token_ids = None
+        if m["tokens_xxh3"] is not None:
+            tokens = self._read(name, [data + b"t"], [m["tokens_xxh3"]], "token ids")
+            token_ids = tokens.numpy().view("<i8").tolist()
+        chain = chain_hashes(self.root, token_ids, self.block_tokens) if any(e["keyed"] for e in m["layers"]) else []
+        layers = [self._layer(name, data, layer, entry, chain, m["part_blocks"])
+                  for layer, entry in enumerate(m["layers"])]
+        return SavedContext(name, token_ids, layers)
+
+    def _layer(self, name: str, data: bytes, layer: int, entry: dict, chain: list[bytes],
+               part_blocks: int) -> SavedLayer:
+        n, dropped, keyed = entry["num_blocks"], entry["dropped"], entry["keyed"]
+        formats = self._check_layer(name, layer, entry, len(chain))
+        keys = [content_key(layer, f, h) for f, h in zip(formats, chain)] + own_keys(data, layer, keyed, n)
+        if dropped:
+            gone = set(dropped)
+            keys = [k for i, k in enumerate(keys) if i not in gone]
+        codes = partial(self._sketch, name, data, layer, entry, part_blocks)
+        self.code_readers[codes] = data[len(DATA):-1].decode()
+        return SavedLayer(entry["num_tokens"], n, sorted(dropped), keys,
+                          partial(self._read_layer, name, data, layer, entry), codes)
+
+    def _check_layer(self, name: str, layer: int, entry: dict, chained: int) -> list[int]:
+        """The formats of the layer's content-keyed blocks; IntegrityError unless its entry is consistent in
+        itself (checked before the store holds anything of the context): a block count that covers its
+        tokens, dropped blocks in range and unique, content-keyed blocks that the token ids' hash chain
+        reaches, each with its format."""
+        n, tokens, dropped, keyed = entry["num_blocks"], entry["num_tokens"], entry["dropped"], entry["keyed"]
+        formats = unpack_formats(entry["int8"], keyed) if 0 <= keyed <= min(n, chained) else None
+        if n != -(-tokens // self.block_tokens) or len(set(dropped)) != len(dropped) or \
+                any(not 0 <= i < n for i in dropped) or formats is None:
+            raise IntegrityError(f"saved context {name!r}: layer {layer}'s manifest entry is damaged ({n} blocks, "
+                                 f"{tokens} tokens, {len(dropped)} dropped, {keyed} content-keyed)")
+        return formats
+
+    def _read_layer(self, name: str, data: bytes, layer: int, entry: dict, summaries: torch.Tensor,
+                    scores: torch.Tensor) -> None:
+        """Summaries fp16 [n, 2, H, D] (contiguous) and H2O scores fp32 [H, n] of the layer, into the tensors given."""
+        lay, what = layer.to_bytes(2, "big"), f"layer {layer}'s summaries"
+        parts = [data + b"m/" + lay + p.to_bytes(4, "big") for p in range(len(entry["m_xxh3"]))]
+        self._read(name, parts, entry["m_xxh3"], what, summaries)
+        dense = scores if scores.is_contiguous() else torch.empty(scores.shape, dtype=scores.dtype, device=scores.device)
+        self._read(name, [data + b"h/" + lay], [entry["h_xxh3"]], what, dense)
+        if dense is not scores:
+            scores.copy_(dense)
+
+    def _sketch(self, name: str, data: bytes, layer: int, entry: dict, part_blocks: int, lo: int,
+                hi: int) -> torch.Tensor:
+        """uint8 [hi - lo, H, 2, B, D/4]: rows [lo, hi) of the layer's sketch codes, read now (the parts
+        holding them)."""
+        lay, first, last = layer.to_bytes(2, "big"), lo // part_blocks, -(-hi // part_blocks)
+        parts = [data + b"k/" + lay + p.to_bytes(4, "big") for p in range(first, last)]
+        codes = self._read(name, parts, entry["k_xxh3"][first:last], f"layer {layer}'s sketch codes")
+        rows = codes.view(-1, self.num_kv_heads, 2, self.block_tokens, self.head_dim // 4)
+        return rows[lo - first * part_blocks: hi - first * part_blocks]
+
+    def _read(self, name: str, keys: list[bytes], digests: list[int], what: str,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+        """The values of `keys`, one after another, into `out` (contiguous, on any device) or a new uint8 CPU
+        tensor: each is checked against the xxh3 of its key and bytes where it lies (LMDB: the mapped pages)
+        and copied once."""
+        return self.values.view(keys, partial(_copy_verified, f"saved context {name!r}: {what}", keys, digests, out))
+
+
+def _copy_verified(what: str, keys: list[bytes], digests: list[int], out: torch.Tensor | None,
+                   values: list) -> torch.Tensor:
+    """Check each of `values` (buffers) against its key's digest and copy it on into `out` (or a new uint8 CPU tensor
+    holding them all): straight in on the CPU; on CUDA through one pinned buffer and one host-to-device copy
+    (queued: the caching host allocator keeps the buffer until it ran). A failure leaves `out` part written."""
+    if any(v is None for v in values):
+        raise BlockMissingError(f"{what} are gone (deleted or replaced after it was opened, or evicted by Redis's "
+                                "maxmemory policy)")
+    total = sum(len(v) for v in values)
+    size = total if out is None else out.numel() * out.element_size()
+    if total != size:  # more values than the geometry needs, or fewer: the manifest and the data disagree
+        raise IntegrityError(f"{what} are damaged ({total} bytes where the manifest's geometry needs {size})")
+    dst = torch.empty(size, dtype=torch.uint8) if out is None else out.view(-1).view(torch.uint8)
+    host = dst if dst.device.type == "cpu" else torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    into, pos = host.numpy(), 0
+    for key, value, want in zip(keys, values, digests):
+        if value_digest(key, value) != want:
+            raise IntegrityError(f"{what} are damaged (checksum mismatch)")
+        into[pos: pos + len(value)] = np.frombuffer(value, dtype=np.uint8)
+        pos += len(value)
+    if host is not dst:
+        dst.copy_(host, non_blocking=True)
+    return dst

@@ -1,0 +1,9 @@
+"""Decode: one query token attends over a sequence's blocks (select -> stage -> attend -> account).
+
+    eager.py         DecodePath: the eager step of one layer (store.attend); block_table() for every path
+    staging.py       selected cold blocks fetched in the format their tier holds, into staging rows
+    step.py          DecodeStep: the captured step of every layer of a token from device state
+    dense_tables.py  the captured dense step's table bucket and its partition by pool
+    cold_slices.py   the captured step's cpu-tier blocks: staged, verified on the GPU, promoted
+    graphs.py        GraphedSteps: one CUDA graph per step key, replayed per token
+"""

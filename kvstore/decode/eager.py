@@ -1,0 +1,221 @@
+"""The decode path: one query token attends over a sequence's blocks in one layer.
+
+    1. select   per kv head, which blocks to read (dense: all; a policy's `select` under the
+                budget; H2O drop mode: drop the least attended for good, attend the rest)
+    2. stage    selected cold blocks are fetched in one batch, in their stored format, into the staging
+                rows of the hot (fp16) and warm (int8) pools (staging.py)
+    3. attend   one paged decode kernel over hot fp16, warm int8 and staged blocks
+    4. account  the kernel's per-block attention mass feeds the H2O scores; blocks fetched
+                cold again and again are promoted to the warm tier
+On CUDA the Triton kernel runs; on CPU its torch reference (same contract). The eager
+step, the captured step (step.py) and the benchmarks build block tables with the
+one `block_table` below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from eviction import H2O, Policy, ScoreContext
+from eviction.certify import certified_omitted_mass
+from eviction.select import num_protected, num_selected
+from eviction.sketch_topk import SketchTopK
+from kvstore.attention import kernel_for
+from kvstore.config import Config
+from kvstore.decode.staging import stage
+from kvstore.blocks.table import DROPPED, LayerTable
+from kvstore.blocks.tierset import CPU_TIER, WARM_TIER, TierSet
+
+PROMOTE_AFTER = 2  # cold fetches of one block before it moves to the warm tier
+
+
+@dataclass
+class AttendStats:
+    calls: int = 0
+    context_tokens: int = 0  # tokens the sequences held
+    attended_tokens: int = 0  # tokens the kernel read
+    cold_blocks_fetched: int = 0
+    cold_slices_staged: int = 0  # one kv head's slice of a cpu block, read by a captured step (DecodeStep.verify)
+    promotions: int = 0
+    mass_measured: int = 0
+    mass_captured: float = 0.0  # summed over measured calls
+    certified_calls: int = 0  # calls whose policy certified its omitted mass (SketchTopK)
+    certified_omitted: float = 0.0  # summed: per call the mean over kv heads of the certified bound
+    true_omitted: float = 0.0  # summed over calls both certified and measured: 1 - captured mass
+    certified_measured: int = 0
+    certificate_violations: int = 0  # measured calls where some head's bound fell below its true omitted mass
+    _certified: torch.Tensor | None = field(default=None, repr=False)  # device sum of bounds not yet read
+
+    def add_certified(self, bounds: torch.Tensor) -> None:
+        """Count calls' certified omitted masses (bounds [calls], each a mean over kv heads, on the device)
+        without a host sync: added into one device scalar, read when the stats are."""
+        self.certified_calls += bounds.numel()
+        total = bounds.sum()
+        self._certified = total if self._certified is None else self._certified + total
+
+    def as_dict(self) -> dict:
+        pending, self._certified = self._certified, None  # one swap: a bound added meanwhile is kept for later
+        if pending is not None:
+            self.certified_omitted += float(pending)
+        d = {name: value for name, value in self.__dict__.items() if not name.startswith("_")}
+        d["read_fraction"] = self.attended_tokens / self.context_tokens if self.context_tokens else None
+        d["mean_mass_captured"] = self.mass_captured / self.mass_measured if self.mass_measured else None
+        d["mean_certified_omitted"] = self.certified_omitted / self.certified_calls if self.certified_calls else None
+        d["mean_true_omitted"] = self.true_omitted / self.certified_measured if self.certified_measured else None
+        return d
+
+
+def tokens_covered(table: LayerTable, k: int, block_tokens: int) -> int:
+    """Tokens in k selected blocks of `table`: full blocks, then the partial tail block (always last)."""
+    return (k - 1) * block_tokens + table.num_tokens - (table.num_blocks - 1) * block_tokens
+
+
+def block_table(table: LayerTable, selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel block table of `selected` [H, k]: (slots int32 [H, k], is_int8 bool [H, k]); no host sync."""
+    return table.slot_map[selected], table.tier_map[selected] == WARM_TIER
+
+
+class DecodePath:
+    def __init__(self, config: Config, tiers: TierSet) -> None:
+        self.block_tokens, self.sink_tokens = config.block_tokens, config.sink_tokens
+        self.recent_tokens = config.recent_tokens
+        self.tiers = tiers
+        self.device = tiers.device
+        self.kernel = kernel_for(self.device)
+        self.stats = AttendStats()
+
+    def recent_window(self, budget: int) -> int:
+        """The recent window a budgeted step always keeps: Config.recent_tokens, at most half the budget,
+        so a small budget still leaves room for what the policy picks."""
+        return min(self.recent_tokens, budget // 2)
+
+    def context(self, table: LayerTable, q: torch.Tensor, budget: int) -> ScoreContext:
+        """What a policy sees of `table` at this step (validated once, here)."""
+        n = table.num_blocks
+        return ScoreContext(summaries=table.summaries[:n], num_tokens=table.num_tokens,
+                            block_tokens=self.block_tokens, sink_tokens=self.sink_tokens,
+                            recent_tokens=self.recent_window(budget), q=q, h2o_scores=table.h2o_scores[:, :n],
+                            sketch=table.sketch)
+
+    def attend(self, table: LayerTable, q: torch.Tensor, policy: Policy | None, budget: int,
+               measure_mass: bool = False, epsilon: float | None = None) -> torch.Tensor:
+        """q [num_q_heads, head_dim] -> out [num_q_heads, head_dim] (fp16). policy None: dense.
+
+        measure_mass: also run dense attention and record in the stats how much of the dense
+        softmax mass the selected blocks hold (costs a dense pass; for evaluation).
+        epsilon (SketchTopK only): grow the selection in power-of-two block counts until the certified
+        omitted mass of every kv head is <= epsilon or `budget` tokens are selected."""
+        certified = None
+        if isinstance(policy, SketchTopK):
+            selected, out, mass, certified = self.attend_certified(table, q, policy, budget, epsilon)
+        else:
+            if epsilon is not None:
+                raise ValueError(f"epsilon needs the sketch top-K policy (mode='sketch'), got {type(policy).__name__}")
+            selected = self.select(table, q, policy, budget)  # int64 [H, k], ascending, tail last
+            out, mass = self.attend_blocks(table, q, selected)
+        table.h2o_scores[:, : table.num_blocks].scatter_add_(1, selected, mass)
+        self.promote_if_needed(table)
+        self.stats.calls += 1
+        self.stats.context_tokens += table.num_tokens
+        self.stats.attended_tokens += tokens_covered(table, selected.shape[1], self.block_tokens)
+        if certified is not None:
+            self.stats.add_certified(certified.mean().reshape(1))
+        if measure_mass and policy is not None:
+            _, dense_mass = self.attend_blocks(table, q, self.live_blocks(table))
+            captured = dense_mass.gather(1, _live_positions(table, selected)).sum(1)  # [H]
+            self.stats.mass_measured += 1
+            self.stats.mass_captured += float(captured.mean())
+            if certified is not None:
+                true = (1 - captured).clamp_min(0)
+                self.stats.certified_measured += 1
+                self.stats.true_omitted += float(true.mean())
+                self.stats.certificate_violations += int(bool((certified + 1e-5 < true * (1 - 1e-3)).any()))
+        return out
+
+    def attend_certified(self, table: LayerTable, q: torch.Tensor, policy: SketchTopK, budget: int,
+                         epsilon: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(selected [H, k], out [Hq, D], block mass [H, k], certified omitted mass [H]) of a sketch selection:
+        at `budget`, or (epsilon) at the first power-of-two block count whose bound is <= epsilon."""
+        ctx = self.context(table, q, budget)
+        b = self.block_tokens
+        counts = dict(num_tokens=ctx.num_tokens, block_tokens=b, sink_tokens=ctx.sink_tokens,
+                      recent_tokens=ctx.recent_tokens)
+        most = num_selected(budget_tokens=budget, **counts)
+        sizes = [most]
+        if epsilon is not None:
+            if not 0 < epsilon < 1:
+                raise ValueError(f"epsilon must be in (0, 1), got {epsilon!r}")
+            k = 1 << num_protected(**counts).bit_length()  # a power of two above the protected blocks
+            sizes = []
+            while k < most:  # block counts a captured graph could replay: powers of two, then the budget
+                sizes.append(k)
+                k *= 2
+            sizes.append(most)
+        coarse = policy.coarse(ctx) if policy.coarse_factor and len(sizes) > 1 else None
+        for k in sizes:  # each try attends for real: its exact log-sum-exp is what the bound needs
+            selected, upper = policy.select_with_bounds(ctx, k * b, coarse=coarse)
+            out, mass, lse = self.attend_blocks(table, q, selected, return_lse=True)
+            certified = certified_omitted_mass(upper, selected, lse)
+            if epsilon is None or float(certified.max()) <= epsilon:
+                break
+        return selected, out, mass, certified
+
+    def select(self, table: LayerTable, q: torch.Tensor, policy: Policy | None, budget: int) -> torch.Tensor:
+        if policy is None:
+            return self.live_blocks(table)
+        if isinstance(policy, H2O):  # drop mode: evicted blocks are freed for good
+            if not bool(table.h2o_scores[:, : table.num_blocks].any()):
+                _, mass = self.attend_blocks(table, q, self.live_blocks(table))  # seed: H2O scores prefill too
+                table.h2o_scores[:, : table.num_blocks] += mass
+            dropped = [i for i, b in enumerate(table.block_ids) if b == DROPPED]
+            evict = policy.evict(self.context(table, q, budget), keep_tokens=budget, dropped=dropped)
+            if evict:
+                self.tiers.drop(table, evict)
+            return self.live_blocks(table)
+        return policy.select(self.context(table, q, budget), budget)
+
+    def live_blocks(self, table: LayerTable) -> torch.Tensor:
+        """int64 [H, n_live]: every block not dropped, for every kv head."""
+        if table.num_dropped:
+            live = [i for i, b in enumerate(table.block_ids) if b != DROPPED]
+            idx = torch.tensor(live, dtype=torch.int64).to(self.device)
+        else:
+            idx = torch.arange(table.num_blocks, device=self.device)
+        return idx.expand(table.h2o_scores.shape[0], -1)
+
+    def attend_blocks(self, table: LayerTable, q: torch.Tensor, selected: torch.Tensor,
+                      return_lse: bool = False) -> tuple[torch.Tensor, ...]:
+        """Run the paged kernel over `selected` [H, k]; returns (out [Hq, D], block mass [H, k]) and with
+        return_lse the log-sum-exp [Hq] of the attended logits (what the certified bound needs)."""
+        slots, is_int8 = block_table(table, selected)
+        got = stage(self.tiers, table, selected, slots, is_int8)  # both pools, always: staging.py says why
+        self.stats.cold_blocks_fetched += len(got.fetched)
+        for i in got.fetched:
+            table.cold_hits[i] = table.cold_hits.get(i, 0) + 1
+        num_tokens = torch.tensor([tokens_covered(table, selected.shape[1], self.block_tokens)], dtype=torch.int32)
+        warm = got.warm
+        lse = torch.empty((1, q.shape[0]), dtype=torch.float32, device=self.device) if return_lse else None
+        out, mass = self.kernel(q[None], got.hot_pool, warm.data, warm.k_scale, warm.v_scale, got.slots[None],
+                                got.is_int8[None], num_tokens.to(self.device), return_block_mass=True, lse_out=lse)
+        return (out[0], mass[0]) if lse is None else (out[0], mass[0], lse[0])
+
+    def promote_if_needed(self, table: LayerTable) -> None:
+        """Blocks fetched cold PROMOTE_AFTER times move up to the warm tier. Runs after the step's kernel:
+        making room in the warm pool may move blocks this step's block table still points at."""
+        ready = [i for i, hits in table.cold_hits.items() if hits >= PROMOTE_AFTER]
+        for i in ready:
+            del table.cold_hits[i]
+        ids = [b for b in (table.block_ids[i] for i in ready)
+               if b != DROPPED and self.tiers.blocks.tier_of[b] >= CPU_TIER]
+        if ids:
+            self.stats.promotions += self.tiers.promote(ids, WARM_TIER)
+
+
+def _live_positions(table: LayerTable, selected: torch.Tensor) -> torch.Tensor:
+    """Column of each selected block in the dense (live-only) selection."""
+    if not table.num_dropped:
+        return selected
+    live = torch.tensor([b != DROPPED for b in table.block_ids], device=selected.device)
+    return (live.cumsum(0) - 1)[selected]

@@ -1,0 +1,311 @@
+"""DecodeStep: one sequence's decode step for every layer, built once, replayable as a CUDA graph.
+
+The eager path (store.append + store.attend) costs ~0.4 ms of host work per layer; a graph
+cannot follow it because block tables grow and move. Here, as in vLLM and SGLang, every
+tensor the step touches is preallocated to a capacity and addressed through device-side
+state, so one capture stays valid while the sequence grows:
+
+    num_tokens   int64 [1]   tokens held before this token (advanced inside the step)
+    tail_slot    int64 [L]   hot-pool slot of each layer's tail block
+per layer, inside the step (no host sync):
+    1. append    k, v of the new token -> the tail block at offset num_tokens % B; widen its summary
+                 (dense and topk: inside the attention launch of step 3, kvstore/attention/append.py; the
+                 sketch, whose first level reads the tail's summary, appends first)
+    2. select    dense: the table itself, viewed up to a bucket of blocks (ceil(n / B) rounded up by at most
+                 1.25x, so a short sequence in a long capacity gets a short table's kernel; one graph per bucket);
+                 topk (Quest's min/max bound) or sketch (the 4-bit key sketch, select_masked_table):
+                 block scores over capacity, invalid blocks -inf, sinks and the recent window +inf,
+                 top k (k fixed: budget // B), ascending
+    3. attend    the paged kernel over that block table, token count computed on the device; a dense phase
+                 with no warm block in any layer passes no warm pool, so a long table takes the hot-only
+                 walk (host-known; a graph per case); with warm blocks, a long table's partition by pool
+                 is made at begin_token when the tables changed, not in every token (dense_tables.py)
+    4. account   the kernel's block mass into the table's H2O scores (added by the kernel's merge); sketch:
+                 the certified omitted mass per q head from the merge's log-sum-exp (one launch)
+Counts that depend only on the token (tokens the kernel reads, the sketch's live/protected masks) are
+computed once per token, in layer 0 (so a token's layers run in order). On CUDA the topk select is
+Quest scores masked from the device count in one launch, then (k <= 256 blocks of a long table) top-k
+in two stages whose second writes the kernel's block table; the sketch's final top-k over its fine
+candidates writes it too.
+Host work happens between tokens and only at block boundaries: the sketch codes of the tail block a
+token filled and promotion of cpu blocks the step keeps reading (`end_token`), a new tail block per layer
+and cooling of blocks the next token pushes out of their windows (`begin_token`).
+Cold blocks (kvstore/decode/cold_slices.py): in the topk phase, selected blocks in the cpu tier are read inside the
+step, one kv head's slice each, from the pinned slabs into k staging rows of the pool of the tier's format,
+and verified on the device against per-head block sums (tiers/slice_gather.py); a damaged slice is counted
+on the device and `verify()` (called wherever the host syncs anyway) raises IntegrityError; blocks read
+again and again move up to the warm tier at block boundaries. Blocks beyond the cpu tier
+(ssd, remote, saved), a dense phase over cold blocks, too few staging rows (staging_tokens < budget) or a
+cpu tier checksummed on the host (xxh3) cannot be served from device state: `ready()` says so and callers
+use the eager path for that token (store.load brings saved blocks into the cpu tier and the GPU pools).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eviction import Policy
+from eviction.certify import omitted_mass_bounds
+from eviction.quest_kernel import live_and_protected, quest_scores_live, quest_scores_live_ref
+from eviction.select import top_blocks
+from eviction.sketch_topk import SketchTopK
+from eviction.topk_kernel import can_select, topk_block_table, two_stage
+from kvstore.attention.append import NewToken, append_token, append_token_ref
+from kvstore.blocks.table import DROPPED, LayerTable, TableTensors
+from kvstore.blocks.tierset import HOT_TIER, WARM_TIER, TierSet
+from kvstore.config import Config
+from kvstore.decode.cold_slices import StepColdBlocks
+from kvstore.decode.dense_tables import StepPartitions, dense_bucket
+from kvstore.decode.eager import DecodePath, block_table
+from tiers.base import device_ints
+
+
+
+@dataclass(frozen=True, slots=True)
+class StepParts:
+    """What a DecodeStep works on, handed over by the store that owns them (KVStore.decode_step)."""
+    config: Config
+    device: torch.device
+    tiers: TierSet
+    tensors: TableTensors
+    path: DecodePath  # the eager decode path: its kernel, stats and recent window
+
+STEP_MODES = ("dense", "topk", "sketch")
+assert (HOT_TIER, WARM_TIER) == (0, 1), "the dense step passes tier codes as the kernel's int8 flags"
+
+
+class StepNotReady(ValueError):
+    """This token cannot run from device state (blocks the step cannot reach, capacity reached, GPU pools full):
+    nothing of it has happened; run it through store.append + store.attend."""
+
+
+class DecodeStep:
+    def __init__(self, parts: StepParts, seq: int, tables: list[LayerTable], mode: str = "topk",
+                 budget: int = 4096, policy: Policy | None = None, capacity_tokens: int | None = None) -> None:
+        """`tables`: the sequence's block table of every layer; `policy`: the SketchTopK for mode "sketch"."""
+        if mode not in STEP_MODES:
+            raise ValueError(f"DecodeStep mode must be one of {STEP_MODES}, got {mode!r}")
+        c = self.config = parts.config
+        spec, dev = self.spec, self.device = c.model, parts.device
+        self.tiers, self.tensors, self.path = parts.tiers, parts.tensors, parts.path
+        self.seq, self.mode, self.budget = seq, mode, budget
+        self.policy = policy if mode == "sketch" else None  # SketchTopK; topk scores with Quest
+        self.tables = tables
+        if any(DROPPED in t.block_ids for t in self.tables):
+            raise ValueError("DecodeStep serves dense and topk sequences; this one has blocks H2O dropped")
+        self.block_tokens = b = c.block_tokens
+        length = self.tables[0].num_tokens
+        capacity_tokens = capacity_tokens or length + max(16384, length // 16)  # selection scans all of it
+        self.capacity = -(-capacity_tokens // b)  # blocks every table is preallocated for
+        for t in self.tables:
+            self.tensors.reserve(t, self.capacity)  # fixed addresses from here on: what a graph needs
+        self.sink_blocks = -(-c.sink_tokens // b)
+        self.recent_tokens = self.path.recent_window(budget)
+        self.k = max(budget // b, self.sink_blocks + -(-self.recent_tokens // b) + 1)  # blocks per head (topk)
+        h = spec.num_kv_heads
+        self.num_tokens = torch.tensor([length], dtype=torch.int64, device=dev)  # [1]
+        self.tail_slot = torch.zeros(spec.num_layers, dtype=torch.int64, device=dev)  # [L]
+        self.kernel_tokens = torch.zeros(1, dtype=torch.int32, device=dev)  # [1]
+        # [L, Hq] this token's bounds per layer and q head (one launch per layer writes its row)
+        self.certified = torch.zeros(spec.num_layers, spec.num_q_heads, dtype=torch.float32, device=dev)
+        self._lse = torch.zeros((1, spec.num_q_heads), dtype=torch.float32, device=dev)  # the kernel's, per layer
+        self.positions = torch.arange(self.capacity, device=dev)  # [N]
+        self.all_blocks = self.positions.expand(h, self.capacity)  # [H, N] the dense table
+        self._scores = quest_scores_live if dev.type == "cuda" else quest_scores_live_ref
+        self._append_token = append_token if dev.type == "cuda" else append_token_ref  # one launch on the GPU
+        self.cold = StepColdBlocks(self.tiers, self.path.stats, dev, spec, self.capacity)  # staging, verifying, promoting
+        self.partitions = StepPartitions(spec, self.capacity, b, dev)  # the dense tables by pool (long, mixed)
+        self.stages_cold = False  # this token stages cpu blocks (fixed per token: part of the graph's key)
+        self.phase = self._phase(length + 1)
+        self.dense_blocks = dense_bucket(length + 1, b, self.capacity)  # the dense table's length (graph key)
+        self._next_layer = 0
+        self._sync_tail_slots()
+
+    # -- host side, between tokens -----------------------------------------------------------
+    @property
+    def length(self) -> int:
+        return self.tables[0].num_tokens
+
+    def ready(self) -> bool:
+        """Whether the next token can run from device state: every block on the GPU or servable in the cpu
+        tier (module docstring), room in capacity, and at a block boundary room in the GPU pools for new
+        tail blocks without spilling anything to cpu."""
+        tiers, n = self.tiers, len(self.tables)
+        if self.length % self.block_tokens == 0 and tiers.hot.free_blocks() + tiers.warm.free_blocks() < n:
+            return False
+        return self.length + 1 <= self.capacity * self.block_tokens and self._cold_servable(self.length + 1) and \
+            not any(t.num_dropped for t in self.tables)
+
+    def _cold_servable(self, num_tokens: int) -> bool:
+        """Whether the step serves the tables' cold blocks at num_tokens tokens (none, or all in a cpu tier the
+        device reads and verifies, in the topk phase, with a staging row per selected block)."""
+        if not any(t.num_cold for t in self.tables):
+            return True
+        return self._phase(num_tokens) == "topk" and self.cold.servable(self.tables, self.k)
+
+    def graph_key(self) -> tuple:
+        """What a captured graph of this token depends on beyond device state: its phase, whether it stages cpu
+        blocks and, if so, the cpu tier's slab table and sums (they move when the tier grows); dense: its bucket
+        and whether any block is warm."""
+        return (self.phase, self.stages_cold, self.tiers.cpu.generation if self.stages_cold else 0,
+                self.dense_blocks if self.phase == "dense" else 0, self.hot_only)
+
+    def verify(self) -> None:
+        """IntegrityError if a cpu slice the steps since the last call read failed its checksum (one host sync;
+        nothing to read when no step staged cold blocks). Tokens after the damaged read are not to be trusted."""
+        self.cold.verify()
+
+    def begin_token(self) -> str:
+        """Host work before a token: at a block boundary, open the next tail block in every layer.
+        Returns the token's phase, "dense" or "topk": a captured graph is valid for one phase (a
+        sequence of at most k blocks attends all of them, then topk takes over for good)."""
+        if not self.ready():
+            raise StepNotReady("DecodeStep: the sequence has cold blocks the step cannot serve, reached its "
+                               "capacity or the GPU pools are full; use store.append and store.attend for this token")
+        if self._synced_length != self.length:  # tokens were appended eagerly since the last step
+            self._sync_tail_slots()
+        self._next_layer = 0  # a token that failed part way left nothing on the device count: start over
+        self.phase = self._phase(self.length + 1)
+        self.dense_blocks = dense_bucket(self.length + 1, self.block_tokens, self.capacity)
+        if self._crosses_window(self.length):  # as store.append does: cool, then the token attends
+            for table in self.tables:
+                self.tiers.cool(table, self.length, self.length + 1)
+            if not self._cold_servable(self.length + 1):  # a block left the warm window for a tier out of reach
+                raise StepNotReady("DecodeStep: this token cools a block to a tier the step cannot serve; use "
+                                   "store.append and store.attend")
+        self.stages_cold = any(t.num_cold for t in self.tables)
+        if self.length % self.block_tokens == 0:
+            tiers, b, spec = self.tiers, self.block_tokens, self.spec
+            tiers.check_room(len(self.tables))
+            empty = torch.zeros((1, 2, spec.num_kv_heads, b, spec.head_dim), dtype=torch.float16,
+                                device=self.device)
+            for layer, table in enumerate(self.tables):
+                index = table.num_blocks
+                (block_id,) = tiers.blocks.new_ids(1, self.seq, layer, index)
+                table.block_ids.append(block_id)
+                tiers.place([block_id], empty, HOT_TIER)
+                table.summaries[index, 0] = float("inf")  # min/max of no keys: the step widens them
+                table.summaries[index, 1] = float("-inf")
+                table.h2o_scores[:, index] = 0.0
+            self._sync_tail_slots()
+        self.partitions.update(self.tables, self.dense_blocks, self.length + 1, self.phase == "dense" and
+                               not self.hot_only)
+        return self.phase
+
+    def end_token(self) -> None:
+        """Host bookkeeping after a token ran: lengths and stats."""
+        old = self.length
+        for table in self.tables:
+            table.num_tokens = old + 1
+        if (old + 1) % self.block_tokens == 0:  # the token filled every tail: its codes on their final grid now,
+            hot = self.tiers.hot  # not at the next begin_token (the next token may go the eager way)
+            for table in self.tables:  # a step's tail is always hot: the pool row, queued (no gather, no sync)
+                keys = hot.pool[hot.slots.slot_of[table.block_ids[-1]], 0]  # [H, B, D]
+                self.tensors.encode_block(table, table.num_blocks - 1, keys.transpose(0, 1))
+        stats = self.path.stats
+        stats.calls += len(self.tables)
+        stats.context_tokens += len(self.tables) * (old + 1)
+        k = self._num_selected(old + 1)
+        stats.attended_tokens += len(self.tables) * ((k - 1) * self.block_tokens + (old % self.block_tokens) + 1)
+        if self.phase == "topk" and isinstance(self.policy, SketchTopK):
+            stats.add_certified(self.certified.mean(1))  # a tensor of its own: the next replay rewrites the buffer
+        self.cold.token_done(self.stages_cold)
+        if (old + 1) % self.block_tokens == 0:  # cpu blocks this sequence keeps reading move up (a sync, if any)
+            self.cold.promote(self.tables)
+        self._synced_length = old + 1  # the step advanced the device count itself
+
+    def _phase(self, num_tokens: int) -> str:
+        return "dense" if self.mode == "dense" or -(-num_tokens // self.block_tokens) <= self.k else "topk"
+
+    @property
+    def hot_only(self) -> bool:
+        """Whether this token's kernel goes without the warm pool (part of the graph's key): a dense phase whose
+        blocks are all hot (a long table then takes the hot-only walk, not the partition walk that mixed pools
+        need; new tail blocks are hot, so the answer changes only when a block cools, at begin_token)."""
+        return self.phase == "dense" and not any(t.num_warm for t in self.tables)
+
+    def _crosses_window(self, old: int) -> bool:
+        """Whether growing from old to old + 1 tokens moves some block out of the hot or warm window."""
+        c, b = self.config, self.block_tokens
+        return any((old + 1 - w) // b != (old - w) // b for w in (c.hot_tokens, c.hot_tokens + c.warm_tokens))
+
+    def _num_selected(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_tokens) if self._phase(num_tokens) == "dense" else self.k
+
+    def _sync_tail_slots(self) -> None:
+        hot = self.tiers.hot
+        slots = [hot.slots.slot_of[t.block_ids[-1]] if t.block_ids else 0 for t in self.tables]
+        self.tail_slot.copy_(device_ints(slots, self.tail_slot.device))  # queued: tokens may still be running
+        self.num_tokens.fill_(self.length)
+        self._synced_length = self.length
+
+    # -- device side, capturable -------------------------------------------------------------
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Append k, v [kv_heads, head_dim] of the new token to `layer`, then attend q [num_q_heads, head_dim]
+        over the layer's blocks (the new token included); returns [num_q_heads, head_dim] fp16."""
+        if layer != self._next_layer:  # layer 0 computes the token's counts that every later layer reads
+            raise ValueError(f"DecodeStep.attend: a token runs layers 0..{len(self.tables) - 1} in order; "
+                             f"expected layer {self._next_layer}, got {layer}")
+        self._next_layer = (layer + 1) % len(self.tables)
+        table, tiers = self.tables[layer], self.tiers
+        if layer == 0:  # what depends only on the token count, once per token for every layer
+            self._count_tokens()
+        # the attention launch appends the token, but in the sketch's topk phase: its first level reads the tail's
+        # summary, which must hold the token first (Quest scores the tail +inf, whatever its summary holds)
+        tail, new = self.tail_slot[layer: layer + 1], None
+        if isinstance(self.policy, SketchTopK) and self.phase == "topk":
+            self._append_token(tiers.hot.pool, table.summaries, k, v, tail, self.num_tokens)
+        else:
+            new = NewToken(k, v, table.summaries, tail, self.num_tokens)
+        selected, slots, is_int8, upper = self._select(table, q)  # [H, k] ascending, the tail block last
+        if self.stages_cold:  # selected cpu blocks: one head's slice each into the staging rows, verified
+            self.cold.stage(layer, table, selected, slots, is_int8)
+        # both pools unless no block is warm: blocks cool into int8 between tokens, and the key says which
+        warm = tiers.warm.pool.index(slice(0, 0)) if self.hot_only else tiers.warm.pool
+        out, _ = self.path.kernel(q[None], tiers.hot.pool, warm.data, warm.k_scale, warm.v_scale,
+                                          slots[None], is_int8[None], self.kernel_tokens,
+                                          add_mass_to=(table.h2o_scores, selected),
+                                          lse_out=self._lse if upper is not None else None, append=new,
+                                          partition=self.partitions.of_layer(layer))
+        if upper is not None:  # the sketch's certified omitted mass, kept on the device (end_token counts it)
+            omitted_mass_bounds(upper, selected, self._lse[0], out=self.certified[layer])
+        if layer == len(self.tables) - 1:
+            self.num_tokens += 1
+        return out[0]
+
+    def _count_tokens(self) -> None:
+        """This token's counts from the device's num_tokens: n (tokens once it is appended), the tokens the
+        kernel reads (dense: n; topk: k - 1 full blocks and the tail) and, for the sketch, the masks of
+        live and protected blocks."""
+        b = self.block_tokens
+        n = self.num_tokens + 1  # [1]
+        if self.phase == "dense":
+            self.kernel_tokens.copy_(n)
+            return
+        self.kernel_tokens.copy_((self.k - 1) * b + (n - 1) % b + 1)
+        if isinstance(self.policy, SketchTopK):
+            self._valid, self._protected = live_and_protected(self.num_tokens, self.capacity, block_tokens=b,
+                                                              sink_blocks=self.sink_blocks,
+                                                              recent_tokens=self.recent_tokens)
+
+    def _select(self, table, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(selected [H, k], slots int32 [H, k], is_int8 [H, k], the sketch's block upper bounds [Hq, N] or None)."""
+        if self.phase == "dense":
+            # the table itself, shared by the kv heads (stride 0): no gather, no launch. Its tier codes are the
+            # kernel's int8 flags: a dense phase holds hot (0: fp16) and warm (1: int8) blocks only
+            m, h = self.dense_blocks, self.spec.num_kv_heads
+            flags = table.tier_map[None, :m].expand(h, m)
+            return self.all_blocks[:, :m], table.slot_map[None, :m].expand(h, m), flags, None
+        if isinstance(self.policy, SketchTopK):  # the final top-k writes the block table too (on CUDA)
+            selected, upper, gathered = self.policy.select_masked_table(
+                q, table.summaries[: self.capacity], table.sketch[: self.capacity], self._valid, self._protected,
+                self.k, table.slot_map, table.tier_map, WARM_TIER)
+            return (selected, *(gathered or block_table(table, selected)), upper)
+        scores = self._scores(q, table.summaries[: self.capacity], self.num_tokens, block_tokens=self.block_tokens,
+                              sink_blocks=self.sink_blocks, recent_tokens=self.recent_tokens)  # [H, N]
+        if scores.is_cuda and two_stage(self.capacity, self.k) and can_select(self.capacity, self.k):
+            return (*topk_block_table(scores, self.k, table.slot_map, table.tier_map, WARM_TIER), None)
+        selected = top_blocks(scores, self.k)
+        return (selected, *block_table(table, selected), None)
