@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The H200 benchmark suites, in order; STEP=<suite> runs one. Each result JSON lands in $1 (default
-# bench_longctx/results).
-# The device image has torch/triton/numpy/psutil; lmdb, zstandard and xxhash come as wheels in .whl/.
+# /tmp/kvtier-h200, outside the tree). The device image has torch/triton/numpy/psutil; the rest
+# (lmdb, zstandard, xxhash, fastapi, uvicorn, redis, ...) come as wheels in .whl/.
 set -uo pipefail
-out=${1:-bench_longctx/results}
+out=${1:-/tmp/kvtier-h200}  # scratch: a headline result is copied into bench_longctx/baselines/
 mkdir -p "$out"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
