@@ -1,4 +1,4 @@
-"""Passkey retrieval with SmolLM2-135M at ~2K, ~4K (budget 1/8 of the context) and 8K tokens (1/16, issue 11):
+"""Passkey retrieval with SmolLM2-135M at ~2K, ~4K (budget 1/8 of the context) and 8K tokens (1/16):
 top-K (Quest's bound) and the sketch selector find every passkey dense attention finds; window and H2O are
 recorded as controls (window misses them all; H2O, which keeps the needle's heavy hitters, finds them too).
 At 8K a second, tighter budget (192 tokens, ~1/42: 64 sinks + 64 recent + 2 selected blocks) separates them:

@@ -130,7 +130,7 @@ def test_masked_selection_over_garbage_capacity_matches(coarse_factor) -> None:
             assert torch.equal(sel.cpu(), want) and torch.equal(slots.cpu(), slot_map[want])
             assert torch.equal(is_int8.cpu(), tier_map[want] == 1)
             # compiled, the kernels' bounds differ from the torch form by fp32 sums in another order and the
-            # approximate exp2 / log2 units: up to 6.7e-4 nats here on the H200 (session 9, call 2), as in
+            # approximate exp2 / log2 units: up to 6.7e-4 nats on the H200, as in
             # test_sketch_kernel's large-key case
             atol = 1e-3 if kernels and dev != "cpu" else 1e-4
             torch.testing.assert_close(up[:, : n - 1].cpu(), want_upper[:, : n - 1], rtol=1e-5, atol=atol)

@@ -1,4 +1,4 @@
-"""Issue 14: saved contexts through Redis. What one process saves, other processes open and decode to the
+"""Saved contexts through Redis. What one process saves, other processes open and decode to the
 same tokens as the saver holding the context alone; content-keyed blocks are stored once; a key Redis
 lost is a clear error (real redis-server on a free loopback port: tests/tiers/redis_servers.py)."""
 
