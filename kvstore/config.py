@@ -98,7 +98,7 @@ class Config:
     remote_url: str | None = None  # a `kvtier serve` sidecar; cold blocks go there instead of local ssd
     remote_token: str | None = None
     redis_url: str | None = None  # redis://, rediss:// or unix:// of a Redis/Valkey node or any cluster node:
-    # cold blocks go there instead of local ssd, up to ssd_bytes (README: "Shared cold tier on Redis")
+    # cold blocks go there instead of local ssd, up to ssd_bytes (docs/redis.md)
     redis_namespace: str | None = None  # this store's key prefix (None: kvtier:<random>); one per store
     redis_compression: str = "none"  # "none" or "zstd": 1.08x smaller values, slower gets (BENCHMARKS.md)
     device: str = "cuda" if torch.cuda.is_available() else "cpu"

@@ -26,7 +26,7 @@ the same content fleet-wide (e.g. content hashes); a put whose key already exist
 and adopts the block there (stored once), its own leftovers included; `attach(ids)` adopts blocks
 another process wrote. Redis's own maxmemory policy removes them.
 A put returns after Redis acknowledged every SET: durable on restart only if the server runs
-`appendonly yes` with `appendfsync always` (README: "Shared cold tier on Redis").
+`appendonly yes` with `appendfsync always` (docs/redis.md).
 """
 
 from __future__ import annotations

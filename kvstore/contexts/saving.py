@@ -6,7 +6,7 @@ A save writes under a fresh save id, syncs, then commits the manifest. The data 
 owned is deleted after the commit, except what live sequences of this store still read (an opened
 context grown and saved under its own name): the new manifest inherits that, and a later save of the
 name drops it once unread (or `delete` does). Before the commit (or a delete's taking of the manifest)
-the save ids to delete are recorded under ctx/retired/, so `collect_garbage` finds data a writer killed
+the save ids to delete are recorded under ctx/pending/delete/, so `collect_garbage` finds data a writer killed
 after its commit left; it also deletes what a killed save left before its commit, once its writer is dead.
 Through Redis, blocks are shared by content key, so a save there needs Config.model_id (ValueError).
 """

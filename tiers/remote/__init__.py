@@ -3,6 +3,6 @@
     wire.py    names, layout descriptors and batch framing (shared with kvstore/service/)
     reader.py  binary bodies read straight into tensors
     client.py  Client: tensors by (namespace, key), and prompt chunks by chain hash (tiers/keys.py), over HTTP
-    errors.py  what a refused call raises (ServiceError and its kinds)
+    refusals.py  what a refused call raises (ServiceError and its kinds)
     tier.py    RemoteTier: the store's cold tier in a `kvtier serve` sidecar
 """
