@@ -150,7 +150,7 @@ class DecodeReads:
 class KVTierCache(Cache):
     """A Cache over one store sequence; call free() (or use it as a context manager) when done.
 
-    mode: "dense", "topk", "h2o", "window" or an eviction.Policy instance; budget: tokens each
+    mode: "dense", "topk", "sketch", "h2o", "window" or an eviction.Policy instance; budget: tokens each
     sparse decode step attends per layer (sinks and the recent window included).
     seq: a store sequence to continue (e.g. `store.open(name)`, `store.create_sequence(prefix=...)`),
     which the cache then owns and frees; by default a new empty one. generate() given the whole
