@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from bench_longctx.timing import copy_ceiling_GBps, environment, time_ms, write_json
 from kvstore.attention.paged_decode import paged_decode
+from eviction.select import SeqWindow
 from eviction.topk import topk_select
 from kvstore.config import Config, ModelSpec
 from kvstore.decode.graphs import GraphedSteps
@@ -114,8 +115,8 @@ def run_context(ctx: int, block_tokens: int, ceiling: float) -> dict:
     graphed = GraphedSteps(step, lambda: step.attend(0, q, new_key, new_key))
     row["topk_graphed_ms"] = time_ms(graphed, q.device)
     t = store.table(seq, 0)
-    chosen = topk_select(q, t.summaries[: t.num_blocks], num_tokens=t.num_tokens, block_tokens=block_tokens,
-                         budget_tokens=BUDGET, sink_tokens=64, recent_tokens=1024)
+    window = SeqWindow(num_tokens=t.num_tokens, block_tokens=block_tokens, sink_tokens=64, recent_tokens=1024)
+    chosen = topk_select(q, t.summaries[: t.num_blocks], window, budget_tokens=BUDGET)
     row["needle_found_heads"] = int((chosen == needle_pos // block_tokens).any(dim=1).sum())
     topk_out = graphed().clone()
     dense_out = store.attend(seq, 0, q, mode="dense")  # the same context, the step's last token included

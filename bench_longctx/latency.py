@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from bench_longctx import decode_bench
 from bench_longctx.presets import DecodePreset
 from bench_longctx.timing import Deadline, rate, release, time_ms
-from eviction.select import num_selected
+from eviction.select import SeqWindow
 from kvstore.config import ModelSpec
 from kvstore.blocks.placement import WARM
 from kvstore.decode.graphs import GraphedSteps
@@ -53,8 +53,8 @@ def topk_cases(store: KVStore, seq: int, q: torch.Tensor, p: DecodePreset, base:
     summary_bytes = t.num_blocks * 2 * store.spec.num_kv_heads * store.spec.head_dim * 2
     out = {}
     for budget in p.budgets:
-        k = num_selected(num_tokens=t.num_tokens, block_tokens=p.block_tokens, budget_tokens=budget,
-                         sink_tokens=store.config.sink_tokens, recent_tokens=store.config.recent_tokens)
+        k = SeqWindow(num_tokens=t.num_tokens, block_tokens=p.block_tokens, sink_tokens=store.config.sink_tokens,
+                      recent_tokens=store.config.recent_tokens).num_selected(budget)
         nbytes = k * lay.fp16_bytes + summary_bytes
         ms = time_ms(lambda b=budget: store.attend(seq, 0, q, mode="topk", budget=b), dev, repeat)
         out[f"topk_{budget}"] = rate(ms, nbytes, *base)

@@ -26,7 +26,7 @@ import torch
 
 from bench_longctx.timing import copy_ceiling_GBps, environment, time_ms, write_json
 from eviction.quest_kernel import quest_scores, quest_scores_ref
-from eviction.select import protected_mask, select
+from eviction.select import SeqWindow, select
 from eviction.summaries import summaries_to_fp8, summarize_keys
 from eviction.topk import topk_select
 from eviction.topk_kernel import topk_sorted
@@ -98,7 +98,8 @@ def graph_us(fn) -> float:
 
 
 def bench_block_size(args, block_tokens: int, q, keys, needle_tokens, knobs: dict, ceiling: float) -> dict:
-    counts = dict(num_tokens=keys.shape[0], block_tokens=block_tokens, sink_tokens=args.sink, recent_tokens=args.recent)
+    window = SeqWindow(num_tokens=keys.shape[0], block_tokens=block_tokens, sink_tokens=args.sink,
+                       recent_tokens=args.recent)
     fp16 = summarize_keys(keys, block_tokens)  # [N, 2, H, D]
     fp8 = summaries_to_fp8(fp16)
     row = {"block_tokens": block_tokens, "num_blocks": fp16.shape[0], "summary_MiB": fp16.numel() * 2 / 2**20}
@@ -108,18 +109,18 @@ def bench_block_size(args, block_tokens: int, q, keys, needle_tokens, knobs: dic
     row["kernel_fp8_us"] = 1e3 * time_ms(lambda: quest_scores(q, fp8, **knobs), q.device)
     row["ref_us"] = 1e3 * time_ms(lambda: quest_scores_ref(q, fp16), q.device)
     for name, s in (("fp16", fp16), ("fp8", fp8)):
-        run = lambda s=s: topk_select(q, s, budget_tokens=args.budget, **counts)  # noqa: E731
+        run = lambda s=s: topk_select(q, s, window, budget_tokens=args.budget)  # noqa: E731
         row[f"select_{name}_us"] = 1e3 * time_ms(run, q.device)
         row[f"select_{name}_graph_us"] = graph_us(run)
-    ref = lambda: topk_select(q, fp16, budget_tokens=args.budget, use_kernel=False, **counts)  # noqa: E731
+    ref = lambda: topk_select(q, fp16, window, budget_tokens=args.budget, use_kernel=False)  # noqa: E731
     row["select_ref_us"] = 1e3 * time_ms(ref, q.device)
     looser = quest_scores_ref(q, fp8) - quest_scores_ref(q, fp16)  # >= 0 up to rounding: fp8 boxes are wider
     row["fp8_bound_inflation_median"] = float((looser / quest_scores_ref(q, fp16).abs().clamp_min(1e-6)).median())
-    protected = protected_mask(device=q.device, **counts)
-    oracle = select(oracle_block_logits(q, keys, block_tokens), budget_tokens=args.budget, **counts)
+    protected = window.protected_mask(q.device)
+    oracle = select(oracle_block_logits(q, keys, block_tokens), window, args.budget)
     needles = needle_tokens // block_tokens  # [H, n]
     for name, s in (("fp16", fp16), ("fp8", fp8)):
-        chosen = topk_select(q, s, budget_tokens=args.budget, **counts)
+        chosen = topk_select(q, s, window, budget_tokens=args.budget)
         row[f"needle_recall_{name}"] = recall(chosen, needles, protected)
         row[f"oracle_recall_{name}"] = recall(chosen, oracle, protected)
     return row

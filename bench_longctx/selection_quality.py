@@ -28,7 +28,7 @@ import torch
 from eviction.policy import ScoreContext
 from eviction.certify import attended_lse, certified_omitted_mass, true_omitted_mass
 from eviction.quest_kernel import quest_scores_ref
-from eviction.select import cdiv, select
+from eviction.select import SeqWindow, cdiv, select
 from eviction.sketch import sketch_keys, token_estimates_ref
 from eviction.sketch_topk import SketchTopK
 
@@ -112,17 +112,18 @@ def evaluate_step(q: torch.Tensor, keys: torch.Tensor, block_tokens: int, fracti
     scale = 1.0 / math.sqrt(q.shape[-1])
     mass, logits = dense_block_mass(q, keys, block_tokens, scale)
     context = keys.shape[0]
-    counts = dict(num_tokens=context, block_tokens=block_tokens, sink_tokens=SINK_TOKENS, recent_tokens=RECENT_TOKENS)
+    window = SeqWindow(num_tokens=context, block_tokens=block_tokens, sink_tokens=SINK_TOKENS,
+                       recent_tokens=RECENT_TOKENS)
     scores = {name: f(q, keys, block_tokens, scale) for name, f in methods.items()}
     if policy is not None:
         summaries, codes = sketch_keys(keys, block_tokens)
-        ctx = ScoreContext(summaries, q=q, sketch=codes, **counts)
+        ctx = ScoreContext(summaries, window, q=q, sketch=codes)
     out = {}
     for frac in fractions:
         budget = (context // frac) // block_tokens * block_tokens
-        out[("oracle", frac)] = mass.gather(1, select(mass, budget_tokens=budget, **counts)).sum(1)
+        out[("oracle", frac)] = mass.gather(1, select(mass, window, budget)).sum(1)
         for name, sc in scores.items():
-            out[(name, frac)] = mass.gather(1, select(sc, budget_tokens=budget, **counts)).sum(1)
+            out[(name, frac)] = mass.gather(1, select(sc, window, budget)).sum(1)
         if policy is not None:
             chosen, upper = policy.select_with_bounds(ctx, budget)
             out[("sketch", frac)] = mass.gather(1, chosen).sum(1)

@@ -39,7 +39,7 @@ from bench_longctx.select_bench import graph_us
 from bench_longctx.timing import copy_ceiling_GBps, environment, time_ms, write_json
 from eviction import sketch_mma
 from eviction.certify import attended_lse, certified_omitted_mass, true_omitted_mass
-from eviction.select import protected_mask, top_blocks
+from eviction.select import SeqWindow, top_blocks
 from eviction.sketch import sketch_keys
 from eviction.sketch_channels import channel_block_stats, channel_block_stats_ref
 from eviction.sketch_kernel import refine_candidates
@@ -205,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     result["first_level"] = first_levels(args, q, summaries, codes, true)
     write_json(args.out, "sketch_h200.json", result)
     valid = torch.ones(n, dtype=torch.bool, device=dev)
-    protected = protected_mask(num_tokens=t, block_tokens=b, sink_tokens=SINK, recent_tokens=RECENT, device=dev)
+    window = SeqWindow(num_tokens=t, block_tokens=b, sink_tokens=SINK, recent_tokens=RECENT)
+    protected = window.protected_mask(dev)
     k = args.budget // b
     policies = {}
     for r, pairs in ((r, pairs) for r in args.channels for pairs in args.pairs):
@@ -216,8 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             channels=r, channel_pairs=pairs, use_kernel=True, scan_knobs=scan)
     selectors = {name: (lambda x, p=p: p.select_masked(x, summaries, codes, valid, protected, k))
                  for name, p in policies.items()}
-    selectors["quest"] = lambda x: (topk_select(x, summaries, num_tokens=t, block_tokens=b, budget_tokens=args.budget,
-                                                sink_tokens=SINK, recent_tokens=RECENT), None)
+    selectors["quest"] = lambda x: (topk_select(x, summaries, window, budget_tokens=args.budget), None)
     result["select"] = {name: {"eager_us": 1e3 * time_ms(lambda f=f: f(q), dev),
                                "graph_us": graph_us(lambda f=f: f(q)) if dev.type == "cuda" else float("nan")}
                         for name, f in selectors.items()}

@@ -1,8 +1,8 @@
 """Which KV blocks a decode step attends, and which ones leave first.
 
-    from eviction import POLICIES, ScoreContext
-    ctx = ScoreContext(summaries, num_tokens, block_tokens, sink_tokens, recent_tokens, q=q, h2o_scores=scores,
-                       sketch=codes)
+    from eviction import POLICIES, ScoreContext, SeqWindow
+    window = SeqWindow(num_tokens=n, block_tokens=16, sink_tokens=64, recent_tokens=1024)  # checked once
+    ctx = ScoreContext(summaries, window, q=q, h2o_scores=scores, sketch=codes)
     block_table = POLICIES["topk"]().select(ctx, budget_tokens)  # int64 [kv_heads, k], rows ascending
 
 "topk" is Quest's min/max bound (TopK: fast, the default); "sketch" the 4-bit key sketch selector
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from eviction.policy import Policy, ScoreContext
 from eviction.h2o import H2O, h2o_evict
-from eviction.select import protected_mask, protected_range, select
+from eviction.select import SeqWindow, select
 from eviction.sketch_topk import SketchTopK
 from eviction.topk import TopK, topk_select
 from eviction.window import Window
@@ -25,12 +25,11 @@ __all__ = [
     "H2O",
     "Policy",
     "ScoreContext",
+    "SeqWindow",
     "SketchTopK",
     "TopK",
     "Window",
     "h2o_evict",
-    "protected_mask",
-    "protected_range",
     "select",
     "topk_select",
 ]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from eviction.policy import Policy, ScoreContext
-from eviction.select import cdiv, num_selected, protected_range
+from eviction.select import SeqWindow, check_window
 
 _REDUCES = ("max", "sum")
 
@@ -49,16 +49,8 @@ class H2O(Policy):
 
     def evict(self, ctx: ScoreContext, keep_tokens: int, dropped: Sequence[int] = ()) -> list[int]:
         """Drop mode: the blocks to free now so at most max(protected, keep_tokens // block_tokens) stay."""
-        return h2o_evict(
-            self.score(ctx),
-            num_tokens=ctx.num_tokens,
-            block_tokens=ctx.block_tokens,
-            keep_tokens=keep_tokens,
-            sink_tokens=ctx.sink_tokens,
-            recent_tokens=ctx.recent_tokens,
-            dropped=dropped,
-            head_reduce=self.head_reduce,
-        )
+        return h2o_evict(self.score(ctx), ctx.window, keep_tokens=keep_tokens, dropped=dropped,
+                         head_reduce=self.head_reduce)
 
 
 def _per_block(scores: torch.Tensor, head_reduce: str) -> torch.Tensor:
@@ -80,12 +72,9 @@ def _lowest(block_scores: torch.Tensor, n: int, excluded: torch.Tensor) -> list[
 
 def h2o_evict(
     scores: torch.Tensor,
+    window: SeqWindow,
     *,
-    num_tokens: int,
-    block_tokens: int,
     keep_tokens: int,
-    sink_tokens: int,
-    recent_tokens: int,
     dropped: Sequence[int] = (),
     head_reduce: str = "max",
 ) -> list[int]:
@@ -95,20 +84,14 @@ def h2o_evict(
     blocks freed by earlier calls (they are neither live nor candidates); the lowest
     scoring live, unprotected blocks go first.
     """
-    num_blocks = cdiv(num_tokens, block_tokens)
+    num_blocks = check_window(window).num_blocks
     block_scores = _per_block(scores, head_reduce)  # [N]
     if block_scores.shape[0] != num_blocks:
-        raise ValueError(f"scores: expected {num_blocks} blocks for {num_tokens} tokens, got {block_scores.shape[0]}")
-    keep = num_selected(
-        num_tokens=num_tokens,
-        block_tokens=block_tokens,
-        budget_tokens=keep_tokens,
-        sink_tokens=sink_tokens,
-        recent_tokens=recent_tokens,
-    )
-    sink_blocks, recent_start = protected_range(
-        num_tokens=num_tokens, block_tokens=block_tokens, sink_tokens=sink_tokens, recent_tokens=recent_tokens
-    )
+        raise ValueError(
+            f"scores: expected {num_blocks} blocks for {window.num_tokens} tokens, got {block_scores.shape[0]}"
+        )
+    keep = window.num_selected(keep_tokens)
+    sink_blocks, recent_start = window.protected_range()
     dropped = sorted(set(dropped))
     bad = [b for b in dropped if not sink_blocks <= b < recent_start]
     if bad:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eviction.select import cdiv, check_counts, num_selected, select
+from eviction.select import SeqWindow, check_window, select
 
 
 @dataclass(slots=True)
@@ -20,45 +20,35 @@ class ScoreContext:
     """One sequence and layer at one decode step; every tensor on the store's device."""
 
     summaries: torch.Tensor  # float16 [num_blocks, 2, kv_heads, head_dim]: key min (0) and max (1) per block
-    num_tokens: int
-    block_tokens: int
-    sink_tokens: int = 0
-    recent_tokens: int = 0
+    window: SeqWindow  # its tokens, block size, sinks and recent window
     q: torch.Tensor | None = None  # float16 [num_q_heads, head_dim], RoPE applied
     h2o_scores: torch.Tensor | None = None  # float32 [kv_heads, num_blocks], accumulated attention mass
     sketch: torch.Tensor | None = None  # uint8 [>= num_blocks, kv_heads, 2, block_tokens, head_dim // 4] (eviction/sketch.py)
 
     def __post_init__(self) -> None:
-        check_counts(
-            num_tokens=self.num_tokens,
-            block_tokens=self.block_tokens,
-            sink_tokens=self.sink_tokens,
-            recent_tokens=self.recent_tokens,
-        )
-        s = self.summaries
-        n = cdiv(self.num_tokens, self.block_tokens)
+        w = check_window(self.window)
+        s, n = self.summaries, w.num_blocks
         if not isinstance(s, torch.Tensor) or s.dim() != 4 or s.shape[0] != n or s.shape[1] != 2:
             got = f"{s.dtype} {list(s.shape)}" if isinstance(s, torch.Tensor) else type(s).__name__
             raise ValueError(
-                f"summaries: expected [{n}, 2, kv_heads, head_dim] for {self.num_tokens} tokens, got {got}"
+                f"summaries: expected [{n}, 2, kv_heads, head_dim] for {w.num_tokens} tokens, got {got}"
             )
         if self.q is not None and (self.q.dim() != 2 or self.q.shape[1] != s.shape[3]):
             raise ValueError(f"q: expected [num_q_heads, {s.shape[3]}], got {list(self.q.shape)}")
         if self.h2o_scores is not None and tuple(self.h2o_scores.shape) != (s.shape[2], n):
             raise ValueError(f"h2o_scores: expected [{s.shape[2]}, {n}], got {list(self.h2o_scores.shape)}")
-        expected = (s.shape[2], 2, self.block_tokens, s.shape[3] // 4)
+        expected = (s.shape[2], 2, w.block_tokens, s.shape[3] // 4)
         if self.sketch is not None and (self.sketch.dim() != 5 or self.sketch.shape[0] < n
                                         or tuple(self.sketch.shape[1:]) != expected):
             raise ValueError(f"sketch: expected [>= {n}, {', '.join(map(str, expected))}], got {list(self.sketch.shape)}")
 
     @property
+    def num_tokens(self) -> int:
+        return self.window.num_tokens
+
+    @property
     def num_blocks(self) -> int:
         return self.summaries.shape[0]
-
-    def num_selected(self, budget_tokens: int) -> int:
-        """k, the blocks a budgeted selection keeps per kv head (see eviction.select.num_selected)."""
-        return num_selected(num_tokens=self.num_tokens, block_tokens=self.block_tokens, budget_tokens=budget_tokens,
-                            sink_tokens=self.sink_tokens, recent_tokens=self.recent_tokens)
 
     @property
     def num_kv_heads(self) -> int:
@@ -79,11 +69,4 @@ class Policy(ABC):
 
     def select(self, ctx: ScoreContext, budget_tokens: int) -> torch.Tensor:
         """int64 [kv_heads, k], rows sorted ascending (tail block last): the blocks to attend."""
-        return select(
-            self.score(ctx),
-            num_tokens=ctx.num_tokens,
-            block_tokens=ctx.block_tokens,
-            budget_tokens=budget_tokens,
-            sink_tokens=ctx.sink_tokens,
-            recent_tokens=ctx.recent_tokens,
-        )
+        return select(self.score(ctx), ctx.window, budget_tokens)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eviction.policy import Policy, ScoreContext
-from eviction.select import all_blocks, num_selected, protected_mask, top_blocks
+from eviction.select import all_blocks, top_blocks
 from eviction.sketch_channels import channel_block_stats, channel_block_stats_ref
 from eviction.sketch_kernel import refine_candidates, sketch_block_stats, sketch_block_stats_ref
 from eviction.sketch_rank import block_shares, block_shares_ref
@@ -84,14 +84,12 @@ class SketchTopK(Policy):
                            | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(selected int64 [H, k] rows ascending, block_upper float32 [Hq, N]: upper bounds on each block's
         log-sum-exp of true logits, softmax scale applied)."""
-        counts = dict(num_tokens=ctx.num_tokens, block_tokens=ctx.block_tokens, sink_tokens=ctx.sink_tokens,
-                      recent_tokens=ctx.recent_tokens)
-        k = num_selected(budget_tokens=budget_tokens, **counts)
+        k = ctx.window.num_selected(budget_tokens)
         codes = self._codes(ctx)
         if k >= ctx.num_blocks:  # everything is attended: nothing to bound
             upper = torch.full((ctx.q.shape[0], ctx.num_blocks), float("-inf"), device=ctx.device)
             return all_blocks(ctx.num_kv_heads, ctx.num_blocks, ctx.device), upper
-        keep = protected_mask(**counts, device=ctx.device)
+        keep = ctx.window.protected_mask(ctx.device)
         return self._select(ctx.q, ctx.summaries, codes, ctx.num_tokens, None, keep, k, coarse)[:2]
 
     def select_masked(self, q: torch.Tensor, summaries: torch.Tensor, sketch: torch.Tensor, valid: torch.Tensor,

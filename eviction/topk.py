@@ -16,7 +16,7 @@ import torch
 
 from eviction.policy import Policy, ScoreContext
 from eviction.quest_kernel import check_inputs, quest_scores, quest_scores_ref
-from eviction.select import all_blocks, cdiv, num_selected, protected_range, select, top_blocks
+from eviction.select import SeqWindow, all_blocks, check_window, select, top_blocks
 
 
 @dataclass
@@ -36,16 +36,8 @@ class TopK(Policy):
     def select(self, ctx: ScoreContext, budget_tokens: int) -> torch.Tensor:
         # Same result as the shared select; overridden only so the kernel writes the
         # protected blocks' +inf itself, one launch fewer per layer and step.
-        return topk_select(
-            _query(ctx),
-            ctx.summaries,
-            num_tokens=ctx.num_tokens,
-            block_tokens=ctx.block_tokens,
-            budget_tokens=budget_tokens,
-            sink_tokens=ctx.sink_tokens,
-            recent_tokens=ctx.recent_tokens,
-            group_reduce=self.group_reduce,
-        )
+        return topk_select(_query(ctx), ctx.summaries, ctx.window, budget_tokens=budget_tokens,
+                           group_reduce=self.group_reduce)
 
 
 def _query(ctx: ScoreContext) -> torch.Tensor:
@@ -57,12 +49,9 @@ def _query(ctx: ScoreContext) -> torch.Tensor:
 def topk_select(
     q: torch.Tensor,
     summaries: torch.Tensor,
+    window: SeqWindow,
     *,
-    num_tokens: int,
-    block_tokens: int,
     budget_tokens: int,
-    sink_tokens: int,
-    recent_tokens: int,
     group_reduce: str = "max",
     use_kernel: bool | None = None,
 ) -> torch.Tensor:
@@ -75,30 +64,15 @@ def topk_select(
     so it can be captured in a CUDA graph. A budget covering everything launches nothing.
     """
     num_blocks, num_kv_heads, _ = check_inputs(q, summaries, group_reduce)
-    k = num_selected(
-        num_tokens=num_tokens,
-        block_tokens=block_tokens,
-        budget_tokens=budget_tokens,
-        sink_tokens=sink_tokens,
-        recent_tokens=recent_tokens,
-    )
-    expected = cdiv(num_tokens, block_tokens)
-    if num_blocks != expected:
-        raise ValueError(f"summaries: expected {expected} blocks for {num_tokens} tokens, got {num_blocks}")
+    k = check_window(window).num_selected(budget_tokens)
+    if num_blocks != window.num_blocks:
+        expected = f"{window.num_blocks} blocks for {window.num_tokens} tokens"
+        raise ValueError(f"summaries: expected {expected}, got {num_blocks}")
     if k >= num_blocks:
         return all_blocks(num_kv_heads, num_blocks, summaries.device)
     if not (summaries.is_cuda if use_kernel is None else use_kernel):
         scores = quest_scores_ref(q, summaries, group_reduce=group_reduce)
-        return select(
-            scores,
-            num_tokens=num_tokens,
-            block_tokens=block_tokens,
-            budget_tokens=budget_tokens,
-            sink_tokens=sink_tokens,
-            recent_tokens=recent_tokens,
-        )
-    sink_blocks, recent_start = protected_range(
-        num_tokens=num_tokens, block_tokens=block_tokens, sink_tokens=sink_tokens, recent_tokens=recent_tokens
-    )
+        return select(scores, window, budget_tokens)
+    sink_blocks, recent_start = window.protected_range()
     scores = quest_scores(q, summaries, group_reduce=group_reduce, sink_blocks=sink_blocks, recent_start=recent_start)
     return top_blocks(scores, k)

@@ -20,7 +20,7 @@ import torch
 
 from eviction import H2O, Policy, ScoreContext
 from eviction.certify import certified_omitted_mass
-from eviction.select import num_protected, num_selected
+from eviction.select import SeqWindow
 from eviction.sketch_topk import SketchTopK
 from kvstore.attention import kernel_for
 from kvstore.config import Config
@@ -94,9 +94,9 @@ class DecodePath:
     def context(self, table: LayerTable, q: torch.Tensor, budget: int) -> ScoreContext:
         """What a policy sees of `table` at this step (validated once, here)."""
         n = table.num_blocks
-        return ScoreContext(summaries=table.summaries[:n], num_tokens=table.num_tokens,
-                            block_tokens=self.block_tokens, sink_tokens=self.sink_tokens,
-                            recent_tokens=self.recent_window(budget), q=q, h2o_scores=table.h2o_scores[:, :n],
+        window = SeqWindow(num_tokens=table.num_tokens, block_tokens=self.block_tokens,
+                           sink_tokens=self.sink_tokens, recent_tokens=self.recent_window(budget))
+        return ScoreContext(summaries=table.summaries[:n], window=window, q=q, h2o_scores=table.h2o_scores[:, :n],
                             sketch=table.sketch)
 
     def attend(self, table: LayerTable, q: torch.Tensor, policy: Policy | None, budget: int,
@@ -140,14 +140,12 @@ class DecodePath:
         at `budget`, or (epsilon) at the first power-of-two block count whose bound is <= epsilon."""
         ctx = self.context(table, q, budget)
         b = self.block_tokens
-        counts = dict(num_tokens=ctx.num_tokens, block_tokens=b, sink_tokens=ctx.sink_tokens,
-                      recent_tokens=ctx.recent_tokens)
-        most = num_selected(budget_tokens=budget, **counts)
+        most = ctx.window.num_selected(budget)
         sizes = [most]
         if epsilon is not None:
             if not 0 < epsilon < 1:
                 raise ValueError(f"epsilon must be in (0, 1), got {epsilon!r}")
-            k = 1 << num_protected(**counts).bit_length()  # a power of two above the protected blocks
+            k = 1 << ctx.window.num_protected().bit_length()  # a power of two above the protected blocks
             sizes = []
             while k < most:  # block counts a captured graph could replay: powers of two, then the budget
                 sizes.append(k)

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eviction.policy import ScoreContext
+from eviction.select import SeqWindow
 from eviction.certify import (attended_lse, certified_omitted_mass, omitted_mass_bounds,
                               omitted_mass_bounds_ref, true_omitted_mass)
 from eviction.certify_kernel import omitted_mass_bounds_kernel
@@ -28,8 +29,8 @@ def _logits(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 def _certify(q, keys, block_tokens, budget, policy, sink=16, recent=32):
     summaries, codes = sketch_keys(keys, block_tokens)
-    ctx = ScoreContext(summaries, num_tokens=keys.shape[0], block_tokens=block_tokens, sink_tokens=sink,
-                       recent_tokens=recent, q=q, sketch=codes)
+    window = SeqWindow(num_tokens=keys.shape[0], block_tokens=block_tokens, sink_tokens=sink, recent_tokens=recent)
+    ctx = ScoreContext(summaries, window, q=q, sketch=codes)
     chosen, upper = policy.select_with_bounds(ctx, budget)
     logits = _logits(q, keys)
     certified = certified_omitted_mass(upper, chosen, attended_lse(logits, chosen, block_tokens))

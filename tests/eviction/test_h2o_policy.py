@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eviction import H2O, ScoreContext, h2o_evict
-from eviction.select import cdiv, protected_mask
+from eviction import H2O, ScoreContext, SeqWindow, h2o_evict
+from eviction.select import cdiv
 
 
 def _step_mass(num_kv_heads: int, num_blocks: int, heavy: list[int], g: torch.Generator) -> torch.Tensor:
@@ -27,26 +27,29 @@ def test_drop_mode_keeps_heavy_hitters_sinks_and_recent() -> None:
         mass = _step_mass(num_kv_heads, num_blocks, [b for b in heavy if b < num_blocks], g)
         mass[:, dropped] = 0.0  # dropped blocks are never attended again
         scores = torch.nn.functional.pad(scores, (0, num_blocks - scores.shape[1])) + mass
-        dropped += h2o_evict(scores, num_tokens=num_tokens, keep_tokens=keep_tokens, dropped=dropped, **counts)
+        dropped += h2o_evict(scores, SeqWindow(num_tokens=num_tokens, **counts), keep_tokens=keep_tokens,
+                             dropped=dropped)
         assert num_blocks - len(dropped) == min(num_blocks, 12)
         assert len(set(dropped)) == len(dropped)
     live = sorted(set(range(50)) - set(dropped))
     assert set(heavy) <= set(live)
-    protected = protected_mask(num_tokens=400, **counts).nonzero().flatten().tolist()
+    protected = SeqWindow(num_tokens=400, **counts).protected_mask().nonzero().flatten().tolist()
     assert set(protected) <= set(live) and protected == [0, 48, 49]
 
 
 def test_h2o_policy_scores_select_and_evict() -> None:
     g = torch.Generator().manual_seed(2)
     scores = _step_mass(2, 30, [7, 12], g) + _step_mass(2, 30, [7, 12], g)  # [H, N]
-    ctx = ScoreContext(torch.zeros(30, 2, 2, 16).half(), 240, 8, 8, 8, h2o_scores=scores)
+    window = SeqWindow(num_tokens=240, block_tokens=8, sink_tokens=8, recent_tokens=8)
+    ctx = ScoreContext(torch.zeros(30, 2, 2, 16).half(), window, h2o_scores=scores)
     chosen = H2O().select(ctx, budget_tokens=4 * 8)
     assert [row[:1] + row[-1:] for row in chosen.tolist()] == [[0, 29], [0, 29]]
     assert all({7, 12} <= set(row) for row in chosen.tolist())
     evicted = H2O(head_reduce="sum").evict(ctx, keep_tokens=4 * 8)
     assert len(evicted) == 26 and not {0, 7, 12, 29} & set(evicted) and evicted == sorted(evicted)
     with pytest.raises(ValueError, match="h2o_scores"):
-        H2O().select(ScoreContext(torch.zeros(30, 2, 2, 16).half(), 240, 8), budget_tokens=64)
+        H2O().select(ScoreContext(torch.zeros(30, 2, 2, 16).half(), SeqWindow(num_tokens=240, block_tokens=8)),
+                     budget_tokens=64)
     with pytest.raises(ValueError, match="dropped"):
         H2O().evict(ctx, keep_tokens=32, dropped=[29])
     with pytest.raises(ValueError, match="head_reduce"):

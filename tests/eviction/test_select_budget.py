@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eviction.select import cdiv, num_selected, protected_mask, protected_range, select
+from eviction.select import SeqWindow, cdiv, select
 
 
 def _brute_force(scores: torch.Tensor, protected: torch.Tensor, k: int) -> list[set[int]]:
@@ -20,13 +20,13 @@ def _brute_force(scores: torch.Tensor, protected: torch.Tensor, k: int) -> list[
 
 def test_protected_range_counts_partial_blocks() -> None:
     # 100 tokens of 16: 7 blocks, the last holding 4 tokens.
-    assert protected_range(num_tokens=100, block_tokens=16, sink_tokens=20, recent_tokens=30) == (2, 4)
-    assert protected_range(num_tokens=100, block_tokens=16, sink_tokens=0, recent_tokens=0) == (0, 6)
-    assert protected_range(num_tokens=100, block_tokens=16, sink_tokens=500, recent_tokens=500) == (7, 0)
-    mask = protected_mask(num_tokens=100, block_tokens=16, sink_tokens=16, recent_tokens=4)
+    assert SeqWindow(num_tokens=100, block_tokens=16, sink_tokens=20, recent_tokens=30).protected_range() == (2, 4)
+    assert SeqWindow(num_tokens=100, block_tokens=16, sink_tokens=0, recent_tokens=0).protected_range() == (0, 6)
+    assert SeqWindow(num_tokens=100, block_tokens=16, sink_tokens=500, recent_tokens=500).protected_range() == (7, 0)
+    mask = SeqWindow(num_tokens=100, block_tokens=16, sink_tokens=16, recent_tokens=4).protected_mask()
     assert mask.tolist() == [True, False, False, False, False, False, True]
-    mask = protected_mask(num_tokens=100, block_tokens=16, sink_tokens=17, recent_tokens=5)  # token 95 is in block 5
-    assert mask.tolist() == [True, True, False, False, False, True, True]
+    mask = SeqWindow(num_tokens=100, block_tokens=16, sink_tokens=17, recent_tokens=5).protected_mask()
+    assert mask.tolist() == [True, True, False, False, False, True, True]  # token 95 is in block 5
 
 
 @pytest.mark.parametrize(
@@ -37,20 +37,20 @@ def test_select_keeps_protected_and_best(num_kv_heads, num_tokens, block_tokens,
     torch.manual_seed(num_tokens)
     num_blocks = cdiv(num_tokens, block_tokens)
     scores = torch.randn(num_kv_heads, num_blocks)
-    counts = dict(num_tokens=num_tokens, block_tokens=block_tokens, sink_tokens=sink, recent_tokens=recent)
-    chosen = select(scores, budget_tokens=budget, **counts)
-    k = num_selected(budget_tokens=budget, **counts)
+    window = SeqWindow(num_tokens=num_tokens, block_tokens=block_tokens, sink_tokens=sink, recent_tokens=recent)
+    chosen = select(scores, window, budget_tokens=budget)
+    k = window.num_selected(budget)
     assert chosen.dtype == torch.int64 and tuple(chosen.shape) == (num_kv_heads, k)
     assert bool((chosen[:, 1:] > chosen[:, :-1]).all()), "rows must be strictly ascending"
     assert bool((chosen[:, -1] == num_blocks - 1).all()), "the partial tail block must come last"
-    expected = _brute_force(scores, protected_mask(**counts), k)
+    expected = _brute_force(scores, window.protected_mask(), k)
     assert [set(row) for row in chosen.tolist()] == expected
 
 
 def test_budget_covering_everything_returns_every_block() -> None:
     scores = torch.randn(4, 13)
     for budget in (13 * 8, 10_000):
-        chosen = select(scores, num_tokens=100, block_tokens=8, budget_tokens=budget, sink_tokens=0, recent_tokens=0)
+        chosen = select(scores, SeqWindow(num_tokens=100, block_tokens=8), budget_tokens=budget)
         assert chosen.tolist() == [list(range(13))] * 4
 
 
@@ -59,7 +59,8 @@ def test_protected_blocks_survive_hostile_scores() -> None:
     scores[:, 0] = float("nan")  # a sink block
     scores[:, 19] = float("-inf")  # the tail block
     scores[1, 5] = float("nan")
-    chosen = select(scores, num_tokens=160, block_tokens=8, budget_tokens=40, sink_tokens=8, recent_tokens=8)
+    window = SeqWindow(num_tokens=160, block_tokens=8, sink_tokens=8, recent_tokens=8)
+    chosen = select(scores, window, budget_tokens=40)
     assert chosen.shape == (2, 5)
     assert bool((chosen[:, 0] == 0).all()) and bool((chosen[:, -1] == 19).all())
     assert 5 not in chosen[1].tolist()  # NaN ranks last
@@ -75,10 +76,10 @@ def test_protected_blocks_survive_hostile_scores() -> None:
     num_kv_heads=st.integers(1, 4),
 )
 def test_select_invariants(num_tokens, block_tokens, sink, recent, budget, num_kv_heads) -> None:
-    counts = dict(num_tokens=num_tokens, block_tokens=block_tokens, sink_tokens=sink, recent_tokens=recent)
+    window = SeqWindow(num_tokens=num_tokens, block_tokens=block_tokens, sink_tokens=sink, recent_tokens=recent)
     num_blocks = cdiv(num_tokens, block_tokens)
-    chosen = select(torch.rand(num_kv_heads, num_blocks), budget_tokens=budget, **counts)
-    protected = protected_mask(**counts).nonzero().flatten().tolist()
+    chosen = select(torch.rand(num_kv_heads, num_blocks), window, budget_tokens=budget)
+    protected = window.protected_mask().nonzero().flatten().tolist()
     for row in chosen.tolist():
         assert row == sorted(set(row)) and row[-1] == num_blocks - 1
         assert set(protected) <= set(row)
@@ -100,5 +101,13 @@ def test_select_invariants(num_tokens, block_tokens, sink, recent, budget, num_k
 )
 def test_select_rejects_bad_input(scores, kwargs, message) -> None:
     args = dict(num_tokens=30, block_tokens=8, budget_tokens=16, sink_tokens=0, recent_tokens=0) | kwargs
+    budget = args.pop("budget_tokens")
     with pytest.raises(ValueError, match=message):
-        select(scores, **args)
+        select(scores, SeqWindow(**args), budget_tokens=budget)
+
+
+def test_select_rejects_counts_that_are_not_a_window() -> None:
+    with pytest.raises(ValueError, match="window: expected a SeqWindow, got dict"):
+        select(torch.rand(2, 4), dict(num_tokens=30, block_tokens=8), budget_tokens=16)
+    with pytest.raises(TypeError):
+        SeqWindow(30, 8)  # keywords only: four ints in a row are easy to swap

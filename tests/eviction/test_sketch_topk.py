@@ -7,7 +7,7 @@ import torch
 
 from eviction import TopK
 from eviction.policy import ScoreContext
-from eviction.select import protected_mask
+from eviction.select import SeqWindow
 from eviction.sketch import sketch_keys
 from eviction.sketch_topk import SketchTopK, block_mass
 
@@ -35,8 +35,8 @@ def _needle_case(seed: int, num_kv_heads: int = 2, group: int = 3, head_dim: int
             keys[pos, head] = mean + radius * (0.5 * along + 0.75**0.5 * across)
     keys, q = keys.to(device), q.to(device)
     summaries, codes = sketch_keys(keys.half(), block_tokens)
-    ctx = ScoreContext(summaries, num_tokens=num_tokens, block_tokens=block_tokens, sink_tokens=32,
-                       recent_tokens=64, q=q.half(), sketch=codes)
+    window = SeqWindow(num_tokens=num_tokens, block_tokens=block_tokens, sink_tokens=32, recent_tokens=64)
+    ctx = ScoreContext(summaries, window, q=q.half(), sketch=codes)
     return ctx, positions // block_tokens
 
 
@@ -64,7 +64,7 @@ def test_selection_contract() -> None:
     scores = policy.score(ctx)
     assert scores.shape == (2, ctx.num_blocks) and scores.dtype == torch.float32
     torch.testing.assert_close(scores.sum(1), torch.ones(2))  # shares of the estimated softmax
-    protected = protected_mask(num_tokens=ctx.num_tokens, block_tokens=16, sink_tokens=32, recent_tokens=64)
+    protected = SeqWindow(num_tokens=ctx.num_tokens, block_tokens=16, sink_tokens=32, recent_tokens=64).protected_mask()
     for budget in (0, 100, 700, 10_000):
         chosen, upper = policy.select_with_bounds(ctx, budget)
         assert upper.shape == (6, ctx.num_blocks)
@@ -82,7 +82,7 @@ def test_block_mass_is_a_group_mean_of_shares() -> None:
 
 def test_missing_sketch_or_bad_settings_raise() -> None:
     ctx, _ = _needle_case(1)
-    bare = ScoreContext(ctx.summaries, num_tokens=ctx.num_tokens, block_tokens=16, q=ctx.q)
+    bare = ScoreContext(ctx.summaries, SeqWindow(num_tokens=ctx.num_tokens, block_tokens=16), q=ctx.q)
     with pytest.raises(ValueError, match="sketch"):
         SketchTopK().select(bare, 100)
     with pytest.raises(ValueError, match="coarse_factor"):
@@ -92,7 +92,8 @@ def test_missing_sketch_or_bad_settings_raise() -> None:
     with pytest.raises(ValueError, match="min_candidates"):
         SketchTopK(min_candidates=1.5)
     with pytest.raises(ValueError, match="sketch: expected"):
-        ScoreContext(ctx.summaries, num_tokens=ctx.num_tokens, block_tokens=16, q=ctx.q, sketch=ctx.sketch[:, :1])
+        ScoreContext(ctx.summaries, SeqWindow(num_tokens=ctx.num_tokens, block_tokens=16), q=ctx.q,
+                     sketch=ctx.sketch[:, :1])
 
 
 @pytest.mark.parametrize("coarse_factor", [0, 2, 8])
@@ -107,7 +108,7 @@ def test_masked_selection_over_garbage_capacity_matches(coarse_factor) -> None:
     sketch[n - 1] = torch.randint(0, 256, sketch.shape[1:], dtype=torch.uint8)  # the partial tail's codes lag
     positions = torch.arange(capacity)
     valid = positions < n
-    protected = protected_mask(num_tokens=ctx.num_tokens, block_tokens=16, sink_tokens=32, recent_tokens=64)
+    protected = SeqWindow(num_tokens=ctx.num_tokens, block_tokens=16, sink_tokens=32, recent_tokens=64).protected_mask()
     protected = torch.cat((protected, torch.zeros(37, dtype=torch.bool)))
     policy = SketchTopK(coarse_factor=coarse_factor, min_candidates=0)
     for budget in (16 * 12, 16 * 40):

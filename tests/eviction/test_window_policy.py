@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eviction import POLICIES, Policy, ScoreContext, Window
-from eviction.select import cdiv, protected_mask
+from eviction import POLICIES, Policy, ScoreContext, SeqWindow, Window
+from eviction.select import cdiv
 from eviction.sketch import sketch_keys
 
 
@@ -15,10 +15,7 @@ def _context(num_tokens: int = 1000, block_tokens: int = 16, num_kv_heads: int =
     return ScoreContext(
         summaries=summaries,
         sketch=sketch,
-        num_tokens=num_tokens,
-        block_tokens=block_tokens,
-        sink_tokens=40,
-        recent_tokens=100,
+        window=SeqWindow(num_tokens=num_tokens, block_tokens=block_tokens, sink_tokens=40, recent_tokens=100),
         q=torch.randn(num_kv_heads * 3, 32, generator=g).half(),
         h2o_scores=torch.rand(num_kv_heads, num_blocks, generator=g),
     )
@@ -27,7 +24,7 @@ def _context(num_tokens: int = 1000, block_tokens: int = 16, num_kv_heads: int =
 def test_window_keeps_only_sinks_and_recent() -> None:
     ctx = _context()
     chosen = Window().select(ctx, budget_tokens=0)
-    protected = protected_mask(num_tokens=1000, block_tokens=16, sink_tokens=40, recent_tokens=100)
+    protected = SeqWindow(num_tokens=1000, block_tokens=16, sink_tokens=40, recent_tokens=100).protected_mask()
     assert chosen.tolist() == [protected.nonzero().flatten().tolist()] * 2
     assert chosen[0].tolist() == [0, 1, 2, *range(56, 63)]  # tokens 900..999 start in block 56
 
@@ -46,8 +43,8 @@ def test_every_policy_returns_sorted_tables_with_protected_blocks(name, num_toke
     ctx = _context(num_tokens, block_tokens, seed=num_tokens)
     chosen = policy.select(ctx, budget_tokens=budget)
     num_blocks = ctx.num_blocks
-    protected = set(protected_mask(num_tokens=num_tokens, block_tokens=block_tokens, sink_tokens=40, recent_tokens=100)
-                    .nonzero().flatten().tolist())  # fmt: skip
+    window = SeqWindow(num_tokens=num_tokens, block_tokens=block_tokens, sink_tokens=40, recent_tokens=100)
+    protected = set(window.protected_mask().nonzero().flatten().tolist())
     k = min(num_blocks, max(len(protected), budget // block_tokens))
     assert chosen.dtype == torch.int64 and chosen.shape == (ctx.num_kv_heads, k)
     for row in chosen.tolist():
