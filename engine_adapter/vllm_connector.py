@@ -83,7 +83,8 @@ class KVTierConnector(KVConnectorBase_V1):
             hashes, num_held = lookup(self.client, self.namespace, self.keys, request.prompt_token_ids or [])
             plan = self.requests[request.request_id] = RequestPlan(hashes, num_held)
         plan.loads_from = num_computed_tokens // self.block_size
-        return max(0, plan.num_held * self.block_size - num_computed_tokens), False
+        num_claimable = (len(request.prompt_token_ids or ()) - 1) // self.block_size  # never the last token
+        return max(0, min(plan.num_held, num_claimable) * self.block_size - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         plan = self.requests.get(request.request_id)

@@ -113,9 +113,12 @@ def load(client: Client, namespace: str, paged: PagedLayers, transfer: ChunkTran
         return set()
     try:
         chunks = client.retrieve_chunks(namespace, transfer.chunk_hashes)
-    except ServiceError as exc:  # one bad chunk fails the whole batch: find which, one by one
+    except (CorruptValueError, NotFoundError) as exc:  # one bad chunk fails the whole batch: find which
         log.warning("kvtier load of %d chunks failed (%s); retrying chunk by chunk", len(transfer.block_ids), exc)
         chunks = [None] * len(transfer.chunk_hashes)
+    except ServiceError as exc:  # unreachable, say: every block is recomputed
+        log.warning("kvtier load of %d chunks failed, they are recomputed: %s", len(transfer.block_ids), exc)
+        return set(transfer.block_ids)
     failed: set[int] = set()
     for block_id, chunk_hash, chunk in zip(transfer.block_ids, transfer.chunk_hashes, chunks):
         try:
@@ -126,7 +129,7 @@ def load(client: Client, namespace: str, paged: PagedLayers, transfer: ChunkTran
             log.warning("kvtier chunk %s is damaged, block %d is recomputed: %s", chunk_hash, block_id, exc)
             failed.add(block_id)
             _delete_quietly(client, namespace, chunk_hash)
-        except (NotFoundError, ServiceError) as exc:
+        except ServiceError as exc:  # missing (evicted, deleted) or unreachable
             log.warning("kvtier chunk %s not loaded, block %d is recomputed: %s", chunk_hash, block_id, exc)
             failed.add(block_id)
     return failed

@@ -108,13 +108,15 @@ def engine(model_dir: str, prompts: list[list[int]], url: str | None) -> dict:
                           timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"engine failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    print(f"engine ({'connector' if url else 'no connector'}): cached {result['cached']} finish {result['finish']}")
+    return result
 
 
 def flip_byte(data_dir: Path, key: bytes, offset: int = -7) -> None:
     import lmdb
 
-    env = lmdb.open(str(data_dir / "values.lmdb"), subdir=True)
+    env = lmdb.open(str(data_dir / "values.lmdb"), subdir=True, map_size=64 << 30)  # the sidecar's ssd budget
     with env.begin(write=True) as txn:
         value = bytearray(txn.get(key))
         value[offset % len(value)] ^= 0x10
@@ -122,6 +124,7 @@ def flip_byte(data_dir: Path, key: bytes, offset: int = -7) -> None:
     env.close()
 
 
+@pytest.mark.timeout(1500)  # five engines, one after the other, on 2 cores
 def test_second_engine_serves_prefix_from_sidecar_and_recomputes_what_it_cannot(model_dir, prompts, tmp_path):
     prompt_a, prompt_b = prompts
     baseline = engine(model_dir, [prompt_a, prompt_b], url=None)  # vLLM without any connector
