@@ -25,6 +25,16 @@ _MASS_CHUNK = 256  # blocks per program of the mass
 
 
 @triton.jit
+def store_split(o_part_ptr, lse_part_ptr, part, m_i, l_i, acc, g_ok, HEAD_DIM: tl.constexpr):
+    """A split kernel's result for rows `part` [M] of o_part / lse_part: acc [M, D] / l, and log2-sum-exp2
+    m + log2(l) (-inf where l = 0: a split or tile with no tokens)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    tl.store(o_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None], mask=g_ok[:, None])
+    tl.store(lse_part_ptr + part, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=g_ok)
+
+
+@triton.jit
 def _merge_kernel(
     o_part_ptr, lse_part_ptr, lse_block_ptr, num_tokens_ptr, out_ptr, mass_ptr, scores_ptr, index_ptr, lse_out_ptr,
     s_out_batch, s_out_head, num_kv_heads, num_splits, max_blocks, s_sc_head, s_ix_head, s_ix_blk,
@@ -96,6 +106,16 @@ def _merge_kernel(
             idx = tl.load(index_ptr + head * s_ix_head + offs_j * s_ix_blk, mask=live, other=0)
             score_ptrs = scores_ptr + head * s_sc_head + idx
             tl.store(score_ptrs, tl.load(score_ptrs, mask=live, other=0.0) + mass, mask=live)
+
+
+def empty_partials(geom: DecodeGeometry, num_splits: int, return_block_mass: bool,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a split walk fills for merge_splits: o_part, lse_part and lse_block (a stand-in [1] without mass)."""
+    b, nq, f32 = geom.batch, geom.num_q_heads, torch.float32
+    o_part = torch.empty((b, nq, num_splits, geom.head_dim), dtype=f32, device=device)  # [B, Hq, S, D]
+    lse_part = torch.empty((b, nq, num_splits), dtype=f32, device=device)  # [B, Hq, S]
+    lse_block = torch.empty((b, nq, geom.max_blocks) if return_block_mass else (1,), dtype=f32, device=device)
+    return o_part, lse_part, lse_block
 
 
 def merge_splits(

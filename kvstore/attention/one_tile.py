@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kvstore.attention.append import NewToken, append_head
+from kvstore.attention.merge import empty_partials, store_split
 from kvstore.attention.plan import DecodeConfig, DecodeGeometry
 from kvstore.attention.tiles import load_kv_at
 
@@ -121,10 +122,8 @@ def _one_tile_kernel(
                              float("-inf"))
         lse_rows = lse_block_ptr + (b * num_q_heads + q_head) * max_blocks  # [M] pointers
         tl.store(lse_rows[:, None] + blk[None, :], block_lse, mask=g_ok[:, None] & blk_ok[None, :])
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
     part = (b * num_q_heads + q_head) * num_tiles + tile  # [M]
-    tl.store(o_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None], mask=g_ok[:, None])
-    tl.store(lse_part_ptr + part, tl.where(l_i > 0, m + tl.log2(l_safe), float("-inf")), mask=g_ok)
+    store_split(o_part_ptr, lse_part_ptr, part, m, l_i, acc, g_ok, HEAD_DIM)
 
 
 def one_tile_partials(
@@ -137,12 +136,8 @@ def one_tile_partials(
     a checked NewToken, batch 1, whose token is each row's last) ->
     o_part f32 [B, Hq, S, D], lse_part f32 [B, Hq, S], lse_block f32 [B, Hq, max_blocks] (or [1] without mass)
     with one split per tile: S = cfg.num_splits = ceil(max_blocks / cfg.blocks_per_iter)."""
-    b, nq, h, d = geom.batch, geom.num_q_heads, geom.num_kv_heads, geom.head_dim
-    num_tiles, dev, f32 = cfg.num_splits, q.device, torch.float32
-    o_part = torch.empty((b, nq, num_tiles, d), dtype=f32, device=dev)  # [B, Hq, S, D]
-    lse_part = torch.empty((b, nq, num_tiles), dtype=f32, device=dev)  # [B, Hq, S]
-    lse_block = torch.empty((b, nq, geom.max_blocks) if return_block_mass else (1,), dtype=f32, device=dev)
-    _one_tile_kernel[(b, h, num_tiles)](
+    o_part, lse_part, lse_block = empty_partials(geom, cfg.num_splits, return_block_mass, q.device)
+    _one_tile_kernel[(geom.batch, geom.num_kv_heads, cfg.num_splits)](
         q, hot_pool, warm_words, warm_k_scale, warm_v_scale, block_table, block_is_int8, num_tokens,
         o_part, lse_part, lse_block,
         *(append or (q,) * 5),  # unused pointers without APPEND
@@ -151,8 +146,8 @@ def one_tile_partials(
         warm_words.stride(0), warm_words.stride(1), warm_words.stride(2), warm_words.stride(3),
         warm_k_scale.stride(0), warm_k_scale.stride(1), warm_v_scale.stride(0), warm_v_scale.stride(1),
         *block_table.stride(), *block_is_int8.stride(),
-        qk_scale, geom.max_blocks, nq,
-        GROUP=geom.group, GROUP_PAD=max(16, triton.next_power_of_2(geom.group)), HEAD_DIM=d,
+        qk_scale, geom.max_blocks, geom.num_q_heads,
+        GROUP=geom.group, GROUP_PAD=max(16, triton.next_power_of_2(geom.group)), HEAD_DIM=geom.head_dim,
         BLOCK_TOKENS=geom.block_tokens, BLOCKS_PER_ITER=cfg.blocks_per_iter,
         HAS_HOT=hot_pool.shape[0] > 0, HAS_WARM=warm_words.shape[0] > 0, RETURN_MASS=return_block_mass,
         USE_ASM=use_asm, APPEND=append is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -25,13 +25,13 @@ import triton.language as tl
 from kvcuda import nvrtc
 from kvstore.attention import int8_mma
 from kvstore.attention.append import NewToken, append_token
-from kvstore.attention.merge import merge_splits
+from kvstore.attention.merge import empty_partials, merge_splits, store_split
 from kvstore.attention.one_tile import one_tile_partials
 from kvstore.attention.partition import PartitionedTable, kept_or_new_partition
 from kvstore.attention.plan import (DecodeConfig, DecodeGeometry, check_append, check_decode_inputs,
                                    check_kernel_layout, check_lse_target, check_mass_target, decode_config,
                                    use_asm)
-from kvstore.attention.tiles import entries, launch_dependents, load_kv
+from kvstore.attention.tiles import entries, launch_dependents, load_kv_at, token_entries
 
 LOG2E = 1.4426950408889634
 # how paged_decode walks a table: "auto" (one_tile for a short table, else partition), one tile per program,
@@ -61,9 +61,11 @@ def _attend(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     for j0 in range(lo, hi, BLOCKS_PER_ITER):
-        k, v, v_mul, tok_ok = load_kv(
+        tok_slot, tok_ok, tok_int8 = token_entries(slot_row, pos_row, is_int8_row, s_ent, s_i8_blk, j0, hi, n_tok,
+                                                   BLOCK_TOKENS, BLOCKS_PER_ITER, HAS_HOT, HAS_WARM, PARTITIONED)
+        k, v, v_mul = load_kv_at(
             hot_ptr, warm_ptr, k_scale_ptr, v_scale_ptr, slot_row, pos_row, is_int8_row, s_ent, s_i8_blk,
-            j0, hi, n_tok, head,
+            j0, hi, n_tok, head, tok_slot, tok_ok, tok_int8,
             s_hot_slot, s_hot_kv, s_hot_head, s_hot_tok,
             s_warm_slot, s_warm_kv, s_warm_head, s_warm_tok,
             s_ks_slot, s_ks_head, s_vs_slot, s_vs_head,
@@ -88,6 +90,22 @@ def _attend(
             tl.store(lse_rows[:, None] + pos[None, :], block_lse, mask=g_ok[:, None] & blk_ok[None, :])
     if HAS_WARM:
         acc = acc / V_BOOST
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_one_pool(
+    is_warm, args, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+    BLOCKS_PER_ITER: tl.constexpr, PARTITIONED: tl.constexpr, RETURN_MASS: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    """_attend(*args) over entries all of one pool: the warm one's loop where is_warm, else the hot one's (both
+    compiled where is_warm is a runtime flag, one where it is a literal)."""
+    if is_warm:
+        m_i, l_i, acc = _attend(*args, GROUP_PAD, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER,
+                                False, True, PARTITIONED, RETURN_MASS, USE_ASM)
+    else:
+        m_i, l_i, acc = _attend(*args, GROUP_PAD, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER,
+                                True, False, PARTITIONED, RETURN_MASS, USE_ASM)
     return m_i, l_i, acc
 
 
@@ -165,31 +183,24 @@ def _split_kernel(
     # constexprs spelled out at each call: a tuple of them compiles to tensors (the interpreter does not mind)
     if HAS_HOT and HAS_WARM:
         if PARTITIONED:
-            if is_warm:
-                m_i, l_i, acc = _attend(*args, GROUP_PAD, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER,
-                                        False, True, True, RETURN_MASS, USE_ASM)
-            else:
-                m_i, l_i, acc = _attend(*args, GROUP_PAD, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER,
-                                        True, False, True, RETURN_MASS, USE_ASM)
+            m_i, l_i, acc = _attend_one_pool(is_warm, args, GROUP_PAD, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER,
+                                             True, RETURN_MASS, USE_ASM)
         else:
             n_int8 = _count_int8(is_int8_row, s_i8_blk, lo, hi, 256)
             if n_int8 == 0:
-                m_i, l_i, acc = _attend(*args, GROUP_PAD, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER,
-                                        True, False, False, RETURN_MASS, USE_ASM)
+                m_i, l_i, acc = _attend_one_pool(False, args, GROUP_PAD, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER,
+                                                 False, RETURN_MASS, USE_ASM)
             elif n_int8 == hi - lo:
-                m_i, l_i, acc = _attend(*args, GROUP_PAD, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER,
-                                        False, True, False, RETURN_MASS, USE_ASM)
+                m_i, l_i, acc = _attend_one_pool(True, args, GROUP_PAD, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER,
+                                                 False, RETURN_MASS, USE_ASM)
             else:
                 m_i, l_i, acc = _attend(*args, GROUP_PAD, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER,
                                         True, True, False, RETURN_MASS, USE_ASM)
     else:
         m_i, l_i, acc = _attend(*args, GROUP_PAD, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER,
                                 HAS_HOT, HAS_WARM, PARTITIONED, RETURN_MASS, USE_ASM)
-
-    l_safe = tl.where(l_i > 0, l_i, 1.0)  # 0 only for a split with no entries
     part = (b * num_q_heads + q_head) * num_splits + split  # [M]
-    tl.store(o_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None], mask=g_ok[:, None])
-    tl.store(lse_part_ptr + part, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=g_ok)
+    store_split(o_part_ptr, lse_part_ptr, part, m_i, l_i, acc, g_ok, HEAD_DIM)
 
 
 def paged_decode(
@@ -254,10 +265,7 @@ def split_partials(
     partitioned = has_hot and has_warm and walk != "dispatch"
     total_splits = 2 * cfg.num_splits if partitioned else cfg.num_splits
     b, nq, h, d, max_blocks = geom.batch, geom.num_q_heads, geom.num_kv_heads, geom.head_dim, geom.max_blocks
-    dev, f32 = q.device, torch.float32
-    o_part = torch.empty((b, nq, total_splits, d), dtype=f32, device=dev)  # [B, Hq, S, D]
-    lse_part = torch.empty((b, nq, total_splits), dtype=f32, device=dev)  # [B, Hq, S]
-    lse_block = torch.empty((b, nq, max_blocks) if return_block_mass else (1,), dtype=f32, device=dev)
+    o_part, lse_part, lse_block = empty_partials(geom, total_splits, return_block_mass, q.device)
     table, positions, num_fp16 = block_table, block_table, num_tokens[:, None].expand(b, h)  # direct: last 2 unused
     if partitioned:
         part = kept_or_new_partition(partition, block_table, block_is_int8, num_tokens, geom.block_tokens)

@@ -100,40 +100,23 @@ def load_int8_k(
 
 
 @triton.jit
-def load_kv(
-    hot_ptr, warm_ptr, k_scale_ptr, v_scale_ptr, slot_row, pos_row, is_int8_row, s_ent, s_i8_blk,
-    j0, idx_hi, n_tok, head,
-    s_hot_slot, s_hot_kv, s_hot_head, s_hot_tok,
-    s_warm_slot, s_warm_kv, s_warm_head, s_warm_tok,
-    s_ks_slot, s_ks_head, s_vs_slot, s_vs_head,
-    HEAD_DIM: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr,
-    HAS_HOT: tl.constexpr, HAS_WARM: tl.constexpr, PARTITIONED: tl.constexpr, USE_ASM: tl.constexpr,
-    V_BOOST: tl.constexpr,
+def token_entries(
+    slot_row, pos_row, is_int8_row, s_ent, s_i8_blk, j0, idx_hi, n_tok,
+    BLOCK_TOKENS: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr, HAS_HOT: tl.constexpr, HAS_WARM: tl.constexpr,
+    PARTITIONED: tl.constexpr,
 ):
-    """Entries j0 .. j0 + BLOCKS_PER_ITER of one kv head: k, v fp16 [N, D], v_mul f32 [N], tok_ok [N].
-
-    K = k. V = v * v_mul / V_BOOST: int8 blocks keep their integer values in v and their per-token
-    scale in v_mul, which the caller folds into the probabilities (fp16 blocks: v_mul = V_BOOST).
-    The boost keeps p * v_scale out of fp16's subnormals. Without HAS_WARM v_mul is unused.
-    tok_ok: the token is one of the row's first n_tok (k and v are 0 where it is not).
-    """
+    """Per token of entries j0 .. j0 + BLOCKS_PER_ITER, what load_kv_at takes: slot int64 [N], tok_ok [N] (the
+    entry is below idx_hi and the token one of the row's first n_tok) and tok_int8 [N] (read only with both pools:
+    else tok_ok)."""
     n: tl.constexpr = BLOCKS_PER_ITER * BLOCK_TOKENS
     offs_n = tl.arange(0, n)
     tok_idx = j0 + offs_n // BLOCK_TOKENS
     tok_slot, tok_pos, tok_ok = entries(slot_row, pos_row, s_ent, tok_idx, idx_hi, PARTITIONED)
     tok_ok &= tok_pos * BLOCK_TOKENS + offs_n % BLOCK_TOKENS < n_tok  # [N]
-    tok_int8 = tok_ok  # read only with both pools
+    tok_int8 = tok_ok
     if HAS_HOT and HAS_WARM:
         tok_int8 = tl.load(is_int8_row + tok_idx * s_i8_blk, mask=tok_ok, other=0) != 0
-    k, v, v_mul = load_kv_at(
-        hot_ptr, warm_ptr, k_scale_ptr, v_scale_ptr, slot_row, pos_row, is_int8_row, s_ent, s_i8_blk,
-        j0, idx_hi, n_tok, head, tok_slot, tok_ok, tok_int8,
-        s_hot_slot, s_hot_kv, s_hot_head, s_hot_tok,
-        s_warm_slot, s_warm_kv, s_warm_head, s_warm_tok,
-        s_ks_slot, s_ks_head, s_vs_slot, s_vs_head,
-        HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER, HAS_HOT, HAS_WARM, PARTITIONED, USE_ASM, V_BOOST,
-    )
-    return k, v, v_mul, tok_ok
+    return tok_slot, tok_ok, tok_int8
 
 
 @triton.jit
@@ -147,10 +130,16 @@ def load_kv_at(
     HAS_HOT: tl.constexpr, HAS_WARM: tl.constexpr, PARTITIONED: tl.constexpr, USE_ASM: tl.constexpr,
     V_BOOST: tl.constexpr,
 ):
-    """load_kv with the per-token entries already loaded: slot int64 [N], tok_ok [N] and tok_int8 [N] (read only
-    with both pools), so a caller can issue those loads before it knows the row's length. The per-block
-    entries (int8 K's slots and scales) are loaded here, bounded by idx_hi; they hit the cache lines the
-    per-token ones brought in."""
+    """Entries j0 .. j0 + BLOCKS_PER_ITER of one kv head, given their per-token slot int64 [N], tok_ok [N] and
+    tok_int8 [N] (read only with both pools; token_entries, or loads a caller issues before it knows the row's
+    length): k, v fp16 [N, D] (0 where tok_ok is not) and v_mul f32 [N].
+
+    K = k. V = v * v_mul / V_BOOST: int8 blocks keep their integer values in v and their per-token
+    scale in v_mul, which the caller folds into the probabilities (fp16 blocks: v_mul = V_BOOST).
+    The boost keeps p * v_scale out of fp16's subnormals. Without HAS_WARM v_mul is unused.
+    The per-block entries (int8 K's slots and scales) are loaded here, bounded by idx_hi; they hit the
+    cache lines the per-token ones brought in.
+    """
     n: tl.constexpr = BLOCKS_PER_ITER * BLOCK_TOKENS
     offs_d = tl.arange(0, HEAD_DIM)
     tok_in_blk = tl.arange(0, n) % BLOCK_TOKENS
