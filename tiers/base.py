@@ -9,7 +9,7 @@ import torch
 import xxhash
 
 from tiers.errors import BlockMissingError, CapacityError, IntegrityError  # noqa: F401  (tiers import them from here)
-from tiers.layout import Blocks, Int8Blocks
+from tiers.layout import BlockLayout, Blocks, Int8Blocks
 
 
 def device_ints(values: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -178,15 +178,60 @@ class PooledTier:
         self.slots.check()
 
 
+class DevicePoolTier(PooledTier):
+    """A pooled tier on the store's device, one preallocated `pool` in its format (hot: fp16, warm: int8): a row
+    per slot and, past them, `staging_blocks` rows for cold blocks fetched for one decode step (not stored here).
+    A subclass builds the pool and writes `_to_format` and `_write_rows`."""
+
+    pool: Blocks
+
+    def __init__(self, layout: BlockLayout, block_bytes: int, capacity_bytes: int, device: torch.device | str,
+                 staging_blocks: int) -> None:
+        self.layout = layout
+        self.block_bytes = block_bytes
+        self.device = torch.device(device)
+        self.slots = SlotPool(self.name, capacity_bytes // block_bytes)
+        self.staging_blocks = staging_blocks
+
+    def _to_format(self, blocks: Blocks) -> Blocks:
+        """`blocks` in the pool's format (converted on the device)."""
+        raise NotImplementedError
+
+    def _write_rows(self, rows: torch.Tensor | slice, blocks: Blocks) -> None:
+        """pool[rows] = blocks, blocks in the pool's format on its device."""
+        raise NotImplementedError
+
+    def put(self, ids: Sequence[int], blocks: Blocks) -> None:
+        self.layout.check(blocks)
+        check_ids(ids, len(blocks), self.name)
+        blocks = self._to_format(blocks)
+        slots = device_ints(self.slots.allocate(ids), self.device)
+        self._write_rows(slots, blocks.to(self.device, non_blocking=True))
+
+    def stage(self, blocks: Blocks) -> torch.Tensor:
+        """Copy blocks in the pool's format into the staging rows; returns their slots (int32)."""
+        n = len(blocks)
+        if n > self.staging_blocks:
+            raise ValueError(f"{self.name} tier: {n} blocks to stage, {self.staging_blocks} staging slots")
+        first = self.slots.num_slots
+        self._write_rows(slice(first, first + n), blocks)
+        return torch.arange(first, first + n, dtype=torch.int32, device=self.device)
+
+
 class BudgetedTier:
     """Shared bookkeeping of the cold tiers with a byte budget (ssd, remote, redis): each keeps
-    `_used` and `_capacity` bytes and defines `free_blocks()`, `get()` and `num_blocks`."""
+    `_used` and `_capacity` bytes and `max_value_bytes`, and defines `get()` and `num_blocks`."""
 
     _used: int
     _capacity: int
+    max_value_bytes: int  # the most bytes one block takes in this tier (its value uncompressed)
 
     def fetch(self, ids: Sequence[int], device: torch.device) -> Blocks:
         return self.get(ids).to(device, non_blocking=True)
+
+    def free_blocks(self) -> int:
+        # Counted at max_value_bytes: compression only shrinks, so this never over-promises.
+        return max(0, (self._capacity - self._used) // self.max_value_bytes)
 
     def can_put(self, n: int) -> bool:
         return n <= self.free_blocks()

@@ -239,10 +239,6 @@ class RedisTier(BudgetedTier):
     def __contains__(self, block_id: int) -> bool:
         return block_id in self.sizes
 
-    def free_blocks(self) -> int:
-        # Counted at the uncompressed size: compression only shrinks, so this never over-promises.
-        return max(0, (self._capacity - self._used) // self.max_value_bytes)
-
     @property
     def num_blocks(self) -> int:
         return len(self.sizes)

@@ -34,6 +34,7 @@ class SsdTier(BudgetedTier):
     ) -> None:
         self.layout = layout
         self.block_bytes = layout.fp16_bytes
+        self.max_value_bytes = self.block_bytes + HEADER_BYTES  # an fp16 block stored raw
         self.path = path
         self.key_prefix = key_prefix
         self._capacity = capacity_bytes
@@ -109,10 +110,6 @@ class SsdTier(BudgetedTier):
 
     def __contains__(self, block_id: int) -> bool:
         return self.key(block_id) in self.sizes
-
-    def free_blocks(self) -> int:
-        # Counted at the uncompressed size: compression only shrinks, so this never over-promises.
-        return max(0, (self._capacity - self._used) // (self.block_bytes + HEADER_BYTES))
 
     @property
     def num_blocks(self) -> int:

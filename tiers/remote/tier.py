@@ -34,6 +34,7 @@ class RemoteTier(BudgetedTier):
     ) -> None:
         self.layout = layout
         self.block_bytes = layout.fp16_bytes
+        self.max_value_bytes = self.block_bytes  # an fp16 block (an int8 one takes less)
         self.namespace = namespace or f"kvstore-{uuid.uuid4().hex[:16]}"
         self._capacity = capacity_bytes
         self.is_int8: dict[int, bool] = {}  # block id -> stored as int8 (else fp16)
@@ -121,9 +122,6 @@ class RemoteTier(BudgetedTier):
 
     def __contains__(self, block_id: int) -> bool:
         return block_id in self.is_int8
-
-    def free_blocks(self) -> int:
-        return max(0, (self._capacity - self._used) // self.block_bytes)
 
     @property
     def num_blocks(self) -> int:
