@@ -24,23 +24,19 @@ against paged_decode_ref. Needs ~12 GB of GPU memory; ~3 minutes on an H200.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import time
 
 import torch
-import torch.nn.functional as F
 
-from bench_longctx.kernel_bench import check_correctness
-from bench_longctx.timing import copy_ceiling_GBps, environment, time_ms, write_json
+from bench_longctx.kernel_bench import (BLOCK_SIZES, CONTEXTS, HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, baselines,
+                                        check_correctness, parse_options)
+from bench_longctx.timing import environment, time_ms, write_json
 from kvstore.attention.paged_decode import paged_decode
 from kvstore.attention.partition import partition_table
 from kvstore.attention.plan import DecodeGeometry, decode_config
 
-NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
-CONTEXTS = (131072, 1048576)
-BLOCK_SIZES = (32, 64)
 SINK_BLOCKS, RECENT_TOKENS = 4, 8192
 ONE_POOL = ("fp16", "int8")
 BOTH = ("int8+hot", "fp16+warm", "sinks_recent", "alternate", "first_cooled")
@@ -113,15 +109,6 @@ def sweep(pools: dict, q: torch.Tensor, deadline: float) -> tuple[dict, list[dic
     return {case: config for case, (config, _) in best.items()}, rows
 
 
-def sdpa_ms(num_tokens: int, q: torch.Tensor) -> float:
-    k = torch.randn((1, NUM_KV_HEADS, num_tokens, HEAD_DIM), dtype=torch.float16, device=q.device)
-    v = torch.randn_like(k)
-    ms = time_ms(lambda: F.scaled_dot_product_attention(q[:, :, None, :], k, v, enable_gqa=True), q.device)
-    del k, v
-    torch.cuda.empty_cache()
-    return ms
-
-
 def row(pools: dict, case: str, label: str, ms: float, sdpa: float, ceiling: float, **extra) -> dict:
     gbps = bytes_needed(pools, case) / ms / 1e6
     return {"tokens": pools["n"] * pools["block_tokens"], "block_tokens": pools["block_tokens"], "case": case,
@@ -182,17 +169,10 @@ def print_rows(rows: list[dict]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="directory for int8_bench.json")
-    parser.add_argument("--quick", action="store_true", help="default configs only, no sweep")
-    parser.add_argument("--sweep-seconds", type=float, default=40.0, help="time budget of the 1M sweeps")
-    opts = parser.parse_args()
+    opts = parse_options(__doc__, "int8_bench.json", 40.0, "time budget of the 1M sweeps")
     device = torch.device("cuda")
-    torch.manual_seed(0)
     start = time.time()
-    ceiling = copy_ceiling_GBps(device)
-    q = torch.randn((1, NUM_Q_HEADS, HEAD_DIM), dtype=torch.float16, device=device)  # [1, Hq, D]
-    sdpa = {n: sdpa_ms(n, q) for n in CONTEXTS}
+    ceiling, q, sdpa = baselines(device)
     rows, sweep_rows, best_configs = [], [], {}
     for block_tokens in BLOCK_SIZES:
         for num_tokens in CONTEXTS:

@@ -204,17 +204,27 @@ def summarize(rows: list[dict]) -> dict:
     return summary
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="directory for kernel_bench.json")
+def parse_options(doc: str, out_name: str, sweep_seconds: float, sweep_help: str) -> argparse.Namespace:
+    """--out DIR (where out_name goes), --quick and --sweep-seconds: the options of both decode kernel benches."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help=f"directory for {out_name}")
     parser.add_argument("--quick", action="store_true", help="default configs only, no sweep")
-    parser.add_argument("--sweep-seconds", type=float, default=50.0, help="time budget of the config sweep")
-    opts = parser.parse_args()
-    device = torch.device("cuda")
+    parser.add_argument("--sweep-seconds", type=float, default=sweep_seconds, help=sweep_help)
+    return parser.parse_args()
+
+
+def baselines(device: torch.device) -> tuple[float, torch.Tensor, dict[int, float]]:
+    """Seeded: the copy ceiling in GB/s, the decode query and SDPA's ms at every context."""
     torch.manual_seed(0)
     ceiling = copy_ceiling_GBps(device)
-    q = torch.randn((1, NUM_Q_HEADS, HEAD_DIM), dtype=torch.float16, device=device)
-    sdpa = {n: sdpa_ms(n, q) for n in CONTEXTS}
+    q = torch.randn((1, NUM_Q_HEADS, HEAD_DIM), dtype=torch.float16, device=device)  # [1, Hq, D]
+    return ceiling, q, {n: sdpa_ms(n, q) for n in CONTEXTS}
+
+
+def main() -> None:
+    opts = parse_options(__doc__, "kernel_bench.json", 50.0, "time budget of the config sweep")
+    device = torch.device("cuda")
+    ceiling, q, sdpa = baselines(device)
     best, sweep_rows = ({}, []) if opts.quick else run_sweeps(q, opts.sweep_seconds)
     rows = []
     for num_tokens, block_tokens in itertools.product(CONTEXTS, BLOCK_SIZES):

@@ -47,6 +47,16 @@ def stored_bytes(store: KVStore, seq: int) -> int:
     return warm * lay.int8_bytes + (t.num_blocks - warm) * lay.fp16_bytes
 
 
+def dense_cases(store: KVStore, seq: int, q: torch.Tensor, base: tuple, repeat: int, attend_key: str,
+                kernel_key: str) -> dict:
+    """Dense store.attend over layer 0's blocks (attend_key) and, on CUDA, the paged kernel alone (kernel_key)."""
+    ms = time_ms(lambda: store.attend(seq, 0, q, mode="dense"), store.device, repeat)
+    out = {attend_key: rate(ms, stored_bytes(store, seq), *base)}
+    if store.device.type == "cuda":
+        out[kernel_key] = rate(decode_bench.kernel_only(store, seq, q), stored_bytes(store, seq), *base)
+    return out
+
+
 def topk_cases(store: KVStore, seq: int, q: torch.Tensor, p: DecodePreset, base: tuple, repeat: int) -> dict:
     """top-K at every budget: eager store.attend and, on CUDA, the captured appending layer step."""
     t, lay, dev = store.table(seq, 0), store.layout, store.device
@@ -115,10 +125,8 @@ def measure_context(spec: ModelSpec, ctx: int, p: DecodePreset, device: torch.de
     build = dict(spec=spec, device=str(device), recent_tokens=p.recent_tokens)
     store, seq = decode_bench.build_store(ctx, p.block_tokens, int8=False, needle=None, **build)
     try:
-        dense = time_ms(lambda: store.attend(seq, 0, q, mode="dense"), device, repeat)
-        modes["kvtier_dense"] = rate(dense, stored_bytes(store, seq), *base)
+        modes.update(dense_cases(store, seq, q, base, repeat, "kvtier_dense", "kernel_fp16"))
         if device.type == "cuda":
-            modes["kernel_fp16"] = rate(decode_bench.kernel_only(store, seq, q), stored_bytes(store, seq), *base)
             steps = appending_layer_step(store, seq, q, "dense", 0)  # what 8K-32K contexts run: every block
             modes["kvtier_dense_graphed"] = rate(time_ms(steps, device), stored_bytes(store, seq), *base)
             del steps
@@ -137,10 +145,7 @@ def measure_context(spec: ModelSpec, ctx: int, p: DecodePreset, device: torch.de
             modes[f"topk_{budget}_graphed_per_layer"] = rate(ms, modes[f"topk_{budget}"]["bytes"], *base)
     store, seq = decode_bench.build_store(ctx, p.block_tokens, int8=True, needle=None, **build)
     try:
-        int8 = time_ms(lambda: store.attend(seq, 0, q, mode="dense"), device, repeat)
-        modes["kvtier_int8"] = rate(int8, stored_bytes(store, seq), *base)
-        if device.type == "cuda":
-            modes["kernel_int8"] = rate(decode_bench.kernel_only(store, seq, q), stored_bytes(store, seq), *base)
+        modes.update(dense_cases(store, seq, q, base, repeat, "kvtier_int8", "kernel_int8"))
     finally:
         store.close()
         del store

@@ -31,42 +31,35 @@ def latency(results: dict, r: dict, path: Path) -> Path:
 
 
 def recall(results: dict, r: dict, path: Path) -> Path:
-    rows = r["rows"]
-    contexts = sorted({x["context"] for x in rows})
-    fig, axes = plt.subplots(1, len(contexts), figsize=(4 * len(contexts), 4), squeeze=False, sharey=True)
-    for ax, ctx in zip(axes[0], contexts):
-        here = [x for x in rows if x["context"] == ctx]
-        for mode in ("sketch", "topk", "h2o", "window"):
-            pts = sorted((x["budget"], x["recall"]) for x in here if x["mode"] == mode and x["recall"] is not None)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", label=mode, markersize=4)
-        for x in here:
-            if x["mode"] == "dense":
-                ax.axhline(x["recall"], color="gray", linestyle=":", linewidth=2, label="dense", zorder=0)
-        ax.set(xscale="log", xlabel="budget (tokens)", title=f"{ctx:,} tokens", ylim=(-0.05, 1.05))
+    fig, axes = _vs_budget(r["rows"], "recall", ("sketch", "topk", "h2o", "window"), "needle recall")
+    for ax in axes[0]:
         ax.grid(True, alpha=0.3)
-    axes[0][0].set_ylabel("needle recall")
-    axes[0][0].legend(fontsize=8)
     fig.suptitle(_title(results, "Planted-needle recall vs budget"), fontsize=10)
     return _save(fig, path)
 
 
 def passkey(results: dict, r: dict, path: Path) -> Path:
-    acc = r["accuracy"]
-    contexts = sorted({a["context"] for a in acc})
-    fig, axes = plt.subplots(1, len(contexts), figsize=(4 * len(contexts), 4), squeeze=False, sharey=True)
-    for ax, ctx in zip(axes[0], contexts):
-        here = [a for a in acc if a["context"] == ctx]
-        for mode in ("topk", "h2o", "window"):
-            pts = sorted((a["budget"], a["accuracy"]) for a in here if a["mode"] == mode)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", label=mode, markersize=4)
-        for a in here:
-            if a["mode"] == "dense":
-                ax.axhline(a["accuracy"], color="gray", linestyle=":", linewidth=2, label="dense", zorder=0)
-        ax.set(xscale="log", xlabel="budget (tokens)", title=f"{ctx:,} tokens", ylim=(-0.05, 1.05))
-    axes[0][0].set_ylabel("passkey accuracy")
-    axes[0][0].legend(fontsize=8)
+    fig, _ = _vs_budget(r["accuracy"], "accuracy", ("topk", "h2o", "window"), "passkey accuracy")
     fig.suptitle(_title(results, "SmolLM2-135M passkey accuracy vs budget"), fontsize=10)
     return _save(fig, path)
+
+
+def _vs_budget(rows: list[dict], value: str, modes: tuple[str, ...], ylabel: str) -> tuple:
+    """A panel per context: rows' `value` against budget, a line per mode and dense's as a dotted level."""
+    contexts = sorted({x["context"] for x in rows})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(4 * len(contexts), 4), squeeze=False, sharey=True)
+    for ax, ctx in zip(axes[0], contexts):
+        here = [x for x in rows if x["context"] == ctx]
+        for mode in modes:
+            pts = sorted((x["budget"], x[value]) for x in here if x["mode"] == mode and x[value] is not None)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", label=mode, markersize=4)
+        for x in here:
+            if x["mode"] == "dense":
+                ax.axhline(x[value], color="gray", linestyle=":", linewidth=2, label="dense", zorder=0)
+        ax.set(xscale="log", xlabel="budget (tokens)", title=f"{ctx:,} tokens", ylim=(-0.05, 1.05))
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][0].legend(fontsize=8)
+    return fig, axes
 
 
 def tiers(results: dict, r: dict, path: Path) -> Path:
