@@ -107,13 +107,3 @@ def _copy(file: LmdbFile, entries: dict[bytes, tuple[int, int]], keys: list[byte
         return tier.num_blocks
     finally:
         tier.close()
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvtier verify", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

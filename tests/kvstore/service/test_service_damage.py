@@ -13,10 +13,10 @@ import pytest
 import torch
 import xxhash
 
+from bench_longctx.cli import main as kvtier
 from kvstore.service.lmdbfile import check_file
 from kvstore.service.metrics import ServiceMetrics
 from kvstore.service.storage import NotFound, ServiceStorage
-from kvstore.service.verify import main as verify
 from tiers.base import IntegrityError
 from tiers.remote.client import Client
 from tiers.remote.wire import Descriptor
@@ -24,6 +24,10 @@ from tests.kvstore.service.conftest import random_tensor
 
 PAGE = 4096
 SIZES = [24, 200, 900, 3000, 9000]  # inline values and overflow values of one and several pages
+
+
+def verify(argv: list[str]) -> int:
+    return kvtier(["verify", *argv])
 
 
 def payload(i: int) -> bytes:
