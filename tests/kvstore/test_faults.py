@@ -1,5 +1,5 @@
 """Faults and abuse: a tier that fails, damages bytes or vanishes mid-batch loses no block, and bad
-input changes nothing. Each case is a regression test of the fault run in issue 9."""
+input changes nothing."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ LAYOUT = BlockLayout.of(SPEC, 16)
 
 
 def issue_config(tmp_path, **overrides) -> Config:
-    """The fault run's repro: 4 cpu blocks, 8 ssd blocks, tiny windows."""
+    """A store small enough to fill: 4 cpu blocks, 8 ssd blocks, tiny windows."""
     base = dict(model=SPEC, block_tokens=16, sink_tokens=16, hot_tokens=32, warm_tokens=32,
                 gpu_bytes=32 * LAYOUT.fp16_bytes + staging_bytes(LAYOUT, 512), staging_tokens=512, cpu_bytes=4 * LAYOUT.fp16_bytes,
                 ssd_path=str(tmp_path / "ssd"), ssd_bytes=8 * (LAYOUT.fp16_bytes + HEADER_BYTES + 64),
@@ -104,7 +104,7 @@ def test_a_full_ssd_refuses_an_append_and_loses_nothing(tmp_path):
             assert_unchanged(store, seq, before)
             break
         store.check_integrity()
-    assert refused is not None and refused > 17  # the fault run lost blocks at the 18th
+    assert refused is not None and refused > 17  # a store that lost blocks did so at the 18th
     assert store.sequences[seq][0].num_tokens == 16 * refused
 
 
