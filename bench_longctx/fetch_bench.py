@@ -6,7 +6,7 @@
     slab_summed_kernel   the same, summing each block on the way: what summing costs the transfer
     tier_gather          the tier's gather: every slab and field in one launch, no sums
     tier_summed_gather   the same launch summing each block on the way (the fused fetch's one kernel)
-    block_sums           checksums of the gathered rows in device memory: the second pass fusing saves
+    block_sums           checksums of the gathered rows in device memory: the second read that fusing saves
     check                block_sums + comparison with the recorded sums, one host sync
     verified_fetch       fetch(ids, cuda) with block sums: the summed gather, then the comparison on the
                          GPU, one host sync (fused)

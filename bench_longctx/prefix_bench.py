@@ -112,7 +112,7 @@ def bench_parser(http: str, keys: ChunkKeys, num_chunks: int, batch_chunks: int,
             passes = [lookup_and_fetch(c, fetcher, keys, token_ids, batch_chunks, pool, check=i == 0)
                       for i in range(repeat + 1)]
             fetcher.close()
-            passes = passes[1:]  # the first pass checks every byte and warms connections and buffers; not timed
+            passes = passes[1:]  # the first round checks every byte and warms connections and buffers; not timed
             hashes = c.lookup_prefix("bench", token_ids, keys).chunk_hashes
             generic = [generic_get(c, hashes, batch_chunks) for _ in range(repeat)]
     finally:

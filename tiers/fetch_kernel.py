@@ -15,7 +15,7 @@ program copies one chunk of one row, and all rows travel in a single launch.
   computed from the words while they pass through registers: every program adds its chunk's
   two partial sums to its block's row of `sums` with 64-bit atomic adds. Sums mod 2^64 do not
   depend on the order of the adds, so the result is exact and the same in every run, and a
-  verified fetch needs no second pass over the gathered rows.
+  verified fetch needs no second read of the gathered rows.
 """
 
 from __future__ import annotations

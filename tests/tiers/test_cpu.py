@@ -152,7 +152,7 @@ def test_empty_get_and_fetch(checksums):
 
 @pytest.mark.parametrize("dtype", ["float16", "int8"])
 def test_fetch_sums_while_it_gathers_across_slabs(dtype, monkeypatch):
-    """fetch on the checksum device: one gather that sums on the way (no second pass: block_sums is never called),
+    """fetch on the checksum device: one gather that sums on the way (no second read: block_sums is never called),
     over slabs added after an earlier fetch; a flipped bit in any field of a pinned row raises, nothing served."""
     monkeypatch.setattr(tiers.cpu, "_SLAB_BYTES", 3 * LAYOUT.bytes_for(dtype))  # 3 blocks a slab
     tier = CpuTier(LAYOUT, 12 * LAYOUT.bytes_for(dtype), dtype=dtype, memory_reserve=0, checksums=SUM_DEVICE)
@@ -162,7 +162,7 @@ def test_fetch_sums_while_it_gathers_across_slabs(dtype, monkeypatch):
 
     def fetch(ids: list[int]):
         with monkeypatch.context() as m:
-            m.setattr(tiers.cpu, "block_sums", None)  # a second pass over the rows would fail here
+            m.setattr(tiers.cpu, "block_sums", None)  # a second read of the rows would fail here
             return tier.fetch(ids, SUM_DEVICE)
 
     assert same(fetch([3, 0, 2]), want.index(torch.tensor([3, 0, 2])) if dtype == "int8" else want[[3, 0, 2]])
