@@ -61,6 +61,8 @@ from kvstore.decode.dense_tables import StepPartitions, dense_bucket
 from kvstore.decode.eager import DecodePath, block_table
 from tiers.base import device_ints
 
+STEP_MODES = ("dense", "topk", "sketch")
+assert (HOT_TIER, WARM_TIER) == (0, 1), "the dense step passes tier codes as the kernel's int8 flags"
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,9 +73,6 @@ class StepParts:
     tiers: TierSet
     tensors: TableTensors
     path: DecodePath  # the eager decode path: its kernel, stats and recent window
-
-STEP_MODES = ("dense", "topk", "sketch")
-assert (HOT_TIER, WARM_TIER) == (0, 1), "the dense step passes tier codes as the kernel's int8 flags"
 
 
 class StepNotReady(ValueError):
