@@ -17,14 +17,14 @@ import torch
 
 from eviction import POLICIES, Policy
 from kvstore.blocks.append_path import AppendPath
-from kvstore.config import Config
-from kvstore.contexts.sequences import Contexts, PrefixMatch, check_token_ids
-from kvstore.decode.eager import DecodePath
-from kvstore.decode.step import DecodeStep, StepParts
-from kvstore.contexts.saving import SavedContexts, values_store
 from kvstore.blocks.table import DROPPED, LayerTable, TableTensors
 from kvstore.blocks.tierset import HOT_TIER, TierSet
+from kvstore.config import Config
+from kvstore.contexts.saving import SavedContexts, values_store
+from kvstore.contexts.sequences import Contexts, PrefixMatch, check_token_ids
 from kvstore.contexts.unread_codes import UnreadCodes
+from kvstore.decode.eager import DecodePath
+from kvstore.decode.step import DecodeStep, StepParts
 from tiers.errors import CapacityError
 from tiers.layout import BlockLayout
 

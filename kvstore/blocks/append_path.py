@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from kvstore.config import Config
 from kvstore.blocks.table import LayerTable, TableTensors
 from kvstore.blocks.tierset import TierSet
+from kvstore.config import Config
 
 
 class AppendPath:

@@ -18,13 +18,13 @@ from typing import Iterator, Sequence
 
 import torch
 
-from kvstore.config import Config
 from kvstore.blocks.demotion import Demotion
 from kvstore.blocks.holders import Holders
 from kvstore.blocks.placement import COLD, HOT, WARM, Placement
 from kvstore.blocks.registry import BlockRegistry
 from kvstore.blocks.table import DROPPED, LayerTable, TableTensors
 from kvstore.blocks.tier_stack import COLD_TIER, CPU_TIER, HOT_TIER, SAVED_TIER, WARM_TIER, TierStack
+from kvstore.config import Config
 from tiers.base import device_ints
 from tiers.errors import CapacityError
 from tiers.layout import BlockLayout, Blocks, Int8Blocks

@@ -17,10 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from kvstore.config import Config, ModelSpec
-from kvstore.contexts.opening import SavedContext, SavedLayer
 from kvstore.blocks.table import DROPPED, LayerTable, TableTensors
 from kvstore.blocks.tierset import HOT_TIER, TierSet
+from kvstore.config import Config, ModelSpec
+from kvstore.contexts.opening import SavedContext, SavedLayer
 from kvstore.contexts.unread_codes import UnreadCodes
 from tiers import keys
 from tiers.keys import block_key, chain_hashes  # noqa: F401  (also re-exported)

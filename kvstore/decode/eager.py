@@ -23,10 +23,10 @@ from eviction.certify import certified_omitted_mass
 from eviction.select import SeqWindow
 from eviction.sketch_topk import SketchTopK
 from kvstore.attention import kernel_for
-from kvstore.config import Config
-from kvstore.decode.staging import stage
 from kvstore.blocks.table import DROPPED, LayerTable
 from kvstore.blocks.tierset import CPU_TIER, WARM_TIER, TierSet
+from kvstore.config import Config
+from kvstore.decode.staging import stage
 
 PROMOTE_AFTER = 2  # cold fetches of one block before it moves to the warm tier
 
