@@ -15,7 +15,7 @@ from kvstore import Config, KVStore, ModelSpec
 
 SPEC = ModelSpec(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16)
 NUM_TOKENS = 1203  # 150 full blocks and a 3-token tail per layer
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def config(path: str, **overrides) -> Config:
