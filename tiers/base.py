@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+from abc import ABC, abstractmethod
 from typing import Protocol, Sequence
 
 import torch
@@ -178,7 +179,7 @@ class PooledTier:
         self.slots.check()
 
 
-class DevicePoolTier(PooledTier):
+class DevicePoolTier(PooledTier, ABC):
     """A pooled tier on the store's device, one preallocated `pool` in its format (hot: fp16, warm: int8): a row
     per slot and, past them, `staging_blocks` rows for cold blocks fetched for one decode step (not stored here).
     A subclass builds the pool and writes `_to_format` and `_write_rows`."""
@@ -193,13 +194,13 @@ class DevicePoolTier(PooledTier):
         self.slots = SlotPool(self.name, capacity_bytes // block_bytes)
         self.staging_blocks = staging_blocks
 
+    @abstractmethod
     def _to_format(self, blocks: Blocks) -> Blocks:
         """`blocks` in the pool's format (converted on the device)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _write_rows(self, rows: torch.Tensor | slice, blocks: Blocks) -> None:
         """pool[rows] = blocks, blocks in the pool's format on its device."""
-        raise NotImplementedError
 
     def put(self, ids: Sequence[int], blocks: Blocks) -> None:
         self.layout.check(blocks)
