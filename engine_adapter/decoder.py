@@ -10,6 +10,7 @@ dtype (fp32 matches the HF reference best on CPU).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -39,7 +40,7 @@ class Decoder:
         if self.device.type != store.device.type:
             raise ValueError(f"model on {self.device} but store on {store.device}; put both on one device type")
         self.graphs = graphs  # on CUDA, decode dense/topk through captured steps (False: always eager)
-        self._graphs: dict[tuple[int, str, int], object] = {}  # (seq, mode, budget) -> GraphDecoder (CUDA)
+        self._graphs: dict[tuple[tuple[int, ...], str, int], GraphDecoder] = {}  # (seqs, mode, budget) (CUDA)
 
     def length(self, seq: int) -> int:
         """Tokens the sequence holds (its next position)."""
@@ -136,19 +137,57 @@ class Decoder:
         On CUDA, dense, topk and sketch run the captured step (engine_adapter/graph_decode.py: every
         layer's append, select and attend in one graph replay) whenever the step can serve every block
         (on the GPU, or selected from a cpu tier: kvstore/decode/step.py); otherwise, and on CPU, the eager path
-        below (store.append + store.attend per layer, same contract)."""
-        graph, recorded = self._graph_decoder(seq, mode, budget), False
+        (store.append + store.attend per layer, same contract)."""
+        return self.decode_batch([seq], [token_id], mode, budget)[0]
+
+    @torch.no_grad()
+    def decode_batch(self, seqs: Sequence[int], token_ids: Sequence[int], mode: str = "dense",
+                     budget: int = 4096) -> torch.Tensor:
+        """Append token_ids[i] to sequence seqs[i] for every i and attend; returns fp32 logits [B, vocab].
+
+        On CUDA the B tokens run as one captured step (kvstore/decode/batch.py: the weight matmuls once for
+        all of them, one attention launch per layer) whenever every sequence can run from device state;
+        otherwise each sequence's token runs alone, eagerly if it must. Row i is what decode_step(seqs[i],
+        token_ids[i]) returns alone: the same selection and attention; the weight matmuls' sums may round
+        differently at another batch size."""
+        seqs, token_ids = list(seqs), [_token_id(t, self.model.args.vocab_size) for t in token_ids]
+        if not seqs or len(seqs) != len(token_ids) or len(set(seqs)) != len(seqs):
+            raise ValueError(f"decode_batch needs distinct sequences and one token id each, got {seqs} and "
+                             f"{token_ids}")
+        for seq in seqs:
+            self.store.table(seq, 0)  # KeyError for an unknown sequence, before any token is recorded
+        graph, recorded = self._graph_decoder(seqs, mode, budget), False
         if graph is not None and graph.ready():
-            if not (isinstance(token_id, int) and 0 <= token_id < self.model.args.vocab_size):
-                raise ValueError(f"token id must be an int in [0, {self.model.args.vocab_size}), got {token_id!r}")
-            self._record_tokens(seq, [token_id])
+            for seq, token in zip(seqs, token_ids):
+                self._record_tokens(seq, [token])
             try:
-                logits = graph(token_id).clone()
-            except StepNotReady:  # nothing of this token's K/V happened: the eager path below runs it
+                logits = graph(token_ids).clone()
+            except StepNotReady:  # nothing of these tokens' K/V happened: each runs alone below
                 recorded = True
             else:
                 graph.step.verify()  # IntegrityError if a cpu block it read was damaged (syncs only if it read one)
                 return logits
+        if len(seqs) > 1:
+            return torch.stack([self._decode_alone(s, t, mode, budget, recorded) for s, t in zip(seqs, token_ids)])
+        return self._decode_eager(seqs[0], token_ids[0], mode, budget, recorded)
+
+    def _decode_alone(self, seq: int, token_id: int, mode: str, budget: int, recorded: bool) -> torch.Tensor:
+        """One sequence's token: its own captured step when it can run one, else eagerly."""
+        graph = self._graph_decoder([seq], mode, budget)
+        if graph is not None and graph.ready():
+            if not recorded:
+                self._record_tokens(seq, [token_id])
+            try:
+                logits = graph(token_id)[0].clone()
+            except StepNotReady:
+                recorded = True
+            else:
+                graph.step.verify()
+                return logits
+        return self._decode_eager(seq, token_id, mode, budget, recorded)[0]
+
+    def _decode_eager(self, seq: int, token_id: int, mode: str, budget: int, recorded: bool) -> torch.Tensor:
+        """store.append + store.attend per layer; fp32 logits [1, vocab]."""
         ids = self._tokens([token_id])
         if not recorded:
             self._record_tokens(seq, ids)
@@ -160,31 +199,40 @@ class Decoder:
             self.store.append(seq, i, k.half(), v.half())
             attn = self.store.attend(seq, i, q[0].half(), mode=mode, budget=budget)  # [Hq, D] fp16
             x = layer.finish(x, attn[None])
-        return self.model.logits(x)[0]
+        return self.model.logits(x)
 
     def _captures(self) -> bool:
         """Whether decode goes through GraphDecoder (CUDA graphs); on CPU its forward would run eagerly, which
         tests use to exercise the captured path's bookkeeping."""
         return self.graphs and self.device.type == "cuda"
 
-    def _graph_decoder(self, seq: int, mode: str, budget: int):
-        """The cached GraphDecoder of (seq, mode, budget) on CUDA, rebuilt when its capacity runs out."""
+    def _graph_decoder(self, seqs: Sequence[int], mode: str, budget: int) -> GraphDecoder | None:
+        """The cached GraphDecoder of (seqs, mode, budget) on CUDA, rebuilt when a sequence's capacity runs out.
+        A new membership replaces the batches its sequences were in (one graph set per live batch)."""
         if not self._captures() or mode not in STEP_MODES:
             return None
-        key = (seq, mode, budget)
+        key = (tuple(seqs), mode, budget)
         graph = self._graphs.get(key)
         if graph is not None:
             if graph.ready():
                 return graph
-            step = graph.step
-            if step.length + 1 <= step.capacity * step.block_tokens:
-                return None  # not for want of capacity (cold blocks, full GPU pools): this token goes the eager way
-        tables = [self.store.table(seq, i) for i in range(self.model.args.num_layers)]
+            if all(s.length + 1 <= s.capacity * s.block_tokens for s in graph.step.steps):
+                return None  # not for want of capacity (cold blocks, full GPU pools): these tokens go another way
+        tables = [self.store.table(seq, i) for seq in seqs for i in range(self.model.args.num_layers)]
         if any(t.num_far or t.num_dropped for t in tables):
-            return None  # this token goes the eager way (blocks the step cannot reach, or dropped ones)
-        for other in [k for k in self._graphs if k[0] == seq]:  # a new capacity moves the tables' tensors that
-            del self._graphs[other]  # every graph of this sequence captured
-        self._graphs[key] = graph = GraphDecoder(self.model, self.store, seq, mode, budget)  # new, or more capacity
+            return None  # blocks the step cannot reach, or dropped ones: the eager way
+        def addresses() -> list[int]:  # where each table's tensors lie: a graph captured them there
+            return [0 if t.summaries is None else t.summaries.data_ptr() for t in tables]
+
+        before = addresses()
+        graph = GraphDecoder(self.model, self.store, seqs, mode, budget)  # new, or more capacity
+        layers = self.model.args.num_layers
+        moved = {seqs[i // layers] for i, (old, new) in enumerate(zip(before, addresses())) if old != new}
+        for other in list(self._graphs):
+            members = set(other[0])
+            if members & moved or (len(seqs) > 1 and len(members) > 1 and members & set(seqs)):
+                del self._graphs[other]  # captured the tables' old tensors, or an old batch of these sequences
+        self._graphs[key] = graph
         return graph
 
     def generate(self, seq: int, prompt_ids: TokenIds, max_new_tokens: int, mode: str = "dense", budget: int = 4096,
@@ -226,10 +274,10 @@ class Decoder:
             recorded = max(recorded, upto)
 
         for i in range(num_new):  # token i appends ids[i] and writes ids[i + 1]
-            graph, logits = self._graph_decoder(seq, mode, budget), None
+            graph, logits = self._graph_decoder([seq], mode, budget), None
             if graph is not None:  # begin_token checks readiness again and refuses with StepNotReady
                 try:
-                    logits = graph(ids[i: i + 1])
+                    logits = graph(ids[i: i + 1])[0]
                 except StepNotReady:  # nothing of this token happened: the eager path below runs it
                     pass
             if logits is None:
@@ -238,7 +286,7 @@ class Decoder:
                 logits = self.decode_step(seq, token, mode, budget)  # records the token's id itself
                 recorded = i + 1
             ids[i + 1] = logits.argmax()
-        for graph in [g for key, g in self._graphs.items() if key[0] == seq]:
+        for graph in [g for key, g in self._graphs.items() if seq in key[0]]:
             graph.step.verify()  # every cpu slice read on the way was intact, or IntegrityError
         record(num_new)
         return ids[1:].tolist()
@@ -256,5 +304,16 @@ class Decoder:
 
     def free(self, seq: int) -> None:
         self.store.free(seq)
-        for key in [k for k in self._graphs if k[0] == seq]:
+        for key in [k for k in self._graphs if seq in k[0]]:
             del self._graphs[key]
+
+
+def _token_id(token: object, vocab_size: int) -> int:
+    """A token id as an int in [0, vocab_size) (a Python, numpy or 0-d tensor integer), else ValueError."""
+    try:
+        value = operator.index(token)
+    except TypeError:
+        value = None
+    if value is None or isinstance(token, bool) or not 0 <= value < vocab_size:
+        raise ValueError(f"token id must be an int in [0, {vocab_size}), got {token!r}")
+    return value

@@ -1,33 +1,39 @@
-"""Greedy decode of one sequence with each whole token captured as one CUDA graph.
+"""Greedy decode of one or more sequences with each whole token captured as one CUDA graph.
 
-embedding -> every layer (q/k/v projections, the store's DecodeStep: append the token's K/V,
-select, paged attention, H2O accounting; output projection and MLP) -> logits. Every token is
-appended to the store. A graph is captured once per DecodeStep phase ("dense" while the
-sequence has at most k blocks, then "topk") and replayed for every later token; between
-tokens the host only does the block-boundary work DecodeStep.begin_token names. The RoPE
-position is the step's device token count, so nothing is re-captured as the sequence grows.
-Each layer's last residual add is deferred into the next layer's input norm (one fused
-add+RMSNorm launch on CUDA, as vLLM does).
+embedding -> every layer (q/k/v projections of the B tokens, the store's BatchStep: each sequence's append,
+select and H2O accounting around one paged-attention launch for all of them; output projection and MLP)
+-> logits [B, vocab]. Every token is appended to the store. A graph is captured per graph key (the
+membership, each sequence's phase: "dense" while it has at most k blocks, then "topk", and what
+DecodeStep.graph_key adds) and replayed for every later token with that key; between tokens the host only
+does the block-boundary work DecodeStep.begin_token names. RoPE positions are the steps' device token
+counts, so nothing is re-captured as the sequences grow. Each layer's last residual add is deferred into
+the next layer's input norm (one fused add+RMSNorm launch on CUDA, as vLLM does).
 On CPU the same forward runs eagerly (no graph).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from engine_adapter.llama import Llama
+from kvstore.decode.batch import BatchStep
 from kvstore.decode.graphs import GraphedSteps
 from kvstore.store import KVStore
 
 
 class GraphDecoder:
-    def __init__(self, model: Llama, store: KVStore, seq: int, mode: str = "topk", budget: int = 4096,
-                 capacity_tokens: int | None = None) -> None:
-        self.model, self.store, self.seq = model, store, seq
-        self.step = store.decode_step(seq, mode=mode, budget=budget, capacity_tokens=capacity_tokens)
+    def __init__(self, model: Llama, store: KVStore, seqs: int | Sequence[int], mode: str = "topk",
+                 budget: int = 4096, capacity_tokens: int | None = None) -> None:
+        """`seqs`: one sequence, or several decoded together (each token of each one appended)."""
+        self.seqs = (seqs,) if isinstance(seqs, int) else tuple(seqs)
+        self.model, self.store = model, store
+        self.step = BatchStep([store.decode_step(seq, mode=mode, budget=budget, capacity_tokens=capacity_tokens)
+                               for seq in self.seqs])
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
-        self.token = torch.zeros(1, dtype=torch.long, device=self.device)  # [1] the input token
+        self.tokens = torch.zeros(len(self.seqs), dtype=torch.long, device=self.device)  # [B] the input tokens
         self.steps = GraphedSteps(self.step, self._forward)
 
     def ready(self) -> bool:
@@ -36,21 +42,23 @@ class GraphDecoder:
 
     @torch.no_grad()
     def _forward(self) -> torch.Tensor:
-        """fp32 logits [vocab] of one token at position step.num_tokens, appending its K/V in every layer."""
-        cos, sin = self.model.rope(self.step.num_tokens, self.dtype)  # [1, D] each, from device state
-        x, delta = self.model.embed_tokens(self.token), None  # [1, dim]; delta: the MLP output not yet in x
+        """fp32 logits [B, vocab] of each sequence's token at its next position, appending K/V in every layer."""
+        cos, sin = self.model.rope(self.step.token_positions(), self.dtype)  # [B, D] each, from device state
+        x, delta = self.model.embed_tokens(self.tokens), None  # [B, dim]; delta: the MLP output not yet in x
         for i, layer in enumerate(self.model.layers):
-            q, k, v = layer.qkv(x, cos, sin, delta)  # [1, Hq, D], [1, H, D], [1, H, D]; x += delta first
-            attn = self.step.attend(i, q[0].half(), k[0].half(), v[0].half())  # [Hq, D]
-            x, delta = layer.finish_deferred(x, attn[None])
-        return self.model.logits(x, delta)[0]
+            q, k, v = layer.qkv(x, cos, sin, delta)  # [B, Hq, D], [B, H, D], [B, H, D]; x += delta first
+            attn = self.step.attend(i, q.half(), k.half(), v.half())  # [B, Hq, D]
+            x, delta = layer.finish_deferred(x, attn)
+        return self.model.logits(x, delta)
 
-    def __call__(self, token: int | torch.Tensor) -> torch.Tensor:
-        """Append `token` (an int, or an int64 [1] tensor on the device: no host sync, so the host can queue
-        the next token before this one ran) at the sequence's next position; returns fp32 logits [vocab] (a
-        buffer the next call overwrites on CUDA: clone or consume it first)."""
-        if isinstance(token, torch.Tensor):
-            self.token.copy_(token)
+    def __call__(self, tokens: int | Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Append each sequence's token (ints, or an int64 [B] tensor on the device: no host sync, so the host
+        can queue the next token before this one ran) at its next position; returns fp32 logits [B, vocab]
+        (a buffer the next call overwrites on CUDA: clone or consume it first)."""
+        if isinstance(tokens, torch.Tensor):
+            self.tokens.copy_(tokens.reshape(-1))
+        elif isinstance(tokens, int):
+            self.tokens.fill_(tokens)  # a launch with the id as its argument: no host-to-device copy
         else:
-            self.token.fill_(token)
+            self.tokens.copy_(torch.tensor(list(tokens), dtype=torch.long))
         return self.steps()

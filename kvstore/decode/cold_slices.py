@@ -42,6 +42,7 @@ class StepColdBlocks:
         self.unverified = False  # a token staged cold blocks since verify() last read counts
         self.reads = torch.zeros((num_layers, capacity), dtype=torch.int32, device=dev)  # slices staged per block
         self._read = False  # slices staged since the last promotion
+        self.row_offset = 0  # this step's staging rows start here: each sequence of a batch has rows of its own
 
     def staging_pool(self):
         """The GPU tier whose staging rows take cpu blocks: the warm (int8) or hot (fp16) one, as the cpu tier holds."""
@@ -53,7 +54,7 @@ class StepColdBlocks:
         for each of k selected blocks (the phase is the step's to check)."""
         cpu = self.tiers.cpu
         return not any(t.num_far for t in tables) and cpu.sum_device == normal_device(self.device) and \
-            self.staging_pool().staging_blocks >= k
+            self.staging_pool().staging_blocks >= self.row_offset + k
 
     def stage(self, layer: int, table: LayerTable, selected: torch.Tensor, slots: torch.Tensor,
               is_int8: torch.Tensor) -> None:
@@ -61,7 +62,7 @@ class StepColdBlocks:
         cpu, pool = self.tiers.cpu, self.staging_pool()
         stage_cold_slices(selected, table.tier_map, table.slot_map, slots, is_int8,
                           cpu.slab_table(self.device), cpu.head_sums, fields(pool.pool),
-                          pool.slots.num_slots, CPU_TIER, self.counts, self.reads[layer])
+                          pool.slots.num_slots + self.row_offset, CPU_TIER, self.counts, self.reads[layer])
 
     def token_done(self, staged: bool) -> None:
         """After a token's device work is queued: what it staged is to be verified; pinned rows it reads stay put."""

@@ -43,6 +43,7 @@ use the eager path for that token (store.load brings saved blocks into the cpu t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -73,6 +74,17 @@ class StepParts:
     tiers: TierSet
     tensors: TableTensors
     path: DecodePath  # the eager decode path: its kernel, stats and recent window
+
+
+class Selection(NamedTuple):
+    """What one layer of a token reads: block indices [H, k] (ascending, the tail last), their kernel table
+    (slots int32, is_int8 [H, k]), the sketch's block upper bounds [Hq, N] (else None) and the token to append
+    inside the attention launch (None: appended already)."""
+    selected: torch.Tensor
+    slots: torch.Tensor
+    is_int8: torch.Tensor
+    upper: torch.Tensor | None
+    append: NewToken | None
 
 
 class StepNotReady(ValueError):
@@ -157,9 +169,16 @@ class DecodeStep:
         self.cold.verify()
 
     def begin_token(self) -> str:
-        """Host work before a token: at a block boundary, open the next tail block in every layer.
-        Returns the token's phase, "dense" or "topk": a captured graph is valid for one phase (a
-        sequence of at most k blocks attends all of them, then topk takes over for good)."""
+        """Host work before a token: prepare_token, then open_token. Returns the token's phase, "dense" or
+        "topk": a captured graph is valid for one phase (a sequence of at most k blocks attends all of them,
+        then topk takes over for good)."""
+        self.prepare_token()
+        return self.open_token()
+
+    def prepare_token(self) -> None:
+        """The first half of begin_token: StepNotReady unless the token can run from device state, after
+        cooling the blocks it pushes out of their windows (as store.append does, so an eager token after a
+        refusal finds them cooled). Nothing else of the token has happened on a refusal."""
         if not self.ready():
             raise StepNotReady("DecodeStep: the sequence has cold blocks the step cannot serve, reached its "
                                "capacity or the GPU pools are full; use store.append and store.attend for this token")
@@ -174,6 +193,10 @@ class DecodeStep:
             if not self._cold_servable(self.length + 1):  # a block left the warm window for a tier out of reach
                 raise StepNotReady("DecodeStep: this token cools a block to a tier the step cannot serve; use "
                                    "store.append and store.attend")
+
+    def open_token(self) -> str:
+        """The second half: at a block boundary, open the next tail block in every layer (the caller checked
+        the GPU pools have room: ready()). Returns the token's phase."""
         self.stages_cold = any(t.num_cold for t in self.tables)
         if self.length % self.block_tokens == 0:
             tiers, b, spec = self.tiers, self.block_tokens, self.spec
@@ -243,36 +266,58 @@ class DecodeStep:
     # -- device side, capturable -------------------------------------------------------------
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Append k, v [kv_heads, head_dim] of the new token to `layer`, then attend q [num_q_heads, head_dim]
-        over the layer's blocks (the new token included); returns [num_q_heads, head_dim] fp16."""
+        over the layer's blocks (the new token included); returns [num_q_heads, head_dim] fp16. The same
+        select / attend / account as a batch of sequences (kvstore/decode/batch.py), with the append, the
+        H2O accounting and the dense partition inside the one kernel launch."""
+        picked = self.select(layer, q, k, v, append_in_kernel=True)
+        table = self.tables[layer]
+        out, _ = self.path.kernel(q[None], *self.pools(), picked.slots[None], picked.is_int8[None],
+                                  self.kernel_tokens, add_mass_to=(table.h2o_scores, picked.selected),
+                                  lse_out=self._lse if picked.upper is not None else None, append=picked.append,
+                                  partition=self.partitions.of_layer(layer))
+        self.account(layer, picked, None, self._lse[0])
+        return out[0]
+
+    def pools(self) -> tuple[torch.Tensor, ...]:
+        """The kernel's pools: hot, then the warm pool's data, k and v scales (none of it while no block of
+        the phase is warm: blocks cool into int8 between tokens, and the graph key says which)."""
+        tiers = self.tiers
+        warm = tiers.warm.pool.index(slice(0, 0)) if self.hot_only else tiers.warm.pool
+        return tiers.hot.pool, warm.data, warm.k_scale, warm.v_scale
+
+    def select(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               append_in_kernel: bool = False) -> Selection:
+        """A layer's first half of the token: append k, v (or, append_in_kernel, hand them to the attention
+        launch), select the blocks to read and stage the selected cpu ones. Layers run in order."""
         if layer != self._next_layer:  # layer 0 computes the token's counts that every later layer reads
             raise ValueError(f"DecodeStep.attend: a token runs layers 0..{len(self.tables) - 1} in order; "
                              f"expected layer {self._next_layer}, got {layer}")
         self._next_layer = (layer + 1) % len(self.tables)
-        table, tiers = self.tables[layer], self.tiers
+        table = self.tables[layer]
         if layer == 0:  # what depends only on the token count, once per token for every layer
             self._count_tokens()
-        # the attention launch appends the token, but in the sketch's topk phase: its first level reads the tail's
-        # summary, which must hold the token first (Quest scores the tail +inf, whatever its summary holds)
+        # the sketch's first level reads the tail's summary, which must hold the token first (Quest scores the
+        # tail +inf, whatever its summary holds): it never appends inside the attention launch
         tail, new = self.tail_slot[layer: layer + 1], None
-        if isinstance(self.policy, SketchTopK) and self.phase == "topk":
-            self._append_token(tiers.hot.pool, table.summaries, k, v, tail, self.num_tokens)
-        else:
+        if append_in_kernel and not (isinstance(self.policy, SketchTopK) and self.phase == "topk"):
             new = NewToken(k, v, table.summaries, tail, self.num_tokens)
+        else:
+            self._append_token(self.tiers.hot.pool, table.summaries, k, v, tail, self.num_tokens)
         selected, slots, is_int8, upper = self._select(table, q)  # [H, k] ascending, the tail block last
         if self.stages_cold:  # selected cpu blocks: one head's slice each into the staging rows, verified
             self.cold.stage(layer, table, selected, slots, is_int8)
-        # both pools unless no block is warm: blocks cool into int8 between tokens, and the key says which
-        warm = tiers.warm.pool.index(slice(0, 0)) if self.hot_only else tiers.warm.pool
-        out, _ = self.path.kernel(q[None], tiers.hot.pool, warm.data, warm.k_scale, warm.v_scale,
-                                          slots[None], is_int8[None], self.kernel_tokens,
-                                          add_mass_to=(table.h2o_scores, selected),
-                                          lse_out=self._lse if upper is not None else None, append=new,
-                                          partition=self.partitions.of_layer(layer))
-        if upper is not None:  # the sketch's certified omitted mass, kept on the device (end_token counts it)
-            omitted_mass_bounds(upper, selected, self._lse[0], out=self.certified[layer])
+        return Selection(selected, slots, is_int8, upper, new)
+
+    def account(self, layer: int, picked: Selection, mass: torch.Tensor | None, lse: torch.Tensor) -> None:
+        """A layer's second half: the kernel's block mass [H, k] into the table's H2O scores (None: the kernel
+        added it), the sketch's certified omitted mass from the log-sum-exp [Hq]; after the last layer the
+        device count moves on."""
+        if mass is not None:
+            self.tables[layer].h2o_scores.scatter_add_(1, picked.selected, mass)
+        if picked.upper is not None:  # the sketch's certified omitted mass, kept on the device (end_token counts it)
+            omitted_mass_bounds(picked.upper, picked.selected, lse, out=self.certified[layer])
         if layer == len(self.tables) - 1:
             self.num_tokens += 1
-        return out[0]
 
     def _count_tokens(self) -> None:
         """This token's counts from the device's num_tokens: n (tokens once it is appended), the tokens the

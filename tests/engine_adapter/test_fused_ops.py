@@ -131,7 +131,7 @@ def kernel_and_torch_paths(model, store: KVStore, ids: torch.Tensor, new: int) -
     decoder.prefill(deferred, ids[:-new])
     graph = GraphDecoder(model, store, deferred, mode="dense", budget=4096)
     out["eager"] = torch.stack([decoder.decode_step(eager, int(t)) for t in ids[-new:]])
-    out["deferred"] = torch.stack([graph(int(t)).clone() for t in ids[-new:]])
+    out["deferred"] = torch.stack([graph(int(t))[0].clone() for t in ids[-new:]])
     store.check_integrity()
     return out
 

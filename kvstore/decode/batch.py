@@ -1,0 +1,124 @@
+"""BatchStep: one decode token of B sequences, each layer one attention launch over all of them.
+
+Each sequence keeps its own DecodeStep (kvstore/decode/step.py): its device count, tail slots, phase,
+selection and cold staging. Per layer the batch runs every sequence's first half (append, select, stage:
+DecodeStep.select), then one paged-kernel launch over the B block tables stacked [B, H, k] with each row's
+token count, then every sequence's second half (H2O mass, the sketch's certificate, the count:
+DecodeStep.account). The model's matmuls around it run once for the B tokens, which is where a batch
+gains: a decode step's weight read is shared by every sequence in it.
+
+A batch of one is the single-sequence step itself (DecodeStep.attend: append, mass and partition inside the
+one launch). A row attends exactly what that sequence would attend alone; only the launch plan (the split
+count the kernel picks for the batch size) may reorder a row's floating-point sums.
+
+Cold blocks: each sequence stages its selected cpu slices into staging rows of its own (row_offset), so the
+pool of the cpu tier's format needs batch x k staging rows. Everything is addressed through device state as
+in the single step, so a batch replays as one CUDA graph per membership and graph key (kvstore/decode/graphs.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstore.decode.step import DecodeStep, StepNotReady
+
+
+class BatchStep:
+    def __init__(self, steps: list[DecodeStep]) -> None:
+        if not steps:
+            raise ValueError("BatchStep needs at least one sequence")
+        first = steps[0]
+        if len({s.seq for s in steps}) != len(steps):
+            raise ValueError(f"BatchStep: a sequence appears twice in {[s.seq for s in steps]}")
+        if any((s.mode, s.budget, s.tiers) != (first.mode, first.budget, first.tiers) for s in steps):
+            raise ValueError("BatchStep: every sequence must run the same mode and budget on one store")
+        self.steps, self.device, self.tiers = steps, first.device, first.tiers
+        self.seqs = tuple(s.seq for s in steps)
+        offset = 0
+        for s in steps:  # staging rows of its own for each sequence's selected cpu slices
+            s.cold.row_offset, offset = offset, offset + s.k
+        b, dev = len(steps), self.device
+        self.positions = torch.zeros(b, dtype=torch.int64, device=dev)  # [B] each sequence's next position
+        self.kernel_tokens = torch.zeros(b, dtype=torch.int32, device=dev)  # [B]
+        self.lse = torch.zeros((b, first.spec.num_q_heads), dtype=torch.float32, device=dev)  # [B, Hq]
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    # -- host side, between tokens -----------------------------------------------------------
+    def ready(self) -> bool:
+        """Whether every sequence's next token runs from device state, with room in the GPU pools for the new
+        tail blocks of all that reach a block boundary together."""
+        if not all(s.ready() for s in self.steps):
+            return False
+        tiers = self.tiers
+        opening = sum(len(s.tables) for s in self.steps if s.length % s.block_tokens == 0)
+        return tiers.hot.free_blocks() + tiers.warm.free_blocks() >= opening
+
+    def begin_token(self) -> tuple[str, ...]:
+        """Every sequence's host work before a token (DecodeStep.begin_token): all of them prepared first, so
+        a refusal (StepNotReady) leaves no sequence with its tail blocks opened; decode that token sequence by
+        sequence then."""
+        if not self.ready():
+            raise StepNotReady("BatchStep: a sequence has blocks the step cannot serve, reached its capacity, "
+                               "or the GPU pools cannot take the new tail blocks; decode this token sequence "
+                               "by sequence")
+        for s in self.steps:
+            s.prepare_token()
+        return tuple(s.open_token() for s in self.steps)
+
+    def end_token(self) -> None:
+        for s in self.steps:
+            s.end_token()
+
+    def graph_key(self) -> tuple:
+        """The membership, then each sequence's phase and staging (a change makes older graphs stale, as in
+        GraphedSteps), then the rest of each sequence's key."""
+        keys = [s.graph_key() for s in self.steps]
+        return (self.seqs, tuple(k[:2] for k in keys), tuple(k[2:] for k in keys))
+
+    def verify(self) -> None:
+        for s in self.steps:
+            s.verify()
+
+    # -- device side, capturable -------------------------------------------------------------
+    def token_positions(self) -> torch.Tensor:
+        """int64 [B]: each sequence's position for this token (its device count before the token)."""
+        if len(self.steps) == 1:
+            return self.steps[0].num_tokens
+        torch.cat([s.num_tokens for s in self.steps], out=self.positions)
+        return self.positions
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, Hq, D], k, v [B, H, D] fp16 of the B sequences' new tokens at `layer` -> out [B, Hq, D] fp16
+        (row i: what steps[i].attend returns)."""
+        if len(self.steps) == 1:
+            return self.steps[0].attend(layer, q[0], k[0], v[0])[None]
+        picked = [s.select(layer, q[i], k[i], v[i]) for i, s in enumerate(self.steps)]
+        widths = [p.selected.shape[1] for p in picked]
+        width = max(widths)
+        if layer == 0:  # the token counts every layer's launch reads
+            torch.cat([s.kernel_tokens for s in self.steps], out=self.kernel_tokens)
+        same = len({p.is_int8.dtype for p in picked}) == 1  # bool (topk) or int8 tier codes (dense): 1 is warm
+        if len(set(widths)) == 1 and same:  # topk: every sequence selects k blocks
+            table = torch.stack([p.slots for p in picked])  # [B, H, k]
+            flags = torch.stack([p.is_int8 for p in picked])
+        else:  # dense phases of different lengths: each row's first entries (the kernel reads no further)
+            h = picked[0].slots.shape[0]
+            table = torch.zeros((len(picked), h, width), dtype=torch.int32, device=self.device)
+            flags = torch.zeros((len(picked), h, width), dtype=torch.int8, device=self.device)
+            for i, p in enumerate(picked):
+                table[i, :, : widths[i]] = p.slots
+                flags[i, :, : widths[i]] = p.is_int8
+        certify = any(p.upper is not None for p in picked)
+        hot_only = all(s.hot_only for s in self.steps)
+        pools = self.steps[0].pools() if hot_only else self._both_pools()
+        out, mass = self.steps[0].path.kernel(q, *pools, table, flags, self.kernel_tokens, return_block_mass=True,
+                                              lse_out=self.lse if certify else None)
+        for i, (s, p) in enumerate(zip(self.steps, picked)):
+            s.account(layer, p, mass[i, :, : widths[i]], self.lse[i])
+        return out
+
+    def _both_pools(self) -> tuple[torch.Tensor, ...]:
+        warm = self.tiers.warm.pool
+        return self.tiers.hot.pool, warm.data, warm.k_scale, warm.v_scale
