@@ -9,6 +9,10 @@ Suites: decode (layer-step latency vs context, against SDPA and the copy ceiling
 per tier and move against measured ceilings), quality (perplexity deltas, SmolLM2), e2e
 (greedy tokens/s with random weights, memory per tier), all. Writes DIR/results.json,
 DIR/summary.md and PNG plots, and prints the tables.
+
+vllm (not part of all: it needs vLLM, and LMCache in an environment of its own): time to first
+token in vLLM with no connector, KVTierConnector and LMCache on one trace (bench_longctx/vllm_ttft.py).
+    kvtier bench vllm --model HF_FOLDER --lmcache-python /path/to/lmcache-venv/bin/python
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from bench_longctx import presets, report
+from bench_longctx import presets, report, vllm_ttft
 from bench_longctx.models import Models
 from bench_longctx.timing import Deadline, copy_ceiling_GBps, release
 from bench_longctx.timing import environment as timing_environment
@@ -49,7 +53,7 @@ class Run:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("suite", choices=(*SUITES, "all"))
+    parser.add_argument("suite", choices=(*SUITES, "all", "vllm"))
     parser.add_argument("--preset", default="quick", choices=sorted(presets.PRESETS))
     parser.add_argument("--out", default=None, help="output directory (default: kvtier-bench-<preset>)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: the preset's; quick: cuda if present)")
@@ -63,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smallest", action="store_true", help="only the smallest case of every suite")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--progress", action="store_true", help="progress bars even when not on a terminal")
+    vllm_ttft.add_arguments(parser.add_argument_group("vllm"))
 
 
 def build_preset(args: argparse.Namespace) -> presets.Preset:
@@ -176,6 +181,8 @@ def _guarded(fn: Callable[[], dict]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.suite == "vllm":
+        return vllm_ttft.run(args)
     try:
         preset = build_preset(args)
         device = resolve_device(preset, args.device)
