@@ -1,0 +1,108 @@
+"""BatchStep (B sequences' decode token, one attention launch per layer) against each sequence's DecodeStep
+alone in a twin store: the same outputs bit for bit (the kernel's rows are independent), the same stored
+K/V, summaries and H2O scores, for sequences of different lengths and phases, one of them reading cold
+blocks from the cpu tier, across block boundaries and window crossings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstore import Config, KVStore, ModelSpec
+from kvstore.decode.batch import BatchStep
+from kvstore.decode.step import StepNotReady
+
+SPEC = ModelSpec(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=32)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CHECKSUMS = "auto" if DEVICE == "cuda" else "cpu"  # block sums where the step verifies cpu slices
+LENGTHS = (70, 300, 700)  # a dense phase (k = 8 blocks), topk over GPU blocks, topk with cpu blocks
+
+
+def make_store(tmp_path, name: str, **overrides) -> KVStore:
+    base = dict(model=SPEC, block_tokens=16, sink_tokens=16, hot_tokens=64, warm_tokens=320, recent_tokens=32,
+                gpu_bytes=16 << 20, staging_tokens=3 * 128, cpu_bytes=16 << 20, cpu_dtype="int8",
+                cpu_checksums=CHECKSUMS, ssd_path=str(tmp_path / name), device=DEVICE, host_memory_reserve=0)
+    return KVStore(Config(**{**base, **overrides}))
+
+
+def filled(tmp_path, name: str, lengths=LENGTHS, **overrides) -> tuple[KVStore, list[int]]:
+    store, seqs = make_store(tmp_path, name, **overrides), []
+    for i, n in enumerate(lengths):
+        g = torch.Generator().manual_seed(10 + i)
+        k, v = (torch.randn(n, 2, 32, generator=g).half().to(DEVICE) for _ in range(2))
+        k[:, :, :4] *= 4  # outlier channels, as real keys have: selections differ by head
+        seqs.append(store.create_sequence())
+        for layer in range(SPEC.num_layers):
+            store.append(seqs[-1], layer, k, v)
+    return store, seqs
+
+
+def work(num_seqs: int, num_tokens: int, seed: int) -> torch.Tensor:
+    """[tokens, layers, seqs, 3 (q, k, v rows), 4, 32]: q uses all 4 rows, k and v the first 2."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(num_tokens, SPEC.num_layers, num_seqs, 3, 4, 32, generator=g).half().to(DEVICE)
+
+
+@pytest.mark.parametrize("mode", ["dense", "topk", "sketch"])
+def test_a_batch_equals_each_sequence_alone(tmp_path, mode):
+    budget = 128
+    lengths = (70, 200, 300) if mode == "dense" else LENGTHS  # a dense step serves GPU-held blocks only
+    alone, seqs = filled(tmp_path, "a", lengths)
+    batched, bseqs = filled(tmp_path, "b", lengths)
+    assert (batched.table(bseqs[2], 0).num_cold > 10) == (mode != "dense")
+    singles = [alone.decode_step(s, mode=mode, budget=budget) for s in seqs]
+    batch = BatchStep([batched.decode_step(s, mode=mode, budget=budget) for s in bseqs])
+    tokens = work(len(seqs), 60, seed=1)  # 70 -> 130: the first sequence turns topk at 128 (mode topk, sketch)
+    phases = set()
+    for t in range(tokens.shape[0]):
+        phases.add(batch.begin_token())
+        for s in singles:
+            s.begin_token()
+        for layer in range(SPEC.num_layers):
+            x = tokens[t, layer]  # [B, 3, 4, 32]
+            got = batch.attend(layer, x[:, 0], x[:, 1, :2], x[:, 2, :2])
+            for i, s in enumerate(singles):
+                want = s.attend(layer, x[i, 0], x[i, 1, :2], x[i, 2, :2])
+                assert torch.equal(got[i], want), (t, layer, i)
+        batch.end_token()
+        for s in singles:
+            s.end_token()
+    batch.verify()
+    if mode != "dense":  # the short sequence changed phase in the batch while the others stayed topk
+        assert ("dense", "topk", "topk") in phases and ("topk", "topk", "topk") in phases
+    assert (batched.stats()["attend"]["cold_slices_staged"] > 0) == (mode != "dense")
+    for a, b in zip(seqs, bseqs):
+        for layer in range(SPEC.num_layers):
+            ta, tb = alone.table(a, layer), batched.table(b, layer)
+            assert ta.num_tokens == tb.num_tokens
+            assert all(torch.equal(x, y) for x, y in zip(alone.read(a, layer), batched.read(b, layer)))
+            n = ta.num_blocks
+            assert torch.equal(ta.summaries[:n], tb.summaries[:n])
+            assert torch.equal(ta.h2o_scores[:, :n], tb.h2o_scores[:, :n])
+    batched.check_integrity()
+    alone.close(), batched.close()
+
+
+def test_a_batch_needs_staging_rows_for_every_sequences_cold_blocks(tmp_path):
+    """Staging rows for only one sequence's selection: the batch refuses (StepNotReady) before anything of
+    the token happens, and the sequences are as they were."""
+    store, seqs = filled(tmp_path, "s", lengths=(700, 700), staging_tokens=128)
+    batch = BatchStep([store.decode_step(s, mode="topk", budget=128) for s in seqs])
+    lengths = [store.table(s, 0).num_tokens for s in seqs]
+    assert not batch.ready()
+    with pytest.raises(StepNotReady):
+        batch.begin_token()
+    assert [store.table(s, 0).num_tokens for s in seqs] == lengths
+    store.check_integrity()
+    store.close()
+
+
+def test_a_batch_refuses_mixed_modes_and_repeated_sequences(tmp_path):
+    store, seqs = filled(tmp_path, "m", lengths=(100, 100))
+    with pytest.raises(ValueError, match="same mode"):
+        BatchStep([store.decode_step(seqs[0], mode="topk"), store.decode_step(seqs[1], mode="dense")])
+    with pytest.raises(ValueError, match="twice"):
+        BatchStep([store.decode_step(seqs[0]), store.decode_step(seqs[0])])
+    with pytest.raises(ValueError, match="at least one"):
+        BatchStep([])
+    store.close()
