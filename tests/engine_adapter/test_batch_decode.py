@@ -1,0 +1,73 @@
+"""Decoder.decode_batch: sequences of different lengths decoded together, joining and leaving between tokens,
+give each sequence the greedy tokens it gets decoded alone (the captured batch step's bookkeeping: its
+forward runs eagerly on CPU; the GPU tests replay real graphs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_adapter.decoder import Decoder
+from engine_adapter.weights import random_llama
+from tests.engine_adapter.test_llama import TINY, store_for
+
+PROMPTS = [list(range(7, 47)), list(range(3, 96)) + list(range(1, 30)), list(range(50, 80)) * 3]
+NEW = 40
+# (token index, sequences decoded at it): the third joins at 8, the first leaves after 25
+MEMBERS = [(t, [s for s in range(3) if (s != 2 or t >= 8) and (s != 0 or t < 25)]) for t in range(NEW)]
+
+
+def alone(mode: str) -> list[list[int]]:
+    """Each prompt's greedy tokens decoded by itself (decode_step per token)."""
+    model = random_llama(TINY, seed=5, vocab_size=97)
+    out = []
+    with store_for(TINY) as store:
+        decoder = Decoder(model, store)
+        for prompt in PROMPTS:
+            seq = store.create_sequence()
+            tokens = [int(decoder.prefill(seq, prompt, 16).argmax())]
+            while len(tokens) < NEW:
+                tokens.append(int(decoder.decode_step(seq, tokens[-1], mode, 48).argmax()))
+            out.append(tokens)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["topk", "dense"])
+def test_a_batch_with_joins_and_leaves_decodes_what_each_sequence_does_alone(monkeypatch, mode):
+    monkeypatch.setattr(Decoder, "_captures", lambda self: True)
+    want = alone(mode)
+    model = random_llama(TINY, seed=5, vocab_size=97)
+    with store_for(TINY) as store:
+        decoder = Decoder(model, store)
+        seqs = [store.create_sequence() for _ in PROMPTS]
+        got = [[int(decoder.prefill(s, p, 16).argmax())] for s, p in zip(seqs, PROMPTS)]
+        batches = set()
+        for _, members in MEMBERS:
+            live = [m for m in members if len(got[m]) < NEW]
+            logits = decoder.decode_batch([seqs[m] for m in live], [got[m][-1] for m in live], mode, 48)
+            assert logits.shape == (len(live), 97)
+            for row, m in enumerate(live):
+                got[m].append(int(logits[row].argmax()))
+            batches.add(tuple(live))
+            assert sum(len(key[0]) > 1 for key in decoder._graphs) <= 1  # a new batch replaces the old one
+        assert {(0, 1), (0, 1, 2), (1, 2)} <= batches
+        for m, seq in enumerate(seqs):  # every token but the last generated one was appended
+            assert store.token_ids(seq) == PROMPTS[m] + got[m][:-1]
+        store.check_integrity()
+    assert [len(g) for g in got] == [26, NEW, NEW - 8 + 1]
+    assert got == [w[: len(g)] for g, w in zip(got, want)]
+
+
+def test_decode_batch_refuses_bad_requests_before_anything_changes():
+    model = random_llama(TINY, seed=5, vocab_size=97)
+    with store_for(TINY) as store:
+        decoder = Decoder(model, store)
+        a, b = store.create_sequence(), store.create_sequence()
+        decoder.prefill(a, [1, 2, 3], 16), decoder.prefill(b, [4, 5], 16)
+        for seqs, ids in (([a, a], [1, 2]), ([a, b], [1]), ([a, b], [1, 97]), ([a, b], [1, True]), ([], [])):
+            with pytest.raises(ValueError):
+                decoder.decode_batch(seqs, ids)
+        with pytest.raises(KeyError):
+            decoder.decode_batch([a, 999], [1, 2])
+        assert (decoder.length(a), decoder.length(b)) == (3, 2)
+        assert store.token_ids(a) == [1, 2, 3] and store.token_ids(b) == [4, 5]
