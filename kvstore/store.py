@@ -155,6 +155,16 @@ class KVStore:
             raise ValueError(f"layer must be an int in [0, {self.spec.num_layers}), got {layer!r}")
         return self.sequences[seq][layer]
 
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks a sequence of num_tokens tokens holds, over all layers."""
+        return self.spec.num_layers * -(-num_tokens // self.config.block_tokens)
+
+    def free_blocks(self) -> int:
+        """Blocks the GPU pools and the cpu tier can still take: the room a captured step serves from (the
+        ssd and saved tiers lie beyond it). A sequence of n tokens fits while blocks_for(n) <= free_blocks()."""
+        tiers = self.tiers
+        return tiers.hot.free_blocks() + tiers.warm.free_blocks() + tiers.cpu.free_blocks()
+
     def free(self, seq: int) -> None:
         """Let go of every block of `seq`: blocks no other sequence shares return to their tiers."""
         self.table(seq, 0)

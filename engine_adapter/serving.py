@@ -1,0 +1,189 @@
+"""Scheduler: continuous batching of many long-context requests over one Decoder and its KVStore.
+
+Each `step()`:
+  1. admit   waiting requests, highest priority first then oldest, while the store's room (GPU pools and
+             cpu tier: KVStore.free_blocks) holds every running request's whole length (context + all of its
+             output: reserved at admission, so a running request never runs out of room) and the batch has
+             a place; an admitted request is prefilled (its prompt through the model, or written by `fill`)
+             and its first output token comes from that prefill. A preempted request resumes here: its
+             saved context is opened and loaded back into the tiers.
+  2. preempt when the first waiting request outranks the lowest-priority running one and does not fit:
+             that one is saved (store.save: every block, verified when read back) and freed; it resumes,
+             in a later step, where it stopped, with the tokens it would have produced had it stayed.
+  3. decode  one token of every running request in one Decoder.decode_batch (one captured step for all of
+             them on CUDA); a request that reaches max_new_tokens (or eos_id) leaves and frees its blocks.
+A request that could never fit, even in an empty store, is refused at submit (ValueError) and changes nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine_adapter.decoder import Decoder
+from kvstore.store import KVStore
+
+Fill = Callable[[KVStore, int, int], None]  # (store, seq, num_tokens): write that many tokens' K/V into seq
+
+
+@dataclass
+class Request:
+    request_id: str
+    max_new_tokens: int
+    prompt: list[int] = field(default_factory=list)  # token ids prefilled through the model, or:
+    context_tokens: int = 0  # a context of this many tokens written by the scheduler's `fill`, then token 1
+    priority: int = 0  # higher runs first and may preempt lower
+    arrival_s: float = 0.0  # when it may be admitted, in seconds after the scheduler's start
+    output: list[int] = field(default_factory=list)
+    token_s: list[float] = field(default_factory=list)  # when each output token was known
+    admitted_s: float | None = None
+    preemptions: int = 0
+    seq: int | None = None
+    saved_as: str | None = None
+
+    @property
+    def length(self) -> int:
+        """Tokens the request's sequence holds at its end: its context and every output token but the last."""
+        return (len(self.prompt) or self.context_tokens) + self.max_new_tokens - 1
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+
+class Scheduler:
+    def __init__(self, decoder: Decoder, mode: str = "topk", budget: int = 4096, max_batch: int = 64,
+                 fill: Fill | None = None, eos_id: int | None = None, clock: Callable[[], float] = time.perf_counter):
+        if max_batch <= 0:
+            raise ValueError(f"max_batch must be positive, got {max_batch}")
+        self.decoder, self.store = decoder, decoder.store
+        self.mode, self.budget, self.max_batch, self.fill, self.eos_id = mode, budget, max_batch, fill, eos_id
+        self.clock, self.start = clock, clock()
+        self.capacity = self.store.free_blocks()  # room when nothing runs: what no request may exceed
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.finished: list[Request] = []
+        self.preemptions = 0
+
+    def now(self) -> float:
+        return self.clock() - self.start
+
+    def submit(self, request: Request) -> None:
+        """Queue a request; ValueError (nothing queued) if it is malformed or could never fit."""
+        if request.max_new_tokens <= 0:
+            raise ValueError(f"{request.request_id}: max_new_tokens must be positive, got {request.max_new_tokens}")
+        if bool(request.prompt) == bool(request.context_tokens):
+            raise ValueError(f"{request.request_id}: give either a prompt or context_tokens, not both or neither")
+        if request.context_tokens and self.fill is None:
+            raise ValueError(f"{request.request_id}: context_tokens needs the scheduler's fill")
+        ids = {r.request_id for r in self.waiting + self.running + self.finished}
+        if request.request_id in ids:
+            raise ValueError(f"request id {request.request_id!r} is taken")
+        need = self.store.blocks_for(request.length)
+        if need > self.capacity:
+            raise ValueError(f"{request.request_id}: {request.length} tokens need {need} blocks; the store holds "
+                             f"{self.capacity} in the tiers decode reads from (GPU pools and cpu)")
+        self.waiting.append(request)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> dict[str, int]:
+        """One round (module docstring); returns the tokens produced, by request id."""
+        produced = self._admit()
+        self._preempt()
+        produced.update(self._decode())
+        return produced
+
+    # -- the three parts of a step -----------------------------------------------------------
+    def _room(self) -> int:
+        """Blocks free beyond what running requests will still add (each reserved its whole length)."""
+        growth = sum(self.store.blocks_for(r.length) - self.store.blocks_for(self.decoder.length(r.seq))
+                     for r in self.running)
+        return self.store.free_blocks() - growth
+
+    def _arrived(self) -> list[Request]:
+        now = self.now()
+        return sorted((r for r in self.waiting if r.arrival_s <= now), key=lambda r: (-r.priority, r.arrival_s))
+
+    def _admit(self) -> dict[str, int]:
+        produced = {}
+        for request in self._arrived():
+            if len(self.running) >= self.max_batch:
+                break
+            if self.store.blocks_for(request.length) > self._room():
+                break  # the first in line waits: later, smaller requests do not overtake it
+            self.waiting.remove(request)
+            if request.saved_as is not None:
+                self._resume(request)
+            else:
+                produced[request.request_id] = self._prefill(request)
+            self.running.append(request)
+        return produced
+
+    def _prefill(self, request: Request) -> int:
+        store, decoder = self.store, self.decoder
+        request.seq = store.create_sequence()
+        request.admitted_s = self.now()
+        if request.prompt:
+            logits = decoder.prefill(request.seq, request.prompt)
+        else:
+            self.fill(store, request.seq, request.context_tokens - 1)
+            logits = decoder.decode_step(request.seq, 1, self.mode, self.budget)  # the context's last token
+        return self._emit(request, int(logits.argmax()))
+
+    def _resume(self, request: Request) -> None:
+        store = self.store
+        request.seq = store.open(request.saved_as)
+        store.load(request.seq)  # into the tiers, so the captured step serves it again
+        store.delete_saved(request.saved_as)
+        request.saved_as = None
+
+    def _preempt(self) -> None:
+        """Save and free the lowest-priority running request when an arrived one outranks it and cannot fit."""
+        arrived = self._arrived()
+        if not arrived or not self.running:
+            return
+        first = arrived[0]
+        victim = min(self.running, key=lambda r: (r.priority, -(r.admitted_s or 0.0)))
+        if first.priority <= victim.priority or self.store.blocks_for(first.length) <= self._room():
+            return
+        name = f"kvtier-preempted-{self.preemptions}"  # a saved context of this store only
+        self.store.save(victim.seq, name)
+        self.decoder.free(victim.seq)
+        victim.seq, victim.saved_as = None, name
+        victim.preemptions += 1
+        self.preemptions += 1
+        self.running.remove(victim)
+        self.waiting.append(victim)
+
+    def _decode(self) -> dict[str, int]:
+        live = [r for r in self.running if not r.done]
+        produced = {}
+        if live:
+            logits = self.decoder.decode_batch([r.seq for r in live], [r.output[-1] for r in live], self.mode,
+                                               self.budget)
+            for request, token in zip(live, logits.argmax(-1).tolist()):
+                produced[request.request_id] = self._emit(request, token)
+        for request in [r for r in self.running if r.done]:
+            self.decoder.free(request.seq)
+            request.seq = None
+            self.running.remove(request)
+            self.finished.append(request)
+        return produced
+
+    def _emit(self, request: Request, token: int) -> int:
+        request.output.append(token)
+        request.token_s.append(self.now())
+        if self.eos_id is not None and token == self.eos_id:
+            request.max_new_tokens = len(request.output)  # done: frees its reservation at the end of the step
+        return token
+
+    def run(self, idle_sleep_s: float = 0.001) -> list[Request]:
+        """Step until every submitted request finished; returns them in the order they finished."""
+        while self.pending:
+            if not self.step() and not self.running:
+                time.sleep(idle_sleep_s)  # nothing has arrived yet
+        return self.finished
