@@ -10,6 +10,10 @@ per tier and move against measured ceilings), quality (perplexity deltas, SmolLM
 (greedy tokens/s with random weights, memory per tier), all. Writes DIR/results.json,
 DIR/summary.md and PNG plots, and prints the tables.
 
+serve (not part of all: minutes of device time at the h200 preset): a request trace with continuous
+batching, against dense fp16 and dense int8 stores on the same trace (bench_longctx/serve_bench.py).
+    kvtier bench serve --preset h200 --set serve.requests=48 --set serve.contexts=32K
+
 vllm (not part of all: it needs vLLM, and LMCache in an environment of its own): time to first
 token in vLLM with no connector, KVTierConnector and LMCache on one trace (bench_longctx/vllm_ttft.py).
     kvtier bench vllm --model HF_FOLDER --lmcache-python /path/to/lmcache-venv/bin/python
@@ -53,7 +57,7 @@ class Run:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("suite", choices=(*SUITES, "all", "vllm"))
+    parser.add_argument("suite", choices=(*SUITES, "all", "serve", "vllm"))
     parser.add_argument("--preset", default="quick", choices=sorted(presets.PRESETS))
     parser.add_argument("--out", default=None, help="output directory (default: kvtier-bench-<preset>)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: the preset's; quick: cuda if present)")
@@ -167,6 +171,10 @@ def run_suite(name: str, run: Run) -> dict:
         from bench_longctx.quality import run_quality
 
         return run_quality(p.quality, dev, run.models, run.deadline, run.progress)
+    if name == "serve":
+        from bench_longctx.serve_bench import run_serve
+
+        return run_serve(p.serve, dev, run.deadline, run.progress)
     from bench_longctx.e2e import run_e2e
 
     return run_e2e(p.e2e, dev, run.deadline, run.progress)

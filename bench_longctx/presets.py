@@ -96,6 +96,26 @@ class E2EPreset:
 
 
 @dataclass(frozen=True)
+class ServePreset:
+    """`kvtier bench serve` (bench_longctx/serve_bench.py): a request trace with continuous batching."""
+    geometry: str = "smollm2-135m"
+    layers: int = 4  # 0: the geometry's own layer count
+    requests: int = 6
+    contexts: tuple[int, ...] = (2048, 3072)  # cycled over the requests
+    output_tokens: int = 8
+    arrival_rate: float = 0.0  # requests per second, Poisson; 0: all arrive at once
+    mode: str = "topk"
+    budget: int = 512
+    hot_tokens: int = 512
+    recent_tokens: int = 128
+    block_tokens: int = 32
+    max_batch: int = 64
+    gpu_gib: float = 0.25  # GPU pools (0: all the device has left after the model)
+    stores: str = "kvtier,dense-fp16,dense-int8"
+    batch_sizes: tuple[int, ...] = ()  # a sweep of fixed batches of the first context (kvtier), for the plot
+
+
+@dataclass(frozen=True)
 class Preset:
     name: str
     device: str  # "cpu", "cuda" or "auto"
@@ -108,6 +128,7 @@ class Preset:
     quality: QualityPreset = field(default_factory=QualityPreset)
     tiers: TiersPreset = field(default_factory=TiersPreset)
     e2e: E2EPreset = field(default_factory=E2EPreset)
+    serve: ServePreset = field(default_factory=ServePreset)
 
 
 K, M = 1 << 10, 1 << 20
@@ -132,10 +153,12 @@ PRESETS: dict[str, Preset] = {
                           disk_bytes=256 << 20, service_sizes=()),
         e2e=E2EPreset(geometry="llama3-8b", layers=0, context=M, budget=4096, steps=64, hot_tokens=4096,
                       recent_tokens=1024, block_tokens=64, fill="random"),
+        serve=ServePreset(geometry="llama3-8b", layers=0, requests=12, contexts=(128 * K,), output_tokens=64,
+                          budget=4096, hot_tokens=4096, recent_tokens=1024, block_tokens=64, gpu_gib=0),
     ),
 }  # fmt: skip
 
-SECTIONS = ("decode", "needle", "passkey", "quality", "tiers", "e2e")
+SECTIONS = ("decode", "needle", "passkey", "quality", "tiers", "e2e", "serve")
 
 
 def parse_tokens(text: str) -> int:

@@ -115,8 +115,26 @@ def e2e_table(r: dict) -> str:
         md_table(["memory", "blocks", "GiB", "capacity GiB"], tiers + extra), *[f"- {n}" for n in r["notes"]]])
 
 
+def serve_table(r: dict) -> str:
+    head = ["store", "mode", "requests", "tokens/s", "TPOT p50 ms", "TPOT p99 ms", "step p99 ms (no admission)",
+            "queue mean s", "preemptions", "most running", "appends verified"]
+    def row(name: str, x: dict) -> list:
+        return [name, x["mode"], x["requests"], x["tokens_per_s"], x["tpot_ms_p50"], x["tpot_ms_p99"],
+                x["step_ms_p99_without_admissions"], x["queue_s_mean"], x["preemptions"], x["most_running"],
+                x["appended_verified"]]
+    parts = [f"Continuous batching, {r['geometry']} geometry ({r['layers']} layers, random weights), "
+             f"{r['requests']} requests of contexts {[fmt(c) for c in r['contexts']]}, {r['output_tokens']} output "
+             f"tokens each, arrival rate {r['arrival_rate'] or 'all at once'}, budget {r['budget']}",
+             md_table(head, [row(name, x) for name, x in r["runs"].items()])]
+    if r["sweep"]:
+        parts.append(md_table(["batch", *head[1:]], [row(str(x["batch"]), x) for x in r["sweep"]]))
+    if "speedup_vs_dense_fp16" in r:
+        parts.append(f"kvtier / dense fp16: {r['speedup_vs_dense_fp16']:.2f}x aggregate tokens/s")
+    return "\n\n".join(parts + [f"- {n}" for n in r["notes"]])
+
+
 TABLES = {"decode": decode_table, "needle": needle_table, "tiers": tiers_table, "quality": quality_table,
-          "e2e": e2e_table}
+          "e2e": e2e_table, "serve": serve_table}
 
 
 def _skip_or_error(what: str, r: dict) -> list[str]:

@@ -54,12 +54,15 @@ class Request:
 
 class Scheduler:
     def __init__(self, decoder: Decoder, mode: str = "topk", budget: int = 4096, max_batch: int = 64,
-                 fill: Fill | None = None, eos_id: int | None = None, clock: Callable[[], float] = time.perf_counter):
+                 fill: Fill | None = None, eos_id: int | None = None, clock: Callable[[], float] = time.perf_counter,
+                 on_finish: Callable[[Request], None] | None = None):
+        """on_finish: called with each finished request while its sequence still holds every token (a check
+        of what was appended, say), before its blocks are freed."""
         if max_batch <= 0:
             raise ValueError(f"max_batch must be positive, got {max_batch}")
         self.decoder, self.store = decoder, decoder.store
         self.mode, self.budget, self.max_batch, self.fill, self.eos_id = mode, budget, max_batch, fill, eos_id
-        self.clock, self.start = clock, clock()
+        self.clock, self.start, self.on_finish = clock, clock(), on_finish
         self.capacity = self.store.free_blocks()  # room when nothing runs: what no request may exceed
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -168,6 +171,8 @@ class Scheduler:
             for request, token in zip(live, logits.argmax(-1).tolist()):
                 produced[request.request_id] = self._emit(request, token)
         for request in [r for r in self.running if r.done]:
+            if self.on_finish is not None:
+                self.on_finish(request)
             self.decoder.free(request.seq)
             request.seq = None
             self.running.remove(request)

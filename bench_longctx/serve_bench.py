@@ -1,0 +1,174 @@
+"""`kvtier bench serve`: many long-context requests at once through engine_adapter.serving.Scheduler.
+
+A request trace (arrival times: all at once, or Poisson at serve.arrival_rate; context lengths cycled from
+serve.contexts; serve.output_tokens each) runs with continuous batching, a model of the geometry with random
+weights (bench_longctx/e2e.py), every generated token appended to the store and the K/V appended for each
+request checked when it finishes. Contexts are written as random K/V (decode reads the same bytes as after a
+prefill; the prefill itself is not timed here). Three stores run the same trace, one after another:
+  kvtier      the tiers: fp16 hot window, int8 warm on the GPU as far as it holds, int8 cpu beyond it;
+              serve.mode (topk: Quest's bound) at serve.budget tokens, through the captured batch step
+  dense-fp16  every token fp16 on the GPU, dense attention: what a dense paged engine holds (the requests
+              that do not fit wait)
+  dense-int8  every token int8 on the GPU, dense attention
+Each reports aggregate output tokens/s over the decode (fills excluded), time per output token p50 / p99,
+queueing, preemptions, the most requests running at once, blocks per tier at that peak, and the
+fraction of each request's appended K/V found intact. serve.batch_sizes adds a sweep: a fixed batch of
+that many requests of the first context, kvtier only, for the throughput / p99 vs batch size plot.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+import torch
+
+from bench_longctx.e2e import CHUNK, appended_kv_matches, available_bytes, model_args, random_model
+from bench_longctx.presets import ServePreset
+from bench_longctx.timing import Deadline, release
+from engine_adapter.decoder import Decoder
+from engine_adapter.serving import Request, Scheduler
+from kvstore.blocks.tier_stack import staging_bytes
+from kvstore.config import Config
+from kvstore.store import KVStore
+from tiers.layout import BlockLayout
+
+STORES = ("kvtier", "dense-fp16", "dense-int8")
+SINK = 64
+
+
+def trace(p: ServePreset, num_requests: int, contexts: tuple[int, ...], seed: int = 0) -> list[Request]:
+    rng, t, out = random.Random(seed), 0.0, []
+    for i in range(num_requests):
+        out.append(Request(f"r{i}", max_new_tokens=p.output_tokens, context_tokens=contexts[i % len(contexts)],
+                           arrival_s=t))
+        if p.arrival_rate > 0:
+            t += rng.expovariate(p.arrival_rate)
+    return out
+
+
+def serve_store(kind: str, p: ServePreset, spec, device: torch.device, longest: int, total: int) -> KVStore:
+    """The store of one column: kvtier's tiers, or everything on the GPU in one format (no cpu tier to speak of)."""
+    layout = BlockLayout.of(spec, p.block_tokens)
+    staging_tokens = max(p.budget, 1024) * p.max_batch if kind == "kvtier" else p.block_tokens
+    gpu = (int(p.gpu_gib * (1 << 30)) or available_bytes(device)) - staging_bytes(layout, staging_tokens)
+    int8_per_token = spec.num_layers * layout.int8_bytes / p.block_tokens
+    if kind == "dense-fp16":
+        hot, warm, cpu = longest, 0, 64 << 20
+    elif kind == "dense-int8":
+        hot, warm, cpu = p.block_tokens, longest, 64 << 20
+    else:
+        hot, warm = p.hot_tokens, longest
+        cpu = max(64 << 20, int(1.1 * total * int8_per_token - gpu))  # what the GPU pools cannot take
+    config = Config(model=spec, block_tokens=p.block_tokens, sink_tokens=SINK, hot_tokens=hot, warm_tokens=warm,
+                    recent_tokens=p.recent_tokens, gpu_bytes=gpu + staging_bytes(layout, staging_tokens),
+                    staging_tokens=staging_tokens, cpu_bytes=cpu, cpu_dtype="int8", device=str(device),
+                    host_memory_reserve=0)
+    return KVStore(config)
+
+
+def fill_random(store: KVStore, seq: int, num_tokens: int) -> None:
+    spec, dev = store.spec, store.device
+    g = torch.Generator(device=dev).manual_seed(seq)
+    for layer in range(spec.num_layers):
+        for start in range(0, num_tokens, CHUNK):
+            n = min(CHUNK, num_tokens - start)
+            k = torch.randn((n, spec.num_kv_heads, spec.head_dim), device=dev, generator=g)
+            k[..., :8] *= 6  # outlier channels, as real keys have
+            v = torch.randn((n, spec.num_kv_heads, spec.head_dim), device=dev, generator=g)
+            store.append(seq, layer, k.half(), v.half())
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def run_trace(kind: str, model, p: ServePreset, requests: list[Request], device: torch.device) -> dict:
+    spec = model.args.spec
+    longest = max(r.length for r in requests)
+    store = serve_store(kind, p, spec, device, longest, sum(r.length for r in requests))
+    mode = p.mode if kind == "kvtier" else "dense"
+    intact: list[bool] = []
+    decoder = Decoder(model, store)
+
+    def check(request: Request) -> None:  # layer 0's K/V of every generated token but the last, as appended
+        start = request.context_tokens
+        intact.append(appended_kv_matches(decoder, request.seq, start, request.output[:-1]))
+
+    fill_s = [0.0]
+
+    def fill(store_: KVStore, seq: int, n: int) -> None:
+        began = time.perf_counter()
+        fill_random(store_, seq, n)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        fill_s[0] += time.perf_counter() - began
+
+    try:
+        scheduler = Scheduler(decoder, mode, p.budget, p.max_batch, fill=fill, on_finish=check)
+        for r in requests:
+            scheduler.submit(r)
+        most, peak_tiers, admit_steps, step_s = 0, None, set(), []
+        admitted = lambda: sum(r.admitted_s is not None for r in requests) + scheduler.preemptions  # noqa: E731
+        began = time.perf_counter()
+        while scheduler.pending:
+            before, t0 = admitted(), time.perf_counter()
+            produced = scheduler.step()
+            step_s.append(time.perf_counter() - t0)
+            if admitted() != before:  # a prefill (fill) ran in this step: its time is not a decode step's
+                admit_steps.add(len(step_s) - 1)
+            if len(scheduler.running) > most:
+                most, peak_tiers = len(scheduler.running), {k: v["blocks"] for k, v in store.stats()["tiers"].items()}
+            if not produced and not scheduler.running:
+                time.sleep(0.001)
+        wall = time.perf_counter() - began
+    finally:
+        store.close()
+        del decoder, store
+        release(device)
+    done = scheduler.finished
+    tokens = sum(len(r.output) for r in done)
+    gaps = [b - a for r in done for a, b in zip(r.token_s, r.token_s[1:])]
+    steady = [s for i, s in enumerate(step_s) if i not in admit_steps]
+    return {"store": kind, "mode": mode, "requests": len(done), "output_tokens": tokens, "wall_s": wall,
+            "fill_s": fill_s[0], "tokens_per_s": tokens / max(wall - fill_s[0], 1e-9),
+            "tpot_ms_p50": 1e3 * (percentile(gaps, 50) or 0), "tpot_ms_p99": 1e3 * (percentile(gaps, 99) or 0),
+            "step_ms_p99_without_admissions": 1e3 * (percentile(steady, 99) or 0),
+            "queue_s_mean": statistics.mean(r.admitted_s - r.arrival_s for r in done),
+            "queue_s_max": max(r.admitted_s - r.arrival_s for r in done), "preemptions": scheduler.preemptions,
+            "most_running": most, "peak_blocks_per_tier": peak_tiers,
+            "appended_verified": f"{sum(intact)}/{len(intact)}"}
+
+
+def run_serve(p: ServePreset, device: torch.device, deadline: Deadline, progress) -> dict:
+    args = model_args(p.geometry, p.layers)
+    model = random_model(args, device, torch.float16 if device.type == "cuda" else torch.float32)
+    requests = lambda n, contexts: trace(p, n, contexts)  # noqa: E731 -- a fresh trace per store
+    result = {"geometry": p.geometry, "layers": args.num_layers, "requests": p.requests, "contexts": p.contexts,
+              "output_tokens": p.output_tokens, "arrival_rate": p.arrival_rate, "budget": p.budget, "mode": p.mode,
+              "runs": {}, "sweep": [], "notes": []}
+    for kind in progress([s for s in STORES if s in p.stores.split(",")], "serve stores"):
+        if deadline.expired():
+            result["notes"].append(f"{kind} skipped: time budget")
+            continue
+        result["runs"][kind] = run_trace(kind, model, p, requests(p.requests, p.contexts), device)
+    for size in progress(p.batch_sizes, "serve batch sizes"):
+        if deadline.expired():
+            result["notes"].append(f"batch {size} skipped: time budget")
+            continue
+        row = run_trace("kvtier", model, p, requests(size, p.contexts[:1]), device)
+        result["sweep"].append({"batch": size, **row})
+    base = result["runs"].get("dense-fp16")
+    ours = result["runs"].get("kvtier")
+    if base and ours:
+        result["speedup_vs_dense_fp16"] = ours["tokens_per_s"] / base["tokens_per_s"]
+    if device.type != "cuda":
+        result["notes"].append("CPU: decode_batch runs each sequence's token alone (the captured batch step needs "
+                               "CUDA); the numbers measure the scheduler, not the batched step")
+    del model
+    release(device)
+    return result
