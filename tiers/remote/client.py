@@ -39,7 +39,7 @@ from tiers.remote.refusals import (  # noqa: F401  (callers import the errors fr
 )
 from tiers.remote.reader import BinaryReader
 from tiers.remote.wire import (
-    DTYPES, H_CHECKSUM, H_DTYPE, H_LAYOUT, H_SHAPE, Descriptor, check_chunk_hash, check_key, check_namespace,
+    DTYPES, H_CHECKSUM, H_DTYPE, H_LAYOUT, H_SHAPE, Descriptor, check_chunk_hash, check_key, check_namespace, chunk_key,
     format_checksum, pack_batch, parse_checksum, unpack_batch,
 )
 
@@ -99,7 +99,7 @@ class Client:
         if None in fields:
             raise CorruptValueError(200, "bad_response", f"{namespace}/{key}: response lacks x-kvtier-* headers")
         desc = Descriptor.from_headers(*fields[:3])
-        return _tensor(buf, desc, parse_checksum(fields[3]), f"{namespace}/{key}")
+        return value_tensor(buf, desc, parse_checksum(fields[3]), f"{namespace}/{key}")
 
     def get_many(self, namespace: str, keys: Sequence[str]) -> list[torch.Tensor]:
         """Tensors of `keys` in order, from one request (views into one buffer); NotFoundError names the missing."""
@@ -110,7 +110,7 @@ class Client:
         items = unpack_batch(memoryview(buf.numpy()))
         if [k for k, *_ in items] != list(keys):
             raise CorruptValueError(200, "bad_response", "batch get answered other keys than were asked")
-        return [_tensor(buf[o: o + n], d, c, f"{namespace}/{k}") for k, d, c, o, n in items]
+        return [value_tensor(buf[o: o + n], d, c, f"{namespace}/{k}") for k, d, c, o, n in items]
 
     def delete(self, namespace: str, key: str) -> None:
         """NotFoundError if nothing is stored there (also when an unanswered first try deleted it)."""
@@ -160,7 +160,7 @@ class Client:
         items = unpack_batch(memoryview(buf.numpy()))
         if [k for k, *_ in items] != hashes:
             raise CorruptValueError(200, "bad_response", "retrieve answered other chunks than were asked")
-        return [_tensor(buf[o: o + n], d, c, f"{namespace}/chunk/{k}") for k, d, c, o, n in items]
+        return [value_tensor(buf[o: o + n], d, c, f"{namespace}/chunk/{k}") for k, d, c, o, n in items]
 
     def store_chunks(self, namespace: str, chunks: Mapping[str | bytes, torch.Tensor]
                      | Iterable[tuple[str | bytes, torch.Tensor]]) -> dict:
@@ -173,6 +173,10 @@ class Client:
         headers = {"Content-Type": "application/octet-stream", "Content-Length": str(sum(map(len, batch)))}
         answer = self._call("POST", f"/v1/prefix/{_q(namespace)}/store", content=batch, headers=headers).json()
         return {name: answer[name] for name in ("stored", "held", "nbytes")}
+
+    def delete_chunk(self, namespace: str, chunk_hash: str | bytes) -> None:
+        """NotFoundError if the chunk is not stored."""
+        self.delete(namespace, chunk_key(*_hexes([chunk_hash])))
 
     def _held(self, namespace: str, body: dict) -> HeldPrefix:
         answer = self._call("POST", f"/v1/prefix/{_q(namespace)}/lookup", json=body).json()
@@ -245,7 +249,7 @@ def tensor_bytes(tensor: torch.Tensor) -> tuple[Descriptor, memoryview]:
     return Descriptor(_NAMES[tensor.dtype], tuple(tensor.shape)), memoryview(flat.view(torch.uint8).numpy())
 
 
-def _tensor(buf: torch.Tensor, desc: Descriptor, checksum: int | None, what: str) -> torch.Tensor:
+def value_tensor(buf: torch.Tensor, desc: Descriptor, checksum: int | None, what: str) -> torch.Tensor:
     if buf.numel() != desc.nbytes:
         raise CorruptValueError(200, "bad_response", f"{what}: {buf.numel()} bytes for {desc}")
     if checksum is not None and xxhash.xxh3_64_intdigest(memoryview(buf.numpy())) != checksum:

@@ -107,6 +107,11 @@ def check_chunk_hash(text: str) -> None:
         raise WireError(f"chunk hash must be 32 lowercase hex digits (a 16-byte chain hash), got {str(text)[:80]!r}")
 
 
+def chunk_key(chunk_hash: str) -> str:
+    """The key a prompt chunk is stored under in its namespace, by every chunk store (sidecar, local, Redis)."""
+    return "chunk/" + chunk_hash
+
+
 def check_prefix(prefix: str) -> None:
     if not re.fullmatch(r"[A-Za-z0-9_.~:@+=/-]*", prefix) or len(prefix.encode()) > MAX_KEY_BYTES:
         raise WireError(f"prefix must be up to {MAX_KEY_BYTES} bytes of key characters, got {prefix!r}")
