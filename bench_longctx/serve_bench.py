@@ -29,6 +29,7 @@ from bench_longctx.presets import ServePreset
 from bench_longctx.timing import Deadline, release
 from engine_adapter.decoder import Decoder
 from engine_adapter.serving import Request, Scheduler
+from kvstore.blocks.table import TableTensors
 from kvstore.blocks.tier_stack import staging_bytes
 from kvstore.config import Config
 from kvstore.store import KVStore
@@ -48,11 +49,19 @@ def trace(p: ServePreset, num_requests: int, contexts: tuple[int, ...], seed: in
     return out
 
 
-def serve_store(kind: str, p: ServePreset, spec, device: torch.device, longest: int, total: int) -> KVStore:
-    """The store of one column: kvtier's tiers, or everything on the GPU in one format (no cpu tier to speak of)."""
+def serve_store(kind: str, p: ServePreset, spec, device: torch.device, requests: list[Request]) -> KVStore:
+    """The store of one column: kvtier's tiers, or everything on the GPU in one format (no cpu tier to speak of).
+    The GPU pools get what the device has left after the model, the staging rows and the block index of the
+    requests that can run at once (summaries and sketch codes: TableTensors.bytes_per_block; a decode step
+    reserves its table for the length + max(16K, 1/16))."""
     layout = BlockLayout.of(spec, p.block_tokens)
-    staging_tokens = max(p.budget, 1024) * p.max_batch if kind == "kvtier" else p.block_tokens
-    gpu = (int(p.gpu_gib * (1 << 30)) or available_bytes(device)) - staging_bytes(layout, staging_tokens)
+    longest, total = max(r.length for r in requests), sum(r.length for r in requests)
+    concurrent = sorted((r.length for r in requests), reverse=True)[: p.max_batch]
+    index_tokens = sum(n + max(16384, n // 16) + 2 * p.block_tokens for n in concurrent)
+    index = spec.num_layers * -(-index_tokens // p.block_tokens) * TableTensors(
+        spec.num_kv_heads, spec.head_dim, p.block_tokens, device).bytes_per_block()
+    staging_tokens = max(p.budget, 1024) * min(p.max_batch, len(requests)) if kind == "kvtier" else p.block_tokens
+    gpu = (int(p.gpu_gib * (1 << 30)) or available_bytes(device) - index) - staging_bytes(layout, staging_tokens)
     int8_per_token = spec.num_layers * layout.int8_bytes / p.block_tokens
     if kind == "dense-fp16":
         hot, warm, cpu = longest, 0, 64 << 20
@@ -88,9 +97,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def run_trace(kind: str, model, p: ServePreset, requests: list[Request], device: torch.device) -> dict:
-    spec = model.args.spec
-    longest = max(r.length for r in requests)
-    store = serve_store(kind, p, spec, device, longest, sum(r.length for r in requests))
+    store = serve_store(kind, p, model.args.spec, device, requests)
     mode = p.mode if kind == "kvtier" else "dense"
     intact: list[bool] = []
     decoder = Decoder(model, store)

@@ -55,13 +55,23 @@ class TableTensors:
         self.block_tokens = block_tokens
         self.device = device
 
-    def reserve(self, table: LayerTable, num_blocks: int) -> None:
+    def bytes_per_block(self) -> int:
+        """Device bytes of one block's entry in a table: summaries, slot and tier maps, H2O scores, sketch codes."""
+        h, d, b = self.num_kv_heads, self.head_dim, self.block_tokens
+        return 2 * h * d * 2 + 4 + 1 + 4 * h + h * 2 * b * (d // 4)
+
+    def reserve(self, table: LayerTable, num_blocks: int, exact: bool = False) -> None:
+        """Room for num_blocks entries. Growing appends double the room (amortized copies); exact (a decode
+        step's fixed capacity) allocates just num_blocks: at long contexts the sketch codes alone are an eighth
+        of the fp16 K/V, so a doubled table wastes GiBs."""
         capacity = 0 if table.summaries is None else table.summaries.shape[0]
         if num_blocks <= capacity:
             return
         # a table made at its full length (open, fork) gets room to grow, so its first new block does not
         # reallocate and copy every tensor of a long context
         new = max(num_blocks, 2 * capacity) if capacity else num_blocks + max(16, num_blocks // 16)
+        if exact:
+            new = num_blocks
         h, d, dev = self.num_kv_heads, self.head_dim, self.device
         grown = (
             torch.empty((new, 2, h, d), dtype=torch.float16, device=dev),

@@ -111,7 +111,7 @@ class DecodeStep:
         capacity_tokens = capacity_tokens or length + max(16384, length // 16)  # selection scans all of it
         self.capacity = -(-capacity_tokens // b)  # blocks every table is preallocated for
         for t in self.tables:
-            self.tensors.reserve(t, self.capacity)  # fixed addresses from here on: what a graph needs
+            self.tensors.reserve(t, self.capacity, exact=True)  # fixed addresses from here on: what a graph needs
         self.sink_blocks = -(-c.sink_tokens // b)
         self.recent_tokens = self.path.recent_window(budget)
         self.k = max(budget // b, self.sink_blocks + -(-self.recent_tokens // b) + 1)  # blocks per head (topk)

@@ -1,5 +1,6 @@
 """BatchStep (B sequences' decode token, one attention launch per layer) against each sequence's DecodeStep
-alone in a twin store: the same outputs bit for bit (the kernel's rows are independent), the same stored
+alone in a twin store: the same outputs (bit for bit on CPU, where the kernel's reference attends row by row;
+within fp16 rounding on CUDA, where the split plan depends on the batch), the same stored
 K/V, summaries and H2O scores, for sequences of different lengths and phases, one of them reading cold
 blocks from the cpu tier, across block boundaries and window crossings."""
 
@@ -63,7 +64,10 @@ def test_a_batch_equals_each_sequence_alone(tmp_path, mode):
             got = batch.attend(layer, x[:, 0], x[:, 1, :2], x[:, 2, :2])
             for i, s in enumerate(singles):
                 want = s.attend(layer, x[i, 0], x[i, 1, :2], x[i, 2, :2])
-                assert torch.equal(got[i], want), (t, layer, i)
+                if DEVICE == "cpu":
+                    assert torch.equal(got[i], want), (t, layer, i)
+                else:
+                    torch.testing.assert_close(got[i], want, atol=2e-3, rtol=2e-3)
         batch.end_token()
         for s in singles:
             s.end_token()
@@ -78,7 +82,8 @@ def test_a_batch_equals_each_sequence_alone(tmp_path, mode):
             assert all(torch.equal(x, y) for x, y in zip(alone.read(a, layer), batched.read(b, layer)))
             n = ta.num_blocks
             assert torch.equal(ta.summaries[:n], tb.summaries[:n])
-            assert torch.equal(ta.h2o_scores[:, :n], tb.h2o_scores[:, :n])
+            torch.testing.assert_close(ta.h2o_scores[:, :n], tb.h2o_scores[:, :n], atol=0 if DEVICE == "cpu"
+                                       else 1e-3, rtol=0 if DEVICE == "cpu" else 1e-3)
     batched.check_integrity()
     alone.close(), batched.close()
 
