@@ -119,6 +119,8 @@ def serve_table(r: dict) -> str:
     head = ["store", "mode", "requests", "tokens/s", "TPOT p50 ms", "TPOT p99 ms", "step p99 ms (no admission)",
             "queue mean s", "preemptions", "most running", "appends verified"]
     def row(name: str, x: dict) -> list:
+        if "error" in x:
+            return [name, f"failed: {x['error'][:160]}"] + [None] * (len(head) - 2)
         return [name, x["mode"], x["requests"], x["tokens_per_s"], x["tpot_ms_p50"], x["tpot_ms_p99"],
                 x["step_ms_p99_without_admissions"], x["queue_s_mean"], x["preemptions"], x["most_running"],
                 x["appended_verified"]]

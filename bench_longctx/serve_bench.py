@@ -56,10 +56,20 @@ def serve_store(kind: str, p: ServePreset, spec, device: torch.device, requests:
     reserves its table for the length + max(16K, 1/16))."""
     layout = BlockLayout.of(spec, p.block_tokens)
     longest, total = max(r.length for r in requests), sum(r.length for r in requests)
+    per_block = TableTensors(spec.num_kv_heads, spec.head_dim, p.block_tokens, device).bytes_per_block()
+    index_of = lambda n: spec.num_layers * per_block * -(-(n + max(16384, n // 16)) // p.block_tokens)  # noqa: E731
     concurrent = sorted((r.length for r in requests), reverse=True)[: p.max_batch]
-    index_tokens = sum(n + max(16384, n // 16) + 2 * p.block_tokens for n in concurrent)
-    index = spec.num_layers * -(-index_tokens // p.block_tokens) * TableTensors(
-        spec.num_kv_heads, spec.head_dim, p.block_tokens, device).bytes_per_block()
+    if kind != "kvtier":  # as many as the device holds in one format, each with its index
+        kv = layout.fp16_bytes if kind == "dense-fp16" else layout.int8_bytes
+        room, fit = available_bytes(device), []
+        for n in concurrent:
+            need = spec.num_layers * -(-n // p.block_tokens) * kv + index_of(n)
+            if need > room:
+                break
+            room -= need
+            fit.append(n)
+        concurrent = fit or concurrent[:1]
+    index = sum(index_of(n) for n in concurrent)
     staging_tokens = max(p.budget, 1024) * min(p.max_batch, len(requests)) if kind == "kvtier" else p.block_tokens
     gpu = (int(p.gpu_gib * (1 << 30)) or available_bytes(device) - index) - staging_bytes(layout, staging_tokens)
     int8_per_token = spec.num_layers * layout.int8_bytes / p.block_tokens
@@ -151,6 +161,14 @@ def run_trace(kind: str, model, p: ServePreset, requests: list[Request], device:
             "appended_verified": f"{sum(intact)}/{len(intact)}"}
 
 
+def guarded(run) -> dict:
+    """A failed run is recorded with its error (the device memory it held given back); the others go on."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 -- recorded in the results
+        return {"error": f"{type(exc).__name__}: {exc}"[:600]}
+
+
 def run_serve(p: ServePreset, device: torch.device, deadline: Deadline, progress) -> dict:
     args = model_args(p.geometry, p.layers)
     model = random_model(args, device, torch.float16 if device.type == "cuda" else torch.float32)
@@ -162,16 +180,16 @@ def run_serve(p: ServePreset, device: torch.device, deadline: Deadline, progress
         if deadline.expired():
             result["notes"].append(f"{kind} skipped: time budget")
             continue
-        result["runs"][kind] = run_trace(kind, model, p, requests(p.requests, p.contexts), device)
+        result["runs"][kind] = guarded(lambda: run_trace(kind, model, p, requests(p.requests, p.contexts), device))
     for size in progress(p.batch_sizes, "serve batch sizes"):
         if deadline.expired():
             result["notes"].append(f"batch {size} skipped: time budget")
             continue
-        row = run_trace("kvtier", model, p, requests(size, p.contexts[:1]), device)
+        row = guarded(lambda: run_trace("kvtier", model, p, requests(size, p.contexts[:1]), device))
         result["sweep"].append({"batch": size, **row})
     base = result["runs"].get("dense-fp16")
     ours = result["runs"].get("kvtier")
-    if base and ours:
+    if base and ours and "error" not in base and "error" not in ours:
         result["speedup_vs_dense_fp16"] = ours["tokens_per_s"] / base["tokens_per_s"]
     if device.type != "cuda":
         result["notes"].append("CPU: decode_batch runs each sequence's token alone (the captured batch step needs "

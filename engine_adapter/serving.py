@@ -25,6 +25,7 @@ from engine_adapter.decoder import Decoder
 from kvstore.store import KVStore
 
 Fill = Callable[[KVStore, int, int], None]  # (store, seq, num_tokens): write that many tokens' K/V into seq
+FILL_TOKEN = 1  # a filled context's last token, decoded in the batch: its logits give the first output
 
 
 @dataclass
@@ -32,7 +33,7 @@ class Request:
     request_id: str
     max_new_tokens: int
     prompt: list[int] = field(default_factory=list)  # token ids prefilled through the model, or:
-    context_tokens: int = 0  # a context of this many tokens written by the scheduler's `fill`, then token 1
+    context_tokens: int = 0  # a context of this many tokens: `fill` writes all but the last, FILL_TOKEN
     priority: int = 0  # higher runs first and may preempt lower
     arrival_s: float = 0.0  # when it may be admitted, in seconds after the scheduler's start
     output: list[int] = field(default_factory=list)
@@ -121,21 +122,19 @@ class Scheduler:
             self.waiting.remove(request)
             if request.saved_as is not None:
                 self._resume(request)
-            else:
+            elif request.prompt:
                 produced[request.request_id] = self._prefill(request)
+            else:  # its first token comes from the batch's next decode
+                request.seq = self.store.create_sequence()
+                request.admitted_s = self.now()
+                self.fill(self.store, request.seq, request.context_tokens - 1)
             self.running.append(request)
         return produced
 
     def _prefill(self, request: Request) -> int:
-        store, decoder = self.store, self.decoder
-        request.seq = store.create_sequence()
+        request.seq = self.store.create_sequence()
         request.admitted_s = self.now()
-        if request.prompt:
-            logits = decoder.prefill(request.seq, request.prompt)
-        else:
-            self.fill(store, request.seq, request.context_tokens - 1)
-            logits = decoder.decode_step(request.seq, 1, self.mode, self.budget)  # the context's last token
-        return self._emit(request, int(logits.argmax()))
+        return self._emit(request, int(self.decoder.prefill(request.seq, request.prompt).argmax()))
 
     def _resume(self, request: Request) -> None:
         store = self.store
@@ -166,8 +165,8 @@ class Scheduler:
         live = [r for r in self.running if not r.done]
         produced = {}
         if live:
-            logits = self.decoder.decode_batch([r.seq for r in live], [r.output[-1] for r in live], self.mode,
-                                               self.budget)
+            inputs = [r.output[-1] if r.output else FILL_TOKEN for r in live]
+            logits = self.decoder.decode_batch([r.seq for r in live], inputs, self.mode, self.budget)
             for request, token in zip(live, logits.argmax(-1).tolist()):
                 produced[request.request_id] = self._emit(request, token)
         for request in [r for r in self.running if r.done]:

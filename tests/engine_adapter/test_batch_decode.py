@@ -32,7 +32,7 @@ def alone(mode: str) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("mode", ["topk", "dense"])
+@pytest.mark.parametrize("mode", ["topk", "dense"])  # sketch: tests/kvstore/decode/test_batch.py
 def test_a_batch_with_joins_and_leaves_decodes_what_each_sequence_does_alone(monkeypatch, mode):
     monkeypatch.setattr(Decoder, "_captures", lambda self: True)
     want = alone(mode)
