@@ -31,7 +31,7 @@ from kvstore.service.storage import NotFound, ServiceStorage, StorageFull
 from kvstore.service.values import Value
 from tiers.base import IntegrityError
 from tiers.remote.client import HeldPrefix, tensor_bytes, value_tensor
-from tiers.remote.refusals import CorruptValueError, NotFoundError, StorageFullError, UnreachableError
+from tiers.remote.refusals import CorruptValueError, NotFoundError, StorageFullError
 from tiers.remote.wire import chunk_key, check_chunk_hash, check_namespace
 
 GiB = 1 << 30
@@ -68,8 +68,9 @@ class LocalChunks:
             raise ValueError(f"a local chunk store needs an absolute directory (lmdb:///abs/path), got {path!r}")
         self.path = os.path.realpath(path)
         with self._open_lock:
-            storage, lock, users = self._open.get(self.path) or (*_open_storage(self.path, cpu_cache_bytes,
-                                                                                              ssd_bytes), 0)
+            if self.path not in self._open:
+                self._open[self.path] = (*_open_storage(self.path, cpu_cache_bytes, ssd_bytes), 0)
+            storage, lock, users = self._open[self.path]
             self._open[self.path] = (storage, lock, users + 1)
         self.storage = storage
         self.closed = False

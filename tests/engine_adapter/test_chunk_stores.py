@@ -18,7 +18,7 @@ import torch
 from engine_adapter.chunk_store import ChunkStore, LocalChunks
 from engine_adapter.vllm_connector_chunks import ChunkTransfer, PagedLayers, load, open_chunk_store, save
 from tests.kvstore.service.conftest import ServerProcess, free_port
-from tests.tiers.redis_servers import raw_client, redis_single, require_redis  # noqa: F401  (fixture)
+from tests.tiers.redis_servers import raw_client, redis_single  # noqa: F401  (redis_single: a fixture)
 from tiers.keys import ChunkKeys
 from tiers.remote.refusals import CorruptValueError, NotFoundError, UnreachableError
 
