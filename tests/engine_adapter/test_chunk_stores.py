@@ -1,7 +1,8 @@
 """Every chunk store KVTierConnector can use (engine_adapter/chunk_store.py), one contract, without vLLM:
 the kvtier sidecar (a real `kvtier serve` process), the local store (the sidecar's storage in this
-process) and Redis (a real redis-server). Held prefixes, bit-exact chunks, held ones skipped, a
-damaged value refused and recomputed by the connector's load, an unreachable store."""
+process) and Redis (a real redis-server, and a 3-master cluster). Held prefixes, bit-exact chunks,
+held ones skipped, a damaged value refused and recomputed by the connector's load, an unreachable
+store."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 from engine_adapter.chunk_store import ChunkStore, LocalChunks
 from engine_adapter.vllm_connector_chunks import ChunkTransfer, PagedLayers, load, open_chunk_store, save
 from tests.kvstore.service.conftest import ServerProcess, free_port
-from tests.tiers.redis_servers import raw_client, redis_single  # noqa: F401  (redis_single: a fixture)
+from tests.tiers.redis_servers import raw_client, redis_cluster, redis_single  # noqa: F401  (fixtures)
 from tiers.keys import ChunkKeys
 from tiers.remote.refusals import CorruptValueError, NotFoundError, UnreachableError
 
@@ -51,7 +52,7 @@ def flip_lmdb(data_dir: Path, chunk_hash: str) -> None:
     env.close()
 
 
-@pytest.fixture(params=["sidecar", "local", "redis"])
+@pytest.fixture(params=["sidecar", "local", "redis", "redis-cluster"])
 def backend(request, tmp_path):
     if request.param == "sidecar":
         server = ServerProcess(tmp_path / "sidecar").start()
@@ -79,7 +80,7 @@ def backend(request, tmp_path):
         yield backend
         backend.store.close()
     else:
-        server = request.getfixturevalue("redis_single")
+        server = request.getfixturevalue("redis_single" if request.param == "redis" else "redis_cluster")
         client = raw_client(server.url)
         client.flushdb()
 
