@@ -56,7 +56,8 @@ def serve_store(kind: str, p: ServePreset, spec, device: torch.device, requests:
     reserves its table for the length + max(16K, 1/16))."""
     layout = BlockLayout.of(spec, p.block_tokens)
     longest, total = max(r.length for r in requests), sum(r.length for r in requests)
-    per_block = TableTensors(spec.num_kv_heads, spec.head_dim, p.block_tokens, device).bytes_per_block()
+    sketch_codes = p.mode == "sketch" and kind == "kvtier"  # the codes cost device memory only mode="sketch" reads
+    per_block = TableTensors(spec.num_kv_heads, spec.head_dim, p.block_tokens, device, sketch_codes).bytes_per_block()
     index_of = lambda n: spec.num_layers * per_block * -(-(n + max(16384, n // 16)) // p.block_tokens)  # noqa: E731
     concurrent = sorted((r.length for r in requests), reverse=True)[: p.max_batch]
     if kind != "kvtier":  # as many as the device holds in one format, each with its index
@@ -83,7 +84,7 @@ def serve_store(kind: str, p: ServePreset, spec, device: torch.device, requests:
     config = Config(model=spec, block_tokens=p.block_tokens, sink_tokens=SINK, hot_tokens=hot, warm_tokens=warm,
                     recent_tokens=p.recent_tokens, gpu_bytes=gpu + staging_bytes(layout, staging_tokens),
                     staging_tokens=staging_tokens, cpu_bytes=cpu, cpu_dtype="int8", device=str(device),
-                    host_memory_reserve=0)
+                    host_memory_reserve=0, sketch_codes=sketch_codes)
     return KVStore(config)
 
 
@@ -143,11 +144,12 @@ def run_trace(kind: str, model, p: ServePreset, requests: list[Request], device:
             if not produced and not scheduler.running:
                 time.sleep(0.001)
         wall = time.perf_counter() - began
+        done, preemptions = scheduler.finished, scheduler.preemptions
     finally:
         store.close()
         del decoder, store
+        scheduler = None  # the last reference to the store's pools and captured graphs
         release(device)
-    done = scheduler.finished
     tokens = sum(len(r.output) for r in done)
     gaps = [b - a for r in done for a, b in zip(r.token_s, r.token_s[1:])]
     steady = [s for i, s in enumerate(step_s) if i not in admit_steps]
@@ -156,7 +158,7 @@ def run_trace(kind: str, model, p: ServePreset, requests: list[Request], device:
             "tpot_ms_p50": 1e3 * (percentile(gaps, 50) or 0), "tpot_ms_p99": 1e3 * (percentile(gaps, 99) or 0),
             "step_ms_p99_without_admissions": 1e3 * (percentile(steady, 99) or 0),
             "queue_s_mean": statistics.mean(r.admitted_s - r.arrival_s for r in done),
-            "queue_s_max": max(r.admitted_s - r.arrival_s for r in done), "preemptions": scheduler.preemptions,
+            "queue_s_max": max(r.admitted_s - r.arrival_s for r in done), "preemptions": preemptions,
             "most_running": most, "peak_blocks_per_tier": peak_tiers,
             "appended_verified": f"{sum(intact)}/{len(intact)}"}
 

@@ -38,7 +38,8 @@ class KVStore:
         self.device = torch.device(c.device)
         self.layout = BlockLayout.of(c.model, c.block_tokens)
         self.sequences: dict[int, list[LayerTable]] = {}
-        self.tensors = TableTensors(c.model.num_kv_heads, c.model.head_dim, c.block_tokens, self.device)
+        self.tensors = TableTensors(c.model.num_kv_heads, c.model.head_dim, c.block_tokens, self.device,
+                                    c.sketch_codes)
         self.tiers = TierSet(c, self.layout, self.sequences, self.tensors)
         try:
             self._assemble(c)
@@ -255,12 +256,15 @@ class KVStore:
         """A DecodeStep for `seq`: append + select + attend for every layer of a token from device state,
         capturable in one CUDA graph (kvstore/decode/step.py). Capacity: the length + max(16K, 1/16 of it)."""
         tables = [self.table(seq, layer) for layer in range(self.spec.num_layers)]
+        self._policy(mode)  # ValueError for a mode this store cannot serve
         if mode == "sketch":
             self.unread.load_if_needed(seq)  # an opened sequence reads its sketch codes now
         parts = StepParts(self.config, self.device, self.tiers, self.tensors, self.decode)
         return DecodeStep(parts, seq, tables, mode, budget, self.policies.get(mode), capacity_tokens)
 
     def _policy(self, mode: str | Policy) -> Policy | None:
+        if (mode == "sketch" or isinstance(mode, type(self.policies["sketch"]))) and not self.config.sketch_codes:
+            raise ValueError("mode='sketch' reads sketch codes, and this store has none (Config.sketch_codes=False)")
         if isinstance(mode, Policy):
             return mode
         if mode not in MODES:

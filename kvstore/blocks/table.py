@@ -49,7 +49,9 @@ class LayerTable:
 class TableTensors:
     """Grows and writes the device tensors of LayerTables (capacity doubles; a new table has 1/16 to spare)."""
 
-    def __init__(self, num_kv_heads: int, head_dim: int, block_tokens: int, device: torch.device) -> None:
+    def __init__(self, num_kv_heads: int, head_dim: int, block_tokens: int, device: torch.device,
+                 sketch_codes: bool = True) -> None:
+        self.sketch_codes = sketch_codes  # False: sketch tensors of width 0, nothing encoded (Config.sketch_codes)
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.block_tokens = block_tokens
@@ -58,7 +60,12 @@ class TableTensors:
     def bytes_per_block(self) -> int:
         """Device bytes of one block's entry in a table: summaries, slot and tier maps, H2O scores, sketch codes."""
         h, d, b = self.num_kv_heads, self.head_dim, self.block_tokens
-        return 2 * h * d * 2 + 4 + 1 + 4 * h + h * 2 * b * (d // 4)
+        return 2 * h * d * 2 + 4 + 1 + 4 * h + h * 2 * b * self.code_bytes
+
+    @property
+    def code_bytes(self) -> int:
+        """Bytes of one token's sketch code per kv head and K or V row (0 without sketch codes)."""
+        return self.head_dim // 4 if self.sketch_codes else 0
 
     def reserve(self, table: LayerTable, num_blocks: int, exact: bool = False) -> None:
         """Room for num_blocks entries. Growing appends double the room (amortized copies); exact (a decode
@@ -78,7 +85,7 @@ class TableTensors:
             torch.full((new,), -1, dtype=torch.int32, device=dev),
             torch.full((new,), DROPPED, dtype=torch.int8, device=dev),
             torch.zeros((h, new), dtype=torch.float32, device=dev),
-            torch.zeros((new, h, 2, self.block_tokens, d // 4), dtype=torch.uint8, device=dev),
+            torch.zeros((new, h, 2, self.block_tokens, self.code_bytes), dtype=torch.uint8, device=dev),
         )
         if capacity:
             grown[0][:capacity] = table.summaries
@@ -103,12 +110,15 @@ class TableTensors:
         n, b = summaries.shape[0], self.block_tokens
         self.reserve(table, first + n)
         table.summaries[first:first + n] = summaries
+        if not self.sketch_codes:
+            return
         padded = torch.cat((k, k[-1:].expand(n * b - k.shape[0], -1, -1)))  # [n*B, H, D]: repeat a real key
         table.sketch[first:first + n] = encode_blocks(padded.view(n, b, *k.shape[1:]), summaries)
 
     def encode_block(self, table: LayerTable, index: int, keys: torch.Tensor) -> None:
         """Sketch codes of block `index`, now full with keys [B, H, D], on its summary's final grid."""
-        table.sketch[index: index + 1] = encode_blocks(keys[None], table.summaries[index: index + 1])
+        if self.sketch_codes:
+            table.sketch[index: index + 1] = encode_blocks(keys[None], table.summaries[index: index + 1])
 
     def copy(self, table: LayerTable) -> LayerTable:
         """A new table pointing at the same block ids, with its own device maps, summaries, sketch, H2O scores

@@ -47,13 +47,15 @@ class BatchStep:
 
     # -- host side, between tokens -----------------------------------------------------------
     def ready(self) -> bool:
-        """Whether every sequence's next token runs from device state, with room in the GPU pools for the new
-        tail blocks of all that reach a block boundary together."""
+        """Whether every sequence's next token runs from device state, with room for the new tail blocks of all
+        that reach a block boundary together (as DecodeStep.has_room)."""
         if not all(s.ready() for s in self.steps):
             return False
-        tiers = self.tiers
         opening = sum(len(s.tables) for s in self.steps if s.length % s.block_tokens == 0)
-        return tiers.hot.free_blocks() + tiers.warm.free_blocks() >= opening
+        tiers = self.tiers
+        gpu = tiers.hot.free_blocks() + tiers.warm.free_blocks()
+        # cooling to make room may take any sequence's blocks: every one of them must serve its cpu blocks
+        return gpu >= opening or (all(s.can_spill() for s in self.steps) and gpu + tiers.cpu.free_blocks() >= opening)
 
     def begin_token(self) -> tuple[str, ...]:
         """Every sequence's host work before a token (DecodeStep.begin_token): all of them prepared first, so
@@ -65,7 +67,10 @@ class BatchStep:
                                "by sequence")
         for s in self.steps:
             s.prepare_token()
-        return tuple(s.open_token() for s in self.steps)
+        phases = tuple(s.open_token() for s in self.steps)
+        for s in self.steps:  # a later sequence's new tails may have cooled an earlier one's blocks into cpu
+            s.note_cold()
+        return phases
 
     def end_token(self) -> None:
         for s in self.steps:

@@ -97,7 +97,7 @@ class DecodePath:
         window = SeqWindow(num_tokens=table.num_tokens, block_tokens=self.block_tokens,
                            sink_tokens=self.sink_tokens, recent_tokens=self.recent_window(budget))
         return ScoreContext(summaries=table.summaries[:n], window=window, q=q, h2o_scores=table.h2o_scores[:, :n],
-                            sketch=table.sketch)
+                            sketch=table.sketch if table.sketch.shape[-1] else None)  # none: Config.sketch_codes
 
     def attend(self, table: LayerTable, q: torch.Tensor, policy: Policy | None, budget: int,
                measure_mass: bool = False, epsilon: float | None = None) -> torch.Tensor:

@@ -141,13 +141,29 @@ class DecodeStep:
 
     def ready(self) -> bool:
         """Whether the next token can run from device state: every block on the GPU or servable in the cpu
-        tier (module docstring), room in capacity, and at a block boundary room in the GPU pools for new
-        tail blocks without spilling anything to cpu."""
-        tiers, n = self.tiers, len(self.tables)
-        if self.length % self.block_tokens == 0 and tiers.hot.free_blocks() + tiers.warm.free_blocks() < n:
+        tier (module docstring), room in capacity, and at a block boundary room for new tail blocks (has_room)."""
+        at_boundary = self.length % self.block_tokens == 0
+        if at_boundary and not self.has_room(len(self.tables)):
             return False
         return self.length + 1 <= self.capacity * self.block_tokens and self._cold_servable(self.length + 1) and \
             not any(t.num_dropped for t in self.tables)
+
+    def has_room(self, num_blocks: int) -> bool:
+        """Whether num_blocks new tail blocks fit: in free GPU pool rows, or, when this step serves cpu blocks
+        (can_spill), by cooling the coldest GPU blocks into a cpu tier with room (TierSet.place, at open_token)."""
+        tiers = self.tiers
+        gpu = tiers.hot.free_blocks() + tiers.warm.free_blocks()
+        return gpu >= num_blocks or (self.can_spill() and gpu + tiers.cpu.free_blocks() >= num_blocks)
+
+    def can_spill(self) -> bool:
+        """Whether this sequence's next token is served whichever of its blocks cool into the cpu tier: past
+        its dense phase, with every cold block in a cpu tier the step reads itself."""
+        return self._phase(self.length + 1) == "topk" and self.cold.servable(self.tables, self.k)
+
+    def note_cold(self) -> None:
+        """Whether this token stages cpu blocks, once the token's blocks are where they will be read from (the
+        tail blocks opened, and what they cooled, this sequence's or another's)."""
+        self.stages_cold = any(t.num_cold for t in self.tables)
 
     def _cold_servable(self, num_tokens: int) -> bool:
         """Whether the step serves the tables' cold blocks at num_tokens tokens (none, or all in a cpu tier the
@@ -197,7 +213,6 @@ class DecodeStep:
     def open_token(self) -> str:
         """The second half: at a block boundary, open the next tail block in every layer (the caller checked
         the GPU pools have room: ready()). Returns the token's phase."""
-        self.stages_cold = any(t.num_cold for t in self.tables)
         if self.length % self.block_tokens == 0:
             tiers, b, spec = self.tiers, self.block_tokens, self.spec
             tiers.check_room(len(self.tables))
@@ -212,6 +227,7 @@ class DecodeStep:
                 table.summaries[index, 1] = float("-inf")
                 table.h2o_scores[:, index] = 0.0
             self._sync_tail_slots()
+        self.note_cold()
         self.partitions.update(self.tables, self.dense_blocks, self.length + 1, self.phase == "dense" and
                                not self.hot_only)
         return self.phase

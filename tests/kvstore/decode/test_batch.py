@@ -44,12 +44,18 @@ def work(num_seqs: int, num_tokens: int, seed: int) -> torch.Tensor:
     return torch.randn(num_tokens, SPEC.num_layers, num_seqs, 3, 4, 32, generator=g).half().to(DEVICE)
 
 
-@pytest.mark.parametrize("mode", ["dense", "topk", "sketch"])
-def test_a_batch_equals_each_sequence_alone(tmp_path, mode):
+@pytest.mark.parametrize("mode, gpu_bytes", [("dense", 16 << 20), ("topk", 16 << 20), ("sketch", 16 << 20),
+                                             ("topk", 320 << 10)])
+def test_a_batch_equals_each_sequence_alone(tmp_path, mode, gpu_bytes):
+    """gpu_bytes 320K: the GPU pools are full, and new tail blocks make room by cooling blocks into cpu (every
+    sequence past its dense phase: a dense step serves GPU-held blocks only)."""
     budget = 128
-    lengths = (70, 200, 300) if mode == "dense" else LENGTHS  # a dense step serves GPU-held blocks only
-    alone, seqs = filled(tmp_path, "a", lengths)
-    batched, bseqs = filled(tmp_path, "b", lengths)
+    lengths = (70, 200, 300) if mode == "dense" else (150, 300, 700) if gpu_bytes < 1 << 20 else LENGTHS
+    alone, seqs = filled(tmp_path, "a", lengths, gpu_bytes=gpu_bytes)
+    batched, bseqs = filled(tmp_path, "b", lengths, gpu_bytes=gpu_bytes)
+    tiers = batched.tiers
+    full = tiers.hot.free_blocks() + tiers.warm.free_blocks() < SPEC.num_layers * len(lengths)
+    assert full == (gpu_bytes < 1 << 20)
     assert (batched.table(bseqs[2], 0).num_cold > 10) == (mode != "dense")
     singles = [alone.decode_step(s, mode=mode, budget=budget) for s in seqs]
     batch = BatchStep([batched.decode_step(s, mode=mode, budget=budget) for s in bseqs])
@@ -72,7 +78,7 @@ def test_a_batch_equals_each_sequence_alone(tmp_path, mode):
         for s in singles:
             s.end_token()
     batch.verify()
-    if mode != "dense":  # the short sequence changed phase in the batch while the others stayed topk
+    if mode != "dense" and not full:  # the short sequence changed phase in the batch while the others stayed topk
         assert ("dense", "topk", "topk") in phases and ("topk", "topk", "topk") in phases
     assert (batched.stats()["attend"]["cold_slices_staged"] > 0) == (mode != "dense")
     for a, b in zip(seqs, bseqs):
@@ -110,4 +116,31 @@ def test_a_batch_refuses_mixed_modes_and_repeated_sequences(tmp_path):
         BatchStep([store.decode_step(seqs[0]), store.decode_step(seqs[0])])
     with pytest.raises(ValueError, match="at least one"):
         BatchStep([])
+    store.close()
+
+
+def test_a_store_without_sketch_codes_serves_topk_and_dense_and_refuses_sketch(tmp_path):
+    """Config.sketch_codes=False: no code tensors (their device memory back), the batch step serves topk and
+    dense, mode="sketch" is refused by the step and the eager path alike, and a save opens bit-equal."""
+    store, seqs = filled(tmp_path, "n", lengths=(300, 700), sketch_codes=False)
+    assert store.table(seqs[0], 0).sketch.shape[-1] == 0
+    for mode in ("topk", "dense"):
+        batch = BatchStep([store.decode_step(s, mode=mode, budget=128) for s in seqs]) if mode == "topk" else None
+        if batch is None:
+            continue
+        x = work(2, 1, seed=3)[0]
+        batch.begin_token()
+        for layer in range(SPEC.num_layers):
+            assert batch.attend(layer, x[layer, :, 0], x[layer, :, 1, :2], x[layer, :, 2, :2]).isfinite().all()
+        batch.end_token()
+    q = torch.randn(4, 32, generator=torch.Generator().manual_seed(4)).half().to(DEVICE)
+    with pytest.raises(ValueError, match="sketch_codes"):
+        store.decode_step(seqs[0], mode="sketch")
+    with pytest.raises(ValueError, match="sketch_codes"):
+        store.attend(seqs[0], 0, q, mode="sketch", budget=128)
+    dense = store.attend(seqs[1], 1, q, mode="dense")
+    store.save(seqs[1], "no-codes")
+    opened = store.open("no-codes")
+    assert torch.equal(store.attend(opened, 1, q, mode="dense"), dense)
+    store.check_integrity()
     store.close()
