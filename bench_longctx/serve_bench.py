@@ -10,9 +10,10 @@ prefill; the prefill itself is not timed here). Three stores run the same trace,
   dense-fp16  every token fp16 on the GPU, dense attention: what a dense paged engine holds (the requests
               that do not fit wait)
   dense-int8  every token int8 on the GPU, dense attention
-Each reports aggregate output tokens/s over the decode (fills excluded), time per output token p50 / p99,
-queueing, preemptions, the most requests running at once, blocks per tier at that peak, and the
-fraction of each request's appended K/V found intact. serve.batch_sizes adds a sweep: a fixed batch of
+Each reports aggregate output tokens/s over the run (fills excluded), time per output token p50 / p99, and
+the same over steady steps (neither a fill nor a CUDA graph capture in them: a new batch membership or graph
+key captures once, as engines capture at start-up), queueing, preemptions, graph captures, the most requests
+running at once, blocks per tier at that peak, and the fraction of each request's appended K/V found intact. serve.batch_sizes adds a sweep: a fixed batch of
 that many requests of the first context, kvtier only, for the throughput / p99 vs batch size plot.
 """
 
@@ -130,21 +131,23 @@ def run_trace(kind: str, model, p: ServePreset, requests: list[Request], device:
         scheduler = Scheduler(decoder, mode, p.budget, p.max_batch, fill=fill, on_finish=check)
         for r in requests:
             scheduler.submit(r)
-        most, peak_tiers, admit_steps, step_s = 0, None, set(), []
+        most, peak_tiers, admit_steps, step_s, step_end, step_tokens = 0, None, set(), [], [], []
         admitted = lambda: sum(r.admitted_s is not None for r in requests) + scheduler.preemptions  # noqa: E731
         began = time.perf_counter()
         while scheduler.pending:
-            before, t0 = admitted(), time.perf_counter()
+            before, captured, t0 = admitted(), decoder.captures, time.perf_counter()
             produced = scheduler.step()
             step_s.append(time.perf_counter() - t0)
-            if admitted() != before:  # a prefill (fill) ran in this step: its time is not a decode step's
+            if admitted() != before or decoder.captures != captured:  # a fill or a graph capture: not steady
                 admit_steps.add(len(step_s) - 1)
+            step_end.append(scheduler.now())
+            step_tokens.append(len(produced))
             if len(scheduler.running) > most:
                 most, peak_tiers = len(scheduler.running), {k: v["blocks"] for k, v in store.stats()["tiers"].items()}
             if not produced and not scheduler.running:
                 time.sleep(0.001)
         wall = time.perf_counter() - began
-        done, preemptions = scheduler.finished, scheduler.preemptions
+        done, preemptions, captures = scheduler.finished, scheduler.preemptions, decoder.captures
     finally:
         store.close()
         del decoder, store
@@ -153,10 +156,19 @@ def run_trace(kind: str, model, p: ServePreset, requests: list[Request], device:
     tokens = sum(len(r.output) for r in done)
     gaps = [b - a for r in done for a, b in zip(r.token_s, r.token_s[1:])]
     steady = [s for i, s in enumerate(step_s) if i not in admit_steps]
+    # steady: output tokens of steps with neither a fill nor a capture, over those steps' time
+    unsteady_ends = [step_end[i] for i in admit_steps]
+    steady_gaps = [b - a for r in done for a, b in zip(r.token_s, r.token_s[1:])
+                   if not any(a < e <= b for e in unsteady_ends)]
     return {"store": kind, "mode": mode, "requests": len(done), "output_tokens": tokens, "wall_s": wall,
             "fill_s": fill_s[0], "tokens_per_s": tokens / max(wall - fill_s[0], 1e-9),
             "tpot_ms_p50": 1e3 * (percentile(gaps, 50) or 0), "tpot_ms_p99": 1e3 * (percentile(gaps, 99) or 0),
             "step_ms_p99_without_admissions": 1e3 * (percentile(steady, 99) or 0),
+            "steady_tpot_ms_p50": 1e3 * (percentile(steady_gaps, 50) or 0),
+            "steady_tpot_ms_p99": 1e3 * (percentile(steady_gaps, 99) or 0),
+            "steady_tokens_per_s": sum(n for i, n in enumerate(step_tokens) if i not in admit_steps)
+            / max(sum(steady), 1e-9), "graph_captures": captures, "steps": len(step_s),
+            "steps_with_fill_or_capture": len(admit_steps),
             "queue_s_mean": statistics.mean(r.admitted_s - r.arrival_s for r in done),
             "queue_s_max": max(r.admitted_s - r.arrival_s for r in done), "preemptions": preemptions,
             "most_running": most, "peak_blocks_per_tier": peak_tiers,

@@ -41,6 +41,7 @@ class Decoder:
             raise ValueError(f"model on {self.device} but store on {store.device}; put both on one device type")
         self.graphs = graphs  # on CUDA, decode dense/topk through captured steps (False: always eager)
         self._graphs: dict[tuple[tuple[int, ...], str, int], GraphDecoder] = {}  # (seqs, mode, budget) (CUDA)
+        self.captures = 0  # CUDA graphs captured: a token that captures one runs twice as long as a replay
 
     def length(self, seq: int) -> int:
         """Tokens the sequence holds (its next position)."""
@@ -201,6 +202,9 @@ class Decoder:
             x = layer.finish(x, attn[None])
         return self.model.logits(x)
 
+    def _count_capture(self) -> None:
+        self.captures += 1
+
     def _captures(self) -> bool:
         """Whether decode goes through GraphDecoder (CUDA graphs); on CPU its forward would run eagerly, which
         tests use to exercise the captured path's bookkeeping."""
@@ -226,6 +230,7 @@ class Decoder:
 
         before = addresses()
         graph = GraphDecoder(self.model, self.store, seqs, mode, budget)  # new, or more capacity
+        graph.steps.on_capture = self._count_capture
         layers = self.model.args.num_layers
         moved = {seqs[i // layers] for i, (old, new) in enumerate(zip(before, addresses())) if old != new}
         for other in list(self._graphs):

@@ -25,6 +25,8 @@ class GraphedSteps:
     def __init__(self, step: DecodeStep, forward: Callable[[], torch.Tensor]) -> None:
         self.step, self.forward = step, forward
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # graph_key -> (graph, output)
+        self.captures = 0  # graphs captured so far (each: one token run eagerly, then recorded)
+        self.on_capture: Callable[[], None] | None = None  # told of each capture (Decoder counts them)
 
     def __call__(self) -> torch.Tensor:
         """The forward's output (on CUDA a buffer the next call overwrites: clone to keep)."""
@@ -47,6 +49,9 @@ class GraphedSteps:
             out = self.forward().clone()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        self.captures += 1
+        if self.on_capture is not None:
+            self.on_capture()
         with torch.cuda.graph(graph):
             recorded = self.forward()
         for stale in [k for k in self.graphs if k[:2] == key[:2]]:  # the cpu tier's slabs moved since, or the
