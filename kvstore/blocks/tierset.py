@@ -179,21 +179,26 @@ class TierSet:
         Best effort, after an append that has already succeeded: when a colder tier is full or
         fails, the blocks stay hotter than their window (counted in `cooling_failures`); the next
         append's room check refuses cleanly if that leaves no room, and a broken tier shows on use."""
-        new_tokens = table.num_tokens if new_tokens is None else new_tokens
+        self.cool_tables([(table, old_tokens, table.num_tokens if new_tokens is None else new_tokens)])
+
+    def cool_tables(self, growth: Sequence[tuple[LayerTable, int, int]]) -> None:
+        """`cool` for many tables at once, (table, old_tokens, new_tokens) each: one move per pair of tiers for
+        all of them (the layers of a decode step, the sequences of a batch), not one per table."""
         wanted: dict[tuple[int, int], list[int]] = {}
-        for index in self.placement.crossing(old_tokens, new_tokens, table.num_blocks):
-            block_id = table.block_ids[index]
-            if block_id == DROPPED:
-                continue
-            want = min(self.first_tier(i, new_tokens if t is table else t.num_tokens)
-                       for t, i in self.holders.tables_of(block_id))  # a shared block: its hottest holder's tier
-            current = self.blocks.tier_of[block_id]
-            if current < want:
-                wanted.setdefault((current, want), []).append(block_id)
+        for table, old_tokens, new_tokens in growth:
+            for index in self.placement.crossing(old_tokens, new_tokens, table.num_blocks):
+                block_id = table.block_ids[index]
+                if block_id == DROPPED:
+                    continue
+                want = min(self.first_tier(i, new_tokens if t is table else t.num_tokens)
+                           for t, i in self.holders.tables_of(block_id))  # a shared block: its hottest holder's tier
+                current = self.blocks.tier_of[block_id]
+                if current < want:
+                    wanted.setdefault((current, want), []).append(block_id)
         for (src, dst), ids in wanted.items():
             try:
-                self.move(ids, src, dst)
-            except Exception:  # noqa: BLE001 -- move() left every block where it was; see the docstring
+                self.move(list(dict.fromkeys(ids)), src, dst)  # a block shared by two tables moves once
+            except Exception:  # noqa: BLE001 -- move() left every block where it was; see cool's docstring
                 self.cooling_failures += 1
                 return
 

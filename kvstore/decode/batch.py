@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstore.decode.step import DecodeStep, StepNotReady
+from kvstore.decode.step import DecodeStep, StepNotReady, place_tails
 
 
 class BatchStep:
@@ -51,7 +51,7 @@ class BatchStep:
         that reach a block boundary together (as DecodeStep.has_room)."""
         if not all(s.ready() for s in self.steps):
             return False
-        opening = sum(len(s.tables) for s in self.steps if s.length % s.block_tokens == 0)
+        opening = sum(len(s.tables) for s in self.steps if s.at_boundary())
         tiers = self.tiers
         gpu = tiers.hot.free_blocks() + tiers.warm.free_blocks()
         # cooling to make room may take any sequence's blocks: every one of them must serve its cpu blocks
@@ -66,8 +66,17 @@ class BatchStep:
                                "or the GPU pools cannot take the new tail blocks; decode this token sequence "
                                "by sequence")
         for s in self.steps:
-            s.prepare_token()
-        phases = tuple(s.open_token() for s in self.steps)
+            s.prepare_token(cool=False)
+        self.tiers.cool_tables([grown for s in self.steps for grown in s.cooling()])  # one move for the batch
+        for s in self.steps:
+            s.check_cooled()
+        opening = [s for s in self.steps if s.at_boundary()]
+        if opening:  # every sequence's new tails in one placement: the room they need is made once
+            self.tiers.check_room(sum(len(s.tables) for s in opening))
+            first = opening[0]
+            place_tails(self.tiers, [i for s in opening for i in s.new_tails()], first.spec, first.block_tokens,
+                        self.device)
+        phases = tuple(s.open_token(placed=True) for s in self.steps)
         for s in self.steps:  # a later sequence's new tails may have cooled an earlier one's blocks into cpu
             s.note_cold()
         return phases

@@ -56,7 +56,7 @@ from eviction.topk_kernel import can_select, topk_block_table, two_stage
 from kvstore.attention.append import NewToken, append_token, append_token_ref
 from kvstore.blocks.table import DROPPED, LayerTable, TableTensors
 from kvstore.blocks.tierset import HOT_TIER, WARM_TIER, TierSet
-from kvstore.config import Config
+from kvstore.config import Config, ModelSpec
 from kvstore.decode.cold_slices import StepColdBlocks
 from kvstore.decode.dense_tables import StepPartitions, dense_bucket
 from kvstore.decode.eager import DecodePath, block_table
@@ -85,6 +85,14 @@ class Selection(NamedTuple):
     is_int8: torch.Tensor
     upper: torch.Tensor | None
     append: NewToken | None
+
+
+def place_tails(tiers: TierSet, ids: list[int], spec: ModelSpec, block_tokens: int, device: torch.device) -> None:
+    """Empty tail blocks `ids` into the hot tier in one placement: the room they need is made once (blocks
+    cooled in one move per pair of tiers), not once per block."""
+    empty = torch.zeros((len(ids), 2, spec.num_kv_heads, block_tokens, spec.head_dim), dtype=torch.float16,
+                        device=device)
+    tiers.place(ids, empty, HOT_TIER, coldest=HOT_TIER)  # a tail lives in the hot tier, or CapacityError
 
 
 class StepNotReady(ValueError):
@@ -191,10 +199,11 @@ class DecodeStep:
         self.prepare_token()
         return self.open_token()
 
-    def prepare_token(self) -> None:
+    def prepare_token(self, cool: bool = True) -> None:
         """The first half of begin_token: StepNotReady unless the token can run from device state, after
         cooling the blocks it pushes out of their windows (as store.append does, so an eager token after a
-        refusal finds them cooled). Nothing else of the token has happened on a refusal."""
+        refusal finds them cooled; cool=False: the caller cools them, for a batch at once, then calls
+        check_cooled). Nothing else of the token has happened on a refusal."""
         if not self.ready():
             raise StepNotReady("DecodeStep: the sequence has cold blocks the step cannot serve, reached its "
                                "capacity or the GPU pools are full; use store.append and store.attend for this token")
@@ -203,26 +212,32 @@ class DecodeStep:
         self._next_layer = 0  # a token that failed part way left nothing on the device count: start over
         self.phase = self._phase(self.length + 1)
         self.dense_blocks = dense_bucket(self.length + 1, self.block_tokens, self.capacity)
-        if self._crosses_window(self.length):  # as store.append does: cool, then the token attends
-            for table in self.tables:
-                self.tiers.cool(table, self.length, self.length + 1)
-            if not self._cold_servable(self.length + 1):  # a block left the warm window for a tier out of reach
-                raise StepNotReady("DecodeStep: this token cools a block to a tier the step cannot serve; use "
-                                   "store.append and store.attend")
+        if cool:
+            self.tiers.cool_tables(self.cooling())
+            self.check_cooled()
 
-    def open_token(self) -> str:
+    def cooling(self) -> list[tuple[LayerTable, int, int]]:
+        """What this token cools (TierSet.cool_tables): every layer's table growing by one token, when that
+        moves some block out of the hot or warm window; else nothing."""
+        n = self.length
+        return [(table, n, n + 1) for table in self.tables] if self._crosses_window(n) else []
+
+    def check_cooled(self) -> None:
+        """StepNotReady if what this token cooled left a block in a tier the step cannot serve."""
+        if not self._cold_servable(self.length + 1):
+            raise StepNotReady("DecodeStep: this token cools a block to a tier the step cannot serve; use "
+                               "store.append and store.attend")
+
+    def open_token(self, placed: bool = False) -> str:
         """The second half: at a block boundary, open the next tail block in every layer (the caller checked
-        the GPU pools have room: ready()). Returns the token's phase."""
-        if self.length % self.block_tokens == 0:
-            tiers, b, spec = self.tiers, self.block_tokens, self.spec
-            tiers.check_room(len(self.tables))
-            empty = torch.zeros((1, 2, spec.num_kv_heads, b, spec.head_dim), dtype=torch.float16,
-                                device=self.device)
-            for layer, table in enumerate(self.tables):
-                index = table.num_blocks
-                (block_id,) = tiers.blocks.new_ids(1, self.seq, layer, index)
-                table.block_ids.append(block_id)
-                tiers.place([block_id], empty, HOT_TIER)
+        the GPU pools have room: ready()). placed: the caller has added them (new_tails) and put them into the
+        hot tier already, a batch's in one call. Returns the token's phase."""
+        if self.at_boundary():
+            if not placed:
+                self.tiers.check_room(len(self.tables))
+                place_tails(self.tiers, self.new_tails(), self.spec, self.block_tokens, self.device)
+            for table in self.tables:
+                index = table.num_blocks - 1
                 table.summaries[index, 0] = float("inf")  # min/max of no keys: the step widens them
                 table.summaries[index, 1] = float("-inf")
                 table.h2o_scores[:, index] = 0.0
@@ -231,6 +246,20 @@ class DecodeStep:
         self.partitions.update(self.tables, self.dense_blocks, self.length + 1, self.phase == "dense" and
                                not self.hot_only)
         return self.phase
+
+    def at_boundary(self) -> bool:
+        """Whether the next token opens a new tail block in every layer."""
+        return self.length % self.block_tokens == 0
+
+    def new_tails(self) -> list[int]:
+        """At a block boundary: a new block id at the end of every layer's table (the tail from now on, so
+        never chosen to cool), not yet stored anywhere: place_tails puts them into the hot tier."""
+        ids = []
+        for layer, table in enumerate(self.tables):
+            (block_id,) = self.tiers.blocks.new_ids(1, self.seq, layer, table.num_blocks)
+            table.block_ids.append(block_id)
+            ids.append(block_id)
+        return ids
 
     def end_token(self) -> None:
         """Host bookkeeping after a token ran: lengths and stats."""

@@ -48,18 +48,20 @@ def work(num_seqs: int, num_tokens: int, seed: int) -> torch.Tensor:
                                              ("topk", 320 << 10)])
 def test_a_batch_equals_each_sequence_alone(tmp_path, mode, gpu_bytes):
     """gpu_bytes 320K: the GPU pools are full, and new tail blocks make room by cooling blocks into cpu (every
-    sequence past its dense phase: a dense step serves GPU-held blocks only)."""
+    sequence past its dense phase: a dense step serves GPU-held blocks only). Which blocks cool then depends
+    on the order tails are placed in (a batch places all at once): a hot block cooled early is int8 in one
+    store and fp16 in the other, so outputs agree within int8 rounding there, and bit for bit otherwise."""
     budget = 128
-    lengths = (70, 200, 300) if mode == "dense" else (150, 300, 700) if gpu_bytes < 1 << 20 else LENGTHS
+    full = gpu_bytes < 1 << 20
+    lengths = (70, 200, 300) if mode == "dense" else (150, 300, 700) if full else LENGTHS
     alone, seqs = filled(tmp_path, "a", lengths, gpu_bytes=gpu_bytes)
     batched, bseqs = filled(tmp_path, "b", lengths, gpu_bytes=gpu_bytes)
     tiers = batched.tiers
-    full = tiers.hot.free_blocks() + tiers.warm.free_blocks() < SPEC.num_layers * len(lengths)
-    assert full == (gpu_bytes < 1 << 20)
+    assert full == (tiers.hot.free_blocks() + tiers.warm.free_blocks() < SPEC.num_layers * len(lengths))
     assert (batched.table(bseqs[2], 0).num_cold > 10) == (mode != "dense")
     singles = [alone.decode_step(s, mode=mode, budget=budget) for s in seqs]
     batch = BatchStep([batched.decode_step(s, mode=mode, budget=budget) for s in bseqs])
-    tokens = work(len(seqs), 60, seed=1)  # 70 -> 130: the first sequence turns topk at 128 (mode topk, sketch)
+    tokens = work(len(seqs), 24 if full else 60, seed=1)  # full: block boundaries at 160, 304, 320, 704, 720  # 70 -> 130: the first sequence turns topk at 128 (mode topk, sketch)
     phases = set()
     for t in range(tokens.shape[0]):
         phases.add(batch.begin_token())
@@ -70,10 +72,10 @@ def test_a_batch_equals_each_sequence_alone(tmp_path, mode, gpu_bytes):
             got = batch.attend(layer, x[:, 0], x[:, 1, :2], x[:, 2, :2])
             for i, s in enumerate(singles):
                 want = s.attend(layer, x[i, 0], x[i, 1, :2], x[i, 2, :2])
-                if DEVICE == "cpu":
+                if DEVICE == "cpu" and not full:
                     assert torch.equal(got[i], want), (t, layer, i)
                 else:
-                    torch.testing.assert_close(got[i], want, atol=2e-3, rtol=2e-3)
+                    torch.testing.assert_close(got[i], want, atol=2e-2 if full else 2e-3, rtol=2e-3)
         batch.end_token()
         for s in singles:
             s.end_token()
@@ -85,11 +87,13 @@ def test_a_batch_equals_each_sequence_alone(tmp_path, mode, gpu_bytes):
         for layer in range(SPEC.num_layers):
             ta, tb = alone.table(a, layer), batched.table(b, layer)
             assert ta.num_tokens == tb.num_tokens
-            assert all(torch.equal(x, y) for x, y in zip(alone.read(a, layer), batched.read(b, layer)))
+            for x, y in zip(alone.read(a, layer), batched.read(b, layer)):
+                assert torch.equal(x, y) if not full else (x.float() - y.float()).abs().max() < 0.2
             n = ta.num_blocks
             assert torch.equal(ta.summaries[:n], tb.summaries[:n])
-            torch.testing.assert_close(ta.h2o_scores[:, :n], tb.h2o_scores[:, :n], atol=0 if DEVICE == "cpu"
-                                       else 1e-3, rtol=0 if DEVICE == "cpu" else 1e-3)
+            exact = DEVICE == "cpu" and not full
+            torch.testing.assert_close(ta.h2o_scores[:, :n], tb.h2o_scores[:, :n], atol=0 if exact else 2e-2,
+                                       rtol=0 if exact else 1e-2)
     batched.check_integrity()
     alone.close(), batched.close()
 
