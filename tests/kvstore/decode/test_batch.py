@@ -16,7 +16,7 @@ from kvstore.decode.step import StepNotReady
 SPEC = ModelSpec(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=32)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CHECKSUMS = "auto" if DEVICE == "cuda" else "cpu"  # block sums where the step verifies cpu slices
-LENGTHS = (70, 300, 700)  # a dense phase (k = 8 blocks), topk over GPU blocks, topk with cpu blocks
+LENGTHS = (110, 300, 700)  # a dense phase (k = 8 blocks: to 128 tokens), topk over GPU blocks, topk with cpu blocks
 
 
 def make_store(tmp_path, name: str, **overrides) -> KVStore:
@@ -61,7 +61,8 @@ def test_a_batch_equals_each_sequence_alone(tmp_path, mode, gpu_bytes):
     assert (batched.table(bseqs[2], 0).num_cold > 10) == (mode != "dense")
     singles = [alone.decode_step(s, mode=mode, budget=budget) for s in seqs]
     batch = BatchStep([batched.decode_step(s, mode=mode, budget=budget) for s in bseqs])
-    tokens = work(len(seqs), 24 if full else 60, seed=1)  # full: block boundaries at 160, 304, 320, 704, 720  # 70 -> 130: the first sequence turns topk at 128 (mode topk, sketch)
+    # 110 -> 140: the first sequence turns topk at 128; full: boundaries at 160, 304 and 704 in 12 tokens
+    tokens = work(len(seqs), 12 if full else 30, seed=1)
     phases = set()
     for t in range(tokens.shape[0]):
         phases.add(batch.begin_token())
