@@ -24,7 +24,8 @@ from kvstore.contexts.saving import SavedContexts, values_store
 from kvstore.contexts.sequences import Contexts, PrefixMatch, check_token_ids
 from kvstore.contexts.unread_codes import UnreadCodes
 from kvstore.decode.eager import DecodePath
-from kvstore.decode.step import DecodeStep, StepParts
+from kvstore.decode.step import DecodeStep
+from kvstore.decode.step_parts import StepParts
 from tiers.errors import CapacityError
 from tiers.layout import BlockLayout
 

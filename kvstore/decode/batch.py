@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from kvstore.decode.step import DecodeStep, StepNotReady, place_tails
+from kvstore.decode.step import DecodeStep, StepNotReady
+from kvstore.decode.step_parts import place_tails
 
 
 class BatchStep:

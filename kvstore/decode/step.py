@@ -22,6 +22,7 @@ per layer, inside the step (no host sync):
                  is made at begin_token when the tables changed, not in every token (dense_tables.py)
     4. account   the kernel's block mass into the table's H2O scores (added by the kernel's merge); sketch:
                  the certified omitted mass per q head from the merge's log-sum-exp (one launch)
+A batch of sequences (batch.py) runs 1-2 (`select`) and 4 (`account`) per sequence around one launch of 3.
 Counts that depend only on the token (tokens the kernel reads, the sketch's live/protected masks) are
 computed once per token, in layer 0 (so a token's layers run in order). On CUDA the topk select is
 Quest scores masked from the device count in one launch, then (k <= 256 blocks of a long table) top-k
@@ -42,9 +43,6 @@ use the eager path for that token (store.load brings saved blocks into the cpu t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
-
 import torch
 
 from eviction import Policy
@@ -54,45 +52,16 @@ from eviction.select import top_blocks
 from eviction.sketch_topk import SketchTopK
 from eviction.topk_kernel import can_select, topk_block_table, two_stage
 from kvstore.attention.append import NewToken, append_token, append_token_ref
-from kvstore.blocks.table import DROPPED, LayerTable, TableTensors
-from kvstore.blocks.tierset import HOT_TIER, WARM_TIER, TierSet
-from kvstore.config import Config, ModelSpec
+from kvstore.blocks.table import DROPPED, LayerTable
+from kvstore.blocks.tierset import HOT_TIER, WARM_TIER
 from kvstore.decode.cold_slices import StepColdBlocks
 from kvstore.decode.dense_tables import StepPartitions, dense_bucket
-from kvstore.decode.eager import DecodePath, block_table
+from kvstore.decode.eager import block_table
+from kvstore.decode.step_parts import Selection, StepParts, place_tails
 from tiers.base import device_ints
 
 STEP_MODES = ("dense", "topk", "sketch")
 assert (HOT_TIER, WARM_TIER) == (0, 1), "the dense step passes tier codes as the kernel's int8 flags"
-
-
-@dataclass(frozen=True, slots=True)
-class StepParts:
-    """What a DecodeStep works on, handed over by the store that owns them (KVStore.decode_step)."""
-    config: Config
-    device: torch.device
-    tiers: TierSet
-    tensors: TableTensors
-    path: DecodePath  # the eager decode path: its kernel, stats and recent window
-
-
-class Selection(NamedTuple):
-    """What one layer of a token reads: block indices [H, k] (ascending, the tail last), their kernel table
-    (slots int32, is_int8 [H, k]), the sketch's block upper bounds [Hq, N] (else None) and the token to append
-    inside the attention launch (None: appended already)."""
-    selected: torch.Tensor
-    slots: torch.Tensor
-    is_int8: torch.Tensor
-    upper: torch.Tensor | None
-    append: NewToken | None
-
-
-def place_tails(tiers: TierSet, ids: list[int], spec: ModelSpec, block_tokens: int, device: torch.device) -> None:
-    """Empty tail blocks `ids` into the hot tier in one placement: the room they need is made once (blocks
-    cooled in one move per pair of tiers), not once per block."""
-    empty = torch.zeros((len(ids), 2, spec.num_kv_heads, block_tokens, spec.head_dim), dtype=torch.float16,
-                        device=device)
-    tiers.place(ids, empty, HOT_TIER, coldest=HOT_TIER)  # a tail lives in the hot tier, or CapacityError
 
 
 class StepNotReady(ValueError):

@@ -1,0 +1,45 @@
+"""What a DecodeStep is built from and hands on: its parts from the store (StepParts), one layer's selection
+(Selection, from DecodeStep.select to the attention launch and DecodeStep.account), and the placement of new
+tail blocks (place_tails: a step's, or a batch's in one call)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from kvstore.attention.append import NewToken
+from kvstore.blocks.table import TableTensors
+from kvstore.blocks.tierset import HOT_TIER, TierSet
+from kvstore.config import Config, ModelSpec
+from kvstore.decode.eager import DecodePath
+
+
+@dataclass(frozen=True, slots=True)
+class StepParts:
+    """What a DecodeStep works on, handed over by the store that owns them (KVStore.decode_step)."""
+    config: Config
+    device: torch.device
+    tiers: TierSet
+    tensors: TableTensors
+    path: DecodePath  # the eager decode path: its kernel, stats and recent window
+
+
+class Selection(NamedTuple):
+    """What one layer of a token reads: block indices [H, k] (ascending, the tail last), their kernel table
+    (slots int32, is_int8 [H, k]), the sketch's block upper bounds [Hq, N] (else None) and the token to append
+    inside the attention launch (None: appended already)."""
+    selected: torch.Tensor
+    slots: torch.Tensor
+    is_int8: torch.Tensor
+    upper: torch.Tensor | None
+    append: NewToken | None
+
+
+def place_tails(tiers: TierSet, ids: list[int], spec: ModelSpec, block_tokens: int, device: torch.device) -> None:
+    """Empty tail blocks `ids` into the hot tier in one placement: the room they need is made once (blocks
+    cooled in one move per pair of tiers), not once per block."""
+    empty = torch.zeros((len(ids), 2, spec.num_kv_heads, block_tokens, spec.head_dim), dtype=torch.float16,
+                        device=device)
+    tiers.place(ids, empty, HOT_TIER, coldest=HOT_TIER)  # a tail lives in the hot tier, or CapacityError
