@@ -69,6 +69,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished: list[Request] = []
         self.preemptions = 0
+        self._read_from_saves: dict[str, str] = {}  # request id -> its save, still read: deleted when it finishes
 
     def now(self) -> float:
         return self.clock() - self.start
@@ -140,7 +141,11 @@ class Scheduler:
         store = self.store
         request.seq = store.open(request.saved_as)
         store.load(request.seq)  # into the tiers, so the captured step serves it again
-        store.delete_saved(request.saved_as)
+        layers = range(store.spec.num_layers)
+        if any(store.table(request.seq, layer).num_far for layer in layers):
+            self._read_from_saves[request.request_id] = request.saved_as  # blocks the tiers had no room for
+        else:
+            store.delete_saved(request.saved_as)
         request.saved_as = None
 
     def _preempt(self) -> None:
@@ -155,6 +160,8 @@ class Scheduler:
         name = f"kvtier-preempted-{self.preemptions}"  # a saved context of this store only
         self.store.save(victim.seq, name)
         self.decoder.free(victim.seq)
+        if victim.request_id in self._read_from_saves:  # its new save holds every block the old one did
+            self.store.delete_saved(self._read_from_saves.pop(victim.request_id))
         victim.seq, victim.saved_as = None, name
         victim.preemptions += 1
         self.preemptions += 1
@@ -173,6 +180,8 @@ class Scheduler:
             if self.on_finish is not None:
                 self.on_finish(request)
             self.decoder.free(request.seq)
+            if request.request_id in self._read_from_saves:
+                self.store.delete_saved(self._read_from_saves.pop(request.request_id))
             request.seq = None
             self.running.remove(request)
             self.finished.append(request)
