@@ -136,10 +136,11 @@ def run_trace(kind: str, model, p: ServePreset, requests: list[Request], device:
         admitted = lambda: sum(r.admitted_s is not None for r in requests) + scheduler.preemptions  # noqa: E731
         began = time.perf_counter()
         while scheduler.pending:
-            before, captured, t0 = admitted(), decoder.captures, time.perf_counter()
+            graphs = decoder.graph_decoders
+            before, captured, t0 = admitted(), graphs.captures, time.perf_counter()
             produced = scheduler.step()
             step_s.append(time.perf_counter() - t0)
-            if admitted() != before or decoder.captures != captured:  # a fill or a graph capture: not steady
+            if admitted() != before or graphs.captures != captured:  # a fill or a graph capture: not steady
                 admit_steps.add(len(step_s) - 1)
             step_end.append(scheduler.now())
             step_tokens.append(len(produced))
@@ -148,7 +149,8 @@ def run_trace(kind: str, model, p: ServePreset, requests: list[Request], device:
             if not produced and not scheduler.running:
                 time.sleep(0.001)
         wall = time.perf_counter() - began
-        done, preemptions, captures = scheduler.finished, scheduler.preemptions, decoder.captures
+        done, preemptions = scheduler.finished, scheduler.preemptions
+        captures = decoder.graph_decoders.captures
     finally:
         store.close()
         del decoder, store

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from engine_adapter.graph_decode import GraphDecoder
+from engine_adapter.graph_decode import GraphDecoder, GraphDecoders
 from engine_adapter.llama import Llama, chunk_attention
 from kvstore.decode.step import STEP_MODES, StepNotReady
 from kvstore.store import KVStore
@@ -40,8 +40,7 @@ class Decoder:
         if self.device.type != store.device.type:
             raise ValueError(f"model on {self.device} but store on {store.device}; put both on one device type")
         self.graphs = graphs  # on CUDA, decode dense/topk through captured steps (False: always eager)
-        self._graphs: dict[tuple[tuple[int, ...], str, int], GraphDecoder] = {}  # (seqs, mode, budget) (CUDA)
-        self.captures = 0  # CUDA graphs captured: a token that captures one runs twice as long as a replay
+        self.graph_decoders = GraphDecoders(model, store)  # on CUDA: the captured decoders, by sequences
 
     def length(self, seq: int) -> int:
         """Tokens the sequence holds (its next position)."""
@@ -157,35 +156,34 @@ class Decoder:
                              f"{token_ids}")
         for seq in seqs:
             self.store.table(seq, 0)  # KeyError for an unknown sequence, before any token is recorded
-        graph, recorded = self._graph_decoder(seqs, mode, budget), False
-        if graph is not None and graph.ready():
-            for seq, token in zip(seqs, token_ids):
-                self._record_tokens(seq, [token])
-            try:
-                logits = graph(token_ids).clone()
-            except StepNotReady:  # nothing of these tokens' K/V happened: each runs alone below
-                recorded = True
-            else:
-                graph.step.verify()  # IntegrityError if a cpu block it read was damaged (syncs only if it read one)
-                return logits
+        logits, recorded = self._replay(seqs, token_ids, mode, budget, recorded=False)
+        if logits is not None:
+            return logits
         if len(seqs) > 1:
             return torch.stack([self._decode_alone(s, t, mode, budget, recorded) for s, t in zip(seqs, token_ids)])
         return self._decode_eager(seqs[0], token_ids[0], mode, budget, recorded)
 
+    def _replay(self, seqs: list[int], token_ids: list[int], mode: str, budget: int,
+                recorded: bool) -> tuple[torch.Tensor | None, bool]:
+        """(logits [B, vocab], True) from the captured step of these sequences, or (None, whether the token ids
+        are recorded already) when these tokens cannot run captured: nothing of their K/V happened then."""
+        graph = self._graph_decoder(seqs, mode, budget)
+        if graph is None or not graph.ready():
+            return None, recorded
+        if not recorded:
+            for seq, token in zip(seqs, token_ids):
+                self._record_tokens(seq, [token])
+        try:
+            logits = graph(token_ids[0] if len(token_ids) == 1 else token_ids).clone()  # one id: no copy
+        except StepNotReady:
+            return None, True
+        graph.step.verify()  # IntegrityError if a cpu block it read was damaged (syncs only if it read one)
+        return logits, True
+
     def _decode_alone(self, seq: int, token_id: int, mode: str, budget: int, recorded: bool) -> torch.Tensor:
         """One sequence's token: its own captured step when it can run one, else eagerly."""
-        graph = self._graph_decoder([seq], mode, budget)
-        if graph is not None and graph.ready():
-            if not recorded:
-                self._record_tokens(seq, [token_id])
-            try:
-                logits = graph(token_id)[0].clone()
-            except StepNotReady:
-                recorded = True
-            else:
-                graph.step.verify()
-                return logits
-        return self._decode_eager(seq, token_id, mode, budget, recorded)[0]
+        logits, recorded = self._replay([seq], [token_id], mode, budget, recorded)
+        return logits[0] if logits is not None else self._decode_eager(seq, token_id, mode, budget, recorded)[0]
 
     def _decode_eager(self, seq: int, token_id: int, mode: str, budget: int, recorded: bool) -> torch.Tensor:
         """store.append + store.attend per layer; fp32 logits [1, vocab]."""
@@ -202,43 +200,16 @@ class Decoder:
             x = layer.finish(x, attn[None])
         return self.model.logits(x)
 
-    def _count_capture(self) -> None:
-        self.captures += 1
-
     def _captures(self) -> bool:
         """Whether decode goes through GraphDecoder (CUDA graphs); on CPU its forward would run eagerly, which
         tests use to exercise the captured path's bookkeeping."""
         return self.graphs and self.device.type == "cuda"
 
     def _graph_decoder(self, seqs: Sequence[int], mode: str, budget: int) -> GraphDecoder | None:
-        """The cached GraphDecoder of (seqs, mode, budget) on CUDA, rebuilt when a sequence's capacity runs out.
-        A new membership replaces the batches its sequences were in (one graph set per live batch)."""
+        """The captured decoder of (seqs, mode, budget) on CUDA (GraphDecoders.get), else None."""
         if not self._captures() or mode not in STEP_MODES:
             return None
-        key = (tuple(seqs), mode, budget)
-        graph = self._graphs.get(key)
-        if graph is not None:
-            if graph.ready():
-                return graph
-            if all(s.length + 1 <= s.capacity * s.block_tokens for s in graph.step.steps):
-                return None  # not for want of capacity (cold blocks, full GPU pools): these tokens go another way
-        tables = [self.store.table(seq, i) for seq in seqs for i in range(self.model.args.num_layers)]
-        if any(t.num_far or t.num_dropped for t in tables):
-            return None  # blocks the step cannot reach, or dropped ones: the eager way
-        def addresses() -> list[int]:  # where each table's tensors lie: a graph captured them there
-            return [0 if t.summaries is None else t.summaries.data_ptr() for t in tables]
-
-        before = addresses()
-        graph = GraphDecoder(self.model, self.store, seqs, mode, budget)  # new, or more capacity
-        graph.steps.on_capture = self._count_capture
-        layers = self.model.args.num_layers
-        moved = {seqs[i // layers] for i, (old, new) in enumerate(zip(before, addresses())) if old != new}
-        for other in list(self._graphs):
-            members = set(other[0])
-            if members & moved or (len(seqs) > 1 and len(members) > 1 and members & set(seqs)):
-                del self._graphs[other]  # captured the tables' old tensors, or an old batch of these sequences
-        self._graphs[key] = graph
-        return graph
+        return self.graph_decoders.get(seqs, mode, budget)
 
     def generate(self, seq: int, prompt_ids: TokenIds, max_new_tokens: int, mode: str = "dense", budget: int = 4096,
                  chunk_tokens: int = 512, eos_id: int | None = None) -> list[int]:
@@ -291,7 +262,7 @@ class Decoder:
                 logits = self.decode_step(seq, token, mode, budget)  # records the token's id itself
                 recorded = i + 1
             ids[i + 1] = logits.argmax()
-        for graph in [g for key, g in self._graphs.items() if seq in key[0]]:
+        for graph in self.graph_decoders.of(seq):
             graph.step.verify()  # every cpu slice read on the way was intact, or IntegrityError
         record(num_new)
         return ids[1:].tolist()
@@ -309,8 +280,7 @@ class Decoder:
 
     def free(self, seq: int) -> None:
         self.store.free(seq)
-        for key in [k for k in self._graphs if seq in k[0]]:
-            del self._graphs[key]
+        self.graph_decoders.drop(seq)
 
 
 def _token_id(token: object, vocab_size: int) -> int:

@@ -62,3 +62,54 @@ class GraphDecoder:
         else:
             self.tokens.copy_(torch.tensor(list(tokens), dtype=torch.long))
         return self.steps()
+
+
+class GraphDecoders:
+    """A Decoder's captured decoders: one GraphDecoder per (sequences, mode, budget), built on first use and
+    rebuilt when a sequence's capacity runs out. A new batch replaces the batches its sequences were in (one
+    graph set per live batch), and a table that moved (more capacity) drops every graph that captured it."""
+
+    def __init__(self, model: Llama, store: KVStore) -> None:
+        self.model, self.store = model, store
+        self.graphs: dict[tuple[tuple[int, ...], str, int], GraphDecoder] = {}  # (seqs, mode, budget) ->
+        self.captures = 0  # CUDA graphs captured: a token that captures one runs twice as long as a replay
+
+    def get(self, seqs: Sequence[int], mode: str, budget: int) -> GraphDecoder | None:
+        """The decoder of (seqs, mode, budget), or None when these tokens must go another way (blocks the
+        step cannot reach or dropped ones; not ready for another reason than capacity)."""
+        key = (tuple(seqs), mode, budget)
+        graph = self.graphs.get(key)
+        if graph is not None:
+            if graph.ready():
+                return graph
+            if all(s.length + 1 <= s.capacity * s.block_tokens for s in graph.step.steps):
+                return None  # not for want of capacity (cold blocks, full GPU pools)
+        layers = self.model.args.num_layers
+        tables = [self.store.table(seq, i) for seq in seqs for i in range(layers)]
+        if any(t.num_far or t.num_dropped for t in tables):
+            return None
+
+        def addresses() -> list[int]:  # where each table's tensors lie: a graph captured them there
+            return [0 if t.summaries is None else t.summaries.data_ptr() for t in tables]
+
+        before = addresses()
+        graph = GraphDecoder(self.model, self.store, seqs, mode, budget)  # new, or more capacity
+        graph.steps.on_capture = self._count_capture
+        moved = {seqs[i // layers] for i, (old, new) in enumerate(zip(before, addresses())) if old != new}
+        for other in list(self.graphs):
+            members = set(other[0])
+            if members & moved or (len(seqs) > 1 and len(members) > 1 and members & set(seqs)):
+                del self.graphs[other]  # captured the tables' old tensors, or an old batch of these sequences
+        self.graphs[key] = graph
+        return graph
+
+    def of(self, seq: int) -> list[GraphDecoder]:
+        """The decoders that step `seq`."""
+        return [g for key, g in self.graphs.items() if seq in key[0]]
+
+    def drop(self, seq: int) -> None:
+        for key in [k for k in self.graphs if seq in k[0]]:
+            del self.graphs[key]
+
+    def _count_capture(self) -> None:
+        self.captures += 1

@@ -176,7 +176,7 @@ def test_a_captured_batch_gives_each_sequence_its_logits_alone(mode):
             store.check_integrity()
             results.append([torch.stack(r) for r in rows])
             if batched:  # the last tokens ran as one captured step of the two sequences left
-                assert (tuple(seqs[1:]), mode, 512) in decoder._graphs
+                assert (tuple(seqs[1:]), mode, 512) in decoder.graph_decoders.graphs
     for alone, together in zip(*results):
         close = torch.isclose(together, alone, atol=2e-2, rtol=2e-2).all(-1)  # [tokens]
         assert bool(close.all()) if mode != "sketch" else float(close.float().mean()) >= 0.9, close

@@ -25,7 +25,7 @@ def greedy(captured: bool, ahead: bool, ids: list[int], num_new: int) -> tuple[l
             while len(out) < num_new:
                 out.append(int(decoder.decode_step(seq, out[-1], "topk", 48).argmax()))
         assert decoder.length(seq) == len(ids) + num_new - 1 and store.token_ids(seq) == ids + out[:-1]
-        assert bool(decoder._graphs) == captured  # which path ran
+        assert bool(decoder.graph_decoders.graphs) == captured  # which path ran
         assert store.stats()["tiers"]["warm"]["blocks"] > 0  # hot -> warm cooling happened under it
         store.check_integrity()
         table = store.table(seq, 1)
