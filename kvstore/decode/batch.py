@@ -67,10 +67,12 @@ class BatchStep:
                                "or the GPU pools cannot take the new tail blocks; decode this token sequence "
                                "by sequence")
         for s in self.steps:
-            s.prepare_token(cool=False)
-        self.tiers.cool_tables([grown for s in self.steps for grown in s.cooling()])  # one move for the batch
-        for s in self.steps:
-            s.check_cooled()
+            s.prepare_token(cool=False, checked=True)  # ready() above asked every sequence
+        cooling = [s for s in self.steps if s.cooling()]
+        if cooling:  # one move per pair of tiers for the whole batch
+            self.tiers.cool_tables([grown for s in cooling for grown in s.cooling()])
+            for s in cooling:
+                s.check_cooled()
         opening = [s for s in self.steps if s.at_boundary()]
         if opening:  # every sequence's new tails in one placement: the room they need is made once
             self.tiers.check_room(sum(len(s.tables) for s in opening))

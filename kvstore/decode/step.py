@@ -168,12 +168,13 @@ class DecodeStep:
         self.prepare_token()
         return self.open_token()
 
-    def prepare_token(self, cool: bool = True) -> None:
+    def prepare_token(self, cool: bool = True, checked: bool = False) -> None:
         """The first half of begin_token: StepNotReady unless the token can run from device state, after
         cooling the blocks it pushes out of their windows (as store.append does, so an eager token after a
         refusal finds them cooled; cool=False: the caller cools them, for a batch at once, then calls
-        check_cooled). Nothing else of the token has happened on a refusal."""
-        if not self.ready():
+        check_cooled; checked: the caller has just asked ready()). Nothing else of the token has happened on a
+        refusal."""
+        if not checked and not self.ready():
             raise StepNotReady("DecodeStep: the sequence has cold blocks the step cannot serve, reached its "
                                "capacity or the GPU pools are full; use store.append and store.attend for this token")
         if self._synced_length != self.length:  # tokens were appended eagerly since the last step
@@ -181,8 +182,9 @@ class DecodeStep:
         self._next_layer = 0  # a token that failed part way left nothing on the device count: start over
         self.phase = self._phase(self.length + 1)
         self.dense_blocks = dense_bucket(self.length + 1, self.block_tokens, self.capacity)
-        if cool:
-            self.tiers.cool_tables(self.cooling())
+        grown = self.cooling() if cool else []
+        if grown:  # only a token that cools can leave a block where the step cannot read it
+            self.tiers.cool_tables(grown)
             self.check_cooled()
 
     def cooling(self) -> list[tuple[LayerTable, int, int]]:
