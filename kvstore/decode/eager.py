@@ -115,11 +115,7 @@ class DecodePath:
                 raise ValueError(f"epsilon needs the sketch top-K policy (mode='sketch'), got {type(policy).__name__}")
             selected = self.select(table, q, policy, budget)  # int64 [H, k], ascending, tail last
             out, mass = self.attend_blocks(table, q, selected)
-        table.h2o_scores[:, : table.num_blocks].scatter_add_(1, selected, mass)
-        self.promote_if_needed(table)
-        self.stats.calls += 1
-        self.stats.context_tokens += table.num_tokens
-        self.stats.attended_tokens += tokens_covered(table, selected.shape[1], self.block_tokens)
+        self.account(table, selected, mass)
         if certified is not None:
             self.stats.add_certified(certified.mean().reshape(1))
         if measure_mass and policy is not None:
@@ -133,6 +129,15 @@ class DecodePath:
                 self.stats.true_omitted += float(true.mean())
                 self.stats.certificate_violations += int(bool((certified + 1e-5 < true * (1 - 1e-3)).any()))
         return out
+
+    def account(self, table: LayerTable, selected: torch.Tensor, mass: torch.Tensor) -> None:
+        """After an attend over `selected` [H, k]: its block mass [H, k] into the H2O scores, cold blocks
+        promoted, the call counted (kvstore.parallel runs its own selection, then this)."""
+        table.h2o_scores[:, : table.num_blocks].scatter_add_(1, selected, mass)
+        self.promote_if_needed(table)
+        self.stats.calls += 1
+        self.stats.context_tokens += table.num_tokens
+        self.stats.attended_tokens += tokens_covered(table, selected.shape[1], self.block_tokens)
 
     def attend_certified(self, table: LayerTable, q: torch.Tensor, policy: SketchTopK, budget: int,
                          epsilon: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
