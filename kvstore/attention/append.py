@@ -47,6 +47,21 @@ def _append_kernel(pool_ptr, summaries_ptr, k_ptr, v_ptr, tail_slot_ptr, num_tok
                 s_pool_head, s_pool_tok, s_sum_blk, s_sum_kind, s_sum_head, BLOCK_TOKENS)
 
 
+@triton.jit
+def _append_rows_kernel(pool_ptr, sum_addrs, like_sum, k_ptr, v_ptr, tail_slot_ptr, num_tokens_ptr,
+                        s_pool_slot, s_pool_kv, s_pool_head, s_pool_tok, s_sum_blk, s_sum_kind, s_sum_head,
+                        s_kv_row, s_kv_head, BLOCK_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Program (kv head, sequence): that sequence's token, its summaries read through their address."""
+    head = tl.program_id(0)
+    row = tl.program_id(1)
+    d = tl.arange(0, HEAD_DIM)
+    k = tl.load(k_ptr + row * s_kv_row + head * s_kv_head + d)
+    v = tl.load(v_ptr + row * s_kv_row + head * s_kv_head + d)
+    summaries = tl.load(sum_addrs + row).to(like_sum.dtype)
+    append_head(pool_ptr, summaries, tail_slot_ptr + row, num_tokens_ptr + row, k, v, head, d, s_pool_slot,
+                s_pool_kv, s_pool_head, s_pool_tok, s_sum_blk, s_sum_kind, s_sum_head, BLOCK_TOKENS)
+
+
 class NewToken(NamedTuple):
     """A decode token to append before attending: k, v fp16 [H, D]; the layer's summaries fp16 [N, 2, H, D];
     tail_slot int64 [1], the hot-pool slot of its tail block; count int64 [1], the tokens held before it."""
@@ -82,6 +97,32 @@ def append_token_ref(pool: torch.Tensor, summaries: torch.Tensor, k: torch.Tenso
     summary = summaries.index_select(0, block)  # [1, 2, H, D]
     widened = torch.stack([torch.minimum(summary[0, 0], k), torch.maximum(summary[0, 1], k)])
     summaries.index_copy_(0, block, widened[None])
+
+
+def append_tokens(pool: torch.Tensor, summaries: list[torch.Tensor], sum_addrs: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, tail_slots: torch.Tensor, num_tokens: torch.Tensor) -> None:
+    """`append_token` for B sequences in one launch: row b's k, v [B, H, D] into pool slot tail_slots[b] at
+    num_tokens[b] (int64 [B] each), widening summaries[b] (addresses in sum_addrs int64 [B], one layout)."""
+    b = k.shape[0]
+    if len(summaries) != b or tail_slots.shape != (b,) or num_tokens.shape != (b,) or sum_addrs.shape != (b,) or \
+            tail_slots.stride(0) != 1 or num_tokens.stride(0) != 1:
+        raise ValueError(f"append_tokens: {b} rows need {b} summaries, addresses and contiguous tail slots and "
+                         f"counts, got {len(summaries)}, {list(tail_slots.shape)}, {list(num_tokens.shape)}")
+    first = summaries[0]
+    _check(pool, first, k[0], v[0], tail_slots[:1], num_tokens[:1])
+    if any(s.stride() != first.stride() or s.dtype != first.dtype for s in summaries) or k.stride(0) != v.stride(0):
+        raise ValueError("append_tokens: summaries of one layout, and k, v of the same strides, expected")
+    _append_rows_kernel[(k.shape[1], b)](pool, sum_addrs, first, k, v, tail_slots, num_tokens,
+                                         pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3),
+                                         first.stride(0), first.stride(1), first.stride(2), k.stride(0),
+                                         k.stride(1), BLOCK_TOKENS=pool.shape[3], HEAD_DIM=k.shape[2], num_warps=1)
+
+
+def append_tokens_ref(pool: torch.Tensor, summaries: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+                      tail_slots: torch.Tensor, num_tokens: torch.Tensor) -> None:
+    """`append_tokens` in torch, one sequence at a time."""
+    for i, s in enumerate(summaries):
+        append_token_ref(pool, s, k[i], v[i], tail_slots[i: i + 1], num_tokens[i: i + 1])
 
 
 def check_new_token(pool: torch.Tensor, new: NewToken) -> None:

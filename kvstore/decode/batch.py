@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from kvstore.decode.batch_rows import BatchRows
 from kvstore.decode.step import DecodeStep, StepNotReady
 from kvstore.decode.step_parts import place_tails
 
@@ -42,6 +43,8 @@ class BatchStep:
         self.positions = torch.zeros(b, dtype=torch.int64, device=dev)  # [B] each sequence's next position
         self.kernel_tokens = torch.zeros(b, dtype=torch.int32, device=dev)  # [B]
         self.lse = torch.zeros((b, first.spec.num_q_heads), dtype=torch.float32, device=dev)  # [B, Hq]
+        self.rows = BatchRows(steps) if b > 1 and first.mode == "topk" else None  # one launch per kernel
+        self.batched = False  # this token selects through self.rows (host-known: part of the graph key)
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -82,6 +85,7 @@ class BatchStep:
         phases = tuple(s.open_token(placed=True) for s in self.steps)
         for s in self.steps:  # a later sequence's new tails may have cooled an earlier one's blocks into cpu
             s.note_cold()
+        self.batched = self.rows is not None and self.rows.serves()
         return phases
 
     def end_token(self) -> None:
@@ -92,7 +96,7 @@ class BatchStep:
         """The membership, then each sequence's phase and staging (a change makes older graphs stale, as in
         GraphedSteps), then the rest of each sequence's key."""
         keys = [s.graph_key() for s in self.steps]
-        return (self.seqs, tuple(k[:2] for k in keys), tuple(k[2:] for k in keys))
+        return (self.seqs, tuple(k[:2] for k in keys), tuple(k[2:] for k in keys), self.batched)
 
     def verify(self) -> None:
         for s in self.steps:
@@ -111,6 +115,14 @@ class BatchStep:
         (row i: what steps[i].attend returns)."""
         if len(self.steps) == 1:
             return self.steps[0].attend(layer, q[0], k[0], v[0])[None]
+        if self.batched:  # every sequence in Quest's topk phase: one launch per kernel for all of them
+            selected, slots, is_int8 = self.rows.select(layer, q, k, v)
+            if layer == 0:
+                torch.cat([s.kernel_tokens for s in self.steps], out=self.kernel_tokens)
+            out, mass = self.steps[0].path.kernel(q, *self._both_pools(), slots, is_int8, self.kernel_tokens,
+                                                  return_block_mass=True)
+            self.rows.account(layer, selected, mass)
+            return out
         picked = [s.select(layer, q[i], k[i], v[i]) for i, s in enumerate(self.steps)]
         widths = [p.selected.shape[1] for p in picked]
         width = max(widths)

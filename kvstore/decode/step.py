@@ -311,7 +311,7 @@ class DecodeStep:
         self._next_layer = (layer + 1) % len(self.tables)
         table = self.tables[layer]
         if layer == 0:  # what depends only on the token count, once per token for every layer
-            self._count_tokens()
+            self.count_tokens()
         # the sketch's first level reads the tail's summary, which must hold the token first (Quest scores the
         # tail +inf, whatever its summary holds): it never appends inside the attention launch
         tail, new = self.tail_slot[layer: layer + 1], None
@@ -332,10 +332,14 @@ class DecodeStep:
             self.tables[layer].h2o_scores.scatter_add_(1, picked.selected, mass)
         if picked.upper is not None:  # the sketch's certified omitted mass, kept on the device (end_token counts it)
             omitted_mass_bounds(picked.upper, picked.selected, lse, out=self.certified[layer])
+        self.advance(layer)
+
+    def advance(self, layer: int) -> None:
+        """After the token's last layer, the device count moves on."""
         if layer == len(self.tables) - 1:
             self.num_tokens += 1
 
-    def _count_tokens(self) -> None:
+    def count_tokens(self) -> None:
         """This token's counts from the device's num_tokens: n (tokens once it is appended), the tokens the
         kernel reads (dense: n; topk: k - 1 full blocks and the tail) and, for the sketch, the masks of
         live and protected blocks."""

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore.attention.append import NewToken, append_token, append_token_ref
+from eviction.batch_kernels import addresses
+from kvstore.attention.append import (NewToken, append_token, append_token_ref, append_tokens,
+                                     append_tokens_ref)
 from kvstore.attention.paged_decode import paged_decode
 from kvstore.attention.reference import paged_decode_ref
 from tests.kvstore.attention.cases import make_case
@@ -30,6 +32,21 @@ def test_append_matches_reference(heads, block_tokens, head_dim, num_tokens):
     offset, block = num_tokens % block_tokens, num_tokens // block_tokens
     assert torch.equal(pool[5, 0, :, offset], k) and torch.equal(pool[5, 1, :, offset], v)
     assert bool((summaries[block, 0] <= k).all() and (summaries[block, 1] >= k).all())
+
+
+def test_batch_append_matches_reference():
+    g = torch.Generator().manual_seed(3)
+    heads, block_tokens, head_dim = 3, 16, 32
+    pool = torch.randn((9, 2, heads, block_tokens, head_dim), generator=g).half().to(DEVICE)
+    counts = torch.tensor([0, 47, 200], device=DEVICE)  # three sequences of different lengths and capacities
+    summaries = [torch.randn((n, 2, heads, head_dim), generator=g).half().to(DEVICE) for n in (2, 5, 14)]
+    k, v = (torch.randn((3, heads, head_dim), generator=g).half().to(DEVICE) for _ in range(2))
+    slots = torch.tensor([4, 0, 7], device=DEVICE)
+    want_pool, want_summaries = pool.clone(), [s.clone() for s in summaries]
+    append_tokens_ref(want_pool, want_summaries, k, v, slots, counts)
+    append_tokens(pool, summaries, addresses(summaries, DEVICE), k, v, slots, counts)
+    assert torch.equal(pool, want_pool) and all(torch.equal(a, b) for a, b in zip(summaries, want_summaries))
+    assert torch.equal(pool[7, 1, :, 200 % block_tokens], v[2])
 
 
 def test_append_checks_its_inputs():
