@@ -7,6 +7,7 @@ memory (what two ranks sharing one GPU use). A group of one needs no process gro
 
 from __future__ import annotations
 
+import pickle
 import queue
 import socket
 from collections.abc import Callable
@@ -63,7 +64,8 @@ def _entry(rank: int, fn: Callable, world_size: int, backend: str, port: int, ar
         torch.cuda.set_device(rank_device(rank, "cuda"))
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        results.put((rank, fn(RankGroup.current(), *args)))
+        results.put((rank, pickle.dumps(fn(RankGroup.current(), *args))))  # plain bytes: no shared memory
+                                                                            # that dies with this process
     finally:
         dist.destroy_process_group()
 
@@ -81,7 +83,7 @@ def spawn(fn: Callable, world_size: int, backend: str, *args: object) -> list:
     while len(got) < world_size:  # read before joining: a rank exits only once its result is read
         try:
             rank, value = results.get(timeout=0.5)
-            got[rank] = value
+            got[rank] = pickle.loads(value)
         except queue.Empty:
             if procs.join(timeout=0):  # every rank exited (a failed one raised in join)
                 break

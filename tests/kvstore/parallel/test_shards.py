@@ -19,9 +19,10 @@ from kvstore.parallel.shards import ShardPlan, allot_free_blocks
 SPEC = ModelSpec(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16)
 
 
-def make_store(spec: ModelSpec = SPEC) -> KVStore:
-    return KVStore(Config(model=spec, block_tokens=16, sink_tokens=16, hot_tokens=64, warm_tokens=128,
-                          recent_tokens=32, gpu_bytes=8 << 20, cpu_bytes=8 << 20, device="cpu"))
+def make_store(spec: ModelSpec = SPEC, **overrides) -> KVStore:
+    settings = dict(model=spec, block_tokens=16, sink_tokens=16, hot_tokens=64, warm_tokens=128, recent_tokens=32,
+                    gpu_bytes=8 << 20, cpu_bytes=8 << 20, device="cpu") | overrides
+    return KVStore(Config(**settings))
 
 
 def random_kv(num_tokens: int, spec: ModelSpec, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
