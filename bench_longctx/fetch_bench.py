@@ -44,7 +44,7 @@ from tiers.base import IntegrityError, device_ints
 from tiers.block_checksum import block_sums
 from tiers.cpu import CpuTier
 from tiers.fetch_kernel import gather_rows, gather_slab_rows, slab_table
-from tiers.layout import BlockLayout, Int8Blocks
+from tiers.layout import BlockLayout, QuantBlocks
 from tiers.quant import quantize
 
 _PUT_BATCH = 512
@@ -97,7 +97,7 @@ def wall_GBps(fn, nbytes: int, device: torch.device, calls: int = 20) -> float:
 
 
 def same(a, b) -> bool:
-    pairs = zip(a.tensors(), b.tensors()) if isinstance(a, Int8Blocks) else [(a, b)]
+    pairs = zip(a.tensors(), b.tensors()) if isinstance(a, QuantBlocks) else [(a, b)]
     return all(torch.equal(x, y) for x, y in pairs)
 
 
@@ -111,7 +111,7 @@ def run_format(layout: BlockLayout, dtype: str, num_blocks: int, picked: list[in
 
     slots = device_ints(new.slots.lookup(picked), device)
     out = new._empty(len(picked), device)
-    fields = out.tensors() if isinstance(out, Int8Blocks) else (out,)
+    fields = out.tensors() if isinstance(out, QuantBlocks) else (out,)
     sums = torch.zeros((len(picked), 2), dtype=torch.int64, device=device)  # [n, 2]
     new._gather_to(slots, out, sums)
     words = torch.ones((num_blocks, block_bytes // 4), dtype=torch.int32, pin_memory=device.type == "cuda")

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from tiers.layout import QUANT_FORMATS
+
 _TOKENS_MAX = 1 << 40  # windows, in tokens: far past any context, far below overflow
 _BYTES_MAX = 1 << 50  # byte budgets: 1 PiB (LMDB's map size and host allocators overflow beyond)
 _INT_FIELDS = (  # (field, lowest, highest) of every integer knob of Config
@@ -83,12 +85,14 @@ class Config:
     block_tokens: int = 32
     sink_tokens: int = 64  # first tokens of every sequence, always hot (attention sinks)
     hot_tokens: int = 4096  # most recent tokens, kept fp16 on the GPU
-    warm_tokens: int = 32768  # the next most recent, kept int8 on the GPU
+    warm_tokens: int = 32768  # the next most recent, kept quantized (warm_format) on the GPU
+    warm_format: str = "int8"  # "int8", "fp8" (e4m3) or "int4" (KIVI, 2 codes a byte): docs/tiers.md, Formats
+    int4_group: int = 32  # int4: tokens of K (per channel) and channels of V (per token) sharing a scale and zero
     recent_tokens: int | None = None  # window every sparse step keeps, at most half its budget (None: min(1024, hot_tokens))
     gpu_bytes: int = 1 << 30  # hot + warm pools + staging, shared by all sequences
-    staging_tokens: int | None = None  # GPU slots (fp16 and int8 each) cold blocks are fetched into per step (None: hot_tokens)
+    staging_tokens: int | None = None  # GPU slots (fp16 and warm each) cold blocks are fetched into per step (None: hot_tokens)
     cpu_bytes: int = 4 << 30  # cold host tier
-    cpu_dtype: str = "float16"  # "float16" (exact) or "int8" (half the bytes)
+    cpu_dtype: str = "float16"  # "float16" (exact) or warm_format (blocks cool as the warm tier holds them)
     cpu_checksums: str = "auto"  # "auto": block sums on the GPU beside pinned slabs (what a captured step verifies
     # cpu blocks with), else xxh3 on the host; "host"; or a device ("cpu": block sums in torch, slow: tests)
     ssd_path: str | None = None  # None: a temporary directory removed on close()
@@ -128,8 +132,7 @@ class Config:
             raise ValueError(
                 f"hot_tokens ({self.hot_tokens}) must cover at least one block ({self.block_tokens} tokens)"
             )
-        if self.cpu_dtype not in ("float16", "int8"):
-            raise ValueError(f"cpu_dtype must be 'float16' or 'int8', got {self.cpu_dtype!r}")
+        self._check_formats()
         if self.ssd_compression not in ("zstd-split", "zstd", "none"):
             raise ValueError(f"ssd_compression must be 'zstd-split', 'zstd' or 'none', got {self.ssd_compression!r}")
         if not isinstance(self.cpu_checksums, str):
@@ -141,6 +144,19 @@ class Config:
             raise ValueError(f"Config.model_id must be a str of at most 1024 characters, got {self.model_id!r}")
         self._check_redis()
         self._check_device()
+
+    def _check_formats(self) -> None:
+        if self.warm_format not in QUANT_FORMATS:
+            raise ValueError(f"Config.warm_format must be one of {QUANT_FORMATS}, got {self.warm_format!r}")
+        if not _is_int(self.int4_group) or self.int4_group < 2 or self.int4_group & (self.int4_group - 1):
+            raise ValueError(f"Config.int4_group must be a power of two >= 2, got {self.int4_group!r}")
+        head_dim = self.model.head_dim
+        if self.warm_format == "int4" and (head_dim % 2 or head_dim % min(self.int4_group, head_dim)):
+            raise ValueError(f"warm_format='int4' needs an even head_dim that int4_group ({self.int4_group}) "
+                             f"divides or exceeds, got head_dim {self.model.head_dim}")
+        if self.cpu_dtype not in ("float16", self.warm_format):
+            raise ValueError(f"cpu_dtype must be 'float16' or the warm_format {self.warm_format!r}, "
+                             f"got {self.cpu_dtype!r}")
 
     def _check_redis(self) -> None:
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):

@@ -37,7 +37,7 @@ class KVStore:
         c = self.config = config
         self.spec = c.model
         self.device = torch.device(c.device)
-        self.layout = BlockLayout.of(c.model, c.block_tokens)
+        self.layout = BlockLayout.of(c.model, c.block_tokens, c.warm_format, c.int4_group)
         self.sequences: dict[int, list[LayerTable]] = {}
         self.tensors = TableTensors(c.model.num_kv_heads, c.model.head_dim, c.block_tokens, self.device,
                                     c.sketch_codes)

@@ -10,7 +10,7 @@ import torch
 import xxhash
 
 from tiers.errors import BlockMissingError, CapacityError, IntegrityError  # noqa: F401  (tiers import them from here)
-from tiers.layout import BlockLayout, Blocks, Int8Blocks
+from tiers.layout import BlockLayout, Blocks, QuantBlocks
 
 
 def device_ints(values: Sequence[int], device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -34,7 +34,7 @@ class Tier(Protocol):
     def put(self, ids: Sequence[int], blocks: Blocks) -> None: ...
     def get(self, ids: Sequence[int]) -> Blocks: ...
     def fetch(self, ids: Sequence[int], device: torch.device) -> Blocks:
-        """`get`, delivered on `device` (in the tier's format: fp16, or Int8Blocks)."""
+        """`get`, delivered on `device` (in the tier's format: fp16, or QuantBlocks)."""
     def delete(self, ids: Sequence[int]) -> None: ...
     def __contains__(self, block_id: int) -> bool: ...
     def can_put(self, n: int) -> bool: ...
@@ -59,7 +59,7 @@ def checksum(tensors: Sequence[torch.Tensor]) -> int:
 
 def block_checksums(blocks: Blocks) -> list[int]:
     """One checksum per block of a CPU batch."""
-    if isinstance(blocks, Int8Blocks):
+    if isinstance(blocks, QuantBlocks):
         return [checksum(blocks.index(i).tensors()) for i in range(len(blocks))]
     return [checksum([blocks[i]]) for i in range(blocks.shape[0])]
 

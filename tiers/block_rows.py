@@ -1,4 +1,4 @@
-"""Row views and row copies of block batches (fp16 tensors or Int8Blocks), for host-memory tiers.
+"""Row views and row copies of block batches (fp16 tensors or QuantBlocks), for host-memory tiers.
 
 A batch's first dimension is its blocks; these helpers treat each field of a batch (the fp16
 tensor, or int8 data and both scales) as rows of bytes or 32-bit words.
@@ -11,11 +11,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from tiers.layout import Blocks, Int8Blocks
+from tiers.layout import Blocks, QuantBlocks
 
 
 def fields(blocks: Blocks) -> tuple[torch.Tensor, ...]:
-    return blocks.tensors() if isinstance(blocks, Int8Blocks) else (blocks,)
+    return blocks.tensors() if isinstance(blocks, QuantBlocks) else (blocks,)
 
 
 def device_of(blocks: Blocks) -> torch.device:
@@ -73,4 +73,4 @@ def byte_rows(t: torch.Tensor):
 
 
 def row_slice(blocks: Blocks, lo: int, hi: int) -> Blocks:
-    return blocks.index(slice(lo, hi)) if isinstance(blocks, Int8Blocks) else blocks[lo:hi]
+    return blocks.index(slice(lo, hi)) if isinstance(blocks, QuantBlocks) else blocks[lo:hi]

@@ -1,10 +1,10 @@
 """The bytes of one block at rest: header + compressed payload, checksummed.
 
     header  (36 bytes, little endian): magic b"KVTB", layout version u16, format u8
-            (0 fp16, 1 int8), compression u8 (0 none, 1 zstd, 2 zstd over byte planes),
+            (0 fp16, 1 int8, 2 fp8, 3 int4: tiers/layout.py FORMAT_CODES), compression u8 (0 none, 1 zstd, 2 zstd over byte planes),
             kv_heads u32, block_tokens u32, head_dim u32, payload length u64,
             xxh3-64 of prefix + header-without-checksum + uncompressed payload u64
-    payload fp16: the block's bytes [2, H, B, D]; int8: data, then k_scale, then v_scale
+    payload fp16: the block's bytes [2, H, B, D]; quantized: data, then k_scale, then v_scale
     prefix  optional, before the header: a caller's envelope (the redis tier's block id and key
             name), covered by the checksum; the ssd tier stores none
 
@@ -19,6 +19,7 @@ plain zstd level 1 is the default; the split stays selectable.
 
 from __future__ import annotations
 
+import math
 import struct
 
 import numpy as np
@@ -27,7 +28,7 @@ import xxhash
 import zstandard
 
 from tiers.base import IntegrityError
-from tiers.layout import BlockLayout, Blocks, Int8Blocks, concat
+from tiers.layout import FORMAT_CODES, BlockLayout, Blocks, QuantBlocks, concat
 from tiers.quant import dequantize
 
 LAYOUT_VERSION = 1
@@ -35,7 +36,7 @@ _HEADER = struct.Struct("<4sHBBIIIQQ")
 _MAGIC = b"KVTB"
 HEADER_BYTES = _HEADER.size
 COMPRESSIONS = {"none": 0, "zstd": 1, "zstd-split": 2}
-_FORMATS = {"float16": 0, "int8": 1}
+_FORMAT_NAMES = {code: name for name, code in FORMAT_CODES.items()}
 
 
 class Codec:
@@ -55,11 +56,11 @@ class Codec:
 
     def encode_parts(self, layout: BlockLayout, blocks: Blocks, row: int, prefix: bytes = b"") -> list[bytes | memoryview]:
         """encode()'s value as consecutive pieces, the payload a view of the batch where stored raw."""
-        if isinstance(blocks, Int8Blocks):
-            fmt = _FORMATS["int8"]
+        if isinstance(blocks, QuantBlocks):
+            fmt = FORMAT_CODES[blocks.fmt]
             payload = b"".join(t[row].contiguous().view(torch.uint8).numpy() for t in blocks.tensors())
         else:
-            fmt, payload = _FORMATS["float16"], memoryview(blocks[row].contiguous().view(torch.uint8).numpy().reshape(-1))
+            fmt, payload = FORMAT_CODES["float16"], memoryview(blocks[row].contiguous().view(torch.uint8).numpy().reshape(-1))
         body, compression = payload, self.compression
         if compression:
             body = self.compressor.compress(_split_planes(payload) if compression == 2 and fmt == 0 else payload)
@@ -93,35 +94,38 @@ class Codec:
             payload = _join_planes(payload)
         if len(payload) != length or _digest(view[:prefix], view[prefix: prefix + _HEADER.size - 8], payload) != digest:
             raise IntegrityError(f"{what}: checksum mismatch")
-        if (fmt, length) not in ((0, layout.fp16_bytes), (1, layout.int8_bytes)):
+        # a length fixes int4's grouping too: a value written under another int4_group does not fit
+        if fmt not in _FORMAT_NAMES or length != layout.bytes_for(_FORMAT_NAMES[fmt]):
             raise IntegrityError(f"{what}: format {fmt} with {length} payload bytes does not fit {layout}")
         return fmt, payload
 
 
 class BatchDecoder:
     """Verified values -> one batch, filled row by row as values arrive (a caller can drop each
-    value once added). fp16 payloads are copied once into the batch; a batch mixing fp16 and int8
-    blocks comes back fp16 (int8 ones dequantized), one of only int8 blocks as Int8Blocks."""
+    value once added). fp16 payloads are copied once into the batch; a batch mixing formats comes back
+    fp16 (quantized ones dequantized), one of only quantized blocks of one format as QuantBlocks."""
 
     def __init__(self, codec: Codec, layout: BlockLayout, n: int, prefix: int = 0) -> None:
         self.codec, self.layout, self.n, self.prefix = codec, layout, n, prefix
         self.out: torch.Tensor | None = None  # [n, 2, H, B, D], allocated at the first fp16 block
-        self.int8_rows: dict[int, Int8Blocks] = {}
+        self.quant_rows: dict[int, QuantBlocks] = {}
 
     def add(self, row: int, value: bytes | memoryview, what: str) -> None:
         """Raises IntegrityError on any damage."""
         fmt, payload = self.codec.verify(self.layout, value, what, self.prefix)
-        if fmt != _FORMATS["float16"]:
-            self.int8_rows[row] = _unpack(self.layout, fmt, payload)
+        if fmt != FORMAT_CODES["float16"]:
+            self.quant_rows[row] = _unpack(self.layout, fmt, payload)
             return
         if self.out is None:
             self.out = self.layout.empty_fp16(self.n, "cpu")
         self.out.view(self.n, -1).view(torch.uint8).numpy()[row] = np.frombuffer(payload, np.uint8)
 
     def result(self) -> Blocks:
+        if self.out is None and len({q.fmt for q in self.quant_rows.values()}) > 1:
+            self.out = self.layout.empty_fp16(self.n, "cpu")  # quantized blocks of two formats: all fp16
         if self.out is None:
-            return concat([self.int8_rows[r] for r in range(self.n)]) if self.n else self.layout.empty_fp16(0, "cpu")
-        for row, part in self.int8_rows.items():
+            return concat([self.quant_rows[r] for r in range(self.n)]) if self.n else self.layout.empty_fp16(0, "cpu")
+        for row, part in self.quant_rows.items():
             self.out[row] = dequantize(part)[0]
         return self.out
 
@@ -151,13 +155,7 @@ def _join_planes(planes: bytes) -> bytes:
 
 def _unpack(layout: BlockLayout, fmt: int, payload: bytes) -> Blocks:
     raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    if fmt == _FORMATS["float16"]:
-        return raw.view(torch.float16).reshape(1, *layout.shape)
-    h, b, d = layout.num_kv_heads, layout.block_tokens, layout.head_dim
-    sizes = [2 * h * b * d, 4 * h * d, 4 * h * b]
-    data, k_scale, v_scale = torch.split(raw, sizes)
-    return Int8Blocks(
-        data.view(torch.int8).reshape(1, 2, h, b, d),
-        k_scale.view(torch.float32).reshape(1, h, d),
-        v_scale.view(torch.float32).reshape(1, h, b),
-    )
+    specs = layout.field_specs(_FORMAT_NAMES[fmt])
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
+    parts = [t.view(dtype).reshape(1, *shape) for t, (shape, dtype) in zip(torch.split(raw, sizes), specs)]
+    return parts[0] if len(parts) == 1 else QuantBlocks(*parts)

@@ -1,4 +1,4 @@
-"""Cold CPU tier: host memory (pinned when CUDA exists), fp16 or int8, checksummed.
+"""Cold CPU tier: host memory (pinned when CUDA exists), fp16 or a quantized format (tiers/quant.py), checksummed.
 
 Memory comes in slabs allocated on first use, so a large `cpu_bytes` costs nothing
 until blocks arrive, and `psutil` refuses a slab that would push free host memory
@@ -32,8 +32,8 @@ from tiers.block_rows import (byte_rows, copy_row_runs, copy_rows, device_of, fi
                                normal_device, row_slice, to_device)
 from tiers.cpu_host import HostRows
 from tiers.fetch_kernel import SlabTable, gather_slab_rows, slab_table
-from tiers.layout import BlockLayout, Blocks, Int8Blocks
-from tiers.quant import dequantize, quantize
+from tiers.layout import BlockLayout, Blocks
+from tiers.quant import to_format
 
 _SLAB_BYTES = 256 << 20
 
@@ -231,8 +231,7 @@ class CpuTier(HostRows, PooledTier):
         return index, [(s, slice(end - c, end)) for s, c, end in zip(slabs.tolist(), counts.tolist(), ends)]
 
     def _empty(self, n: int, device: torch.device | str = "cpu") -> Blocks:
-        empty = self.layout.empty_fp16 if self.dtype == "float16" else self.layout.empty_int8
-        return empty(n, device, pin=self.pin and torch.device(device).type == "cpu")
+        return self.layout.empty(self.dtype, n, device, pin=self.pin and torch.device(device).type == "cpu")
 
     def check_integrity(self) -> None:
         self.slots.check()
@@ -249,11 +248,7 @@ class CpuTier(HostRows, PooledTier):
         self.generation += 1
 
     def _convert(self, blocks: Blocks) -> Blocks:
-        if self.dtype == "float16" and isinstance(blocks, Int8Blocks):
-            return dequantize(blocks)
-        if self.dtype == "int8" and not isinstance(blocks, Int8Blocks):
-            return quantize(blocks)
-        return blocks
+        return to_format(blocks, self.dtype, self.layout.int4_group)
 
 
 def _slot_tensor(slots: list[int], device: torch.device) -> torch.Tensor:

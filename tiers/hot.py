@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 
 from tiers.base import DevicePoolTier
-from tiers.layout import BlockLayout, Blocks, Int8Blocks
+from tiers.layout import BlockLayout, Blocks, QuantBlocks
 from tiers.quant import dequantize
 
 
@@ -20,7 +20,7 @@ class HotTier(DevicePoolTier):
         self.pool = layout.empty_fp16(self.slots.num_slots + staging_blocks, self.device)  # [S + staging, 2, H, B, D]
 
     def _to_format(self, blocks: Blocks) -> torch.Tensor:
-        return dequantize(blocks.to(self.device)) if isinstance(blocks, Int8Blocks) else blocks
+        return dequantize(blocks.to(self.device)) if isinstance(blocks, QuantBlocks) else blocks
 
     def _write_rows(self, rows: torch.Tensor | slice, blocks: torch.Tensor) -> None:
         self.pool[rows] = blocks

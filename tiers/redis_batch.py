@@ -58,10 +58,10 @@ class InPlaceBatch:
 
     def _decode(self, row: int, value: bytes | memoryview, what: str) -> None:
         self.decoder.add(row, value, what)
-        self.num_fp16_rows += row not in self.decoder.int8_rows
+        self.num_fp16_rows += row not in self.decoder.quant_rows
 
     def result(self) -> Blocks:
-        """fp16 if any row is (int8 rows dequantized into it); a batch of only int8 blocks as Int8Blocks."""
+        """fp16 if any row is (quantized rows dequantized into it); a batch of only quantized blocks as QuantBlocks."""
         if not self.num_fp16_rows:
             self.decoder.out = None
         return self.decoder.result()

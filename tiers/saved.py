@@ -24,12 +24,12 @@ import torch
 
 from tiers.codec import Codec
 from tiers.errors import BlockMissingError, IntegrityError
-from tiers.layout import BlockLayout, Blocks
+from tiers.layout import FORMAT_CODES, BlockLayout, Blocks
 from tiers.saved_values import LmdbValues, RedisValues
 from tiers.stored import StoredBlocks, decode_tier_values
 
 _SEAL = b"KVSV"
-_FORMAT_AT = 6  # the format byte of a codec value's header (after magic and layout version): 0 fp16, 1 int8
+_FORMAT_AT = 6  # the format byte of a codec value's header (after magic and layout version): FORMAT_CODES
 
 
 def seal(key: bytes, value: bytes | memoryview) -> bytes:
@@ -48,9 +48,9 @@ def unseal(key: bytes, value: bytes | memoryview, what: str) -> memoryview:
 
 
 def value_format(value: bytes | memoryview, what: str) -> int:
-    """0 (fp16) or 1 (int8): the format a codec value's header names; IntegrityError for anything else."""
+    """The format code (tiers/layout.py FORMAT_CODES) a codec value's header names; IntegrityError for anything else."""
     fmt = value[_FORMAT_AT] if len(value) > _FORMAT_AT else -1
-    if fmt not in (0, 1):
+    if fmt not in FORMAT_CODES.values():
         raise IntegrityError(f"{what}: not a block value (format byte {fmt})")
     return fmt
 
@@ -104,11 +104,11 @@ class SavedTier:
         raise MemoryError("the saved tier is read-only")
 
     def get(self, ids: Sequence[int]) -> Blocks:
-        """Verified blocks, in order; a batch mixing fp16 and int8 blocks comes back fp16 (unlike fetch_as_stored)."""
+        """Verified blocks, in order; a batch mixing formats comes back fp16 (unlike fetch_as_stored)."""
         return self.fetch_as_stored(ids, "cpu").one_format()
 
     def fetch_as_stored(self, ids: Sequence[int], device: torch.device | str) -> StoredBlocks:
-        """The blocks on `device`, each in the format it was saved in (fp16 or int8), verified where they lie
+        """The blocks on `device`, each in the format it was saved in (fp16 or quantized), verified where they lie
         (LMDB: in the mapped pages, one read transaction) and copied once into one batch per format."""
         if not hasattr(self._local, "codec"):
             self._local.codec = Codec()  # decode reads the compression from each value's header

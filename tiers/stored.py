@@ -1,9 +1,13 @@
-"""Blocks of a tier that holds both formats (ssd, saved), read in the format each is stored in.
+"""Blocks of a tier that holds several formats (ssd, saved), read in the format each is stored in.
 
 `decode_as_stored` verifies stored values (tiers/codec.py: every block's header and xxh3) and copies each
 payload once into one host buffer laid out as
 
-    fp16 batch [nf, 2, H, B, D] | int8 data [ni, 2, H, B, D] | k_scale [ni, H, D] | v_scale [ni, H, B]
+    fp16 batch [nf, 2, H, B, D] | data, k_scale, v_scale of nq quantized blocks of one format
+
+(tiers/layout.py has their shapes; that format is the layout's warm_format where any value has it, else the
+first quantized value's: values in yet another format, written by stores of other warm formats, are
+dequantized into the fp16 rows)
 
 (pinned when the blocks go to a GPU), which reaches the device in one copy. Callers hand it the values
 where they lie (LMDB: views of the mapped pages), so a block's bytes are copied once on the host.
@@ -20,7 +24,7 @@ import torch
 from tiers.base import device_ints
 from tiers.codec import Codec
 from tiers.errors import IntegrityError
-from tiers.layout import BlockLayout, Int8Blocks
+from tiers.layout import FORMAT_CODES, BlockLayout, QuantBlocks
 from tiers.quant import dequantize
 
 _ALIGN = 256  # each section starts aligned, as a fresh allocation does (kernels specialise on 16-byte pointers)
@@ -28,23 +32,23 @@ _ALIGN = 256  # each section starts aligned, as a fresh allocation does (kernels
 
 @dataclass(slots=True)
 class StoredBlocks:
-    """Blocks gathered in the format each is stored in; fp16_at / int8_at are positions in the ids asked for."""
+    """Blocks gathered in the format each is stored in; fp16_at / quant_at are positions in the ids asked for."""
 
     fp16_at: list[int]
     fp16: torch.Tensor  # [len(fp16_at), 2, H, B, D]
-    int8_at: list[int]
-    int8: Int8Blocks  # len(int8_at) blocks
+    quant_at: list[int]
+    quant: QuantBlocks  # len(quant_at) blocks, in the warm tier's format
 
-    def one_format(self) -> torch.Tensor | Int8Blocks:
-        """All blocks in order in one batch: int8 when all are, else fp16 (int8 ones dequantized)."""
-        if not self.fp16_at and self.int8_at:
-            return self.int8
-        if not self.int8_at:
+    def one_format(self) -> torch.Tensor | QuantBlocks:
+        """All blocks in order in one batch: quantized when all are, else fp16 (quantized ones dequantized)."""
+        if not self.fp16_at and self.quant_at:
+            return self.quant
+        if not self.quant_at:
             return self.fp16
-        out = torch.empty((len(self.fp16_at) + len(self.int8_at), *self.fp16.shape[1:]), dtype=torch.float16,
+        out = torch.empty((len(self.fp16_at) + len(self.quant_at), *self.fp16.shape[1:]), dtype=torch.float16,
                           device=self.fp16.device)  # [n, 2, H, B, D]
         out[device_ints(self.fp16_at, out.device)] = self.fp16
-        out[device_ints(self.int8_at, out.device)] = dequantize(self.int8)
+        out[device_ints(self.quant_at, out.device)] = dequantize(self.quant)
         return out
 
 
@@ -75,20 +79,24 @@ def decode_as_stored(codec: Codec, layout: BlockLayout, ids: Sequence[int], valu
     """Stored values of blocks `ids` -> the blocks on `device`, each in its stored format. Raises IntegrityError
     (naming f"{what} block {id}") on any damage, before anything is copied."""
     checked = [codec.verify(layout, v, f"{what} block {i}") for i, v in zip(ids, values)]  # (format, payload)
-    fp16_at = [r for r, (fmt, _) in enumerate(checked) if fmt == 0]
-    int8_at = [r for r, (fmt, _) in enumerate(checked) if fmt != 0]
-    h, b, d = layout.num_kv_heads, layout.block_tokens, layout.head_dim
-    rows = [len(fp16_at)] + [len(int8_at)] * 3
-    row_bytes = [layout.fp16_bytes, 2 * h * b * d, 4 * h * d, 4 * h * b]  # an int8 payload: data, k_scale, v_scale
+    quantized = [fmt for fmt, _ in checked if fmt != 0]
+    warm = FORMAT_CODES[layout.warm_format]
+    kept = warm if warm in quantized or not quantized else quantized[0]
+    quant_at = [r for r, (fmt, _) in enumerate(checked) if fmt == kept]
+    fp16_at = [r for r, (fmt, _) in enumerate(checked) if fmt != kept]  # fp16, or another format dequantized
+    specs = layout.field_specs(next(name for name, code in FORMAT_CODES.items() if code == kept))
+    rows = [len(fp16_at)] + [len(quant_at)] * 3
+    row_bytes = [layout.fp16_bytes] + [int(np.prod(shape)) * dtype.itemsize for shape, dtype in specs]
     sizes = [n * size for n, size in zip(rows, row_bytes)]
     starts = [sum(-(-s // _ALIGN) * _ALIGN for s in sizes[:i]) for i in range(4)]
     device = torch.device(device)
     host = torch.empty(starts[-1] + sizes[-1], dtype=torch.uint8, pin_memory=device.type == "cuda")
     sections = [host.numpy()[o: o + s].reshape(n, size) for o, s, n, size in zip(starts, sizes, rows, row_bytes)]
     for row, r in enumerate(fp16_at):
-        sections[0][row] = np.frombuffer(checked[r][1], np.uint8)
+        fmt, payload = checked[r]
+        sections[0][row] = np.frombuffer(payload if fmt == 0 else _fp16_bytes(codec, layout, values[r], what), np.uint8)
     k_at, v_at = row_bytes[1], row_bytes[1] + row_bytes[2]
-    for row, r in enumerate(int8_at):
+    for row, r in enumerate(quant_at):
         payload = np.frombuffer(checked[r][1], np.uint8)
         sections[1][row], sections[2][row], sections[3][row] = payload[:k_at], payload[k_at:v_at], payload[v_at:]
     buffer = host if device.type == "cpu" else host.to(device, non_blocking=True)  # pinned: the copy is queued
@@ -96,6 +104,10 @@ def decode_as_stored(codec: Codec, layout: BlockLayout, ids: Sequence[int], valu
     def section(i: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         return buffer[starts[i]: starts[i] + sizes[i]].view(dtype).view(shape)
 
-    int8 = Int8Blocks(section(1, torch.int8, (rows[1], 2, h, b, d)), section(2, torch.float32, (rows[1], h, d)),
-                      section(3, torch.float32, (rows[1], h, b)))
-    return StoredBlocks(fp16_at, section(0, torch.float16, (rows[0], 2, h, b, d)), int8_at, int8)
+    quant = QuantBlocks(*(section(i + 1, dtype, (rows[1], *shape)) for i, (shape, dtype) in enumerate(specs)))
+    return StoredBlocks(fp16_at, section(0, torch.float16, (rows[0], *layout.shape)), quant_at, quant)
+
+
+def _fp16_bytes(codec: Codec, layout: BlockLayout, value: bytes | memoryview, what: str) -> np.ndarray:
+    """The fp16 bytes of a verified value in a quantized format other than the layout's warm one."""
+    return dequantize(codec.decode(layout, value, what)).view(torch.uint8).numpy().reshape(-1)

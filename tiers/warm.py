@@ -1,4 +1,5 @@
-"""Warm tier: a preallocated int8 pool on the store's device (KIVI scales beside it)."""
+"""Warm tier: a preallocated pool of quantized blocks on the store's device, in the layout's warm_format
+(int8, fp8 or int4: tiers/quant.py), KIVI scales beside them."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from typing import Sequence
 import torch
 
 from tiers.base import DevicePoolTier
-from tiers.layout import BlockLayout, Blocks, Int8Blocks
-from tiers.quant import quantize
+from tiers.layout import BlockLayout, Blocks, QuantBlocks
+from tiers.quant import to_format
 
 
 class WarmTier(DevicePoolTier):
@@ -16,19 +17,20 @@ class WarmTier(DevicePoolTier):
 
     def __init__(self, layout: BlockLayout, capacity_bytes: int, device: torch.device | str,
                  staging_blocks: int = 0) -> None:
-        super().__init__(layout, layout.int8_bytes, capacity_bytes, device, staging_blocks)
-        # int8 staging rows: cold int8 blocks are read in-kernel as int8 (as the hot tier stages fp16 ones), so a
-        # block attends the same whichever tier it was fetched from
-        self.pool = layout.empty_int8(self.slots.num_slots + staging_blocks, self.device)
+        super().__init__(layout, layout.warm_bytes, capacity_bytes, device, staging_blocks)
+        self.format = layout.warm_format
+        # staging rows in the same format: cold blocks held in it are read in-kernel as they are (as the hot tier
+        # stages fp16 ones), so a block attends the same whichever tier it was fetched from
+        self.pool = layout.empty(self.format, self.slots.num_slots + staging_blocks, self.device)
 
-    def _to_format(self, blocks: Blocks) -> Int8Blocks:
-        return blocks if isinstance(blocks, Int8Blocks) else quantize(blocks.to(self.device))
+    def _to_format(self, blocks: Blocks) -> QuantBlocks:
+        return to_format(blocks.to(self.device), self.format, self.layout.int4_group)
 
-    def _write_rows(self, rows: torch.Tensor | slice, blocks: Int8Blocks) -> None:
+    def _write_rows(self, rows: torch.Tensor | slice, blocks: QuantBlocks) -> None:
         for dst, src in zip(self.pool.tensors(), blocks.tensors()):
             dst[rows] = src
 
-    def get(self, ids: Sequence[int]) -> Int8Blocks:
+    def get(self, ids: Sequence[int]) -> QuantBlocks:
         return self.pool.index(self.slot_tensor(ids))
 
     def close(self) -> None:

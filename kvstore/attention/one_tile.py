@@ -20,7 +20,7 @@ import triton.language as tl
 
 from kvstore.attention.append import NewToken, append_head
 from kvstore.attention.merge import empty_partials, store_split
-from kvstore.attention.plan import DecodeConfig, DecodeGeometry
+from kvstore.attention.plan import DecodeConfig, DecodeGeometry, scale_strides
 from kvstore.attention.tiles import load_kv_at
 
 
@@ -37,7 +37,8 @@ def _one_tile_kernel(
     qk_scale, max_blocks, num_q_heads,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
     BLOCKS_PER_ITER: tl.constexpr, HAS_HOT: tl.constexpr, HAS_WARM: tl.constexpr, RETURN_MASS: tl.constexpr,
-    USE_ASM: tl.constexpr, APPEND: tl.constexpr,
+    USE_ASM: tl.constexpr, APPEND: tl.constexpr, WARM_FORMAT: tl.constexpr, K_GROUP: tl.constexpr,
+    V_GROUP: tl.constexpr,
 ):
     """Program (b, kv head, tile): the group's q heads over one tile; normalized output and log2-sum-exp2 as
     split `tile` of o_part / lse_part, and (RETURN_MASS) each block's log2-sum-exp2 in lse_block.
@@ -95,16 +96,16 @@ def _one_tile_kernel(
         n_int8 = tl.sum((blk_ok & blk_int8).to(tl.int32), 0)
         if n_int8 == 0:
             k, v, v_mul = load_kv_at(*args, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER, True, False, False, USE_ASM,
-                                     V_BOOST)
+                                     V_BOOST, WARM_FORMAT, K_GROUP, V_GROUP)
         elif n_int8 == tl.sum(blk_ok.to(tl.int32), 0):
             k, v, v_mul = load_kv_at(*args, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER, False, True, False, USE_ASM,
-                                     V_BOOST)
+                                     V_BOOST, WARM_FORMAT, K_GROUP, V_GROUP)
         else:
             k, v, v_mul = load_kv_at(*args, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER, True, True, False, USE_ASM,
-                                     V_BOOST)
+                                     V_BOOST, WARM_FORMAT, K_GROUP, V_GROUP)
     else:
         k, v, v_mul = load_kv_at(*args, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER, HAS_HOT, HAS_WARM, False, USE_ASM,
-                                 V_BOOST)
+                                 V_BOOST, WARM_FORMAT, K_GROUP, V_GROUP)
 
     s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N], log2 domain
     s = tl.where(tok_ok[None, :], s, float("-inf"))
@@ -144,12 +145,13 @@ def one_tile_partials(
         q.stride(0), q.stride(1), *((append.k.stride(0), *append.summaries.stride()[:3]) if append else (0,) * 4),
         hot_pool.stride(0), hot_pool.stride(1), hot_pool.stride(2), hot_pool.stride(3),
         warm_words.stride(0), warm_words.stride(1), warm_words.stride(2), warm_words.stride(3),
-        warm_k_scale.stride(0), warm_k_scale.stride(1), warm_v_scale.stride(0), warm_v_scale.stride(1),
+        *scale_strides(warm_k_scale), *scale_strides(warm_v_scale),
         *block_table.stride(), *block_is_int8.stride(),
         qk_scale, geom.max_blocks, geom.num_q_heads,
         GROUP=geom.group, GROUP_PAD=max(16, triton.next_power_of_2(geom.group)), HEAD_DIM=geom.head_dim,
         BLOCK_TOKENS=geom.block_tokens, BLOCKS_PER_ITER=cfg.blocks_per_iter,
         HAS_HOT=hot_pool.shape[0] > 0, HAS_WARM=warm_words.shape[0] > 0, RETURN_MASS=return_block_mass,
-        USE_ASM=use_asm, APPEND=append is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_ASM=use_asm, APPEND=append is not None, WARM_FORMAT=geom.warm_format, K_GROUP=max(1, geom.k_group),
+        V_GROUP=max(1, geom.v_group), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return o_part, lse_part, lse_block

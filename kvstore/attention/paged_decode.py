@@ -1,4 +1,4 @@
-"""Paged decode attention over a block table that mixes fp16 (hot) and int8 (warm) blocks.
+"""Paged decode attention over a block table that mixes fp16 (hot) and quantized (warm: int8, fp8 or int4) blocks.
 
 Flash-decoding split-K (Dao, Haziza, Massa, Sizov: "Flash-Decoding for long-context
 inference", 2023). Grid (batch, kv_heads, num_splits): each program packs the q heads of
@@ -11,7 +11,8 @@ A short table (a top-k budget) takes the one-tile walk (one_tile.py): one launch
 A long one takes the split walk here. With one pool, the row is the block table and the loop is
 specialised to that pool. With both (what the captured decode step always passes), the table is
 partitioned per row on the device (partition.py) and each pool's entries get a launch of their own
-(int8 at int8 cost, fp16 at fp16 cost; on sm_90 the int8 one starts as the fp16 one's programs end),
+(int8 at int8 cost, fp16 at fp16 cost; on sm_90 the int8 one starts as the fp16 one's programs end; int8 warm
+launches run in CUDA where int8_mma.usable, fp8 and int4 ones always in Triton),
 whatever the mix; the per-split dispatch stays selectable (walk="dispatch") for the benchmark.
 Memory read: tiers/layout.py. Reference: reference.py. Config: plan.py. Log-sum-exps are base 2.
 """
@@ -29,8 +30,8 @@ from kvstore.attention.merge import empty_partials, merge_splits, store_split
 from kvstore.attention.one_tile import one_tile_partials
 from kvstore.attention.partition import PartitionedTable, kept_or_new_partition
 from kvstore.attention.plan import (DecodeConfig, DecodeGeometry, check_append, check_decode_inputs,
-                                   check_kernel_layout, check_lse_target, check_mass_target, decode_config,
-                                   use_asm)
+                                   WARM_INT8, check_kernel_layout, check_lse_target, check_mass_target,
+                                   decode_config, scale_strides, use_asm)
 from kvstore.attention.tiles import entries, launch_dependents, load_kv_at, token_entries
 
 LOG2E = 1.4426950408889634
@@ -49,7 +50,7 @@ def _attend(
     s_ks_slot, s_ks_head, s_vs_slot, s_vs_head,
     GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr,
     HAS_HOT: tl.constexpr, HAS_WARM: tl.constexpr, PARTITIONED: tl.constexpr, RETURN_MASS: tl.constexpr,
-    USE_ASM: tl.constexpr,
+    USE_ASM: tl.constexpr, WARM_FORMAT: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr,
 ):
     """Online softmax of q [M, D] over the row's entries [lo, hi): running max m, sum l [M] and acc [M, D].
 
@@ -70,6 +71,7 @@ def _attend(
             s_warm_slot, s_warm_kv, s_warm_head, s_warm_tok,
             s_ks_slot, s_ks_head, s_vs_slot, s_vs_head,
             HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER, HAS_HOT, HAS_WARM, PARTITIONED, USE_ASM, V_BOOST,
+            WARM_FORMAT, K_GROUP, V_GROUP,
         )
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N]
         s = tl.where(tok_ok[None, :], s, float("-inf"))
@@ -97,15 +99,16 @@ def _attend(
 def _attend_one_pool(
     is_warm, args, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
     BLOCKS_PER_ITER: tl.constexpr, PARTITIONED: tl.constexpr, RETURN_MASS: tl.constexpr, USE_ASM: tl.constexpr,
+    WARM_FORMAT: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr,
 ):
     """_attend(*args) over entries all of one pool: the warm one's loop where is_warm, else the hot one's (both
     compiled where is_warm is a runtime flag, one where it is a literal)."""
     if is_warm:
         m_i, l_i, acc = _attend(*args, GROUP_PAD, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER,
-                                False, True, PARTITIONED, RETURN_MASS, USE_ASM)
+                                False, True, PARTITIONED, RETURN_MASS, USE_ASM, WARM_FORMAT, K_GROUP, V_GROUP)
     else:
         m_i, l_i, acc = _attend(*args, GROUP_PAD, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER,
-                                True, False, PARTITIONED, RETURN_MASS, USE_ASM)
+                                True, False, PARTITIONED, RETURN_MASS, USE_ASM, WARM_FORMAT, K_GROUP, V_GROUP)
     return m_i, l_i, acc
 
 
@@ -133,7 +136,8 @@ def _split_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr,
     HAS_HOT: tl.constexpr, HAS_WARM: tl.constexpr, PARTITIONED: tl.constexpr, RETURN_MASS: tl.constexpr,
-    USE_ASM: tl.constexpr, TRIGGER: tl.constexpr,
+    USE_ASM: tl.constexpr, TRIGGER: tl.constexpr, WARM_FORMAT: tl.constexpr, K_GROUP: tl.constexpr,
+    V_GROUP: tl.constexpr,
 ):
     """Program (b, kv head, split): partial attention of the group's q heads over one range of entries.
 
@@ -184,21 +188,21 @@ def _split_kernel(
     if HAS_HOT and HAS_WARM:
         if PARTITIONED:
             m_i, l_i, acc = _attend_one_pool(is_warm, args, GROUP_PAD, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER,
-                                             True, RETURN_MASS, USE_ASM)
+                                             True, RETURN_MASS, USE_ASM, WARM_FORMAT, K_GROUP, V_GROUP)
         else:
             n_int8 = _count_int8(is_int8_row, s_i8_blk, lo, hi, 256)
             if n_int8 == 0:
                 m_i, l_i, acc = _attend_one_pool(False, args, GROUP_PAD, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER,
-                                                 False, RETURN_MASS, USE_ASM)
+                                                 False, RETURN_MASS, USE_ASM, WARM_FORMAT, K_GROUP, V_GROUP)
             elif n_int8 == hi - lo:
                 m_i, l_i, acc = _attend_one_pool(True, args, GROUP_PAD, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER,
-                                                 False, RETURN_MASS, USE_ASM)
+                                                 False, RETURN_MASS, USE_ASM, WARM_FORMAT, K_GROUP, V_GROUP)
             else:
                 m_i, l_i, acc = _attend(*args, GROUP_PAD, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER,
-                                        True, True, False, RETURN_MASS, USE_ASM)
+                                        True, True, False, RETURN_MASS, USE_ASM, WARM_FORMAT, K_GROUP, V_GROUP)
     else:
         m_i, l_i, acc = _attend(*args, GROUP_PAD, HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER,
-                                HAS_HOT, HAS_WARM, PARTITIONED, RETURN_MASS, USE_ASM)
+                                HAS_HOT, HAS_WARM, PARTITIONED, RETURN_MASS, USE_ASM, WARM_FORMAT, K_GROUP, V_GROUP)
     part = (b * num_q_heads + q_head) * num_splits + split  # [M]
     store_split(o_part_ptr, lse_part_ptr, part, m_i, l_i, acc, g_ok, HEAD_DIM)
 
@@ -242,7 +246,8 @@ def paged_decode(
     if block_is_int8.dtype == torch.bool:
         block_is_int8 = block_is_int8.view(torch.int8)  # same bytes; keeps expanded strides
     scale = (sm_scale if sm_scale is not None else geom.head_dim**-0.5) * LOG2E
-    warm_words = warm_data.view(torch.int32)  # [n_warm, 2, H, T, D / 4]: 4 int8 per word
+    # int8: [n_warm, 2, H, T, D / 4], 4 int8 per word; fp8 and int4 are read as bytes
+    warm_words = warm_data.view(torch.int32) if geom.warm_format == WARM_INT8 else warm_data
     args = (q, hot_pool, warm_words, warm_k_scale, warm_v_scale, block_table, block_is_int8, num_tokens)
     if cfg.one_tile:
         parts = one_tile_partials(*args, geom, cfg, scale, with_mass, use_asm(q.device), append)
@@ -271,8 +276,9 @@ def split_partials(
         part = kept_or_new_partition(partition, block_table, block_is_int8, num_tokens, geom.block_tokens)
         table, positions, num_fp16 = part.slots, part.positions, part.num_fp16
 
-    warm_bytes = warm_words.view(torch.int8)  # the CUDA walk reads the pool as bytes
-    int8_cuda = has_warm and int8_mma.usable(q, warm_bytes, warm_k_scale, warm_v_scale, table, geom, scale)
+    warm_bytes = warm_words.view(torch.int8)  # the CUDA walk reads the pool as bytes (int8 only: fp8, int4 take Triton)
+    int8_cuda = has_warm and geom.warm_format == WARM_INT8 and \
+        int8_mma.usable(q, warm_bytes, warm_k_scale, warm_v_scale, table, geom, scale)
     # the partition walk's int8 launch reads nothing its fp16 launch writes: it may overlap that one's last programs
     overlap = partitioned and walk == "partition" and int8_cuda and nvrtc.programmatic_launch_ok(q.device)
 
@@ -289,13 +295,14 @@ def split_partials(
             q.stride(0), q.stride(1),
             hot_pool.stride(0), hot_pool.stride(1), hot_pool.stride(2), hot_pool.stride(3),
             warm_words.stride(0), warm_words.stride(1), warm_words.stride(2), warm_words.stride(3),
-            warm_k_scale.stride(0), warm_k_scale.stride(1), warm_v_scale.stride(0), warm_v_scale.stride(1),
+            *scale_strides(warm_k_scale), *scale_strides(warm_v_scale),
             *table.stride(), *block_is_int8.stride(), *num_fp16.stride(),
             scale, cfg.blocks_per_split, cfg.num_splits, split_base, total_splits, max_blocks, nq,
             GROUP=geom.group, GROUP_PAD=max(16, triton.next_power_of_2(geom.group)), HEAD_DIM=d,
             BLOCK_TOKENS=geom.block_tokens, BLOCKS_PER_ITER=cfg.blocks_per_iter,
             HAS_HOT=hot, HAS_WARM=warm, PARTITIONED=partitioned, RETURN_MASS=return_block_mass,
-            USE_ASM=use_asm(q.device), TRIGGER=overlap and hot, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            USE_ASM=use_asm(q.device), TRIGGER=overlap and hot, WARM_FORMAT=geom.warm_format,
+            K_GROUP=max(1, geom.k_group), V_GROUP=max(1, geom.v_group), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
     if partitioned and walk == "partition":

@@ -38,6 +38,10 @@ _ONE_TILE_TOKENS = 64
 _ONE_TILE_MAX_TOKENS_PER_SM = 1024
 
 
+# The warm pool's formats (tiers/layout.py), as the kernels' WARM_FORMAT constexpr names them
+WARM_INT8, WARM_FP8, WARM_INT4 = 0, 1, 2
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeGeometry:
     batch: int
@@ -46,6 +50,9 @@ class DecodeGeometry:
     head_dim: int
     block_tokens: int
     max_blocks: int
+    warm_format: int = WARM_INT8  # WARM_INT8 / WARM_FP8 / WARM_INT4, read off warm_data
+    k_group: int = 0  # int4: tokens per K (scale, zero) group
+    v_group: int = 0  # int4: channels per V (scale, zero) group
 
     @property
     def group(self) -> int:
@@ -93,12 +100,11 @@ def check_decode_inputs(
     batch, num_q_heads, head_dim = q.shape
     _, num_kv_heads, max_blocks = block_table.shape
     block_tokens = hot_pool.shape[3]
+    fmt, k_group, v_group = _warm_format(warm_data, warm_k_scale, warm_v_scale, block_tokens, head_dim)
     specs = (
         ("q", q, (torch.float16,), (batch, num_q_heads, head_dim)),
         ("hot_pool", hot_pool, (torch.float16,), (None, 2, num_kv_heads, block_tokens, head_dim)),
-        ("warm_data", warm_data, (torch.int8,), (None, 2, num_kv_heads, block_tokens, head_dim)),
-        ("warm_k_scale", warm_k_scale, (torch.float32,), (len(warm_data), num_kv_heads, head_dim)),
-        ("warm_v_scale", warm_v_scale, (torch.float32,), (len(warm_data), num_kv_heads, block_tokens)),
+        *_warm_specs(fmt, warm_data, warm_k_scale, warm_v_scale, num_kv_heads, block_tokens, head_dim),
         ("block_table", block_table, (torch.int32,), (batch, num_kv_heads, max_blocks)),
         ("block_is_int8", block_is_int8, (torch.bool, torch.int8), (batch, num_kv_heads, max_blocks)),
         ("num_tokens", num_tokens, (torch.int32,), (batch,)),
@@ -110,7 +116,38 @@ def check_decode_inputs(
     if not (_is_pow2(head_dim) and 16 <= head_dim <= 256) or not _is_pow2(block_tokens):
         raise ValueError(f"head_dim: expected a power of two in 16..256, block_tokens: a power of two; "
                          f"got {head_dim} and {block_tokens}")
-    return DecodeGeometry(batch, num_q_heads, num_kv_heads, head_dim, block_tokens, max_blocks)
+    return DecodeGeometry(batch, num_q_heads, num_kv_heads, head_dim, block_tokens, max_blocks, fmt, k_group, v_group)
+
+
+def _warm_format(warm_data: torch.Tensor, warm_k_scale: torch.Tensor, warm_v_scale: torch.Tensor,
+                 block_tokens: int, head_dim: int) -> tuple[int, int, int]:
+    """(WARM_* code, int4's K group tokens, V group channels) of the warm pool's tensors (tiers/layout.py):
+    int8 data is int8; uint8 data holds e4m3 bytes (fp8) when a row has head_dim of them, int4 codes when half."""
+    if not all(isinstance(t, torch.Tensor) for t in (warm_data, warm_k_scale, warm_v_scale)):
+        raise ValueError("warm_data, warm_k_scale, warm_v_scale: expected tensors")
+    if warm_data.dtype != torch.uint8 or warm_data.dim() != 5:
+        return WARM_INT8, 0, 0
+    if warm_data.shape[-1] != head_dim // 2 or warm_k_scale.dim() != 5 or warm_v_scale.dim() != 5:
+        return WARM_FP8, 0, 0
+    k_groups, v_groups = max(1, warm_k_scale.shape[3]), max(1, warm_v_scale.shape[4])
+    return WARM_INT4, block_tokens // k_groups, head_dim // v_groups
+
+
+def _warm_specs(fmt: int, warm_data: torch.Tensor, warm_k_scale: torch.Tensor, warm_v_scale: torch.Tensor,
+                heads: int, block_tokens: int, head_dim: int) -> tuple:
+    """check_decode_inputs' specs of the warm pool's tensors in format `fmt`."""
+    n = len(warm_data)
+    if fmt == WARM_INT4:
+        k_groups, v_groups = warm_k_scale.shape[3], warm_v_scale.shape[4]
+        if k_groups == 0 or v_groups == 0 or block_tokens % k_groups or head_dim % v_groups:
+            raise ValueError(f"warm_k_scale / warm_v_scale: int4 groups must divide {block_tokens} tokens and "
+                             f"{head_dim} channels, got {k_groups} and {v_groups} groups")
+        return (("warm_data", warm_data, (torch.uint8,), (None, 2, heads, block_tokens, head_dim // 2)),
+                ("warm_k_scale", warm_k_scale, (torch.float16,), (n, 2, heads, k_groups, head_dim)),
+                ("warm_v_scale", warm_v_scale, (torch.float16,), (n, 2, heads, block_tokens, v_groups)))
+    return (("warm_data", warm_data, (torch.int8, torch.uint8), (None, 2, heads, block_tokens, head_dim)),
+            ("warm_k_scale", warm_k_scale, (torch.float32,), (n, heads, head_dim)),
+            ("warm_v_scale", warm_v_scale, (torch.float32,), (n, heads, block_tokens)))
 
 
 def check_lse_target(lse_out: torch.Tensor | None, geom: DecodeGeometry, device: torch.device) -> None:
@@ -157,12 +194,21 @@ def check_kernel_layout(q: torch.Tensor, hot_pool: torch.Tensor, warm_data: torc
     if warm_data.storage_offset() % 4 or any(s % 4 for s in warm_data.stride()[:-1]):
         raise ValueError(f"warm_data: expected strides and offset in whole 4-byte words, got strides "
                          f"{warm_data.stride()} and offset {warm_data.storage_offset()}")
+    for name, t in (("warm_k_scale", warm_k_scale), ("warm_v_scale", warm_v_scale)):
+        if t.dim() == 5 and t.shape[0] and (t.stride(0) != 2 * t.stride(1) or not t[0].is_contiguous()):
+            # int4: the kernel finds a block's zero points half its slot stride after its scales
+            raise ValueError(f"{name}: expected each block's int4 (scale, zero) contiguous, got strides {t.stride()}")
     if hot_pool.shape[0] == 0 and warm_data.shape[0] == 0:
         raise ValueError("hot_pool and warm_data: expected at least one pool with slots, got 0 and 0")
     if q.shape[-1] < 32 and q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("0", ""):
         # Compiled on the H200 (triton 3.6), head_dim 16 with mixed fp16/int8 tables gave wrong results
         # (right in the interpreter and for head_dim >= 32): refused rather than served wrong.
         raise ValueError(f"head_dim: the compiled kernel needs >= 32, got {q.shape[-1]}; use paged_decode_ref")
+
+
+def scale_strides(scales: torch.Tensor) -> tuple[int, int]:
+    """(slot, kv head) strides of a warm scale tensor: [n, H, ...] (int8, fp8) or [n, 2, H, ...] (int4)."""
+    return scales.stride(0), scales.stride(2 if scales.dim() == 5 else 1)
 
 
 def use_asm(device: torch.device) -> bool:

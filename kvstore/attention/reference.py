@@ -1,6 +1,6 @@
 """Pure-torch reference for kvstore.attention.paged_decode.paged_decode.
 
-Gathers each row's blocks per kv head, dequantizes int8 blocks (value = data * scale),
+Gathers each row's blocks per kv head, dequantizes warm blocks (tiers/quant.py: int8, fp8 or int4),
 and runs plain fp32 softmax attention. Slow (Python loop over rows and kv heads); it is
 the definition the kernel is tested against, not a fallback. merge_splits_ref: what merge.py computes.
 """
@@ -13,6 +13,8 @@ import torch
 
 from kvstore.attention.append import NewToken, append_token_ref
 from kvstore.attention.plan import check_append, check_decode_inputs, check_lse_target, check_mass_target
+from tiers.layout import QuantBlocks
+from tiers.quant import dequantize
 
 
 def gather_kv(
@@ -26,8 +28,9 @@ def gather_kv(
     hot_ids, warm_ids = slots[~is_int8].long(), slots[is_int8].long()
     k[~is_int8] = hot_pool[hot_ids, 0, head].float()
     v[~is_int8] = hot_pool[hot_ids, 1, head].float()
-    k[is_int8] = warm_data[warm_ids, 0, head].float() * warm_k_scale[warm_ids, head][:, None, :]
-    v[is_int8] = warm_data[warm_ids, 1, head].float() * warm_v_scale[warm_ids, head][:, :, None]
+    warm = dequantize(QuantBlocks(warm_data[warm_ids], warm_k_scale[warm_ids], warm_v_scale[warm_ids]), torch.float32)
+    k[is_int8] = warm[:, 0, head]  # [m, T, D], in the warm pool's format (tiers/quant.py)
+    v[is_int8] = warm[:, 1, head]
     return k.reshape(-1, head_dim), v.reshape(-1, head_dim)
 
 

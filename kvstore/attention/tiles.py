@@ -1,10 +1,14 @@
-"""One tile of K/V for the paged decode kernel: table entries -> slots, fp16 rows, int8 rows dequantized.
+"""One tile of K/V for the paged decode kernel: table entries -> slots, fp16 rows, warm rows dequantized.
 
 A row of entries is either the block table itself (direct) or partition.py's list of (slot, position in
 the table) with one pool's blocks in a run. int8 -> fp16 happens in registers, 4 packed int8 per int32
 word, exactly, without I2F (quarter rate on sm_90): fp16 with bits 0x64 | (x + 128) is 1152 + x, so a
 byte becomes fp16 by an xor, a byte permute and one subtraction. USE_ASM does a word with one xor, two
 prmt and two packed subs; the plain-Triton form is for the interpreter, which cannot run PTX.
+The other warm formats (WARM_FORMAT, plan.py) are read as bytes and decoded with integer ops too, exactly:
+fp8 (e4m3 bits, fp16 bits (b & 0x80) << 8 | (b & 0x7F) << 7 are the value / 256) and int4 (a nibble x as
+fp16 bits 0x6400 | x is 1024 + x; (scale, zero) in fp16 per K group of K_GROUP tokens and V group of V_GROUP
+channels, tiers/quant.py).
 """
 
 from __future__ import annotations
@@ -48,6 +52,22 @@ def words_to_fp16(words, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def fp8_to_fp16(b):
+    """uint8 e4m3 bit patterns (any shape) -> fp16 values, exactly (e4m3's subnormals become fp16 normals)."""
+    bits = b.to(tl.uint16)
+    bits = ((bits & 0x80) << 8) | ((bits & 0x7F) << 7)  # fp16 with e4m3's exponent and mantissa: value / 256
+    return bits.to(tl.float16, bitcast=True) * 256.0
+
+
+@triton.jit
+def nibbles_to_fp16(b, ROWS: tl.constexpr, HALF: tl.constexpr):
+    """uint8 [ROWS, HALF] of two 4-bit codes (channel 2j low, 2j + 1 high) -> fp16 codes [ROWS, 2 HALF], exactly."""
+    lo = ((b & 0xF).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    hi = ((b >> 4).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    return tl.reshape(tl.join(lo, hi), [ROWS, 2 * HALF])
+
+
+@triton.jit
 def launch_dependents():
     """griddepcontrol.launch_dependents (sm_90+): a kernel launched programmatically after this one may start its
     programs once every program of this one has run this (or ended). A no-op for launches that are not."""
@@ -71,32 +91,53 @@ def entries(slot_row, pos_row, s_ent, idx, idx_hi, PARTITIONED: tl.constexpr):
 
 
 @triton.jit
-def load_int8_k(
+def load_warm_k(
     warm_ptr, k_scale_ptr, slot_row, pos_row, is_int8_row, s_ent, s_i8_blk, j0, idx_hi, n_tok, head,
     s_warm_slot, s_warm_head, s_warm_tok, s_ks_slot, s_ks_head,
     HEAD_DIM: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr,
     CHECK_FLAGS: tl.constexpr, PARTITIONED: tl.constexpr, USE_ASM: tl.constexpr,
+    WARM_FORMAT: tl.constexpr, K_GROUP: tl.constexpr,
 ):
-    """Dequantized K of the int8 blocks among entries j0 .. j0 + BLOCKS_PER_ITER, fp16 [N, D], 0 elsewhere.
+    """Dequantized K of the warm blocks among entries j0 .. j0 + BLOCKS_PER_ITER, fp16 [N, D], 0 elsewhere.
 
-    K's scale is per (block, channel), so K is loaded per block and the scale broadcasts over its
+    int8 / fp8: K's scale is per (block, channel), so K is loaded per block and the scale broadcasts over its
     tokens. It is applied in fp16: exact to rounding unless a channel's absmax is < 2^-7 (scale in
-    fp16's subnormals), where the channel adds next to nothing to q.k anyway.
+    fp16's subnormals), where the channel adds next to nothing to q.k anyway. int4: code * scale + zero per
+    (block, group of K_GROUP tokens, channel), in fp16.
     """
     blk = j0 + tl.arange(0, BLOCKS_PER_ITER)  # [J]
     slot, pos, is_int8 = entries(slot_row, pos_row, s_ent, blk, idx_hi, PARTITIONED)
     if CHECK_FLAGS:
         is_int8 &= tl.load(is_int8_row + blk * s_i8_blk, mask=blk < idx_hi, other=0) != 0
     offs_t = tl.arange(0, BLOCK_TOKENS)
-    offs_w = tl.arange(0, HEAD_DIM // 4)
+    offs_d = tl.arange(0, HEAD_DIM)
+    n: tl.constexpr = BLOCKS_PER_ITER * BLOCK_TOKENS
     mask = (pos[:, None] * BLOCK_TOKENS + offs_t[None, :] < n_tok) & is_int8[:, None]  # [J, T]
     base = slot * s_warm_slot + head * s_warm_head  # [J] int64
-    ptrs = warm_ptr + base[:, None, None] + offs_t[None, :, None] * s_warm_tok + offs_w[None, None, :]
-    k = words_to_fp16(tl.load(ptrs, mask=mask[:, :, None], other=0), USE_ASM)
-    k = tl.reshape(k, [BLOCKS_PER_ITER, BLOCK_TOKENS, HEAD_DIM])
-    ks_ptrs = k_scale_ptr + (slot * s_ks_slot + head * s_ks_head)[:, None] + tl.arange(0, HEAD_DIM)[None, :]
-    k_scale = tl.load(ks_ptrs, mask=is_int8[:, None], other=0.0).to(tl.float16)  # [J, D]
-    return tl.reshape(k * k_scale[:, None, :], [BLOCKS_PER_ITER * BLOCK_TOKENS, HEAD_DIM])
+    rows = base[:, None, None] + offs_t[None, :, None] * s_warm_tok  # [J, T, 1]
+    ks_row = k_scale_ptr + (slot * s_ks_slot + head * s_ks_head)[:, None]  # [J, 1]
+    if WARM_FORMAT == 2:  # int4: codes, then (scale, zero) per token group; zeros half a slot after the scales
+        offs_h = tl.arange(0, HEAD_DIM // 2)
+        codes = tl.load(warm_ptr + rows + offs_h[None, None, :], mask=mask[:, :, None], other=0)
+        k = tl.reshape(nibbles_to_fp16(tl.reshape(codes, [n, HEAD_DIM // 2]), n, HEAD_DIM // 2),
+                       [BLOCKS_PER_ITER, BLOCK_TOKENS, HEAD_DIM])
+        if K_GROUP >= BLOCK_TOKENS:  # one group a block: [J, D] broadcast over its tokens
+            ptrs = ks_row + offs_d[None, :]
+            k_scale = tl.load(ptrs, mask=is_int8[:, None], other=0.0)[:, None, :]
+            k_zero = tl.load(ptrs + s_ks_slot // 2, mask=is_int8[:, None], other=0.0)[:, None, :]
+        else:
+            ptrs = ks_row[:, :, None] + (offs_t // K_GROUP)[None, :, None] * HEAD_DIM + offs_d[None, None, :]
+            k_scale = tl.load(ptrs, mask=mask[:, :, None], other=0.0)  # [J, T, D]
+            k_zero = tl.load(ptrs + s_ks_slot // 2, mask=mask[:, :, None], other=0.0)
+        return tl.reshape(k * k_scale + k_zero, [n, HEAD_DIM])
+    if WARM_FORMAT == 1:  # fp8: a byte a channel
+        k = fp8_to_fp16(tl.load(warm_ptr + rows + offs_d[None, None, :], mask=mask[:, :, None], other=0))
+    else:  # int8: 4 bytes a word
+        offs_w = tl.arange(0, HEAD_DIM // 4)
+        k = words_to_fp16(tl.load(warm_ptr + rows + offs_w[None, None, :], mask=mask[:, :, None], other=0), USE_ASM)
+        k = tl.reshape(k, [BLOCKS_PER_ITER, BLOCK_TOKENS, HEAD_DIM])
+    k_scale = tl.load(ks_row + offs_d[None, :], mask=is_int8[:, None], other=0.0).to(tl.float16)  # [J, D]
+    return tl.reshape(k * k_scale[:, None, :], [n, HEAD_DIM])
 
 
 @triton.jit
@@ -128,14 +169,15 @@ def load_kv_at(
     s_ks_slot, s_ks_head, s_vs_slot, s_vs_head,
     HEAD_DIM: tl.constexpr, BLOCK_TOKENS: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr,
     HAS_HOT: tl.constexpr, HAS_WARM: tl.constexpr, PARTITIONED: tl.constexpr, USE_ASM: tl.constexpr,
-    V_BOOST: tl.constexpr,
+    V_BOOST: tl.constexpr, WARM_FORMAT: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr,
 ):
     """Entries j0 .. j0 + BLOCKS_PER_ITER of one kv head, given their per-token slot int64 [N], tok_ok [N] and
     tok_int8 [N] (read only with both pools; token_entries, or loads a caller issues before it knows the row's
     length): k, v fp16 [N, D] (0 where tok_ok is not) and v_mul f32 [N].
 
-    K = k. V = v * v_mul / V_BOOST: int8 blocks keep their integer values in v and their per-token
-    scale in v_mul, which the caller folds into the probabilities (fp16 blocks: v_mul = V_BOOST).
+    K = k. V = v * v_mul / V_BOOST: int8 (fp8) blocks keep their integer (e4m3) values in v and their per-token
+    scale in v_mul, which the caller folds into the probabilities (fp16 and int4 blocks: v_mul = V_BOOST, int4's
+    V dequantized here: its (scale, zero) vary along the channels).
     The boost keeps p * v_scale out of fp16's subnormals. Without HAS_WARM v_mul is unused.
     The per-block entries (int8 K's slots and scales) are loaded here, bounded by idx_hi; they hit the
     cache lines the per-token ones brought in.
@@ -157,16 +199,29 @@ def load_kv_at(
         k = tl.load(ptrs, mask=hot_ok[:, None], other=0.0)
         v = tl.load(ptrs + s_hot_kv, mask=hot_ok[:, None], other=0.0)
     if HAS_WARM:
-        offs_w = tl.arange(0, HEAD_DIM // 4)
         rows = tok_slot * s_warm_slot + head * s_warm_head + tok_in_blk * s_warm_tok  # [N] int64
-        v8 = tl.load(warm_ptr + s_warm_kv + rows[:, None] + offs_w[None, :], mask=warm_ok[:, None], other=0)
-        v8 = tl.reshape(words_to_fp16(v8, USE_ASM), [n, HEAD_DIM])
-        vs_ptrs = v_scale_ptr + tok_slot * s_vs_slot + head * s_vs_head + tok_in_blk
-        v_mul = tl.where(warm_ok, tl.load(vs_ptrs, mask=warm_ok, other=0.0), tok_ok.to(tl.float32)) * V_BOOST
-        k8 = load_int8_k(
+        if WARM_FORMAT == 2:  # int4: V = code * scale + zero per (token, group of V_GROUP channels)
+            offs_h = tl.arange(0, HEAD_DIM // 2)
+            codes = tl.load(warm_ptr + s_warm_kv + rows[:, None] + offs_h[None, :], mask=warm_ok[:, None], other=0)
+            vs_ptrs = v_scale_ptr + (tok_slot * s_vs_slot + head * s_vs_head + tok_in_blk * (HEAD_DIM // V_GROUP)
+                                     )[:, None] + (offs_d // V_GROUP)[None, :]  # [N, D]
+            v_scale = tl.load(vs_ptrs, mask=warm_ok[:, None], other=0.0)
+            v_zero = tl.load(vs_ptrs + s_vs_slot // 2, mask=warm_ok[:, None], other=0.0)
+            v8 = nibbles_to_fp16(codes, n, HEAD_DIM // 2) * v_scale + v_zero
+        else:
+            if WARM_FORMAT == 1:  # fp8
+                v8 = fp8_to_fp16(tl.load(warm_ptr + s_warm_kv + rows[:, None] + offs_d[None, :],
+                                         mask=warm_ok[:, None], other=0))
+            else:
+                offs_w = tl.arange(0, HEAD_DIM // 4)
+                v8 = tl.load(warm_ptr + s_warm_kv + rows[:, None] + offs_w[None, :], mask=warm_ok[:, None], other=0)
+                v8 = tl.reshape(words_to_fp16(v8, USE_ASM), [n, HEAD_DIM])
+            vs_ptrs = v_scale_ptr + tok_slot * s_vs_slot + head * s_vs_head + tok_in_blk
+            v_mul = tl.where(warm_ok, tl.load(vs_ptrs, mask=warm_ok, other=0.0), tok_ok.to(tl.float32)) * V_BOOST
+        k8 = load_warm_k(
             warm_ptr, k_scale_ptr, slot_row, pos_row, is_int8_row, s_ent, s_i8_blk, j0, idx_hi, n_tok, head,
             s_warm_slot, s_warm_head, s_warm_tok, s_ks_slot, s_ks_head,
-            HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER, HAS_HOT, PARTITIONED, USE_ASM,
+            HEAD_DIM, BLOCK_TOKENS, BLOCKS_PER_ITER, HAS_HOT, PARTITIONED, USE_ASM, WARM_FORMAT, K_GROUP,
         )
         if HAS_HOT:
             k += k8  # each element comes from one pool; the other load gave 0

@@ -1,6 +1,6 @@
 """The tier stack a Config describes: which tiers a store has, how big each one is, and their lifetime.
 
-    0 hot   GPU fp16 pool + staging rows     1 warm  GPU int8 pool + staging rows (the GPU budget split
+    0 hot   GPU fp16 pool + staging rows     1 warm  GPU quantized pool (Config.warm_format) + staging rows (the GPU budget split
                                                       between them; staging_tokens of staging in each)
     2 cpu   host memory, pinned on CUDA      3 cold  the sidecar, Redis, or LMDB at ssd_path
     4 saved read-only: blocks of opened saved contexts, read where the save put them
@@ -93,15 +93,15 @@ def open_tiers(c: Config, layout: BlockLayout, placement: Placement, tempdir: st
 
 
 def staging_bytes(layout: BlockLayout, staging_tokens: int) -> int:
-    """GPU bytes that `staging_tokens` of staging take: as many rows in the hot (fp16) and warm (int8) pools."""
-    return staging_tokens // layout.block_tokens * (layout.fp16_bytes + layout.int8_bytes)
+    """GPU bytes that `staging_tokens` of staging take: as many rows in the hot (fp16) and warm pools."""
+    return staging_tokens // layout.block_tokens * (layout.fp16_bytes + layout.warm_bytes)
 
 
 def split_gpu_bytes(c: Config, layout: BlockLayout, p: Placement) -> tuple[int, int]:
     """(hot, warm) bytes: staging comes first; the rest is split in proportion to one sequence's windows."""
     hot_blocks = c.model.num_layers * (p.sink_blocks + -(-c.hot_tokens // c.block_tokens) + 1)
     warm_blocks = c.model.num_layers * (c.warm_tokens // c.block_tokens)
-    hot_need, warm_need = hot_blocks * layout.fp16_bytes, warm_blocks * layout.int8_bytes
+    hot_need, warm_need = hot_blocks * layout.fp16_bytes, warm_blocks * layout.warm_bytes
     pools = c.gpu_bytes - staging_bytes(layout, c.staging_tokens)
     if pools < hot_need:
         raise ValueError(

@@ -27,7 +27,7 @@ from kvstore.blocks.tier_stack import COLD_TIER, CPU_TIER, HOT_TIER, SAVED_TIER,
 from kvstore.config import Config
 from tiers.base import device_ints
 from tiers.errors import CapacityError
-from tiers.layout import BlockLayout, Blocks, Int8Blocks
+from tiers.layout import BlockLayout, Blocks, QuantBlocks
 from tiers.quant import dequantize
 
 __all__ = ["COLD_TIER", "CPU_TIER", "HOT_TIER", "SAVED_TIER", "WARM_TIER", "TierSet"]  # indices: tier_stack.py
@@ -219,7 +219,7 @@ class TierSet:
         position = {block_id: i for i, block_id in enumerate(ids)}
         for tier, group in self.blocks.by_tier(ids).items():
             blocks = self.stack[tier].fetch(group, device)
-            if isinstance(blocks, Int8Blocks):
+            if isinstance(blocks, QuantBlocks):
                 blocks = dequantize(blocks)
             out[device_ints([position[i] for i in group], device)] = blocks
         return out
@@ -293,4 +293,4 @@ class TierSet:
 
 
 def _rows(blocks: Blocks, rows: slice) -> Blocks:
-    return blocks.index(rows) if isinstance(blocks, Int8Blocks) else blocks[rows]
+    return blocks.index(rows) if isinstance(blocks, QuantBlocks) else blocks[rows]

@@ -13,7 +13,7 @@ stale blocks touches only b"kvstore/"):
                                             written before that commit, deleted with the data
                                             (collect_garbage finishes what a writer killed after it left)
     ctx/block/<fmt u8><layer u16><chain>    Redis: a full block whose token ids are known, under its
-                                            content key (tiers/keys.py) and format (0 fp16, 1 int8), stored
+                                            content key (tiers/keys.py) and format (FORMAT_CODES), stored
                                             once (SET NX) and shared by every save naming it; Redis's
                                             maxmemory policy removes it
     ctx/data/<id>/b/<layer u16><index u64>  any other block (LMDB: every block) of that save
@@ -55,7 +55,7 @@ import xxhash
 
 from tiers.errors import BlockMissingError, IntegrityError
 from tiers.keys import block_key, chain_hashes
-from tiers.layout import BlockLayout
+from tiers.layout import FORMAT_CODES, BlockLayout
 from tiers.saved_values import LmdbValues, RedisValues
 
 NAME = re.compile(r"[A-Za-z0-9_.:-]{1,200}")
@@ -151,12 +151,18 @@ def own_keys(data: bytes, layer: int, first: int, n: int) -> list[bytes]:
 
 
 def pack_formats(formats: list[int]) -> str:
-    """Block formats (0 fp16, 1 int8) as the manifest holds them: a bitmap, base64."""
+    """Block formats (tiers/layout.py FORMAT_CODES) as the manifest holds them, base64: a bitmap while all are
+    0 (fp16) or 1 (int8), else "B:" and a byte each (':' is no base64 character)."""
+    if any(f > 1 for f in formats):
+        return "B:" + base64.b64encode(bytes(formats)).decode()
     return base64.b64encode(np.packbits(np.asarray(formats, dtype=np.uint8)).tobytes()).decode()
 
 
 def unpack_formats(text: str, n: int) -> list[int] | None:
-    """pack_formats' n formats (None: the bitmap does not hold n)."""
+    """pack_formats' n formats (None: the text does not hold n)."""
+    if text.startswith("B:"):
+        codes = list(base64.b64decode(text[2:]))
+        return codes if len(codes) == n and all(c in FORMAT_CODES.values() for c in codes) else None
     bits = np.unpackbits(np.frombuffer(base64.b64decode(text), dtype=np.uint8))
     return bits[:n].tolist() if len(bits) == -(-n // 8) * 8 else None
 
@@ -173,7 +179,7 @@ class SavedReader:
     def check_model_id(self) -> None:
         """ValueError where content-keyed blocks would be shared without a model identity: two models of one
         geometry saving the same token ids would read each other's K/V."""
-        if self.values.content_keyed and not self.model_id:
+        if self.values.shared and not self.model_id:
             raise ValueError("Config.model_id is empty: saved contexts in Redis share blocks by content key with "
                              "every store on that Redis, so saving or opening there needs the weights' identity "
                              "(set Config.model_id to the checkpoint, e.g. 'meta-llama/Meta-Llama-3-8B')")

@@ -32,6 +32,7 @@ from tiers.base import Tier
 from tiers.codec import Codec
 from tiers.errors import BlockMissingError, CapacityError
 from tiers.keys import chain_hashes
+from tiers.layout import FORMAT_CODES
 from tiers.saved import seal, value_format
 from tiers.saved_values import LmdbValues, RedisValues
 from tiers.ssd import SsdTier
@@ -166,8 +167,8 @@ class SavedContexts:
         under the save's own keys (`own`, from index len(chain))."""
         keyed = len(chain)
         keys = {i: k for i in batch if i < keyed and
-                (k := self.tiers.saved.key(table.block_ids[i])) in (content_key(layer, 0, chain[i]),
-                                                                     content_key(layer, 1, chain[i]))}
+                (k := self.tiers.saved.key(table.block_ids[i])) in [content_key(layer, f, chain[i])
+                                                                     for f in FORMAT_CODES.values()]}
         todo = [i for i in batch if i not in keys]
         values = dict(zip(todo, self.stored_values([table.block_ids[i] for i in todo]))) if todo else {}
         for i, v in values.items():

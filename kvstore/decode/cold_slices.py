@@ -45,9 +45,10 @@ class StepColdBlocks:
         self.row_offset = 0  # this step's staging rows start here: each sequence of a batch has rows of its own
 
     def staging_pool(self):
-        """The GPU tier whose staging rows take cpu blocks: the warm (int8) or hot (fp16) one, as the cpu tier holds."""
+        """The GPU tier whose staging rows take cpu blocks: the warm (quantized) or hot (fp16) one, as the cpu tier
+        holds (a quantized cpu tier holds the warm format: Config)."""
         tiers = self.tiers
-        return tiers.warm if tiers.cpu.dtype == "int8" else tiers.hot
+        return tiers.hot if tiers.cpu.dtype == "float16" else tiers.warm
 
     def servable(self, tables: list[LayerTable], k: int) -> bool:
         """Whether the tables' cold blocks all lie in a cpu tier the step's device verifies, with a staging row

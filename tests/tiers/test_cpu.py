@@ -10,7 +10,7 @@ import tiers.cpu
 from tiers.base import IntegrityError
 from tiers.block_checksum import block_sums_ref
 from tiers.cpu import CpuTier
-from tiers.layout import BlockLayout, Int8Blocks
+from tiers.layout import BlockLayout, QuantBlocks
 from tiers.quant import quantize
 
 CUDA = torch.cuda.is_available()
@@ -60,7 +60,7 @@ def test_host_memory_guard_refuses_instead_of_oom():
 
 
 def same(a, b) -> bool:
-    if isinstance(a, Int8Blocks):
+    if isinstance(a, QuantBlocks):
         return all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(a.tensors(), b.tensors()))
     return torch.equal(a.cpu(), b.cpu())
 
@@ -90,7 +90,7 @@ def test_block_sums_across_slabs_verify_every_read(dtype, monkeypatch):
         want = x
     else:  # quantized where each batch was: a GPU may round a scale differently from the CPU
         parts = quantize(from_device).to("cpu"), quantize(x[6:])
-        want = Int8Blocks(*(torch.cat(fields) for fields in zip(*(p.tensors() for p in parts))))
+        want = QuantBlocks(*(torch.cat(fields) for fields in zip(*(p.tensors() for p in parts))))
     assert same(stored, want)
     fields = stored.tensors() if dtype == "int8" else (stored,)
     assert torch.equal(tier.sums[torch.tensor(tier.slots.lookup(list(range(18))), device=SUM_DEVICE)].cpu(),
@@ -190,7 +190,7 @@ def test_row_runs_copy_what_row_copies_copy(dtype):
     src = x if dtype == "float16" else quantize(x)
     src_rows = torch.tensor([0, 1, 2, 5, 4, 3, 6, 7, 8])
     dst_rows = torch.tensor([10, 11, 12, 3, 2, 1, 7, 8, 0])  # runs [0-2], single rows, [6-7] then a jump
-    empty = LAYOUT.empty_fp16 if dtype == "float16" else LAYOUT.empty_int8
+    empty = lambda *a, **k: LAYOUT.empty(dtype, *a, **k)
     got, want = empty(14, "cpu"), empty(14, "cpu")
     for f, g in zip(fields(got), fields(want)):
         f.view(torch.uint8).fill_(0x5A)

@@ -11,7 +11,7 @@ import torch
 from tiers.block_checksum import block_sums_ref, head_sums
 from tiers.block_rows import fields
 from tiers.cpu import CpuTier
-from tiers.layout import BlockLayout, Int8Blocks
+from tiers.layout import BlockLayout, QuantBlocks
 from tiers.slice_gather import stage_cold_slices, stage_cold_slices_ref
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -54,7 +54,7 @@ def case(dtype: str, seed: int):
     selected = torch.stack([torch.randperm(POSITIONS, generator=g)[:K].sort().values for _ in range(3)])
     slots = slot_map[selected].clone()
     is_int8 = torch.ones_like(selected, dtype=torch.bool)
-    pool = LAYOUT.empty_int8(FIRST + K + 2, DEVICE) if dtype == "int8" else LAYOUT.empty_fp16(FIRST + K + 2, DEVICE)
+    pool = LAYOUT.empty("int8", FIRST + K + 2, DEVICE) if dtype == "int8" else LAYOUT.empty_fp16(FIRST + K + 2, DEVICE)
     for f in fields(pool):
         f.view(torch.uint8).fill_(0xAB)
     dev = [x.to(DEVICE) for x in (tier_map, slot_map, selected, slots, is_int8)]
@@ -88,7 +88,7 @@ def test_slices_match_the_reference_and_the_tier(dtype, seed):
     for h, j in cold.nonzero().tolist():
         assert int(slots[h, j]) == FIRST + j and bool(is_int8[h, j]) == (dtype == "int8")
         block = tier.get([ids[int(slot_map[selected[h, j]])]])
-        if isinstance(block, Int8Blocks):
+        if isinstance(block, QuantBlocks):
             assert torch.equal(pool.data[FIRST + j, :, h].cpu(), block.data[0, :, h])
             assert torch.equal(pool.k_scale[FIRST + j, h].cpu(), block.k_scale[0, h])
             assert torch.equal(pool.v_scale[FIRST + j, h].cpu(), block.v_scale[0, h])

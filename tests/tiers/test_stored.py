@@ -8,7 +8,7 @@ import torch
 
 from tiers.base import IntegrityError
 from tiers.codec import Codec
-from tiers.layout import BlockLayout, Int8Blocks
+from tiers.layout import BlockLayout, QuantBlocks
 from tiers.quant import dequantize, quantize
 from tiers.ssd import SsdTier
 from tiers.stored import decode_as_stored
@@ -17,7 +17,7 @@ LAYOUT = BlockLayout(num_kv_heads=3, block_tokens=16, head_dim=40)  # irregular:
 FORMATS = "ffiifiiif"  # fp16 and int8 blocks interleaved
 
 
-def blocks(seed: int) -> list[torch.Tensor | Int8Blocks]:
+def blocks(seed: int) -> list[torch.Tensor | QuantBlocks]:
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn((len(FORMATS), *LAYOUT.shape), generator=g) * 3).half()
     return [x[i: i + 1] if f == "f" else quantize(x[i: i + 1]) for i, f in enumerate(FORMATS)]
@@ -28,8 +28,8 @@ def encoded(parts: list, compression: str) -> list[bytes]:
     return [codec.encode(LAYOUT, part, 0) for part in parts]
 
 
-def same(a: torch.Tensor | Int8Blocks, b: torch.Tensor | Int8Blocks) -> bool:
-    a, b = (x.tensors() if isinstance(x, Int8Blocks) else (x,) for x in (a, b))
+def same(a: torch.Tensor | QuantBlocks, b: torch.Tensor | QuantBlocks) -> bool:
+    a, b = (x.tensors() if isinstance(x, QuantBlocks) else (x,) for x in (a, b))
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
@@ -39,26 +39,26 @@ def test_each_block_comes_back_as_codec_decode_reads_it_in_one_batch_per_format(
     ids = [100 + i for i in range(len(values))]
     got = decode_as_stored(Codec(), LAYOUT, ids, [memoryview(v) for v in values], "test", "cpu")
     assert got.fp16_at == [i for i, f in enumerate(FORMATS) if f == "f"]
-    assert got.int8_at == [i for i, f in enumerate(FORMATS) if f == "i"]
+    assert got.quant_at == [i for i, f in enumerate(FORMATS) if f == "i"]
     want = [Codec().decode(LAYOUT, v, "one") for v in values]
     assert same(got.fp16, torch.cat([want[i] for i in got.fp16_at]))
-    for row, i in enumerate(got.int8_at):
-        assert same(got.int8.index(slice(row, row + 1)), want[i])
-    for t in (got.fp16, *got.int8.tensors()):
+    for row, i in enumerate(got.quant_at):
+        assert same(got.quant.index(slice(row, row + 1)), want[i])
+    for t in (got.fp16, *got.quant.tensors()):
         assert t.is_contiguous() and t.data_ptr() % 16 == 0
     mixed = got.one_format()  # the tier's get: all in order, fp16 with int8 ones dequantized
     for i, w in enumerate(want):
-        assert torch.equal(mixed[i: i + 1], dequantize(w) if isinstance(w, Int8Blocks) else w)
+        assert torch.equal(mixed[i: i + 1], dequantize(w) if isinstance(w, QuantBlocks) else w)
 
 
 @pytest.mark.parametrize("only", ["f", "i", ""])
 def test_one_format_or_none(only):
     parts = [p for p, f in zip(blocks(2), FORMATS) if f == only]
     got = decode_as_stored(Codec(), LAYOUT, list(range(len(parts))), encoded(parts, "zstd"), "test", "cpu")
-    assert len(got.fp16_at) + len(got.int8_at) == len(parts)
-    assert got.fp16.shape == (len(got.fp16_at), *LAYOUT.shape) and len(got.int8) == len(got.int8_at)
+    assert len(got.fp16_at) + len(got.quant_at) == len(parts)
+    assert got.fp16.shape == (len(got.fp16_at), *LAYOUT.shape) and len(got.quant) == len(got.quant_at)
     whole = got.one_format()
-    assert (isinstance(whole, Int8Blocks) if only == "i" else whole.dtype == torch.float16)
+    assert (isinstance(whole, QuantBlocks) if only == "i" else whole.dtype == torch.float16)
 
 
 @pytest.mark.parametrize("offset", [3, 20, 200, -1])
@@ -78,8 +78,8 @@ def test_ssd_tier_fetches_as_stored_and_gets_one_format(tmp_path):
     got = tier.fetch_as_stored(order, "cpu")
     assert [order[r] for r in got.fp16_at] == [i for i in order if FORMATS[i] == "f"]
     assert same(got.fp16, torch.cat([parts[order[r]] for r in got.fp16_at]))
-    for row, r in enumerate(got.int8_at):
-        assert same(got.int8.index(slice(row, row + 1)), parts[order[r]])
+    for row, r in enumerate(got.quant_at):
+        assert same(got.quant.index(slice(row, row + 1)), parts[order[r]])
     mixed = tier.get(order)
     assert all(torch.equal(mixed[j: j + 1], dequantize(parts[i]) if FORMATS[i] == "i" else parts[i])
                for j, i in enumerate(order))

@@ -1,4 +1,5 @@
-"""The contract every tier keeps: round-trip, delete frees, capacity enforced."""
+"""The contract every tier keeps: round-trip, delete frees, capacity enforced; each block format (fp16, int8,
+fp8, int4) comes back as its bytes from a tier that holds that format, as its values from any other."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from tiers.codec import HEADER_BYTES
 from tiers.cpu import CpuTier
 from tiers.hot import HotTier
-from tiers.layout import BlockLayout, Int8Blocks
+from tiers.layout import BlockLayout, QuantBlocks
 from tiers.quant import dequantize, error_bound, quantize
 from tiers.redis import RedisTier
 from tiers.ssd import SsdTier
@@ -16,18 +17,21 @@ from tiers.warm import WarmTier
 
 LAYOUT = BlockLayout(num_kv_heads=3, block_tokens=16, head_dim=64)
 CAPACITY_BLOCKS = 6
+FORMATS = ["int8", "fp8", "int4"]
 
 
 def make_tier(name: str, tmp_path, request):
     cap = CAPACITY_BLOCKS
+    fmt = name.partition("-")[2] or "int8"
     if name == "hot":
         return HotTier(LAYOUT, cap * LAYOUT.fp16_bytes, "cpu")
-    if name == "warm":
-        return WarmTier(LAYOUT, cap * LAYOUT.int8_bytes, "cpu")
+    if name.startswith("warm"):
+        layout = BlockLayout(3, 16, 64, warm_format=fmt)
+        return WarmTier(layout, cap * layout.bytes_for(fmt), "cpu")
     if name == "cpu":
         return CpuTier(LAYOUT, cap * LAYOUT.fp16_bytes, memory_reserve=0)
-    if name == "cpu-int8":
-        return CpuTier(LAYOUT, cap * LAYOUT.int8_bytes, dtype="int8", memory_reserve=0)
+    if name.startswith("cpu-"):
+        return CpuTier(LAYOUT, cap * LAYOUT.bytes_for(fmt), dtype=fmt, memory_reserve=0)
     if name in ("redis", "redis-cluster"):
         url = request.getfixturevalue("redis_single" if name == "redis" else "redis_cluster").url
         probe = RedisTier(LAYOUT, url, 0)  # a default namespace: every tier's keys have its length
@@ -38,8 +42,10 @@ def make_tier(name: str, tmp_path, request):
     return SsdTier(LAYOUT, str(tmp_path / "lmdb"), cap * (LAYOUT.fp16_bytes + HEADER_BYTES), compression="none")
 
 
-TIERS = ["hot", "warm", "cpu", "cpu-int8", "ssd", "redis", "redis-cluster"]
-LOSSY = {"warm", "cpu-int8"}
+TIERS = ["hot", "warm", "warm-fp8", "warm-int4", "cpu", "cpu-int8", "cpu-fp8", "cpu-int4", "ssd", "redis",
+         "redis-cluster"]
+LOSSY = {"warm", "warm-fp8", "warm-int4", "cpu-int8", "cpu-fp8", "cpu-int4"}
+AS_STORED = {"ssd", "redis", "redis-cluster"}  # hold every format as it comes
 
 
 def random_blocks(n: int, seed: int) -> torch.Tensor:
@@ -50,13 +56,15 @@ def random_blocks(n: int, seed: int) -> torch.Tensor:
 
 
 def as_fp16(blocks) -> torch.Tensor:
-    return dequantize(blocks) if isinstance(blocks, Int8Blocks) else blocks
+    return dequantize(blocks) if isinstance(blocks, QuantBlocks) else blocks
 
 
 @pytest.fixture(params=TIERS)
 def tier(request, tmp_path):
     t = make_tier(request.param, tmp_path, request)
     t.lossy = request.param in LOSSY
+    t.format = "float16" if not t.lossy else request.param.partition("-")[2] or "int8"
+    t.keeps = lambda fmt: request.param in AS_STORED or t.format == fmt
     yield t
     t.close()
 
@@ -69,17 +77,26 @@ def test_round_trip(tier):
     got = as_fp16(tier.get(order)).float()
     want = x[[4, 0, 3]]
     if tier.lossy:
-        assert ((got - want.float()).abs() <= error_bound(want)).all()
+        assert ((got - want.float()).abs() <= error_bound(want, tier.format)).all()
     else:
         assert torch.equal(got.half(), want)
     tier.check_integrity()
 
 
-def test_int8_input_is_accepted(tier):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_blocks_keep_their_bytes_or_their_values(tier, fmt):
     x = random_blocks(2, seed=2)
-    tier.put([1, 2], quantize(x))
-    got = as_fp16(tier.get([1, 2])).float()
-    assert ((got - x.float()).abs() <= error_bound(x)).all()
+    q = quantize(x, fmt, LAYOUT.int4_group)
+    tier.put([1, 2], q)
+    got = tier.get([1, 2])
+    if tier.keeps(fmt):  # ssd, redis, a warm or cpu tier of this format: the bytes as they were put
+        assert isinstance(got, QuantBlocks) and got.fmt == fmt
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(got.tensors(), q.tensors()))
+    elif not tier.lossy:  # fp16 tiers: the values
+        assert torch.equal(got.cpu(), dequantize(q))
+    else:  # requantized into the tier's format: both errors add up
+        err = (as_fp16(got).float().cpu() - x.float()).abs()
+        assert (err <= error_bound(x, fmt) + error_bound(dequantize(q), tier.format)).all()
 
 
 def test_delete_frees_and_capacity_is_enforced(tier):

@@ -23,9 +23,9 @@ SPARE_SLOTS = 3  # never referenced: poisoned
 class Case:
     q: torch.Tensor  # fp16 [B, Hq, D]
     hot: torch.Tensor  # fp16 [n_hot, 2, H, T, D]
-    warm_data: torch.Tensor  # int8 [n_warm, 2, H, T, D]
-    k_scale: torch.Tensor  # f32 [n_warm, H, D]
-    v_scale: torch.Tensor  # f32 [n_warm, H, T]
+    warm_data: torch.Tensor  # int8 [n_warm, 2, H, T, D], or fp8 / int4 (tiers/layout.py)
+    k_scale: torch.Tensor  # f32 [n_warm, H, D] (int4: f16 [n_warm, 2, H, T // gk, D])
+    v_scale: torch.Tensor  # f32 [n_warm, H, T] (int4: f16 [n_warm, 2, H, T, D // gv])
     table: torch.Tensor  # int32 [B, H, max_blocks]
     is_int8: torch.Tensor  # bool [B, H, max_blocks]
     num_tokens: torch.Tensor  # int32 [B]
@@ -67,7 +67,7 @@ def _fill_pools(case_shape, table, is_int8, used, k, v):
 
 def make_case(lengths: list[int], heads: int, group: int, head_dim: int, block_tokens: int, frac_int8: float,
               *, seed: int = 0, shared_table: bool = False, pad_blocks: int = 2, empty_pool: str | None = None,
-              sinks_recent: tuple[int, int] | None = None) -> Case:
+              sinks_recent: tuple[int, int] | None = None, warm_format: str = "int8", int4_group: int = 32) -> Case:
     gen = torch.Generator().manual_seed(seed)
     batch = len(lengths)
     n_blocks = [-(-n // block_tokens) for n in lengths]
@@ -88,10 +88,10 @@ def make_case(lengths: list[int], heads: int, group: int, head_dim: int, block_t
     used = used.expand(batch, table_heads, max_blocks)
     table = _assign_slots(used, is_int8, gen)
     hot, warm_fp16, warm_used = _fill_pools((batch, heads, block_tokens, head_dim), table, is_int8, used, k, v)
-    warm = quantize(warm_fp16)
+    warm = quantize(warm_fp16, warm_format, int4_group)
     k_true, v_true = _true_kv(k, v, table, is_int8, used, dequantize(warm), block_tokens)
-    warm.k_scale[~warm_used] = float("nan")
-    warm.v_scale[~warm_used] = float("nan")
+    for scales in (warm.k_scale, warm.v_scale):  # int4's (scale, zero) [n, 2, H, ...]: heads on dim 2
+        (scales.transpose(1, 2) if scales.dim() == 5 else scales)[~warm_used] = float("nan")
     _poison_tails(lengths, n_blocks, table, is_int8, hot, warm, block_tokens)
     if empty_pool == "hot":
         hot = hot[:0]
@@ -125,7 +125,10 @@ def _poison_tails(lengths, n_blocks, table, is_int8, hot, warm, block_tokens):
             for h in range(hot.shape[2]) if table.shape[1] == 1 else [th]:
                 if is_int8[b, th, nb - 1]:
                     warm.data[slot, :, h, r:] = 127
-                    warm.v_scale[slot, h, r:] = float("nan")
+                    if warm.v_scale.dim() == 5:  # int4: V's (scale, zero) per token; K's groups hold real tokens
+                        warm.v_scale[slot, :, h, r:] = float("nan")
+                    else:
+                        warm.v_scale[slot, h, r:] = float("nan")
                 else:
                     hot[slot, :, h, r:] = float("nan")
 
@@ -162,8 +165,16 @@ CASES = {  # lengths, kv heads, group, head_dim, block_tokens, fraction int8, kw
     "warm_pool_empty": ([77], 2, 4, 32, 16, 0.0, {"empty_pool": "warm"}),
     "hot_pool_empty": ([77], 2, 4, 32, 16, 1.0, {"empty_pool": "hot"}),
     "block_tokens_128": ([300], 1, 4, 32, 128, 0.5, {"num_splits": 2}),
+    # the other warm formats (tiers/quant.py): one-tile and split walks, mixed and warm-only tables
+    "fp8_mixed": ([37, 70, 5], 2, 4, 64, 16, 0.5, {"warm_format": "fp8"}),
+    "fp8_split": ([100, 33], 2, 3, 64, 32, 0.7, {"warm_format": "fp8", "num_splits": 3}),
+    "fp8_hot_pool_empty": ([77], 2, 4, 32, 16, 1.0, {"empty_pool": "hot", "warm_format": "fp8", "num_splits": 2}),
+    "int4_mixed": ([37, 70, 5], 2, 4, 64, 16, 0.5, {"warm_format": "int4"}),
+    "int4_split_small_groups": ([100, 33], 2, 3, 64, 32, 0.7,
+                                {"warm_format": "int4", "int4_group": 8, "num_splits": 3}),
+    "int4_hot_pool_empty": ([77], 2, 4, 32, 16, 1.0, {"empty_pool": "hot", "warm_format": "int4", "num_splits": 2}),
 }
-CASE_KEYS = ("shared_table", "empty_pool", "sinks_recent")
+CASE_KEYS = ("shared_table", "empty_pool", "sinks_recent", "warm_format", "int4_group")
 
 
 def build_case(name: str) -> tuple[Case, dict]:

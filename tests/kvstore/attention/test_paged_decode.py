@@ -24,7 +24,8 @@ def test_kernel_matches_reference(name: str) -> None:
     torch.testing.assert_close(mass, ref_mass, atol=1e-3, rtol=1e-2)
 
 
-@pytest.mark.parametrize("name", ["gqa4_mixed", "gqa3_partial", "shared_table_dense_mode", "empty_row"])
+@pytest.mark.parametrize("name", ["gqa4_mixed", "gqa3_partial", "shared_table_dense_mode", "empty_row", "fp8_mixed",
+                                  "int4_split_small_groups"])
 def test_reference_matches_dense_sdpa(name: str) -> None:
     case, _ = build_case(name)
     ref_out, ref_mass = paged_decode_ref(*case.args(), return_block_mass=True)
