@@ -35,6 +35,14 @@ class ContextParallelDecoder:
             raise ValueError(f"model on {self.device} but store on {store.device}; put both on one device type")
         self.sequence: ShardedSequence | None = None
 
+    def use(self, sequence: ShardedSequence) -> None:
+        """Decode on a sequence filled some other way (e.g. K/V written by ShardedSequence.fill), not prefilled."""
+        if self.sequence is not None:
+            raise ValueError("this decoder holds a sequence already")
+        if sequence.store is not self.store or sequence.group.rank != self.group.rank:
+            raise ValueError("the sequence must live in this decoder's store, on this rank")
+        self.sequence = sequence
+
     @property
     def length(self) -> int:
         """Tokens of the sequence (its next position)."""

@@ -16,15 +16,16 @@ from kvstore.attention.plan import DecodeGeometry
 from kvstore.attention.reference import merge_splits_ref
 
 
-def merge_partials(outs: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """outs float [R, Hq, D], lse float [R, Hq] (natural log) -> fp16 [Hq, D]."""
+def merge_partials(outs: torch.Tensor, lse: torch.Tensor, use_kernel: bool | None = None) -> torch.Tensor:
+    """outs float [R, Hq, D], lse float [R, Hq] (natural log) -> fp16 [Hq, D]. use_kernel None: the Triton
+    merge on CUDA, its torch reference elsewhere (True on the CPU: the kernel under TRITON_INTERPRET=1, tests)."""
     if outs.dim() != 3 or lse.shape != outs.shape[:2]:
         raise ValueError(f"need outs [R, Hq, D] and lse [R, Hq], got {list(outs.shape)} and {list(lse.shape)}")
     num_ranks, num_q_heads, head_dim = outs.shape
     o_part = outs.float().permute(1, 0, 2)[None].contiguous()  # [1, Hq, R, D]: the ranks as splits
     lse_part = (lse.float().t()[None] / math.log(2)).contiguous()  # [1, Hq, R], base 2 as the splits keep it
     no_tokens = torch.zeros(1, dtype=torch.int32, device=outs.device)  # no block mass: read by neither merge
-    if outs.is_cuda:
+    if outs.is_cuda if use_kernel is None else use_kernel:
         from kvstore.attention.merge import merge_splits
 
         geom = DecodeGeometry(batch=1, num_q_heads=num_q_heads, num_kv_heads=num_q_heads, head_dim=head_dim,

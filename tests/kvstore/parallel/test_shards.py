@@ -87,8 +87,12 @@ def test_merging_shards_equals_attention_over_the_whole() -> None:
         out = paged_decode_ref(q, pool, *no_warm, t, torch.zeros_like(t, dtype=torch.bool), torch.tensor([n], dtype=torch.int32),
                                lse_out=lse)[0]
         parts.append((out[0], lse[0]))
-    merged = merge_partials(torch.stack([o.float() for o, _ in parts]), torch.stack([lse for _, lse in parts]))
+    outs, lses = torch.stack([o.float() for o, _ in parts]), torch.stack([lse for _, lse in parts])
+    merged = merge_partials(outs, lses)
     torch.testing.assert_close(merged.float(), full.float(), atol=2e-3, rtol=2e-3)
+    lses[0, 1] = float("-inf")  # a rank that attended nothing for a head: weight 0 (both merges alike)
+    torch.testing.assert_close(merge_partials(outs, lses, use_kernel=True).float(),
+                               merge_partials(outs, lses, use_kernel=False).float(), atol=1e-3, rtol=1e-3)
 
 
 @pytest.mark.parametrize("num_kv_heads", [1, 2])
