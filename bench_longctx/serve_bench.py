@@ -85,7 +85,8 @@ def serve_store(kind: str, p: ServePreset, spec, device: torch.device, requests:
     config = Config(model=spec, block_tokens=p.block_tokens, sink_tokens=SINK, hot_tokens=hot, warm_tokens=warm,
                     recent_tokens=p.recent_tokens, gpu_bytes=gpu + staging_bytes(layout, staging_tokens),
                     staging_tokens=staging_tokens, cpu_bytes=cpu, cpu_dtype="int8", device=str(device),
-                    host_memory_reserve=0, sketch_codes=sketch_codes)
+                    host_memory_reserve=0, sketch_codes=sketch_codes,
+                    hot_sequences=len(concurrent) if kind == "kvtier" else 1)
     return KVStore(config)
 
 

@@ -16,6 +16,7 @@ _BYTES_MAX = 1 << 50  # byte budgets: 1 PiB (LMDB's map size and host allocators
 _INT_FIELDS = (  # (field, lowest, highest) of every integer knob of Config
     ("block_tokens", 1, 1 << 16), ("sink_tokens", 0, _TOKENS_MAX), ("hot_tokens", 1, _TOKENS_MAX),
     ("warm_tokens", 0, _TOKENS_MAX), ("recent_tokens", 0, _TOKENS_MAX), ("staging_tokens", 0, _TOKENS_MAX),
+    ("hot_sequences", 1, 1 << 20),
     ("gpu_bytes", 0, _BYTES_MAX), ("cpu_bytes", 0, _BYTES_MAX), ("ssd_bytes", 0, _BYTES_MAX),
     ("ssd_level", -7, 22), ("host_memory_reserve", 0, _BYTES_MAX),
 )
@@ -86,6 +87,7 @@ class Config:
     sink_tokens: int = 64  # first tokens of every sequence, always hot (attention sinks)
     hot_tokens: int = 4096  # most recent tokens, kept fp16 on the GPU
     warm_tokens: int = 32768  # the next most recent, kept quantized (warm_format) on the GPU
+    hot_sequences: int = 1  # sequences whose sinks + hot window + tail the hot pool holds at once (a batch's size)
     warm_format: str = "int8"  # "int8", "fp8" (e4m3) or "int4" (KIVI, 2 codes a byte): docs/tiers.md, Formats
     int4_group: int = 32  # int4: tokens of K (per channel) and channels of V (per token) sharing a scale and zero
     recent_tokens: int | None = None  # window every sparse step keeps, at most half its budget (None: min(1024, hot_tokens))

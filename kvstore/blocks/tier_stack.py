@@ -98,18 +98,20 @@ def staging_bytes(layout: BlockLayout, staging_tokens: int) -> int:
 
 
 def split_gpu_bytes(c: Config, layout: BlockLayout, p: Placement) -> tuple[int, int]:
-    """(hot, warm) bytes: staging comes first; the rest is split in proportion to one sequence's windows."""
+    """(hot, warm) bytes: staging comes first; the rest is split in proportion to one sequence's windows, the
+    hot pool holding at least the sinks, hot windows and tails of hot_sequences sequences (sequences decoded
+    together open their tails at once: with fewer rows, room for them is made by cooling protected blocks)."""
     hot_blocks = c.model.num_layers * (p.sink_blocks + -(-c.hot_tokens // c.block_tokens) + 1)
     warm_blocks = c.model.num_layers * (c.warm_tokens // c.block_tokens)
     hot_need, warm_need = hot_blocks * layout.fp16_bytes, warm_blocks * layout.warm_bytes
     pools = c.gpu_bytes - staging_bytes(layout, c.staging_tokens)
-    if pools < hot_need:
+    if pools < hot_need * c.hot_sequences:
         raise ValueError(
-            f"gpu_bytes={c.gpu_bytes} is too small: one sequence needs {hot_need} bytes of hot blocks "
-            f"(sinks + hot window + tail for {c.model.num_layers} layers at block_tokens={c.block_tokens}) "
-            f"besides {c.gpu_bytes - pools} bytes of staging for {c.staging_tokens} staging_tokens"
+            f"gpu_bytes={c.gpu_bytes} is too small: {c.hot_sequences} sequence(s) need {hot_need} bytes each of "
+            f"hot blocks (sinks + hot window + tail for {c.model.num_layers} layers at block_tokens="
+            f"{c.block_tokens}) besides {c.gpu_bytes - pools} bytes of staging for {c.staging_tokens} staging_tokens"
         )
-    hot_bytes = max(hot_need, pools * hot_need // (hot_need + warm_need))  # huge warm windows never starve hot
+    hot_bytes = max(hot_need * c.hot_sequences, pools * hot_need // (hot_need + warm_need))  # warm never starves hot
     return hot_bytes, pools - hot_bytes
 
 

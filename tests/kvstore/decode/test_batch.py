@@ -149,3 +149,29 @@ def test_a_store_without_sketch_codes_serves_topk_and_dense_and_refuses_sketch(t
     assert torch.equal(store.attend(opened, 1, q, mode="dense"), dense)
     store.check_integrity()
     store.close()
+
+
+@pytest.mark.parametrize("hot_sequences", [1, 3])
+def test_hot_sequences_keeps_every_hot_window_on_the_hot_tier(tmp_path, hot_sequences):
+    """Full GPU pools, three sequences crossing block boundaries together: with a hot pool sized for all three
+    (Config.hot_sequences) every sink and hot-window block stays fp16; sized for one, new tails make room by
+    cooling some of them."""
+    store, seqs = filled(tmp_path, "h", (150, 300, 700), gpu_bytes=320 << 10, hot_sequences=hot_sequences)
+    batch = BatchStep([store.decode_step(s, mode="topk", budget=128) for s in seqs])
+    tokens = work(len(seqs), 12, seed=2)  # boundaries at 160, 304 and 704
+    for t in range(tokens.shape[0]):
+        batch.begin_token()
+        for layer in range(SPEC.num_layers):
+            x = tokens[t, layer]
+            batch.attend(layer, x[:, 0], x[:, 1, :2], x[:, 2, :2])
+        batch.end_token()
+    c = store.config
+    cooled = 0
+    for seq in seqs:
+        for layer in range(SPEC.num_layers):
+            table = store.table(seq, layer)
+            n, tiers = table.num_tokens, table.tier_map[: table.num_blocks].tolist()
+            hot = [i for i in range(table.num_blocks) if i * c.block_tokens < c.sink_tokens
+                   or (i + 1) * c.block_tokens > n - c.hot_tokens]
+            cooled += sum(tiers[i] != 0 for i in hot)
+    assert (cooled == 0) == (hot_sequences == 3), cooled
