@@ -17,7 +17,7 @@ from kvstore.parallel.shards import ShardPlan
 from tests.engine_adapter.test_llama import TINY
 
 PROMPT = [(7 * i + 3) % 97 for i in range(120)]
-NEW, BUDGET, MODES = 14, 64, ("dense", "topk", "sketch")
+NEW, BUDGET, MODES = 10, 64, ("dense", "topk", "sketch")
 
 
 def make_store() -> KVStore:  # every block fp16 (hot): see tests/kvstore/parallel/test_sharded_sequence.py

@@ -14,7 +14,7 @@ from kvstore.parallel.sequence import ShardedSequence
 from kvstore.parallel.shards import ShardPlan
 from tests.kvstore.parallel.test_shards import SPEC, make_store, random_kv
 
-PREFILL, APPENDS, BUDGET = 250, 20, 96
+PREFILL, APPENDS, BUDGET = 250, 12, 96
 MODES = ("dense", "topk", "sketch")
 
 
