@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eviction.select import SeqWindow
 from kvstore import Config, KVStore, ModelSpec
 from kvstore.attention.reference import paged_decode_ref
 from kvstore.parallel.group import RankGroup
