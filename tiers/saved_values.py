@@ -1,9 +1,12 @@
 """The two key-value stores saved contexts live in (kvstore/contexts/saving.py writes them, tiers/saved.py and
 kvstore/contexts/opening.py read them).
 
-Values stores (one protocol: put, put_new, get, view, exists, delete, keys, delete_prefix, sync, commit):
+Values stores (one protocol: put, put_new, write_all, get, view, exists, delete, keys, delete_prefix, sync,
+commit):
     LmdbValues   the cold ssd tier's LMDB environment (keys outside its block prefix); `view` hands out
-                 the values where they lie in the map, no copy
+                 the values where they lie in the map, no copy; `write_all` commits batches from a writer
+                 thread while the caller builds the next, and a flusher thread writes committed pages back
+                 meanwhile, so that the disk never waits for the caller and the final sync finds little left
     RedisValues  the Redis (or cluster) the cold redis tier talks to, under PREFIX: any process with
                  the same redis_url sees the same saved contexts; `put_new` is SET NX (a content-keyed
                  value is stored once, whoever writes it first); `commit` is one SET, so a manifest is
@@ -12,18 +15,23 @@ Values stores (one protocol: put, put_new, get, view, exists, delete, keys, dele
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence, TypeVar
+import os
+import queue
+import threading
+from typing import Callable, Iterable, Sequence, TypeVar
 
 import lmdb
 import redis
 
 T = TypeVar("T")
+Item = tuple[bytes, "bytes | memoryview", bool]  # key, value, only if the key is new (content-keyed blocks)
+_QUEUED = 2  # batches built ahead of the writer (each ~64 MiB: bounded host memory)
 
 
 class LmdbValues:
     """Saved-context values in an LMDB environment (the cold ssd tier's); each call is one transaction."""
 
-    content_keyed = False  # a save owns its blocks: deleting it deletes them (no other save points at them)
+    shared = False  # one store per ssd_path: blocks go under content keys only with a Config.model_id
 
     def __init__(self, env: lmdb.Environment) -> None:
         self.env = env
@@ -33,7 +41,33 @@ class LmdbValues:
             for key, value in items:
                 txn.put(key, value)
 
-    put_new = put
+    def put_new(self, items: list[tuple[bytes, bytes]]) -> None:
+        with self.env.begin(write=True) as txn:
+            for key, value in items:
+                txn.put(key, value, overwrite=False)
+
+    def write_all(self, batches: Iterable[list[Item]]) -> None:
+        """Every batch, one transaction each, in order; returns once all are committed (not synced: `sync`).
+        The batches are committed by a writer thread while the iterator builds the next (at most _QUEUED
+        ahead), and a flusher thread asks the kernel to write committed pages back (fdatasync) as they come,
+        so the disk is busy while the caller works. Flushing early only makes pages durable sooner: LMDB
+        still syncs a commit's pages before its meta page names them. An error of either side is raised
+        here once the writer stopped; batches committed before it stay (the caller deletes them)."""
+        done = threading.Event()
+        fd = os.open(os.path.join(self.env.path(), "data.mdb"), os.O_RDONLY)
+        flusher = threading.Thread(target=_flush_until, args=(fd, done), name="kvtier-saved-flush", daemon=True)
+        flusher.start()
+        try:
+            _write_behind(batches, self._commit)
+        finally:
+            done.set()
+            flusher.join()
+            os.close(fd)
+
+    def _commit(self, batch: list[Item]) -> None:
+        with self.env.begin(write=True) as txn:
+            for key, value, only_new in batch:
+                txn.put(key, value, overwrite=not only_new)
 
     def get(self, keys: list[bytes]) -> list[bytes | None]:
         with self.env.begin() as txn:
@@ -53,8 +87,17 @@ class LmdbValues:
                 txn.delete(key)
 
     def keys(self, prefix: bytes) -> list[bytes]:
+        """Keys under `prefix`; their values are not read (a key scan over saved blocks touches no block)."""
         with self.env.begin() as txn:
-            return [bytes(k) for k, _ in _lmdb_prefix_items(txn, prefix)]
+            cursor = txn.cursor()
+            if not cursor.set_range(prefix):
+                return []
+            out = []
+            for key in cursor.iternext(keys=True, values=False):
+                if not key.startswith(prefix):
+                    break
+                out.append(key)
+            return out
 
     def delete_prefix(self, prefix: bytes) -> None:
         while True:  # bounded transactions: a huge save is deleted in steps
@@ -85,21 +128,48 @@ class LmdbValues:
             return txn.pop(key)
 
 
-def _lmdb_prefix_items(txn: lmdb.Transaction, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
-    cursor = txn.cursor()
-    if not cursor.set_range(prefix):
-        return
-    for key, value in cursor:
-        if not key.startswith(prefix):
-            return
-        yield key, value
+def _write_behind(batches: Iterable[list[Item]], commit: Callable[[list[Item]], None]) -> None:
+    """commit(batch) for every batch on a writer thread while `batches` yields the next; the first error of
+    either side is raised once the writer has stopped."""
+    pending: queue.Queue = queue.Queue(maxsize=_QUEUED)
+    failed: list[BaseException] = []
+
+    def write() -> None:
+        while (batch := pending.get()) is not None:
+            if not failed:
+                try:
+                    commit(batch)
+                except BaseException as exc:  # noqa: BLE001 -- raised by the caller's thread below
+                    failed.append(exc)
+
+    writer = threading.Thread(target=write, name="kvtier-saved-write", daemon=True)
+    writer.start()
+    try:
+        for batch in batches:
+            if failed:
+                break
+            pending.put(batch)
+    finally:
+        pending.put(None)
+        writer.join()
+    if failed:
+        raise failed[0]
+
+
+def _flush_until(fd: int, done: threading.Event) -> None:
+    """fdatasync `fd` until `done`: committed pages go to disk while the next batch is built and written."""
+    while not done.wait(0.02):
+        try:
+            os.fdatasync(fd)
+        except OSError:
+            return  # the writer's own commit reports a failing disk
 
 
 class RedisValues:
     """Saved-context values in Redis under PREFIX (shared by every store on that server or cluster)."""
 
     PREFIX = b"kvtier-saved:"
-    content_keyed = True  # blocks under content keys, stored once and shared by every save that names them
+    shared = True  # every store on the server reads its content-keyed blocks: saving needs a Config.model_id
     _BATCH_BYTES = 64 << 20  # values per pipeline (both ways)
 
     def __init__(self, client: redis.Redis | redis.RedisCluster) -> None:
@@ -121,6 +191,13 @@ class RedisValues:
     def put_new(self, items: list[tuple[bytes, bytes]]) -> None:
         self._run([k for k, _ in items], lambda pipe, k, i: pipe.set(k, items[i][1], nx=True),
                   [len(v) for _, v in items])
+
+    def write_all(self, batches: Iterable[list[Item]]) -> None:
+        """Every batch (SET, or SET NX for an item only if new), pipelined from a writer thread while the
+        iterator builds the next; returns once every command was acknowledged."""
+        _write_behind(batches, lambda batch: self._run(
+            [k for k, _, _ in batch], lambda pipe, k, i: pipe.set(k, batch[i][1], nx=batch[i][2]),
+            [len(v) for _, v, _ in batch]))
 
     def get(self, keys: list[bytes]) -> list[bytes | None]:
         return self._run(keys, lambda pipe, k, _: pipe.get(k))

@@ -12,11 +12,14 @@ stale blocks touches only b"kvstore/"):
                                             manifest owned it until a re-save or delete replaced it;
                                             written before that commit, deleted with the data
                                             (collect_garbage finishes what a writer killed after it left)
-    ctx/block/<fmt u8><layer u16><chain>    Redis: a full block whose token ids are known, under its
-                                            content key (tiers/keys.py) and format (FORMAT_CODES), stored
-                                            once (SET NX) and shared by every save naming it; Redis's
-                                            maxmemory policy removes it
-    ctx/data/<id>/b/<layer u16><index u64>  any other block (LMDB: every block) of that save
+    ctx/block/<fmt u8><layer u16><chain>    a full block whose token ids are known (a save with a
+                                            Config.model_id), under its content key (tiers/keys.py) and
+                                            format (FORMAT_CODES), stored once (SET NX; LMDB: no overwrite)
+                                            and shared by every save naming it; Redis's maxmemory policy
+                                            removes it, LMDB's sweep (kvstore/contexts/sweep.py) once no
+                                            manifest names it
+    ctx/sweep                               LMDB: content-keyed blocks may have lost their last manifest
+    ctx/data/<id>/b/<layer u16><index u64>  any other block of that save
     ctx/data/<id>/m/<layer u16><part u32>   key summaries fp16 [p, 2, H, D] of PART_BYTES-sized parts
     ctx/data/<id>/h/<layer u16>             H2O scores fp32 [H, n]
     ctx/data/<id>/k/<layer u16><part u32>   key sketch codes uint8 [p, H, 2, B, D/4]
@@ -216,6 +219,21 @@ class SavedReader:
         layers = [self._layer(name, data, layer, entry, chain, m["part_blocks"])
                   for layer, entry in enumerate(m["layers"])]
         return SavedContext(name, token_ids, layers)
+
+    def content_keys(self, name: str, raw: bytes | memoryview) -> set[bytes]:
+        """The content keys of the blocks the manifest `raw` of `name` names (none for an older format, whose
+        blocks are all the save's own). IntegrityError if the manifest or its token ids are damaged."""
+        try:
+            m = unseal_manifest(name, raw)
+        except ValueError:
+            return set()
+        if not any(e["keyed"] for e in m["layers"]) or m["tokens_xxh3"] is None:
+            return set()
+        data = DATA + m["save_id"].encode() + b"/"
+        tokens = self._read(name, [data + b"t"], [m["tokens_xxh3"]], "token ids").numpy().view("<i8").tolist()
+        chain = chain_hashes(bytes.fromhex(m["root"]), tokens, self.block_tokens)
+        return {content_key(layer, f, h) for layer, entry in enumerate(m["layers"])
+                for f, h in zip(self._check_layer(name, layer, entry, len(chain)), chain)}
 
     def _layer(self, name: str, data: bytes, layer: int, entry: dict, chain: list[bytes],
                part_blocks: int) -> SavedLayer:

@@ -18,7 +18,7 @@ import os
 import socket
 import uuid
 from functools import partial
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator
 
 import lmdb
 import numpy as np
@@ -27,17 +27,15 @@ import torch
 from kvstore.contexts.opening import BLOCK, DATA, MANIFEST, PENDING, RETIRED, SAVE_ID, VERSION, SavedContext, SavedReader, \
     Values, check_name, content_key, own_keys, owned_ids, pack_formats, seal_manifest, value_digest
 from kvstore.blocks.table import DROPPED, LayerTable
-from kvstore.blocks.tierset import COLD_TIER, SAVED_TIER, TierSet
+from kvstore.blocks.tierset import TierSet
+from kvstore.contexts.save_blocks import SaveBlocks
+from kvstore.contexts.sweep import SWEEP, sweep_blocks, sweep_needed
 from tiers.base import Tier
-from tiers.codec import Codec
-from tiers.errors import BlockMissingError, CapacityError
+from tiers.errors import CapacityError
 from tiers.keys import chain_hashes
-from tiers.layout import FORMAT_CODES
-from tiers.saved import seal, value_format
-from tiers.saved_values import LmdbValues, RedisValues
+from tiers.saved_values import Item, LmdbValues, RedisValues
 from tiers.ssd import SsdTier
 
-_BATCH = 256  # blocks per write
 PART_BYTES = 8 << 20  # sketch codes per value (Redis refuses values over 512 MiB; a 1M-token layer has 512 MiB)
 ReadLayerCodes = Callable[[int, int, int], torch.Tensor]  # (layer, lo, hi) -> uint8 [hi - lo, H, 2, B, D/4]
 
@@ -59,6 +57,7 @@ class SavedContexts:
         self.sketch_row = self.num_kv_heads * 2 * self.block_tokens * self.head_dim // 4  # bytes per block
         self.part_blocks = max(1, PART_BYTES // self.sketch_row)
         self.reader = SavedReader(values, layout, root, model_id)
+        self.blocks = SaveBlocks(values, tiers)
 
     def load(self, name: str) -> SavedContext:
         """The manifest and token ids of `name`; its layers read their summaries when handed their tensors."""
@@ -74,6 +73,7 @@ class SavedContexts:
         self.collect_garbage()
         save_id = uuid.uuid4().hex.encode()
         pending = PENDING + save_id
+        self._may_orphan()  # content blocks this save writes are named by no manifest until it commits
         self.values.put([(pending, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())])
         try:
             manifest = self._write_data(save_id, tables, token_ids, codes)
@@ -87,6 +87,7 @@ class SavedContexts:
             if not self._committed(name, save_id):  # a commit whose reply was lost did land: keep its data
                 self.values.delete_prefix(DATA + save_id + b"/")
                 self.values.delete([pending])
+                self._sweep()
             if isinstance(exc, lmdb.MapFullError):
                 raise CapacityError(f"saving {name!r}: the ssd tier's LMDB map (2 x ssd_bytes) is full") from exc
             raise
@@ -94,6 +95,9 @@ class SavedContexts:
         self._retire(name, replaced - set(earlier))  # another process saved the name meanwhile
         self.values.sync()
         self._delete_data(replaced)
+        if old is None and isinstance(self.values, LmdbValues):
+            self.values.delete([SWEEP])  # nothing replaced: every block this save wrote is named
+        self._sweep()
 
     def _still_read(self, save_ids: list[str]) -> list[str]:
         """Those of `save_ids` whose data live sequences of this store still read: blocks left in the saved
@@ -123,69 +127,37 @@ class SavedContexts:
 
     def _write_data(self, save_id: bytes, tables: list[LayerTable], token_ids: list[int] | None,
                     codes: ReadLayerCodes) -> dict:
-        """Blocks, per-layer metadata and token ids under the save id; returns the manifest's other fields."""
+        """Blocks, per-layer metadata and token ids under the save id, streamed in batches (values.write_all:
+        the next batch is built while the last is written); returns the manifest's other fields."""
         data, layers = DATA + save_id + b"/", []
-        chain = chain_hashes(self.root, token_ids, self.block_tokens) if token_ids and self.values.content_keyed else []
-        for layer, table in enumerate(tables):
-            keyed = min(len(chain), table.num_tokens // self.block_tokens)
-            own, formats = own_keys(data, layer, keyed, table.num_blocks), [0] * keyed  # dropped: never read
-            live = [i for i, b in enumerate(table.block_ids) if b != DROPPED]
-            for lo in range(0, len(live), _BATCH):
-                self._write_blocks(layer, table, live[lo: lo + _BATCH], chain[:keyed], own, formats)
-            layers.append(self._write_meta(data, layer, table, formats, partial(codes, layer)))
+        chain = chain_hashes(self.root, token_ids, self.block_tokens) if token_ids and self.reader.model_id else []
         tokens = None if token_ids is None else np.asarray(token_ids, dtype="<i8").tobytes()
-        if tokens is not None:
-            self.values.put([(data + b"t", tokens)])
+        self.blocks.counts = dict.fromkeys(self.blocks.counts, 0)
+        self.values.write_all(self._batches(data, tables, chain, codes, layers, tokens))
         return {"version": VERSION, "save_id": save_id.decode(), "layers": layers,
                 "geometry": [self.num_kv_heads, self.head_dim, self.block_tokens], "part_blocks": self.part_blocks,
                 "tokens_xxh3": None if tokens is None else value_digest(data + b"t", tokens)}
 
-    def stored_values(self, ids: Sequence[int]) -> list[bytes]:
-        """Each block as one codec value (tiers/codec.py), in its tier's format (fp16 or int8): values the
-        saved tier (checked to name their keys) or an ssd cold tier hold are handed over as they are, the
-        others encoded."""
-        values: dict[int, bytes] = {}
-        for tier, group in self.tiers.blocks.by_tier(ids).items():
-            if tier == SAVED_TIER:
-                got = self.tiers.saved.values(group)
-            elif tier == COLD_TIER and isinstance(self.tiers.cold, SsdTier):
-                got = self.tiers.cold.get_values([self.tiers.cold.key(i) for i in group])
-            else:
-                blocks = self.tiers.stack[tier].get(group).to("cpu")
-                codec = Codec(*getattr(self.tiers.cold, "codec_args", ("zstd", 1)))
-                got = [codec.encode(self.tiers.layout, blocks, row) for row in range(len(group))]
-            if any(v is None for v in got):
-                raise BlockMissingError(f"{self.tiers.stack[tier].name}: a block to save is gone")
-            values.update(zip(group, got))
-        return [values[i] for i in ids]
+    def _batches(self, data: bytes, tables: list[LayerTable], chain: list[bytes], codes: ReadLayerCodes,
+                 layers: list[dict], tokens: bytes | None) -> Iterator[list[Item]]:
+        """The save's write batches, layer by layer: its blocks (SaveBlocks.items), then its metadata, whose
+        manifest entry is appended to `layers`; the token ids last."""
+        for layer, table in enumerate(tables):
+            keyed = min(len(chain), table.num_tokens // self.block_tokens)
+            own, formats = own_keys(data, layer, keyed, table.num_blocks), [0] * keyed  # dropped: never read
+            live = [i for i, b in enumerate(table.block_ids) if b != DROPPED]
+            for lo in range(0, len(live), self.blocks.batch_blocks):
+                yield self.blocks.items(layer, table, live[lo: lo + self.blocks.batch_blocks], chain[:keyed], own,
+                                        formats)
+            items, entry = self._meta(data, layer, table, formats, partial(codes, layer))
+            layers.append(entry)
+            yield items
+        if tokens is not None:
+            yield [(data + b"t", tokens, False)]
 
-    def _write_blocks(self, layer: int, table: LayerTable, batch: list[int], chain: list[bytes], own: list[bytes],
-                      formats: list[int]) -> None:
-        """One batch of a layer's blocks, each sealed under its key (tiers/saved.py): the first len(chain) under
-        their content keys, one per format (recorded in `formats`), stored once: a value already there is not
-        written again, and a block the saved tier reads from its content key is not read at all; the others
-        under the save's own keys (`own`, from index len(chain))."""
-        keyed = len(chain)
-        keys = {i: k for i in batch if i < keyed and
-                (k := self.tiers.saved.key(table.block_ids[i])) in [content_key(layer, f, chain[i])
-                                                                     for f in FORMAT_CODES.values()]}
-        todo = [i for i in batch if i not in keys]
-        values = dict(zip(todo, self.stored_values([table.block_ids[i] for i in todo]))) if todo else {}
-        for i, v in values.items():
-            keys[i] = own[i - keyed] if i >= keyed else \
-                content_key(layer, value_format(v, f"layer {layer}'s block {i} to save"), chain[i])
-        shared = [i for i in batch if i < keyed]
-        there = self.values.exists([keys[i] for i in shared]) if shared else []
-        gone = [i for i, held in zip(shared, there) if not held and i not in values]
-        if gone:
-            raise BlockMissingError(f"saved: layer {layer}'s blocks {gone[:8]} to save are gone from their save")
-        for i in shared:
-            formats[i] = keys[i][len(BLOCK)]
-        self.values.put_new([(keys[i], seal(keys[i], values[i])) for i, held in zip(shared, there) if not held])
-        self.values.put([(keys[i], seal(keys[i], values[i])) for i in batch if i >= keyed])
-
-    def _write_meta(self, data: bytes, layer: int, table: LayerTable, formats: list[int],
-                    codes: Callable[[int, int], torch.Tensor]) -> dict:
+    def _meta(self, data: bytes, layer: int, table: LayerTable, formats: list[int],
+              codes: Callable[[int, int], torch.Tensor]) -> tuple[list[Item], dict]:
+        """The layer's summaries, H2O scores and sketch codes to write, and its manifest entry."""
         n, lay, p = table.num_blocks, layer.to_bytes(2, "big"), self.part_blocks
         scores = table.h2o_scores[:, :n].cpu().contiguous().numpy().tobytes() if n else b""
         items = [(data + b"h/" + lay, scores)]
@@ -193,11 +165,11 @@ class SavedContexts:
             hi = min(n, lo + p)
             items.append((data + b"m/" + lay + part.to_bytes(4, "big"), _bytes(table.summaries[lo:hi])))
             items.append((data + b"k/" + lay + part.to_bytes(4, "big"), _bytes(codes(lo, hi))))
-        self.values.put(items)
         digests = [value_digest(k, v) for k, v in items]
-        return {"num_tokens": table.num_tokens, "num_blocks": n, "keyed": len(formats), "int8": pack_formats(formats),
-                "dropped": [i for i, b in enumerate(table.block_ids) if b == DROPPED],
-                "h_xxh3": digests[0], "m_xxh3": digests[1::2], "k_xxh3": digests[2::2]}
+        return [(k, v, False) for k, v in items], {
+            "num_tokens": table.num_tokens, "num_blocks": n, "keyed": len(formats), "int8": pack_formats(formats),
+            "dropped": [i for i, b in enumerate(table.block_ids) if b == DROPPED],
+            "h_xxh3": digests[0], "m_xxh3": digests[1::2], "k_xxh3": digests[2::2]}
 
     # -- listing and deleting --------------------------------------------------------------
     def names(self) -> list[str]:
@@ -209,12 +181,30 @@ class SavedContexts:
         check_name(name)
         earlier = owned_ids(name, self.reader.manifest(name)) or []
         self._retire(name, earlier)
+        self._may_orphan()
         raw = self.values.pop(MANIFEST + name.encode())  # one step: a save of the name meanwhile is kept whole
         if raw is None:
             raise KeyError(f"no saved context named {name!r}")
         owned = owned_ids(name, raw) or []  # a damaged manifest names nothing: its data stays
         self._retire(name, set(owned) - set(earlier))
         self._delete_data(owned)
+        self._sweep()
+
+    def _may_orphan(self) -> None:
+        """LMDB: record that content-keyed blocks may lose their last manifest (kvstore/contexts/sweep.py)."""
+        if isinstance(self.values, LmdbValues):
+            sweep_needed(self.values)
+
+    def _sweep(self) -> int:
+        """LMDB: the content-keyed blocks no manifest names and no sequence of this store reads, deleted."""
+        if not isinstance(self.values, LmdbValues):
+            return 0
+        return sweep_blocks(self.values, self.reader, self.tiers.saved.key_of.values(), self._other_writers)
+
+    def _other_writers(self) -> bool:
+        """Whether a save is in progress that is not known dead (its blocks are named by no manifest yet)."""
+        keys = [k for k in self.values.keys(PENDING) if not k.startswith(RETIRED)]
+        return not all(_dead_here(info) for info in self.values.get(keys))
 
     def collect_garbage(self) -> int:
         """Delete saved data that no manifest owns and no live writer writes; returns how many saves' data went:
@@ -225,7 +215,11 @@ class SavedContexts:
         records = dict(zip(keys, self.values.get(keys)))
         retired = {k: v for k, v in records.items() if k.startswith(RETIRED)}
         writers = {k: v for k, v in records.items() if k not in retired}
-        return self._collect_dead_writers(writers) + self._collect_retired(retired)
+        if any(_dead_here(info) for info in writers.values()) or retired:
+            self._may_orphan()  # a save killed before its commit, data a re-save or delete left
+        freed = self._collect_dead_writers(writers) + self._collect_retired(retired)
+        self._sweep()
+        return freed
 
     def _collect_dead_writers(self, writers: dict[bytes, bytes | None]) -> int:
         dead = [k[len(PENDING):] for k, info in writers.items() if _dead_here(info)]

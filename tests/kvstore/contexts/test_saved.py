@@ -64,19 +64,19 @@ def attend_all(store: KVStore, seq: int, q: torch.Tensor) -> list[torch.Tensor]:
 @contextmanager
 def second_write_fails(store: KVStore) -> Iterator[None]:
     """The save's second batch of block values raises OSError (the disk went away), inside the block."""
-    encode, calls = store.saved.stored_values, []
+    encode, calls = store.saved.blocks.stored_values, []
 
-    def failing(ids):
-        calls.append(ids)
+    def failing(*args):
+        calls.append(args)
         if len(calls) == 2:
             raise OSError("disk went away")
-        return encode(ids)
+        return encode(*args)
 
-    store.saved.stored_values = failing
+    store.saved.blocks.stored_values = failing
     try:
         yield
     finally:
-        store.saved.stored_values = encode
+        store.saved.blocks.stored_values = encode
 
 
 def worker(*args: str, **kw) -> subprocess.Popen:

@@ -40,7 +40,8 @@ def test_a_save_killed_mid_way_leaves_the_name_absent_or_as_it_was(tmp_path, ear
     proc.kill()  # SIGKILL
     proc.wait(timeout=30)
     orphans = set(data_keys(path)) - set(before)
-    assert any(k.startswith(b"ctx/data/") for k in orphans) and any(k.startswith(b"ctx/pending/") for k in orphans)
+    assert any(k.startswith((b"ctx/data/", b"ctx/block/")) for k in orphans) and \
+        any(k.startswith(b"ctx/pending/") for k in orphans)
     assert not any(k.startswith(b"ctx/name/") for k in orphans)
     store = KVStore(config(path))
     if earlier:

@@ -13,9 +13,9 @@ from kvstore.blocks.tierset import SAVED_TIER
 from tiers.errors import BlockMissingError, IntegrityError
 
 
-def flip_byte(store: KVStore, value: bytes) -> None:
-    """Flip one byte in the middle of the saved value ctx/data/<save id of "doc">/<value>."""
-    key = b"ctx/data/" + store.saved.reader.read_manifest("doc")["save_id"].encode() + b"/" + value
+def flip_byte(store: KVStore, value: bytes, key: bytes | None = None) -> None:
+    """Flip one byte in the middle of the saved value ctx/data/<save id of "doc">/<value> (or under `key`)."""
+    key = key or b"ctx/data/" + store.saved.reader.read_manifest("doc")["save_id"].encode() + b"/" + value
     with store.saved.values.env.begin(write=True) as txn:
         damaged = bytearray(txn.get(key))
         damaged[len(damaged) // 2] ^= 0x10
@@ -96,13 +96,13 @@ def test_a_damaged_or_missing_block_fails_the_attend_that_selects_it_and_the_oth
     index = 40  # a block of layer 1 that stays in the saved tier until selected
     block = store.sequences[opened][1].block_ids[index]
     assert store.tiers.blocks.tier_of[block] == SAVED_TIER
-    value = b"b/" + LAYER_1 + index.to_bytes(8, "big")
+    key = store.tiers.saved.key(block)  # a full block of known ids: its content key (ctx/block/...)
+    assert key.startswith(b"ctx/block/")
     if damage == "flip":
-        flip_byte(store, value)
+        flip_byte(store, b"", key)
     else:
-        save_id = store.saved.reader.read_manifest("doc")["save_id"].encode()
         with store.saved.values.env.begin(write=True) as txn:
-            assert txn.delete(b"ctx/data/" + save_id + b"/" + value)
+            assert txn.delete(key)
     q = query(8)
     assert torch.equal(store.attend(opened, 0, q, "dense", budget=64), want[0])  # layer 0 reads as before
     error, match = (IntegrityError, f"saved block {block}: checksum mismatch") if damage == "flip" else \
