@@ -1,44 +1,67 @@
-"""Warm int8 blocks cost almost no perplexity: SmolLM2-135M on original prose, 2K-token windows."""
+"""Warm blocks in every format cost little perplexity: SmolLM2-135M on original prose, a 1K-token window.
+
+The window is prefilled one chunk per prefill call, so every chunk attends to the earlier tokens as the store
+reads them back (a single prefill keeps the whole prompt's K/V in fp16 and would never see the warm format).
+The hot window is 64 tokens (not the default 4,096, which would hold this whole text fp16), so >= 85% of
+the blocks read back are quantized: the worst case for a warm format. Goals: int8 and fp8 within 0.05 of
+fp16, int4 within 0.2 (BENCHMARKS.md, Warm formats)."""
 
 from __future__ import annotations
 
-from engine_adapter.evaluate import perplexity
+import functools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
 from engine_adapter.decoder import Decoder
 from kvstore import Config, KVStore, ModelSpec
 from tests.engine_adapter import smollm2
 
-WINDOW = 2048
+WINDOW = 1024
+CHUNK = 128
+GOALS = {"int8": 0.05, "fp8": 0.05, "int4": 0.2}  # the most a warm format may add to fp16's perplexity
 
 
-def config(hot_tokens: int) -> Config:
+def config(hot_tokens: int, warm_format: str) -> Config:
     return Config(model=ModelSpec.preset("smollm2-135m"), block_tokens=32, sink_tokens=64, hot_tokens=hot_tokens,
-                  warm_tokens=8192, gpu_bytes=256 << 20, cpu_bytes=64 << 20, device="cpu")
+                  warm_tokens=8192, warm_format=warm_format, gpu_bytes=256 << 20, cpu_bytes=64 << 20, device="cpu")
 
 
-def window_perplexities(hot_tokens: int) -> tuple[list[float], list[dict]]:
-    """Perplexity of each window and the store's tier stats while it held that window."""
+def read_back_perplexity(decoder: Decoder, seq: int, ids: list[int]) -> float:
+    """exp(mean next-token NLL) of ids, prefilled CHUNK tokens per call: each chunk's earlier tokens come from
+    the store's read-back (with a 64-token hot window, almost all of them from warm blocks)."""
+    total = 0.0
+    for lo in range(0, len(ids) - 1, CHUNK):
+        chunk = ids[lo: lo + CHUNK]
+        logits = torch.cat(list(decoder.prefill_logits(seq, chunk, CHUNK, all_logits=True)))  # [len(chunk), V]
+        targets = torch.as_tensor(ids[lo + 1: lo + 1 + len(chunk)], dtype=torch.long)
+        total += float(F.cross_entropy(logits[: len(targets)].float(), targets, reduction="sum"))
+    return math.exp(total / (len(ids) - 1))
+
+
+@functools.cache
+def window_perplexities(hot_tokens: int, warm_format: str = "int8") -> tuple[list[float], list[dict]]:
+    """Perplexity of the window and the store's tier stats while it held it."""
     _, _, model = smollm2.smollm2()
-    ids = list(smollm2.prose_ids())
-    windows = [ids[:WINDOW], ids[-WINDOW:]]  # the text's start and end (they overlap a little)
-    values, stats = [], []
-    with KVStore(config(hot_tokens)) as store:
+    ids = list(smollm2.prose_ids())[:WINDOW]
+    with KVStore(config(hot_tokens, warm_format)) as store:
         decoder = Decoder(model, store)
-        for window in windows:
-            # prefill chunks attend to the store's read-back: with a 64-token hot window almost every
-            # key and value a chunk sees beyond its last 64 tokens comes back from an int8 block
-            seq = store.create_sequence()
-            values.append(perplexity(decoder, window, chunk_tokens=256, seq=seq))
-            stats.append(store.stats()["tiers"])
-            decoder.free(seq)
-    return values, stats
+        seq = store.create_sequence()
+        value = read_back_perplexity(decoder, seq, ids)
+        stats = store.stats()["tiers"]
+        decoder.free(seq)
+    return [value], [stats]
 
 
-def test_warm_int8_perplexity_within_0_05_of_fp16() -> None:
+@pytest.mark.parametrize("warm_format", sorted(GOALS))
+def test_warm_format_perplexity_within_its_goal(warm_format: str) -> None:
     fp16, fp16_tiers = window_perplexities(hot_tokens=WINDOW)
-    int8, int8_tiers = window_perplexities(hot_tokens=64)
-    print(f"\nperplexity per {WINDOW}-token window: fp16 {fp16}, warm int8 {int8}")
-    for a, b, ref, quant in zip(fp16, int8, fp16_tiers, int8_tiers):
+    quant, quant_tiers = window_perplexities(64, warm_format)
+    print(f"\nperplexity per {WINDOW}-token window: fp16 {fp16}, warm {warm_format} {quant}")
+    for a, b, ref, held in zip(fp16, quant, fp16_tiers, quant_tiers):
         assert ref["warm"]["blocks"] == 0  # the reference really is all fp16
-        assert quant["warm"]["blocks"] >= 0.9 * (quant["warm"]["blocks"] + quant["hot"]["blocks"])  # >= 90% int8
+        assert held["warm"]["blocks"] >= 0.85 * (held["warm"]["blocks"] + held["hot"]["blocks"])  # >= 85% warm
         assert 1.0 < a < 50.0, f"fp16 perplexity {a:.2f}: the model is not reading the prose"
-        assert abs(b - a) <= 0.05, f"int8 {b:.4f} vs fp16 {a:.4f}"
+        assert abs(b - a) <= GOALS[warm_format], f"{warm_format} {b:.4f} vs fp16 {a:.4f}"
