@@ -10,15 +10,18 @@ prefill; the prefill itself is not timed here). Three stores run the same trace,
   dense-fp16  every token fp16 on the GPU, dense attention: what a dense paged engine holds (the requests
               that do not fit wait)
   dense-int8  every token int8 on the GPU, dense attention
-Each reports aggregate output tokens/s over the run (fills excluded), time per output token p50 / p99, and
-the same over steady steps (neither a fill nor a CUDA graph capture in them: a new batch membership or graph
-key captures once, as engines capture at start-up), queueing, preemptions, graph captures, the most requests
-running at once, blocks per tier at that peak, and the fraction of each request's appended K/V found intact. serve.batch_sizes adds a sweep: a fixed batch of
-that many requests of the first context, kvtier only, for the throughput / p99 vs batch size plot.
+On CUDA an untimed warm-up trace (2 requests, 2 tokens) runs before each store's, so kernel compilation is
+not in its numbers. Each reports aggregate output tokens/s over the run (fills excluded), time per output
+token p50 / p99, and the same over steady steps (neither a fill nor a CUDA graph capture in them: a new batch
+membership or graph key captures once, as engines capture at start-up), queueing, preemptions, graph
+captures, the most requests running at once, blocks per tier at that peak, and the fraction of each
+request's appended K/V found intact. serve.batch_sizes adds a sweep: a fixed batch of that many requests of
+the first context, kvtier only, for the throughput / p99 vs batch size plot.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 import time
@@ -155,8 +158,8 @@ def run_trace(kind: str, model, p: ServePreset, requests: list[Request], device:
     finally:
         store.close()
         del decoder, store
-        scheduler = None  # the last reference to the store's pools and captured graphs
-        release(device)
+        scheduler = graphs = None  # the store's pools and captured graphs go when run_trace returns: run_serve
+        # releases them to the driver then (empty_cache frees only blocks nothing references)
     tokens = sum(len(r.output) for r in done)
     gaps = [b - a for r in done for a, b in zip(r.token_s, r.token_s[1:])]
     steady = [s for i, s in enumerate(step_s) if i not in admit_steps]
@@ -193,17 +196,25 @@ def run_serve(p: ServePreset, device: torch.device, deadline: Deadline, progress
     requests = lambda n, contexts: trace(p, n, contexts)  # noqa: E731 -- a fresh trace per store
     result = {"geometry": p.geometry, "layers": args.num_layers, "requests": p.requests, "contexts": p.contexts,
               "output_tokens": p.output_tokens, "arrival_rate": p.arrival_rate, "budget": p.budget, "mode": p.mode,
-              "runs": {}, "sweep": [], "notes": []}
+              "runs": {}, "sweep": [], "notes": [], "warmup_s": {}}
     for kind in progress([s for s in STORES if s in p.stores.split(",")], "serve stores"):
         if deadline.expired():
             result["notes"].append(f"{kind} skipped: time budget")
             continue
+        if device.type == "cuda":  # kernels compile and cuBLAS picks its algorithms before the timed trace,
+            began = time.perf_counter()  # as an engine warms up before it serves
+            warm = dataclasses.replace(p, output_tokens=2)
+            guarded(lambda: run_trace(kind, model, warm, trace(warm, 2, p.contexts[:1]), device))
+            release(device)
+            result["warmup_s"][kind] = time.perf_counter() - began
         result["runs"][kind] = guarded(lambda: run_trace(kind, model, p, requests(p.requests, p.contexts), device))
+        release(device)  # the next store sizes its pools from the memory the driver reports free
     for size in progress(p.batch_sizes, "serve batch sizes"):
         if deadline.expired():
             result["notes"].append(f"batch {size} skipped: time budget")
             continue
         row = guarded(lambda: run_trace("kvtier", model, p, requests(size, p.contexts[:1]), device))
+        release(device)
         result["sweep"].append({"batch": size, **row})
     base = result["runs"].get("dense-fp16")
     ours = result["runs"].get("kvtier")

@@ -95,3 +95,20 @@ def test_h200_preset_needs_cuda(tmp_path, capsys):
 def test_bad_set_is_refused_before_anything_runs(tmp_path, capsys):
     assert main(["bench", "all", "--set", "decode.contexts=many", "--out", str(tmp_path / "x")]) == 2
     assert "expected" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_serve_trace_finishes_every_request_on_every_store():
+    """`kvtier bench serve` on a small trace: every request of every store finishes with its appended K/V
+    intact."""
+    from bench_longctx.presets import get_preset
+    from bench_longctx.serve_bench import run_serve
+    from bench_longctx.timing import Deadline
+    import dataclasses
+
+    p = dataclasses.replace(get_preset("quick").serve, layers=2, requests=4, output_tokens=4)
+    result = run_serve(p, torch.device("cpu"), Deadline(600), lambda items, _name: items)
+    runs = result["runs"]
+    assert set(runs) == {"kvtier", "dense-fp16", "dense-int8"}
+    for run in runs.values():
+        assert "error" not in run, run
+        assert run["requests"] == 4 and run["output_tokens"] == 16 and run["appended_verified"] == "4/4"
