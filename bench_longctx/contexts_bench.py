@@ -18,6 +18,11 @@ int8 on the GPU, so that a writer saving into /dev/shm does not also hold it in 
                after its first token, loads the whole context (store.load); each decodes 4 more tokens
   forks        10 sequences forked from one --fork-tokens prefix: blocks and bytes stored against
                the prefix alone (~1x: full blocks shared, one partial tail copied per fork); 0 skips it
+  transfer     a context of --transfer-tokens saved, then loaded whole by a new store from a cold page cache:
+               GB/s against the disk's write + fsync and read ceilings and the pinned H2D copy, measured in
+               the same run (bench_longctx/contexts_transfer.py); 0 skips it, as --open-tokens 0 skips new_process
+
+    python -m bench_longctx.contexts_bench --preset h200 --open-tokens 0 --fork-tokens 0 --transfer-tokens 512K
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from bench_longctx.contexts_transfer import run_transfer
 from bench_longctx.presets import parse_tokens
 from bench_longctx.timing import environment, timed
 from engine_adapter.decoder import Decoder
@@ -52,9 +58,11 @@ NEXT_TOKENS = 4  # decoded and timed after the first one in the new process
 MODES = ("topk", "sketch", "dense")  # topk: min/max summaries (Quest); sketch: the 4-bit key sketch (eviction/)
 PRESETS = {  # the cpu preset is what CI runs (tests/bench_longctx); h200 keeps 1M on a 235 GiB disk
     "cpu": dict(geometry="smollm2-135m", layers=4, contexts="8K,32K", open_tokens="32K", fork_tokens="32K",
-                device="cpu", gpu_bytes=256 << 20, cpu_bytes=256 << 20, ssd_bytes=16 << 30, warm_tokens=2048),
+                device="cpu", gpu_bytes=256 << 20, cpu_bytes=256 << 20, ssd_bytes=16 << 30, warm_tokens=2048,
+                transfer_tokens="0"),
     "h200": dict(geometry="llama3-8b", layers=32, contexts="", open_tokens="1M", fork_tokens="128K",
-                 device="cuda", gpu_bytes=16 << 30, cpu_bytes=48 << 30, ssd_bytes=96 << 30, warm_tokens=2048),
+                 device="cuda", gpu_bytes=16 << 30, cpu_bytes=48 << 30, ssd_bytes=96 << 30, warm_tokens=2048,
+                 transfer_tokens="0"),
 }
 
 
@@ -234,6 +242,27 @@ def run_forks(args: argparse.Namespace, context: int, directory: str) -> dict:
             "blocks_ratio": shared["stored"] / alone["stored"], "bytes_ratio": shared["bytes"] / alone["bytes"]}
 
 
+def print_opened(opened: dict) -> None:
+    print(f"new process, {opened['context']} tokens: open {opened['open_s']:.2f} s + first token "
+          f"{opened['first_token_s']:.2f} s (store init {opened['store_init_s']:.2f} s); token equal "
+          f"{opened['token_equal']}, max |logit diff| {opened['max_abs_logit_diff']:.2e}")
+    warm = opened["warmed_up_process"]
+    print(f"  after a warm-up step ({warm['process_warm_up_s']:.2f} s): open {warm['open_s']:.2f} s + first "
+          f"token {warm['first_token_s']:.2f} s; token equal {warm['token_equal']}; store.load "
+          f"{warm['blocks_loaded_after_first_token']} blocks {warm['load_s']:.2f} s; next tokens "
+          f"{', '.join(f'{t:.2f}' for t in warm['next_tokens_s'])} s (without load: "
+          f"{', '.join(f'{t:.2f}' for t in opened['next_tokens_s'])} s)")
+
+
+def print_transfer(t: dict) -> None:
+    c = t["ceilings"]
+    h2d = "" if c["pinned_h2d_gb_per_s"] is None else f", pinned H2D {c['pinned_h2d_gb_per_s']:.1f} GB/s"
+    print(f"transfer, {t['context']} tokens: save {t['saved_bytes'] / 1e9:.2f} GB in {t['save_s']:.1f} s = "
+          f"{t['save_gb_per_s']:.2f} GB/s ({t['save_of_ceiling']:.0%} of write + fsync {c['write_fsync_gb_per_s']:.2f}"
+          f" GB/s); load {t['blocks_loaded']} blocks in {t['load_s']:.1f} s = {t['load_gb_per_s']:.2f} GB/s "
+          f"({t['load_of_ceiling']:.0%} of disk read {c['read_gb_per_s']:.2f} GB/s{h2d}); goal {t['goal']:.0%}")
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", nargs="?", default="bench", choices=("bench", "open"))  # open: the child
@@ -264,25 +293,23 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{r['context']:>8} tokens: save {r['save_s']:.2f} s; open {r['open_s'] * 1e3:.0f} ms reading "
                   f"{r['open_read_bytes'] / 2**20:.1f} MiB (sketch codes on first sketch attend: "
                   f"{r['bytes_read_by_first_attends'] / 2**20:.1f} MiB)")
-        opened = run_new_process(args, parse_tokens(args.open_tokens), directory)
-        print(f"new process, {opened['context']} tokens: open {opened['open_s']:.2f} s + first token "
-              f"{opened['first_token_s']:.2f} s (store init {opened['store_init_s']:.2f} s); token equal "
-              f"{opened['token_equal']}, max |logit diff| {opened['max_abs_logit_diff']:.2e}")
-        warm = opened["warmed_up_process"]
-        print(f"  after a warm-up step ({warm['process_warm_up_s']:.2f} s): open {warm['open_s']:.2f} s + first "
-              f"token {warm['first_token_s']:.2f} s; token equal {warm['token_equal']}; store.load "
-              f"{warm['blocks_loaded_after_first_token']} blocks {warm['load_s']:.2f} s; next tokens "
-              f"{', '.join(f'{t:.2f}' for t in warm['next_tokens_s'])} s (without load: "
-              f"{', '.join(f'{t:.2f}' for t in opened['next_tokens_s'])} s)")
+        opened = run_new_process(args, parse_tokens(args.open_tokens), directory) if args.open_tokens != "0" else None
+        if opened:
+            print_opened(opened)
         forks = run_forks(args, parse_tokens(args.fork_tokens), directory) if args.fork_tokens != "0" else None
         if forks:
             print(f"10 forks of {forks['prefix_tokens']} tokens: {forks['blocks_ratio']:.4f}x blocks, "
                   f"{forks['bytes_ratio']:.4f}x bytes of the prefix alone")
+        transfer = None
+        if args.transfer_tokens != "0":
+            transfer = run_transfer(lambda path: bench_config(args, path), fill, parse_tokens(args.transfer_tokens),
+                                    directory, args.device)
+            print_transfer(transfer)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     result = {**{k: getattr(args, k) for k in PRESETS["cpu"]}, "preset": args.preset, "block_tokens": BLOCK_TOKENS,
               "environment": environment(torch.device(args.device)), "contexts": rows, "new_process": opened,
-              "forks": forks}
+              "forks": forks, "transfer": transfer}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 

@@ -82,6 +82,10 @@ class SavedTier:
         """Whether an adopted block's saved value lies under `prefix` (a save's data: not to be deleted)."""
         return any(key.startswith(prefix) for key in self.key_of.values())
 
+    def read_ahead(self, ids: Sequence[int]) -> None:
+        """Start reading the saved values of adopted blocks `ids` (a load's next batch) from disk, not waiting."""
+        self.source.read_ahead([self.key_of[i] for i in ids])
+
     def key(self, block_id: int) -> bytes | None:
         """The key of an adopted block's saved value (None: not adopted)."""
         return self.key_of.get(block_id)

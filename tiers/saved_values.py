@@ -15,17 +15,24 @@ commit):
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import mmap
 import os
 import queue
 import threading
 from typing import Callable, Iterable, Sequence, TypeVar
 
 import lmdb
+import numpy as np
 import redis
 
 T = TypeVar("T")
 Item = tuple[bytes, "bytes | memoryview", bool]  # key, value, only if the key is new (content-keyed blocks)
 _QUEUED = 2  # batches built ahead of the writer (each ~64 MiB: bounded host memory)
+_READ_AHEAD_KEYS = 64  # a view of this many values or more is read ahead as one span where it lies together
+_MADV_WILLNEED = 3  # Linux madvise advice: read these pages in now (queued, not waited for)
+_READ_AHEAD_STEP = 128 << 10  # bytes per request: Linux's default readahead size, its cap on one WILLNEED
 
 
 class LmdbValues:
@@ -74,9 +81,19 @@ class LmdbValues:
             return [txn.get(k) for k in keys]
 
     def view(self, keys: list[bytes], use: Callable[[list[memoryview | None]], T]) -> T:
-        """use(values of `keys`), the values zero-copy views of the mapped pages, valid only during the call."""
+        """use(values of `keys`), the values zero-copy views of the mapped pages, valid only during the call.
+        A batch whose values lie together in the file (a save's blocks, read in key order either way) is read
+        ahead in one request first (_read_ahead)."""
         with self.env.begin(buffers=True) as txn:
+            if len(keys) >= _READ_AHEAD_KEYS:
+                _read_ahead(txn, keys)
             return use([txn.get(k) for k in keys])
+
+    def read_ahead(self, keys: list[bytes]) -> None:
+        """Start reading the values of `keys` from disk without waiting for them (see _read_ahead): a caller
+        names the next batch before it works on this one."""
+        with self.env.begin(buffers=True) as txn:
+            _read_ahead(txn, keys)
 
     def exists(self, keys: list[bytes]) -> list[bool]:
         return [v is not None for v in self.get(keys)]
@@ -156,6 +173,28 @@ def _write_behind(batches: Iterable[list[Item]], commit: Callable[[list[Item]], 
         raise failed[0]
 
 
+def _read_ahead(txn: lmdb.Transaction, keys: list[bytes]) -> None:
+    """Ask the kernel to read the span of the map between the first and the last of `keys`' values when that
+    span is at most about twice as large as the values (a save writes a layer's blocks one after another in the file), so
+    that the values arrive in large reads. The ssd tier maps LMDB without readahead (random block reads), so
+    a value touched page by page is read 4 KiB at a time: ~0.05 GB/s where the disk reads 1.3 GB/s."""
+    ends = [txn.get(keys[0]), txn.get(keys[-1])] if keys else [None]  # py-lmdb touches these two values' pages
+    if None in ends:
+        return
+    starts = [np.frombuffer(v, dtype=np.uint8).ctypes.data for v in ends]
+    lo, hi = min(starts), max(a + len(v) for a, v in zip(starts, ends))
+    if hi - lo > 2 * len(keys) * max(len(v) for v in ends) + (1 << 20):
+        return  # scattered values: reading the span would read more than them
+    lo -= lo % mmap.PAGESIZE
+    for start in range(lo, hi, _READ_AHEAD_STEP):  # the kernel reads at most its readahead size per request
+        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(min(_READ_AHEAD_STEP, hi - start)), _MADV_WILLNEED)
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def _flush_until(fd: int, done: threading.Event) -> None:
     """fdatasync `fd` until `done`: committed pages go to disk while the next batch is built and written."""
     while not done.wait(0.02):
@@ -205,6 +244,9 @@ class RedisValues:
     def view(self, keys: list[bytes], use: Callable[[list[bytes | None]], T]) -> T:
         """use(values of `keys`) (LmdbValues.view's protocol; here the values are the bytes received)."""
         return use(self.get(keys))
+
+    def read_ahead(self, keys: list[bytes]) -> None:
+        """Nothing: a Redis read is one pipelined round trip per batch."""
 
     def exists(self, keys: list[bytes]) -> list[bool]:
         return [bool(n) for n in self._run(keys, lambda pipe, k, _: pipe.exists(k), [0] * len(keys))]

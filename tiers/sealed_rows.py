@@ -45,6 +45,8 @@ def sealed_rows(codec: tuple[str, int], layout: BlockLayout, blocks: Blocks, row
         return [h + b"".join(_RAW.encode_parts(layout, blocks, r)) for r, h in zip(rows, heads)]
     header = bytes(_RAW.encode_parts(layout, blocks, rows[0])[1])  # format, geometry, length; compression 0
     index = np.asarray(rows, dtype=np.int64)
+    if index[-1] - index[0] == len(index) - 1 and (len(index) == 1 or bool((np.diff(index) == 1).all())):
+        index = slice(int(index[0]), int(index[-1]) + 1)  # consecutive rows: copied from a view, no gathered copy
     fields = [_byte_rows(t) for t in (blocks.tensors() if quantized else (blocks,))]  # [N, bytes] each
     start = head_len + HEADER_BYTES
     out = np.empty((len(rows), start + sum(f.shape[1] for f in fields)), dtype=np.uint8)  # [n, value bytes]

@@ -165,6 +165,7 @@ class TierSet:
             group = ids[:min(limit - moved, self.stack[dst].free_blocks())]
             for lo in range(0, len(group), LOAD_BATCH):  # bounded (pinned) buffers, reused batch after batch
                 batch = group[lo: lo + LOAD_BATCH]
+                self.saved.read_ahead(group[lo + LOAD_BATCH: lo + 2 * LOAD_BATCH])  # read while this one moves
                 with self._moving(batch):
                     try:
                         self.move(batch, SAVED_TIER, dst, coldest=dst)

@@ -34,14 +34,14 @@ def main(argv: list[str]) -> None:
         torch.save({"outs": outs, "open_s": opened, "stats": store.stats()}, argv[3])
     else:
         seq = filled(store, NUM_TOKENS, seed=int(argv[3]))
-        encode = store.saved.blocks.stored_values
+        commit = store.saved.values._commit
 
-        def slow(*args):  # one progress line per batch written, so the parent can kill mid-save
+        def slow(batch):  # one progress line per batch committed, so the parent can kill mid-save
+            commit(batch)
             print("batch", flush=True)
             time.sleep(0.2)
-            return encode(*args)
 
-        store.saved.blocks.stored_values = slow
+        store.saved.values._commit = slow
         store.save(seq, name)
         print("saved", flush=True)
         time.sleep(60)
