@@ -2,10 +2,10 @@
 
 The model is engine_adapter.llama's Llama at the geometry's published sizes (hidden
 width, vocabulary), random weights initialized on the device. Its KV cache lives in a
-KVStore: sinks and the recent window fp16 (hot), everything older int8 (warm) as far as
-GPU memory allows, the rest int8 in host memory (cpu). The context is filled either by
-the model's own layer-wise prefill ("prefill": tokens/s reported beside the FLOP-bound
-estimate, the prefill's matmul FLOPs over the device's measured matmul rate) or, at lengths where that prefill would take
+KVStore: sinks and the recent window fp16 (hot), everything older in e2e.warm_format (int8,
+fp8 or int4: warm) as far as GPU memory allows, the rest in that format in host memory (cpu).
+The context is filled either by the model's own layer-wise prefill ("prefill": tokens/s reported
+beside the FLOP-bound estimate, the prefill's matmul FLOPs over the device's measured matmul rate) or, at lengths where that prefill would take
 far longer than the benchmark, by writing random K/V into every layer ("random": the
 decode step reads the same bytes either way, so its speed is measured fairly).
 
@@ -85,13 +85,13 @@ def prefill_bytes(args: LlamaArgs, context: int) -> int:
 
 
 def e2e_store(spec: ModelSpec, p: E2EPreset, device: torch.device, reserve: int = 0) -> KVStore:
-    """int8 warm for as much of the context as the device holds (less `reserve` bytes); the rest int8 in
-    host memory."""
+    """p.warm_format warm for as much of the context as the device holds (less `reserve` bytes); the rest in
+    that format in host memory."""
     sink = 64
-    hot = store_bytes(spec, 32, p.hot_tokens, 0, sink)
-    per_token = spec.num_layers * BlockLayout.of(spec, 32).int8_bytes / 32
+    hot = store_bytes(spec, 32, p.hot_tokens, 0, sink, p.warm_format)
+    per_token = spec.num_layers * BlockLayout.of(spec, 32, p.warm_format).warm_bytes / 32
     staging_tokens = max(4096, p.budget)  # a staging row per selected block: the step reads cpu blocks itself
-    staging = staging_bytes(BlockLayout.of(spec, p.block_tokens), staging_tokens)
+    staging = staging_bytes(BlockLayout.of(spec, p.block_tokens, p.warm_format), staging_tokens)
     room = available_bytes(device) - reserve - 2 * hot - staging
     warm_tokens = max(0, min(p.context + p.steps * 8, int(room / per_token) - 64)) // 32 * 32  # 4 paths append
     if p.warm_tokens:
@@ -100,7 +100,8 @@ def e2e_store(spec: ModelSpec, p: E2EPreset, device: torch.device, reserve: int 
     cpu_bytes = int(max(0, cold_tokens + 4096) * per_token * 1.1)
     return model_store(spec, device, hot_tokens=p.hot_tokens, warm_tokens=warm_tokens, sink_tokens=sink,
                        recent_tokens=p.recent_tokens, sequences=1, cpu_bytes=max(cpu_bytes, 64 << 20),
-                       block_tokens=p.block_tokens, cpu_dtype="int8", staging_tokens=staging_tokens)
+                       block_tokens=p.block_tokens, cpu_dtype=p.warm_format, warm_format=p.warm_format,
+                       staging_tokens=staging_tokens)
 
 
 def fill_random(store: KVStore, seq: int, context: int, seed: int, progress) -> None:
@@ -153,18 +154,26 @@ def cold_counts(store: KVStore) -> dict:
     return {k: attend[k] for k in ("cold_slices_staged", "cold_blocks_fetched", "promotions")}
 
 
-def appended_kv_matches(decoder: Decoder, seq: int, start: int, token_ids: list[int], int8: bool = False) -> bool:
+# one code step of each warm format as a fraction of the group's largest |value| (tiers/quant.py): int8's
+# absmax / 127, fp8's widest gap between e4m3 neighbours (3 mantissa bits), int4's (max - min) / 15
+QUANT_STEP = {"int8": 1 / 127, "fp8": 1 / 8, "int4": 2 / 15}
+
+
+def appended_kv_matches(decoder: Decoder, seq: int, start: int, token_ids: list[int],
+                        cooled_format: str | None = None) -> bool:
     """Layer 0's K/V of each token depend only on the token and its position: recompute them and compare
-    with what the store holds at positions start, start + 1, ... (fp16 storage, hot tier: exact; int8, for
-    tokens that may have cooled out of the hot window: within two int8 steps of the largest value)."""
+    with what the store holds at positions start, start + 1, ... (fp16 storage, hot tier: exact; with
+    cooled_format, the quantized format of tokens that may have cooled out of the hot window: within two
+    of its steps of the largest value)."""
     model, dev = decoder.model, decoder.device
     positions = torch.arange(start, start + len(token_ids), device=dev)
     cos, sin = model.rope(positions, decoder.dtype)
     with torch.no_grad():
         _, k, v = model.layers[0].qkv(model.embed_tokens(torch.tensor(token_ids, device=dev)), cos, sin)
     got_k, got_v = decoder.store.read(seq, 0, start, start + len(token_ids))
+    step = QUANT_STEP[cooled_format] if cooled_format else None
     return all(torch.allclose(got.float(), want.half().float(), rtol=1e-2,
-                              atol=2 * float(want.abs().max()) / 127 if int8 else 1e-2)
+                              atol=2 * float(want.abs().max()) * step if step else 1e-2)
                for got, want in ((got_k, k), (got_v, v)))
 
 
@@ -259,7 +268,8 @@ def run_e2e(p: E2EPreset, device: torch.device, deadline: Deadline, progress) ->
         result = {"geometry": p.geometry, "layers": args.num_layers, "dim": args.dim, "hidden_dim": args.hidden_dim,
                   "vocab_size": args.vocab_size, "dtype": str(model.embed_tokens.weight.dtype).replace("torch.", ""),
                   "context": p.context, "budget": p.budget, "hot_tokens": p.hot_tokens,
-                  "recent_tokens": p.recent_tokens, "warm_tokens": store.config.warm_tokens, "fill": fill,
+                  "recent_tokens": p.recent_tokens, "warm_tokens": store.config.warm_tokens,
+                  "warm_format": store.config.warm_format, "cpu_dtype": store.config.cpu_dtype, "fill": fill,
                   "fill_s": fill_s, "prefill": prefill, "paths": paths, "notes": notes, "memory": memory(store, model, seq)}
     finally:
         store.close()

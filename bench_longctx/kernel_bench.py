@@ -9,14 +9,17 @@ paged_decode over
     fp16+warm      the same table with a warm pool present (table partitioned per pool: one launch each)
     int8           every block int8, only the warm pool
     int8+hot       the same with a hot pool present (partitioned)
+    fp8, int4      every block in that warm format (Config.warm_format), only the warm pool: the fp16
+                   blocks quantized by tiers.quant (int4 in groups of 32), read by the Triton walk
     mixed          blocks alternate fp16/int8 (partitioned; int8_bench.py compares the split walks)
     fp16+mass      fp16 with return_block_mass=True (the H2O scores)
 The table is a random permutation of the blocks, one row expanded over the kv heads (dense
 mode). Times are medians of triton.testing.do_bench, which flushes L2 before every run;
-GB/s counts the bytes the kernel must read (K, V, scales). Unless --quick, at 1M tokens it
-first sweeps tile and split configs for fp16 and int8 per block size and then uses the
-fastest for every case of that pool and block size. Ends with a correctness check against
-paged_decode_ref at 8K tokens (mixed blocks, GQA 4, block mass). Needs < 16 GB of GPU memory.
+GB/s counts the bytes the kernel must read (K, V, scales; tiers/layout.py). Unless --quick, at 1M
+tokens it first sweeps tile and split configs for fp16 and int8 per block size and then uses the
+fastest for every case of that pool and block size (fp8 and int4 run the default config). Ends with
+a correctness check against paged_decode_ref at 8K tokens (mixed blocks, GQA 4, block mass; and the
+fp8 and int4 pools). Needs < 20 GB of GPU memory.
 """
 
 from __future__ import annotations
@@ -33,11 +36,15 @@ from bench_longctx.timing import copy_ceiling_GBps, environment, time_ms, write_
 from kvstore.attention.paged_decode import paged_decode
 from kvstore.attention.plan import DecodeGeometry, decode_config
 from kvstore.attention.reference import paged_decode_ref
+from tiers.layout import BlockLayout
+from tiers.quant import quantize
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 CONTEXTS = (131072, 1048576)
 BLOCK_SIZES = (32, 64)
 TARGETS = {"fp16": 0.92, "int8": 1.7}  # speed relative to SDPA the kernel aims for at 1M tokens
+CASES = ("fp16", "fp16+warm", "int8", "int8+hot", "mixed", "fp16+mass", "fp8", "int4")
+QUANTIZE_BLOCKS = 4096  # blocks quantized per call: bounds the f32 temporaries at 1M tokens
 SWEEP_TOKENS_PER_ITER, SWEEP_WARPS, SWEEP_STAGES, SWEEP_SPLIT_FACTORS = (64, 128), (4, 8), (2, 3), (0.5, 1, 2)
 
 
@@ -55,6 +62,14 @@ def make_pools(num_tokens: int, block_tokens: int, device: torch.device) -> dict
                 n=n, block_tokens=block_tokens)
 
 
+def quantized_pool(pools: dict, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The hot pool's blocks in `fmt` (fp8 or int4), quantized by tiers.quant once and kept in `pools`."""
+    if fmt not in pools:
+        parts = [quantize(pools["hot"][i:i + QUANTIZE_BLOCKS], fmt) for i in range(0, pools["n"], QUANTIZE_BLOCKS)]
+        pools[fmt] = tuple(torch.cat(t) for t in zip(*(part.tensors() for part in parts)))
+    return pools[fmt]
+
+
 def case_args(pools: dict, case: str, q: torch.Tensor) -> tuple:
     """paged_decode's positional arguments for one case."""
     p, n = pools, pools["n"]
@@ -62,24 +77,29 @@ def case_args(pools: dict, case: str, q: torch.Tensor) -> tuple:
     small_hot, small_warm = p["hot"][:16], (p["warm"][:16], p["k_scale"][:16], p["v_scale"][:16])
     empty_hot, empty_warm = p["hot"][:0], (p["warm"][:0], p["k_scale"][:0], p["v_scale"][:0])
     full_warm = (p["warm"], p["k_scale"], p["v_scale"])
-    pools_and_flags = {
-        "fp16": (p["hot"], empty_warm, ~all_int8), "fp16+warm": (p["hot"], small_warm, ~all_int8),
-        "fp16+mass": (p["hot"], empty_warm, ~all_int8), "int8": (empty_hot, full_warm, all_int8),
-        "int8+hot": (small_hot, full_warm, all_int8), "mixed": (p["hot"], full_warm, p["alternate"]),
-    }[case]
-    hot, warm, flags = pools_and_flags
+    if case in ("fp8", "int4"):
+        hot, warm, flags = empty_hot, quantized_pool(p, case), all_int8
+    else:
+        hot, warm, flags = {
+            "fp16": (p["hot"], empty_warm, ~all_int8), "fp16+warm": (p["hot"], small_warm, ~all_int8),
+            "fp16+mass": (p["hot"], empty_warm, ~all_int8), "int8": (empty_hot, full_warm, all_int8),
+            "int8+hot": (small_hot, full_warm, all_int8), "mixed": (p["hot"], full_warm, p["alternate"]),
+        }[case]
     num_tokens = torch.tensor([n * p["block_tokens"]], dtype=torch.int32, device=q.device)
     return (q, hot, *warm, p["table"], flags, num_tokens)
 
 
 def bytes_read(case: str, num_tokens: int, block_tokens: int) -> int:
-    fp16 = 2 * num_tokens * NUM_KV_HEADS * HEAD_DIM * 2
-    int8 = fp16 // 2 + (num_tokens // block_tokens) * NUM_KV_HEADS * (HEAD_DIM + block_tokens) * 4
+    layout, n = BlockLayout(NUM_KV_HEADS, block_tokens, HEAD_DIM), num_tokens // block_tokens
+    fp16, int8 = n * layout.fp16_bytes, n * layout.int8_bytes
+    if case in ("fp8", "int4"):
+        return n * layout.bytes_for(case)
     return {"int8": int8, "int8+hot": int8, "mixed": (fp16 + int8) // 2}.get(case, fp16)
 
 
 def pool_kind(case: str) -> str:
-    return "int8" if case.startswith("int8") else "fp16"
+    """The pool whose swept config a case runs: fp8 and int4 are not swept (their own key is never in `best`)."""
+    return case if case in ("fp8", "int4") else "int8" if case.startswith("int8") else "fp16"
 
 
 def resolve(config: dict, pools: dict, device: torch.device) -> dict:
@@ -114,7 +134,7 @@ def run_context(num_tokens: int, block_tokens: int, q: torch.Tensor, sdpa_ms: fl
     """Every paged case at one context and block size, default config and (if swept) the best one."""
     pools = make_pools(num_tokens, block_tokens, q.device)
     rows = []
-    for case in ("fp16", "fp16+warm", "int8", "int8+hot", "mixed", "fp16+mass"):
+    for case in CASES:
         args = case_args(pools, case, q)
         configs = {"default": {}}
         if (pool_kind(case), block_tokens) in best:
@@ -165,6 +185,16 @@ def check_correctness(device: torch.device, configs: list[dict]) -> dict:
     return result
 
 
+def check_quantized(q: torch.Tensor) -> dict:
+    """The fp8 and int4 cases' pools at 8K tokens: paged_decode's default walk vs paged_decode_ref."""
+    pools, result = make_pools(8192, 32, q.device), {}
+    for fmt in ("fp8", "int4"):
+        args = case_args(pools, fmt, q)
+        err = (paged_decode(*args)[0].float() - paged_decode_ref(*args)[0].float()).abs().max().item()
+        result[f"{fmt} default"] = {"max_abs_err_out": err, "ok": err < 5e-3}
+    return result
+
+
 def print_rows(rows: list[dict]) -> None:
     print(f"{'tokens':>8} {'bt':>3} {'case':<10} {'config':<8} {'ms':>8} {'GB/s':>7} {'ceil':>5} {'vs sdpa':>7}")
     for r in rows:
@@ -194,13 +224,16 @@ def sdpa_row(num_tokens: int, block_tokens: int, ms: float, ceiling: float) -> d
 
 
 def summarize(rows: list[dict]) -> dict:
-    """At 1M tokens: the fastest fp16 and int8 run (any block size or config) against the targets."""
+    """At 1M tokens: the fastest run of each pool format (any block size or config), fp16 and int8 against
+    the targets (fp8 and int4 have none yet: target and met are None)."""
     summary = {}
-    for kind, target in TARGETS.items():
+    for kind in ("fp16", "int8", "fp8", "int4"):
         runs = [r for r in rows if r["tokens"] == CONTEXTS[-1] and r["case"] == kind]
-        top = max(runs, key=lambda r: r["speed_vs_sdpa"])
-        summary[kind] = {"speed_vs_sdpa": top["speed_vs_sdpa"], "target": target, "met": top["speed_vs_sdpa"] >= target,
-                         "block_tokens": top["block_tokens"], "config": top["config"], "ms": top["ms"]}
+        top, target = max(runs, key=lambda r: r["speed_vs_sdpa"]), TARGETS.get(kind)
+        summary[kind] = {"speed_vs_sdpa": top["speed_vs_sdpa"], "target": target,
+                         "met": None if target is None else top["speed_vs_sdpa"] >= target,
+                         "block_tokens": top["block_tokens"], "config": top["config"], "ms": top["ms"],
+                         "GBps": top["GBps"]}
     return summary
 
 
@@ -233,7 +266,7 @@ def main() -> None:
     print(f"copy ceiling {ceiling:.0f} GB/s (read + write)")
     print_rows(rows)
     correctness = check_correctness(device, [{k: v for k, v in c.items() if k != "split_factor"}
-                                             for c in best.values()])
+                                             for c in best.values()]) | check_quantized(q)
     summary = summarize(rows)
     print("at 1M tokens:", json.dumps(summary))
     print("correctness vs reference:", json.dumps(correctness))

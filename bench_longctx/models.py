@@ -46,21 +46,22 @@ class Models:
         return self._loaded
 
 
-def store_bytes(spec: ModelSpec, block_tokens: int, hot_tokens: int, warm_tokens: int, sink_tokens: int) -> int:
-    """GPU bytes of one sequence's hot (fp16) and warm (int8) windows over every layer, tail block included."""
-    lay = BlockLayout.of(spec, block_tokens)
+def store_bytes(spec: ModelSpec, block_tokens: int, hot_tokens: int, warm_tokens: int, sink_tokens: int,
+                warm_format: str = "int8") -> int:
+    """GPU bytes of one sequence's hot (fp16) and warm (warm_format) windows over every layer, tail block included."""
+    lay = BlockLayout.of(spec, block_tokens, warm_format)
     hot_blocks = -(-sink_tokens // block_tokens) + -(-hot_tokens // block_tokens) + 2
     warm_blocks = -(-warm_tokens // block_tokens) + 1
-    return spec.num_layers * (hot_blocks * lay.fp16_bytes + warm_blocks * lay.int8_bytes)
+    return spec.num_layers * (hot_blocks * lay.fp16_bytes + warm_blocks * lay.warm_bytes)
 
 
 def model_store(spec: ModelSpec, device: torch.device, *, hot_tokens: int, warm_tokens: int, sink_tokens: int,
                 recent_tokens: int, sequences: int = 2, staging_tokens: int = 4096, block_tokens: int = 32,
-                cpu_bytes: int = 1 << 30, cpu_dtype: str = "float16") -> KVStore:
+                cpu_bytes: int = 1 << 30, cpu_dtype: str = "float16", warm_format: str = "int8") -> KVStore:
     """A store whose GPU pools hold `sequences` sequences' full windows (a prefill and its fork)."""
-    windows = sequences * store_bytes(spec, block_tokens, hot_tokens, warm_tokens, sink_tokens)
-    staging = staging_bytes(BlockLayout.of(spec, block_tokens), staging_tokens)
+    windows = sequences * store_bytes(spec, block_tokens, hot_tokens, warm_tokens, sink_tokens, warm_format)
+    staging = staging_bytes(BlockLayout.of(spec, block_tokens, warm_format), staging_tokens)
     return KVStore(Config(model=spec, block_tokens=block_tokens, sink_tokens=sink_tokens, hot_tokens=hot_tokens,
                           warm_tokens=warm_tokens, recent_tokens=recent_tokens, gpu_bytes=windows + staging,
                           staging_tokens=staging_tokens, cpu_bytes=cpu_bytes, cpu_dtype=cpu_dtype, ssd_bytes=1 << 30,
-                          device=str(device), host_memory_reserve=0))
+                          device=str(device), host_memory_reserve=0, warm_format=warm_format))

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from tiers.layout import QUANT_FORMATS
+
 
 @dataclass(frozen=True)
 class DecodePreset:
@@ -78,6 +80,11 @@ class TiersPreset:
     redis_sizes: tuple[int, ...] = (1, 4)  # redis value sizes in MiB
 
 
+def check_warm_format(section: str, value: str) -> None:
+    if value not in QUANT_FORMATS:
+        raise ValueError(f"{section}.warm_format must be one of {QUANT_FORMATS}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class E2EPreset:
     geometry: str = "smollm2-135m"
@@ -90,9 +97,13 @@ class E2EPreset:
     block_tokens: int = 32
     fill: str = "auto"  # "prefill" (the model's own KV), "random" (K/V written directly), "auto"
     max_prefill: int = 16384  # auto: prefill up to this context, random beyond
-    warm_tokens: int = 0  # 0: int8 on the GPU for as much of the context as it holds; else at most this many
-    # tokens there, the rest int8 in pinned host memory (the cpu tier, which the captured step reads itself)
+    warm_tokens: int = 0  # 0: warm_format on the GPU for as much of the context as it holds; else at most this
+    # many tokens there, the rest warm_format in pinned host memory (the cpu tier, which the captured step reads itself)
     modes: str = "topk,sketch,dense"  # the decode modes timed, each on the graph and eager paths
+    warm_format: str = "int8"  # the store's warm and cpu format: "int8", "fp8" or "int4" (docs/tiers.md, Formats)
+
+    def __post_init__(self) -> None:
+        check_warm_format("e2e", self.warm_format)
 
 
 @dataclass(frozen=True)
@@ -113,6 +124,10 @@ class ServePreset:
     gpu_gib: float = 0.25  # GPU pools (0: all the device has left after the model)
     stores: str = "kvtier,dense-fp16,dense-int8"
     batch_sizes: tuple[int, ...] = ()  # a sweep of fixed batches of the first context (kvtier), for the plot
+    warm_format: str = "int8"  # the kvtier store's warm and cpu format (dense-int8 stays int8): int8, fp8, int4
+
+    def __post_init__(self) -> None:
+        check_warm_format("serve", self.warm_format)
 
 
 @dataclass(frozen=True)

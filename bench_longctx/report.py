@@ -110,18 +110,19 @@ def e2e_table(r: dict) -> str:
         extra.append(["CUDA max allocated", None, mem["cuda_max_allocated_bytes"] / 2**30, None])
     return "\n\n".join([
         f"Greedy decode, {r['geometry']} geometry ({r['layers']} layers, random {r['dtype']} weights), "
-        f"context {fmt(r['context'])}, top-K budget {r['budget']}, fill: {r['fill']}",
+        f"context {fmt(r['context'])}, top-K budget {r['budget']}, fill: {r['fill']}, "
+        f"warm format {r.get('warm_format', 'int8')} (cpu tier: {r.get('cpu_dtype', 'int8')})",
         md_table(["path", "tokens/s", "ms/token", "steps", "appends", "appends verified"], rows),
         md_table(["memory", "blocks", "GiB", "capacity GiB"], tiers + extra), *[f"- {n}" for n in r["notes"]]])
 
 
 def serve_table(r: dict) -> str:
-    head = ["store", "mode", "requests", "tokens/s", "steady tokens/s", "TPOT p50 ms", "TPOT p99 ms",
+    head = ["store", "warm format", "mode", "requests", "tokens/s", "steady tokens/s", "TPOT p50 ms", "TPOT p99 ms",
             "steady TPOT p99 ms", "captures", "queue mean s", "preemptions", "most running", "appends verified"]
     def row(name: str, x: dict) -> list:
         if "error" in x:
             return [name, f"failed: {x['error'][:160]}"] + [None] * (len(head) - 2)
-        return [name, x["mode"], x["requests"], x["tokens_per_s"], x["steady_tokens_per_s"], x["tpot_ms_p50"],
+        return [name, x.get("warm_format", "int8"), x["mode"], x["requests"], x["tokens_per_s"], x["steady_tokens_per_s"], x["tpot_ms_p50"],
                 x["tpot_ms_p99"], x["steady_tpot_ms_p99"], x["graph_captures"], x["queue_s_mean"], x["preemptions"],
                 x["most_running"], x["appended_verified"]]
     parts = [f"Continuous batching, {r['geometry']} geometry ({r['layers']} layers, random weights), "

@@ -5,7 +5,8 @@ serve.contexts; serve.output_tokens each) runs with continuous batching, a model
 weights (bench_longctx/e2e.py), every generated token appended to the store and the K/V appended for each
 request checked when it finishes. Contexts are written as random K/V (decode reads the same bytes as after a
 prefill; the prefill itself is not timed here). Three stores run the same trace, one after another:
-  kvtier      the tiers: fp16 hot window, int8 warm on the GPU as far as it holds, int8 cpu beyond it;
+  kvtier      the tiers: fp16 hot window, serve.warm_format (int8, fp8 or int4) warm on the GPU as far as it
+              holds, the same format in the cpu tier beyond it;
               serve.mode (topk: Quest's bound) at serve.budget tokens, through the captured batch step
   dense-fp16  every token fp16 on the GPU, dense attention: what a dense paged engine holds (the requests
               that do not fit wait)
@@ -58,7 +59,8 @@ def serve_store(kind: str, p: ServePreset, spec, device: torch.device, requests:
     The GPU pools get what the device has left after the model, the staging rows and the block index of the
     requests that can run at once (summaries and sketch codes: TableTensors.bytes_per_block; a decode step
     reserves its table for the length + max(16K, 1/16))."""
-    layout = BlockLayout.of(spec, p.block_tokens)
+    warm_format = p.warm_format if kind == "kvtier" else "int8"  # dense-int8 is the int8 baseline
+    layout = BlockLayout.of(spec, p.block_tokens, warm_format)
     longest, total = max(r.length for r in requests), sum(r.length for r in requests)
     sketch_codes = p.mode == "sketch" and kind == "kvtier"  # the codes cost device memory only mode="sketch" reads
     per_block = TableTensors(spec.num_kv_heads, spec.head_dim, p.block_tokens, device, sketch_codes).bytes_per_block()
@@ -77,18 +79,18 @@ def serve_store(kind: str, p: ServePreset, spec, device: torch.device, requests:
     index = sum(index_of(n) for n in concurrent)
     staging_tokens = max(p.budget, 1024) * min(p.max_batch, len(requests)) if kind == "kvtier" else p.block_tokens
     gpu = (int(p.gpu_gib * (1 << 30)) or available_bytes(device) - index) - staging_bytes(layout, staging_tokens)
-    int8_per_token = spec.num_layers * layout.int8_bytes / p.block_tokens
+    warm_per_token = spec.num_layers * layout.warm_bytes / p.block_tokens
     if kind == "dense-fp16":
         hot, warm, cpu = longest, 0, 64 << 20
     elif kind == "dense-int8":
         hot, warm, cpu = p.block_tokens, longest, 64 << 20
     else:
         hot, warm = p.hot_tokens, longest
-        cpu = max(64 << 20, int(1.1 * total * int8_per_token - gpu))  # what the GPU pools cannot take
+        cpu = max(64 << 20, int(1.1 * total * warm_per_token - gpu))  # what the GPU pools cannot take
     config = Config(model=spec, block_tokens=p.block_tokens, sink_tokens=SINK, hot_tokens=hot, warm_tokens=warm,
                     recent_tokens=p.recent_tokens, gpu_bytes=gpu + staging_bytes(layout, staging_tokens),
-                    staging_tokens=staging_tokens, cpu_bytes=cpu, cpu_dtype="int8", device=str(device),
-                    host_memory_reserve=0, sketch_codes=sketch_codes,
+                    staging_tokens=staging_tokens, cpu_bytes=cpu, cpu_dtype=warm_format, device=str(device),
+                    host_memory_reserve=0, sketch_codes=sketch_codes, warm_format=warm_format,
                     hot_sequences=len(concurrent) if kind == "kvtier" else 1)
     return KVStore(config)
 
@@ -114,14 +116,16 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def run_trace(kind: str, model, p: ServePreset, requests: list[Request], device: torch.device) -> dict:
     store = serve_store(kind, p, model.args.spec, device, requests)
+    warm_format = store.config.warm_format if store.config.warm_tokens else "none"  # dense-fp16 keeps no warm
     mode = p.mode if kind == "kvtier" else "dense"
     intact: list[bool] = []
     decoder = Decoder(model, store)
 
     def check(request: Request) -> None:  # layer 0's K/V of every generated token but the last, as appended
         start = request.context_tokens
-        cooled = len(request.output) > store.config.hot_tokens  # generated tokens past the fp16 window: int8
-        intact.append(appended_kv_matches(decoder, request.seq, start, request.output[:-1], int8=cooled))
+        cooled = len(request.output) > store.config.hot_tokens  # generated tokens past the fp16 window: warm
+        intact.append(appended_kv_matches(decoder, request.seq, start, request.output[:-1],
+                                          store.config.warm_format if cooled else None))
 
     fill_s = [0.0]
 
@@ -167,8 +171,8 @@ def run_trace(kind: str, model, p: ServePreset, requests: list[Request], device:
     unsteady_ends = [step_end[i] for i in admit_steps]
     steady_gaps = [b - a for r in done for a, b in zip(r.token_s, r.token_s[1:])
                    if not any(a < e <= b for e in unsteady_ends)]
-    return {"store": kind, "mode": mode, "requests": len(done), "output_tokens": tokens, "wall_s": wall,
-            "fill_s": fill_s[0], "tokens_per_s": tokens / max(wall - fill_s[0], 1e-9),
+    return {"store": kind, "warm_format": warm_format, "mode": mode, "requests": len(done), "output_tokens": tokens,
+            "wall_s": wall, "fill_s": fill_s[0], "tokens_per_s": tokens / max(wall - fill_s[0], 1e-9),
             "tpot_ms_p50": 1e3 * (percentile(gaps, 50) or 0), "tpot_ms_p99": 1e3 * (percentile(gaps, 99) or 0),
             "step_ms_p99_without_admissions": 1e3 * (percentile(steady, 99) or 0),
             "steady_tpot_ms_p50": 1e3 * (percentile(steady_gaps, 50) or 0),
@@ -196,6 +200,7 @@ def run_serve(p: ServePreset, device: torch.device, deadline: Deadline, progress
     requests = lambda n, contexts: trace(p, n, contexts)  # noqa: E731 -- a fresh trace per store
     result = {"geometry": p.geometry, "layers": args.num_layers, "requests": p.requests, "contexts": p.contexts,
               "output_tokens": p.output_tokens, "arrival_rate": p.arrival_rate, "budget": p.budget, "mode": p.mode,
+              "warm_format": p.warm_format,
               "runs": {}, "sweep": [], "notes": [], "warmup_s": {}}
     for kind in progress([s for s in STORES if s in p.stores.split(",")], "serve stores"):
         if deadline.expired():

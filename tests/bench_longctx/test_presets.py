@@ -27,11 +27,13 @@ def test_override_replaces_one_field_by_its_type():
     assert override(p, "e2e.fill=random").e2e.fill == "random"
     assert override(p, "tiers.service_sizes=").tiers.service_sizes == ()
     assert override(p, "repeat=7").repeat == 7
+    assert override(p, "serve.warm_format=int4").serve.warm_format == "int4"
     assert p.decode.contexts == (4096, 8192, 16384, 32768)  # presets are frozen: the original is unchanged
 
 
 @pytest.mark.parametrize("bad, match", [("decode.contexts", "SECTION.FIELD=VALUE"), ("nope.x=1", "SECTION"),
-                                         ("decode.nope=1", "unknown field"), ("e2e.context=lots", "expected")])
+                                         ("decode.nope=1", "unknown field"), ("e2e.context=lots", "expected"),
+                                         ("e2e.warm_format=int3", "warm_format must be one of")])
 def test_override_names_what_it_expected(bad, match):
     with pytest.raises(ValueError, match=match):
         override(get_preset("quick"), bad)

@@ -112,3 +112,23 @@ def test_serve_trace_finishes_every_request_on_every_store():
     for run in runs.values():
         assert "error" not in run, run
         assert run["requests"] == 4 and run["output_tokens"] == 16 and run["appended_verified"] == "4/4"
+
+
+def test_the_warm_format_setting_reaches_the_stores():
+    """serve.warm_format sets the kvtier store's warm and cpu format (dense-int8 stays int8) and the trace
+    still finishes intact; e2e.warm_format sets the e2e store's."""
+    from bench_longctx.e2e import e2e_store
+    from bench_longctx.presets import get_preset, override
+    from bench_longctx.serve_bench import run_serve
+    from bench_longctx.timing import Deadline
+    import dataclasses
+
+    preset = override(override(get_preset("quick"), "serve.warm_format=int4"), "e2e.warm_format=fp8")
+    p = dataclasses.replace(preset.serve, layers=2, requests=2, output_tokens=2, contexts=(1024,),
+                            stores="kvtier,dense-int8")
+    runs = run_serve(p, torch.device("cpu"), Deadline(600), lambda items, _name: items)["runs"]
+    assert runs["kvtier"]["warm_format"] == "int4" and runs["dense-int8"]["warm_format"] == "int8"
+    assert all(run["appended_verified"] == "2/2" for run in runs.values()), runs
+    store = e2e_store(model_args("smollm2-135m", layers=1).spec, preset.e2e, torch.device("cpu"))
+    assert (store.config.warm_format, store.config.cpu_dtype) == ("fp8", "fp8")
+    store.close()
