@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from bench_longctx.contexts_transfer import run_transfer
+from bench_longctx.contexts_transfer import run_transfer, summary
 from bench_longctx.presets import parse_tokens
 from bench_longctx.timing import environment, timed
 from engine_adapter.decoder import Decoder
@@ -254,15 +254,6 @@ def print_opened(opened: dict) -> None:
           f"{', '.join(f'{t:.2f}' for t in opened['next_tokens_s'])} s)")
 
 
-def print_transfer(t: dict) -> None:
-    c = t["ceilings"]
-    h2d = "" if c["pinned_h2d_gb_per_s"] is None else f", pinned H2D {c['pinned_h2d_gb_per_s']:.1f} GB/s"
-    print(f"transfer, {t['context']} tokens: save {t['saved_bytes'] / 1e9:.2f} GB in {t['save_s']:.1f} s = "
-          f"{t['save_gb_per_s']:.2f} GB/s ({t['save_of_ceiling']:.0%} of write + fsync {c['write_fsync_gb_per_s']:.2f}"
-          f" GB/s); load {t['blocks_loaded']} blocks in {t['load_s']:.1f} s = {t['load_gb_per_s']:.2f} GB/s "
-          f"({t['load_of_ceiling']:.0%} of disk read {c['read_gb_per_s']:.2f} GB/s{h2d}); goal {t['goal']:.0%}")
-
-
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", nargs="?", default="bench", choices=("bench", "open"))  # open: the child
@@ -304,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.transfer_tokens != "0":
             transfer = run_transfer(lambda path: bench_config(args, path), fill, parse_tokens(args.transfer_tokens),
                                     directory, args.device)
-            print_transfer(transfer)
+            print(summary(transfer))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     result = {**{k: getattr(args, k) for k in PRESETS["cpu"]}, "preset": args.preset, "block_tokens": BLOCK_TOKENS,

@@ -118,3 +118,14 @@ def run_transfer(config: Callable[[str], Config], fill: Callable, context: int, 
             "open_s": open_s, "blocks_loaded": loaded, "load_s": load_s, "load_gb_per_s": load_gbps,
             "ceilings": ceiling, "save_of_ceiling": save_gbps / ceiling["write_fsync_gb_per_s"],
             "load_of_ceiling": load_gbps / read_bound, "goal": GOAL}
+
+
+def summary(t: dict) -> str:
+    """run_transfer's result in one line."""
+    c = t["ceilings"]
+    h2d = "" if c["pinned_h2d_gb_per_s"] is None else f", pinned H2D {c['pinned_h2d_gb_per_s']:.1f} GB/s"
+    return (f"transfer, {t['context']} tokens: save {t['saved_bytes'] / 1e9:.2f} GB in {t['save_s']:.1f} s = "
+            f"{t['save_gb_per_s']:.2f} GB/s ({t['save_of_ceiling']:.0%} of write + fsync "
+            f"{c['write_fsync_gb_per_s']:.2f} GB/s); load {t['blocks_loaded']} blocks in {t['load_s']:.1f} s = "
+            f"{t['load_gb_per_s']:.2f} GB/s ({t['load_of_ceiling']:.0%} of disk read {c['read_gb_per_s']:.2f} GB/s"
+            f"{h2d}); goal {t['goal']:.0%}")

@@ -17,6 +17,7 @@ import json
 import os
 import socket
 import uuid
+from contextlib import suppress
 from functools import partial
 from typing import Callable, Iterable, Iterator
 
@@ -87,7 +88,8 @@ class SavedContexts:
             if not self._committed(name, save_id):  # a commit whose reply was lost did land: keep its data
                 self.values.delete_prefix(DATA + save_id + b"/")
                 self.values.delete([pending])
-                self._sweep()
+                with suppress(Exception):  # the save's own error is the one to report; ctx/sweep stays recorded
+                    self._sweep()
             if isinstance(exc, lmdb.MapFullError):
                 raise CapacityError(f"saving {name!r}: the ssd tier's LMDB map (2 x ssd_bytes) is full") from exc
             raise

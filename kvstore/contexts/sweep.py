@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 from kvstore.contexts.opening import BLOCK, MANIFEST, SavedReader
-from tiers.errors import IntegrityError
+from tiers.errors import BlockMissingError, IntegrityError
 from tiers.saved_values import LmdbValues
 
 SWEEP = b"ctx/sweep"
@@ -41,8 +41,8 @@ def sweep_blocks(values: LmdbValues, reader: SavedReader, reading: Iterable[byte
             continue  # deleted meanwhile: it names nothing
         try:
             keep |= reader.content_keys(key[len(MANIFEST):].decode(errors="replace"), raw)
-        except IntegrityError:
-            return 0  # a damaged manifest (or its token ids) might name any block: keep them all
+        except (IntegrityError, BlockMissingError):
+            return 0  # a damaged manifest (or its token ids damaged or gone) might name any block: keep them all
     if other_writers():
         return 0
     gone = [k for k in values.keys(BLOCK) if k not in keep]
