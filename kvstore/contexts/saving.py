@@ -8,7 +8,10 @@ context grown and saved under its own name): the new manifest inherits that, and
 name drops it once unread (or `delete` does). Before the commit (or a delete's taking of the manifest)
 the save ids to delete are recorded under ctx/pending/delete/, so `collect_garbage` finds data a writer killed
 after its commit left; it also deletes what a killed save left before its commit, once its writer is dead.
-Through Redis, blocks are shared by content key, so a save there needs Config.model_id (ValueError).
+Full blocks of known token ids go under content keys (kvstore/contexts/save_blocks.py), shared by every save
+naming them: through Redis, so a save there needs Config.model_id (ValueError); in LMDB too when the store has a
+model_id, where kvstore/contexts/sweep.py deletes those no manifest names any more. Writes stream in batches
+(values.write_all) while the next batch is built.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ import lmdb
 import numpy as np
 import torch
 
-from kvstore.contexts.opening import BLOCK, DATA, MANIFEST, PENDING, RETIRED, SAVE_ID, VERSION, SavedContext, SavedReader, \
-    Values, check_name, content_key, own_keys, owned_ids, pack_formats, seal_manifest, value_digest
+from kvstore.contexts.opening import DATA, MANIFEST, PENDING, RETIRED, SAVE_ID, VERSION, SavedContext, SavedReader, \
+    Values, check_name, own_keys, owned_ids, pack_formats, seal_manifest, value_digest
 from kvstore.blocks.table import DROPPED, LayerTable
 from kvstore.blocks.tierset import TierSet
 from kvstore.contexts.save_blocks import SaveBlocks
