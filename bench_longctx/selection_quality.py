@@ -12,6 +12,9 @@ size, budget): mean over layer-heads of captured mass and of mass / oracle, and 
 layer-head (each layer-head averaged over the steps first). The certified bound on the
 omitted mass (eviction/certify.py) is checked against the true omitted mass on every case.
 `sketch` is SketchTopK() (channel first level, head_dim // 2 channels; --channel-pairs: read in adjacent pairs).
+`cascade` is CascadeTopK (eviction/cascade.py) with each layer's PCA basis fitted on the context's keys (as a store
+would at prefill): Quest candidates in that basis, 4-bit rerank; its rows also report s (the unprotected blocks
+passing its tau threshold) and how often every survivor was a candidate (`cascade_check`).
 Numbers: BENCHMARKS.md, Selection quality.
 """
 
@@ -22,10 +25,12 @@ import json
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from eviction.policy import ScoreContext
+from eviction.cascade import CascadeTopK, pca_basis, rotate_keys
 from eviction.certify import attended_lse, certified_omitted_mass, true_omitted_mass
 from eviction.quest_kernel import quest_scores_ref
 from eviction.select import SeqWindow, cdiv, select
@@ -107,8 +112,9 @@ def dense_block_mass(q: torch.Tensor, keys: torch.Tensor, block_tokens: int,
 
 
 def evaluate_step(q: torch.Tensor, keys: torch.Tensor, block_tokens: int, fractions, methods: dict,
-                  policy: SketchTopK | None) -> dict:
-    """(method, fraction) -> captured mass [H]; for the sketch policy also (certified, true) omitted mass [H]."""
+                  policy: SketchTopK | None, cascades: tuple[CascadeTopK, ...] = ()) -> dict:
+    """(method, fraction) -> captured mass [H]; for the sketch policy also (certified, true) omitted mass [H];
+    for each cascade (`cascade` with a basis, `cascade_raw` without) also (survivor fraction, complete) [2, H]."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     mass, logits = dense_block_mass(q, keys, block_tokens, scale)
     context = keys.shape[0]
@@ -118,6 +124,12 @@ def evaluate_step(q: torch.Tensor, keys: torch.Tensor, block_tokens: int, fracti
     if policy is not None:
         summaries, codes = sketch_keys(keys, block_tokens)
         ctx = ScoreContext(summaries, window, q=q, sketch=codes)
+    cascade_ctx = {}
+    for c in cascades:
+        name = "cascade_raw" if c.basis is None else "cascade"
+        rotated = keys if c.basis is None else rotate_keys(keys, c.basis)
+        rotated_summaries, rotated_codes = sketch_keys(rotated, block_tokens)
+        cascade_ctx[name] = (c, ScoreContext(rotated_summaries, window, q=q, sketch=rotated_codes))
     out = {}
     for frac in fractions:
         budget = (context // frac) // block_tokens * block_tokens
@@ -129,41 +141,59 @@ def evaluate_step(q: torch.Tensor, keys: torch.Tensor, block_tokens: int, fracti
             out[("sketch", frac)] = mass.gather(1, chosen).sum(1)
             certified = certified_omitted_mass(upper, chosen, attended_lse(logits, chosen, block_tokens))
             out[("certified", frac)] = torch.stack((certified, true_omitted_mass(logits, chosen, block_tokens)))
+        for name, (c, c_ctx) in cascade_ctx.items():
+            chosen, stats = c.select_with_stats(c_ctx, budget)
+            out[(name, frac)] = mass.gather(1, chosen).sum(1)
+            out[(name + "_check", frac)] = torch.stack((stats.survivor_fraction, stats.complete.float()))
     return out
 
 
 def run(path: str, method_names: list[str] | None = None, block_sizes=BLOCK_SIZES, fractions=FRACTIONS,
         layers: list[int] | None = None, progress: Callable = lambda it, _: it,
-        sketch: SketchTopK | None = None) -> dict:
+        sketch: SketchTopK | None = None, cascade: CascadeTopK | None = None) -> dict:
     """Every case of a real_qk capture file."""
     data = torch.load(path, weights_only=True)
-    return evaluate(data["keys"], data["queries"], method_names, block_sizes, fractions, layers, progress, sketch)
+    return evaluate(data["keys"], data["queries"], method_names, block_sizes, fractions, layers, progress, sketch,
+                    cascade)
 
 
 def evaluate(keys_all: list[torch.Tensor], queries_all: list[torch.Tensor], method_names: list[str] | None = None,
              block_sizes=BLOCK_SIZES, fractions=FRACTIONS, layers: list[int] | None = None,
-             progress: Callable = lambda it, _: it, sketch: SketchTopK | None = None) -> dict:
+             progress: Callable = lambda it, _: it, sketch: SketchTopK | None = None,
+             cascade: CascadeTopK | None = None) -> dict:
     """Rows per (method, block size, budget) and the certificate's check, over keys [T, H, D] and the
     queries [steps, Hq, D] of the last positions, per layer (bench_longctx.real_qk.capture). sketch: the
-    `sketch` method's policy (default SketchTopK())."""
+    `sketch` method's policy (default SketchTopK()); cascade: the settings of `cascade` (its basis replaced by
+    each layer's PCA basis) and `cascade_raw` (raw channels), default CascadeTopK()."""
     steps = queries_all[0].shape[0]
-    names = list(scorers()) + ["sketch"] if method_names is None else method_names
+    names = list(scorers()) + ["sketch", "cascade"] if method_names is None else method_names
     methods = {k: v for k, v in scorers().items() if k in names}
     policy = (sketch or SketchTopK()) if "sketch" in names else None
+    template = cascade or CascadeTopK()
     layers = list(range(len(keys_all))) if layers is None else layers
     context = keys_all[0].shape[0] - steps
     acc: dict = {}
     for layer in progress(layers, "selection quality"):
+        cascades = tuple([replace(template, basis=pca_basis(keys_all[layer][:context]))] * ("cascade" in names)
+                         + [replace(template, basis=None)] * ("cascade_raw" in names))
         for s in range(steps):
             keys = keys_all[layer][: context + s + 1]  # on the capture's device (CUDA: the sketch kernel runs)
             q = queries_all[layer][s]
             for b in block_sizes:
-                for (name, frac), m in evaluate_step(q, keys, b, fractions, methods, policy).items():
+                for (name, frac), m in evaluate_step(q, keys, b, fractions, methods, policy, cascades).items():
                     acc.setdefault((name, b, frac), []).append(m)  # [H] (or [2, H]) per (layer, step)
-    rows, certificate = [], []
+    rows, certificate, cascade_rows = [], [], []
     for (name, b, frac), values in acc.items():
         if name == "certified":
             certificate.append({"selector": "sketch", **certificate_row(torch.stack(values), b, frac)})
+            continue
+        if name.endswith("_check"):
+            pairs = torch.stack(values)  # [cases, 2, H]
+            cascade_rows.append({"method": name[:-len("_check")], "block_tokens": b, "budget_fraction": f"1/{frac}",
+                                 "tau": template.tau, "candidate_factor": template.candidate_factor,
+                                 "mean_survivor_fraction": float(pairs[:, 0].mean()),
+                                 "max_survivor_fraction": float(pairs[:, 0].max()),
+                                 "complete_fraction": float(pairs[:, 1].mean())})
             continue
         per = torch.stack(values).view(len(layers), steps, -1).mean(1)  # [L, H]: mass averaged over steps
         oracle = torch.stack(acc[("oracle", b, frac)]).view(len(layers), steps, -1).mean(1)
@@ -172,9 +202,11 @@ def evaluate(keys_all: list[torch.Tensor], queries_all: list[torch.Tensor], meth
         rows.append({"method": name, "block_tokens": b, "budget_fraction": f"1/{frac}", "budget": context // frac,
                      "mean_mass": float(per.mean()), "worst_mass": float(per.min()),
                      "mean_vs_oracle": float(ratio.mean()), "worst_vs_oracle": float(ratio.min()),
-                     "worst_layer_head": [layers[worst // per.shape[1]], worst % per.shape[1]]})
+                     "worst_layer_head": [layers[worst // per.shape[1]], worst % per.shape[1]],
+                     "worst_layer_vs_oracle": float(ratio.mean(1).min())})
     return {"context": context, "steps": steps, "layers": len(layers), "kv_heads": keys_all[0].shape[1],
-            "sink_tokens": SINK_TOKENS, "recent_tokens": RECENT_TOKENS, "rows": rows, "certificate": certificate}
+            "sink_tokens": SINK_TOKENS, "recent_tokens": RECENT_TOKENS, "rows": rows, "certificate": certificate,
+            "cascade": cascade_rows}
 
 
 def certificate_row(pairs: torch.Tensor, block_tokens: int, frac: int) -> dict:
@@ -201,22 +233,33 @@ def table(result: dict) -> str:
                      f"{c['below_true']} | "
                      f"{c['mean_true']:.4f} | {c['mean_certified']:.4f} | {c['ratio_of_means']:.2f} | "
                      f"{c['median_ratio']:.2f} | {c['p90_ratio']:.2f} |")
+    lines += ["", "| cascade | block | budget | tau | mean s | max s | every survivor a candidate |", "|" + "---|" * 7]
+    for c in sorted(result.get("cascade", []), key=lambda c: (c["method"], c["block_tokens"], c["budget_fraction"])):
+        lines.append(f"| {c['method']} | {c['block_tokens']} | {c['budget_fraction']} | {c['tau']} | "
+                     f"{c['mean_survivor_fraction']:.3f} | {c['max_survivor_fraction']:.3f} | "
+                     f"{c['complete_fraction']:.3f} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("qk", help="file written by bench_longctx.real_qk")
-    parser.add_argument("--methods", default=None, help="comma-separated subset of " + ",".join(scorers()))
+    every = [*scorers(), "sketch", "cascade", "cascade_raw"]
+    parser.add_argument("--methods", default=None, help="comma-separated subset of " + ",".join(every))
     parser.add_argument("--blocks", default=",".join(map(str, BLOCK_SIZES)))
     parser.add_argument("--channel-pairs", action="store_true",
                         help="the sketch's first level reads its channels in adjacent pairs (SketchTopK.channel_pairs)")
+    parser.add_argument("--candidate-factor", type=int, default=4, help="cascade: candidates = this x k")
+    parser.add_argument("--tau", type=float, default=0.05, help="cascade: the threshold's token weight")
+    parser.add_argument("--fractions", default=",".join(map(str, FRACTIONS)), help="budgets: context / each")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     t0 = time.time()
     result = run(args.qk, args.methods.split(",") if args.methods else None,
-                 tuple(int(b) for b in args.blocks.split(",")), sketch=SketchTopK(channel_pairs=args.channel_pairs))
+                 tuple(int(b) for b in args.blocks.split(",")), tuple(int(f) for f in args.fractions.split(",")),
+                 sketch=SketchTopK(channel_pairs=args.channel_pairs),
+                 cascade=CascadeTopK(candidate_factor=args.candidate_factor, tau=args.tau))
     result["channel_pairs"] = args.channel_pairs
     result["seconds"] = time.time() - t0
     print(table(result))

@@ -1,0 +1,128 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from eviction.cascade import (CascadeTopK, pca_basis, quest_upper, rotate_keys, rotate_queries,
+                              threshold_survivors)
+from eviction.policy import ScoreContext
+from eviction.select import SeqWindow, cdiv, select
+from eviction.sketch import sketch_keys
+from eviction.summaries import summarize_keys
+
+# (tokens, block_tokens, kv_heads, group, head_dim): partial tails, GQA groups of 1-4, odd block counts
+SHAPES = [(203, 8, 2, 3, 12), (97, 16, 1, 4, 16), (333, 10, 3, 1, 8), (64, 4, 2, 2, 20)]
+
+
+def keys_and_q(tokens: int, heads: int, group: int, dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 keys [T, H, D] with correlated channels and a few outlier channels (real keys' shape), q [Hq, D]."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(heads, dim, dim, generator=g) / math.sqrt(dim)
+    keys = torch.einsum("thd,hde->the", torch.randn(tokens, heads, dim, generator=g), mix) * 2.0
+    keys[:, :, :2] += 6.0 * torch.randn(1, heads, 2, generator=g)  # near-constant outlier channels
+    q = torch.randn(heads * group, dim, generator=g) * 1.5
+    return keys.half(), q.half()
+
+
+def context(keys: torch.Tensor, q: torch.Tensor, block_tokens: int, basis: torch.Tensor | None,
+            sink: int = 8, recent: int = 8) -> ScoreContext:
+    window = SeqWindow(num_tokens=keys.shape[0], block_tokens=block_tokens, sink_tokens=sink, recent_tokens=recent)
+    summaries, codes = sketch_keys(keys if basis is None else rotate_keys(keys, basis), block_tokens)
+    return ScoreContext(summaries, window, q=q, sketch=codes)
+
+
+def true_logits(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """float64 [Hq, T], softmax scale applied, brute force over every token."""
+    heads, group = keys.shape[1], q.shape[0] // keys.shape[1]
+    rows = [q[i].double() @ keys[:, i // group].double().T for i in range(q.shape[0])]
+    return torch.stack(rows) / math.sqrt(q.shape[1])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("use_basis", [False, True])
+@pytest.mark.parametrize("tau", [0.05, 0.3])
+def test_threshold_never_prunes_a_heavy_token(shape, use_basis, tau):
+    tokens, b, heads, group, dim = shape
+    keys, q = keys_and_q(tokens, heads, group, dim, seed=tokens + dim)
+    basis = pca_basis(keys) if use_basis else None
+    ctx = context(keys, q, b, basis)
+    _, stats = CascadeTopK(basis=basis, tau=tau, z_blocks=2).select_with_stats(ctx, 3 * b)
+    logits = true_logits(q, keys)
+    assert (stats.log_z.double() <= torch.logsumexp(logits, 1) + 1e-4).all()  # a lower bound on log Z
+    weight = torch.softmax(logits, 1)  # [Hq, T]
+    n = cdiv(tokens, b)
+    padded = torch.nn.functional.pad(weight, (0, n * b - tokens)).view(q.shape[0], n, b)
+    heavy = (padded.amax(-1) >= tau).view(heads, group, n).any(1)  # [H, N]: holds a token with >= tau
+    assert (stats.survivors | ~heavy).all(), "a block holding a token with >= tau of the weight was pruned"
+    # every block above the threshold by brute force over its tokens survives too
+    above = (torch.nn.functional.pad(logits, (0, n * b - tokens), value=-math.inf).view(q.shape[0], n, b).amax(-1)
+             >= (stats.log_z.double() + math.log(tau))[:, None]).view(heads, group, n).any(1)
+    assert (stats.survivors | ~above).all()
+
+
+def test_threshold_prunes_when_the_partition_sum_is_known():
+    keys, q = keys_and_q(256, 2, 2, 16, seed=3)
+    keys[17] = (q.float().view(2, 2, 16).sum(1) * 3.0).half()  # a needle for each kv head's group
+    summaries = summarize_keys(keys, 8)
+    upper = quest_upper(q, summaries)
+    log_z = torch.logsumexp(true_logits(q, keys), 1).float()
+    survivors = threshold_survivors(upper, log_z, 0.05, 2)
+    assert survivors[:, 2].all()  # the needle's block
+    assert survivors.float().mean(1).min() < 0.2  # the threshold does prune once one token dominates
+    assert (upper >= true_logits(q, keys).view(4, 32, 8).amax(-1).float() - 1e-3).all()  # a bound per q head
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_block_a_candidate_is_the_full_4bit_ranking(shape):
+    tokens, b, heads, group, dim = shape
+    keys, q = keys_and_q(tokens, heads, group, dim, seed=7)
+    basis = pca_basis(keys)
+    ctx = context(keys, q, b, basis)
+    policy = CascadeTopK(basis=basis, candidate_factor=1, min_candidates=ctx.num_blocks)
+    budget = 4 * b
+    selected, stats = policy.select_with_stats(ctx, budget)
+    assert torch.equal(selected, select(policy.score(ctx), ctx.window, budget))
+    assert stats.complete.all() and stats.candidates == ctx.num_blocks - ctx.window.num_protected()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_candidates_are_quest_in_the_basis(shape):
+    tokens, b, heads, group, dim = shape
+    keys, q = keys_and_q(tokens, heads, group, dim, seed=11)
+    basis = pca_basis(keys)
+    ctx = context(keys, q, b, basis)
+    budget = 5 * b
+    selected, stats = CascadeTopK(basis=basis, candidate_factor=2).select_with_stats(ctx, budget)
+    k = ctx.window.num_selected(budget)
+    assert stats.candidates == min(2 * k, ctx.num_blocks - ctx.window.num_protected())
+    bound = quest_upper(rotate_queries(q, basis), ctx.summaries).view(heads, group, -1).amax(1)  # [H, N]
+    assert selected.shape == (heads, k) and (selected.diff(dim=1) > 0).all()
+    protected = ctx.window.protected_mask()
+    free_bound = bound.masked_fill(protected, -math.inf)
+    cutoff = free_bound.topk(stats.candidates, dim=1).values[:, -1:]  # [H, 1]: the last candidate's bound
+    picked = free_bound.gather(1, selected)
+    assert ((picked >= cutoff) | protected[selected]).all(), "a block outside Quest's top C was selected"
+    assert (protected[selected].sum(1) == int(protected.sum())).all()
+
+
+def test_rotation_keeps_logits():
+    keys, q = keys_and_q(150, 3, 2, 16, seed=5)
+    basis = pca_basis(keys)
+    eye = torch.eye(16).expand(3, 16, 16)
+    assert torch.allclose(basis.transpose(1, 2) @ basis, eye, atol=1e-5)
+    rotated = true_logits(rotate_queries(q.float(), basis), rotate_keys(keys.float(), basis))
+    assert torch.allclose(rotated, true_logits(q, keys), atol=1e-3)
+
+
+def test_bad_arguments():
+    for kwargs in ({"candidate_factor": 0}, {"tau": 1.0}, {"z_blocks": -1}, {"basis": torch.eye(4)}):
+        with pytest.raises(ValueError):
+            CascadeTopK(**kwargs)
+    keys, q = keys_and_q(64, 2, 2, 8, seed=1)
+    ctx = context(keys, q, 8, None)
+    with pytest.raises(ValueError, match="basis"):
+        CascadeTopK(basis=torch.eye(8).expand(3, 8, 8)).select(ctx, 16)
+    with pytest.raises(ValueError, match="sketch"):
+        CascadeTopK().select(ScoreContext(ctx.summaries, ctx.window, q=q), 16)
