@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import torch
 
+from bench_longctx.needle_selection import run as run_needles, table as needle_table
+from bench_longctx.presets import NeedlePreset
 from bench_longctx.selection_quality import evaluate, table
 from eviction.cascade import CascadeTopK
 
@@ -23,3 +25,13 @@ def test_cascade_rows_beside_quest():
         assert 0.0 <= c["mean_survivor_fraction"] <= c["max_survivor_fraction"] <= 1.0
         assert c["candidate_factor"] == 2 and 0.0 <= c["complete_fraction"] <= 1.0
     assert "| cascade_raw | 16 | 1/8 |" in table(result)
+
+
+def test_needle_selection_rows():
+    rows = run_needles((4096,), 1, NeedlePreset(budgets=(1024,)))
+    by = {r["selector"]: r for r in rows}
+    assert set(by) == {"quest", "sketch", "cascade", "cascade_c16", "cascade_raw"}
+    assert len({r["trials"] for r in rows}) == 1 and rows[0]["trials"] > 0  # the same needles for each selector
+    assert by["cascade"]["found"] == by["cascade"]["trials"] and by["cascade"]["weight_held"] > 0.99
+    assert by["quest"]["found"] < by["cascade"]["found"]
+    assert "| 4096 | 1024 |" in needle_table(rows)
