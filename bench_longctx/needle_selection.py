@@ -1,6 +1,7 @@
 """Which selectors find the planted needles of `kvtier bench needle`, compared at the policy level (no store).
 
-    python -m bench_longctx.needle_selection [--seeds 2] [--contexts 4096,16384,32768] [--out results.json]
+    python -m bench_longctx.needle_selection [--seeds 2] [--contexts 4096,16384,32768] [--budgets 256,1024]
+        [--device cuda] [--out results.json]
 
 The haystacks of bench_longctx/needle.py (SmolLM2-distributed background keys, norm-matched needles at graded
 margins, smollm2-135m geometry, 32-token blocks, 64 sink + 128 recent tokens); per needle query each selector
@@ -43,7 +44,8 @@ def selectors(keys: torch.Tensor, window: SeqWindow, block_tokens: int) -> dict[
             "cascade_raw": lambda q, b: CascadeTopK().select(raw(q), b)}
 
 
-def run(contexts: tuple[int, ...], seeds: int, p: NeedlePreset = NeedlePreset()) -> list[dict]:
+def run(contexts: tuple[int, ...], seeds: int, p: NeedlePreset = NeedlePreset(),
+        device: torch.device | str = "cpu") -> list[dict]:
     """Rows per (context, budget, selector): found / trials, recall, needle weight held."""
     spec = ModelSpec.preset(p.geometry)
     acc: dict = {}
@@ -51,7 +53,7 @@ def run(contexts: tuple[int, ...], seeds: int, p: NeedlePreset = NeedlePreset())
         window = SeqWindow(num_tokens=ctx, block_tokens=p.block_tokens, sink_tokens=p.sink_tokens,
                            recent_tokens=p.recent_tokens)
         for seed in range(seeds):
-            hay = haystack(spec, ctx, p, torch.device("cpu"), seed=seed)
+            hay = haystack(spec, ctx, p, torch.device(device), seed=seed)
             group = spec.num_q_heads // spec.num_kv_heads
             for name, select in selectors(hay["keys"], window, p.block_tokens).items():
                 for budget in p.budgets:
@@ -84,10 +86,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", default="4096,16384,32768")
     parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--budgets", default=",".join(map(str, NeedlePreset().budgets)))
+    parser.add_argument("--device", default="cpu", help="cuda: Quest and the sketch run their GPU kernels")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
-    rows = run(tuple(int(c) for c in args.contexts.split(",")), args.seeds)
+    preset = NeedlePreset(budgets=tuple(int(b) for b in args.budgets.split(",")))
+    rows = run(tuple(int(c) for c in args.contexts.split(",")), args.seeds, preset, args.device)
     print(table(rows))
     if args.out:
         with open(args.out, "w") as f:

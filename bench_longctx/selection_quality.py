@@ -14,7 +14,8 @@ omitted mass (eviction/certify.py) is checked against the true omitted mass on e
 `sketch` is SketchTopK() (channel first level, head_dim // 2 channels; --channel-pairs: read in adjacent pairs).
 `cascade` is CascadeTopK (eviction/cascade.py) with each layer's PCA basis fitted on the context's keys (as a store
 would at prefill): Quest candidates in that basis, 4-bit rerank; its rows also report s (the unprotected blocks
-passing its tau threshold) and how often every survivor was a candidate (`cascade_check`).
+passing its tau threshold) and how often every survivor was a candidate (result["cascade"]); `cascade_raw` is
+the same on raw channels. Rows also give the worst layer (layer-heads averaged per layer) vs the oracle.
 Numbers: BENCHMARKS.md, Selection quality.
 """
 
