@@ -4,22 +4,23 @@ what the candidates left out.
 A step, per kv head:
   1. Quest's upper bound (Tang et al. 2024) of every block, from min/max summaries of keys expressed in an
      orthonormal basis fitted to the layer-head's keys (`pca_basis`: their principal directions; q . k does
-     not change under a rotation, the box does). Min/max boxes of decorrelated coordinates are tighter than
-     boxes of raw channels: on real SmolLM2 keys the candidates it ranks hold more of the oracle's blocks
-     (BENCHMARKS.md, Selection quality). A random or Hadamard rotation makes the boxes looser, not tighter.
+     not change under a rotation, the box does). On real SmolLM2 keys the bound in that basis is no tighter at
+     the median block, but it ranks the blocks that matter higher: the candidates hold more of the oracle's
+     blocks (BENCHMARKS.md, Selection quality). A random or Hadamard rotation ranks worse than raw channels.
   2. The protected blocks plus the C = max(candidate_factor x k, min_candidates) blocks of highest bound are
      candidates: only their 4-bit codes (eviction/sketch.py, built in the same basis) are read.
   3. Each candidate's estimated softmax mass (its share of each q head's softmax over the candidates, mean over
      the GQA group) ranks it; the protected blocks plus the k best are kept (the sketch selector's fine pass).
-The cost beyond Quest's scan is the codes of C blocks: s = C / N of the sketch's bytes.
+The cost beyond Quest's scan is the 4-bit codes of C of the N blocks per kv head.
 
 Threshold check (`threshold_survivors`): with log_z a lower bound on a q head's log partition sum, a block
 whose upper bound is below log(tau) + log_z cannot hold a token with >= tau of that head's softmax weight.
 The blocks that pass for some head of the group are the survivors; a kv head is `complete` when every
 survivor is a candidate, i.e. the 4-bit ranking saw every block that could hold such a token. log_z here is
 the 4-bit lower bound over the protected blocks and the `z_blocks` best-bound blocks of every kv head (codes
-the candidates read anyway). On real keys Quest's bound is loose by ~15 nats at the median block, so most
-blocks survive: the threshold certifies, it does not prune.
+the candidates read anyway). With a basis the bounds hold for the fp16-rounded rotated keys the summaries and
+codes were built from. On real keys Quest's bound is loose by ~16 nats at the median block, so most blocks
+survive: the threshold certifies, it does not prune.
 
 Layout: policy -> basis helpers -> the threshold (pure torch: the reference a kernel is checked against).
 """
