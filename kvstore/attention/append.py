@@ -62,6 +62,22 @@ def _append_rows_kernel(pool_ptr, sum_addrs, like_sum, k_ptr, v_ptr, tail_slot_p
                 s_pool_kv, s_pool_head, s_pool_tok, s_sum_blk, s_sum_kind, s_sum_head, BLOCK_TOKENS)
 
 
+@triton.jit
+def _open_tails_kernel(sum_addrs, like_sum, h2o_addrs, like_h2o, h2o_strides, index, s_sum_blk, s_sum_kind,
+                       num_heads, head_elems, BLOCK: tl.constexpr, HEADS: tl.constexpr):
+    """Program per layer: the tail entry `index` of that layer's table opened (summary min +inf, max -inf,
+    H2O scores 0 for every head)."""
+    layer = tl.program_id(0)
+    summary = tl.load(sum_addrs + layer).to(like_sum.dtype) + index * s_sum_blk
+    offs = tl.arange(0, BLOCK)
+    tl.store(summary + offs, tl.full((BLOCK,), float("inf"), tl.float32), mask=offs < head_elems)
+    tl.store(summary + s_sum_kind + offs, tl.full((BLOCK,), float("-inf"), tl.float32), mask=offs < head_elems)
+    h2o = tl.load(h2o_addrs + layer).to(like_h2o.dtype)
+    heads = tl.arange(0, HEADS)
+    tl.store(h2o + heads * tl.load(h2o_strides + layer) + index, tl.zeros((HEADS,), tl.float32),
+             mask=heads < num_heads)
+
+
 class NewToken(NamedTuple):
     """A decode token to append before attending: k, v fp16 [H, D]; the layer's summaries fp16 [N, 2, H, D];
     tail_slot int64 [1], the hot-pool slot of its tail block; count int64 [1], the tokens held before it."""
@@ -123,6 +139,32 @@ def append_tokens_ref(pool: torch.Tensor, summaries: list[torch.Tensor], k: torc
     """`append_tokens` in torch, one sequence at a time."""
     for i, s in enumerate(summaries):
         append_token_ref(pool, s, k[i], v[i], tail_slots[i: i + 1], num_tokens[i: i + 1])
+
+
+def open_tails(summaries: list[torch.Tensor], h2o_scores: list[torch.Tensor], addresses: tuple[torch.Tensor, ...],
+               index: int) -> None:
+    """Open entry `index` of every layer's table in one launch: summaries[l][index] min +inf, max -inf (fp16
+    [N, 2, H, D]; the step's append widens them), h2o_scores[l][:, index] = 0 (fp32 [H, N]). addresses:
+    int64 [L] of the summaries' and H2O scores' addresses and the H2O row strides."""
+    first, h2o = summaries[0], h2o_scores[0]
+    _, _, heads, dim = first.shape
+    if first.stride(2) != dim or first.stride(3) != 1 or h2o.dtype != torch.float32 or \
+            not all(index < min(s.shape[0], h.shape[1]) for s, h in zip(summaries, h2o_scores)):
+        raise ValueError(f"open_tails: summaries [N, 2, H, D] contiguous in H, D and fp32 H2O scores holding "
+                         f"entry {index} expected")
+    sum_addrs, h2o_addrs, h2o_strides = addresses
+    _open_tails_kernel[(len(summaries),)](sum_addrs, first, h2o_addrs, h2o, h2o_strides, index, first.stride(0),
+                                          first.stride(1), heads, heads * dim,
+                                          BLOCK=triton.next_power_of_2(heads * dim),
+                                          HEADS=triton.next_power_of_2(heads), num_warps=4)
+
+
+def open_tails_ref(summaries: list[torch.Tensor], h2o_scores: list[torch.Tensor], index: int) -> None:
+    """`open_tails` in torch, layer by layer."""
+    for s, h in zip(summaries, h2o_scores):
+        s[index, 0] = float("inf")
+        s[index, 1] = float("-inf")
+        h[:, index] = 0.0
 
 
 def check_new_token(pool: torch.Tensor, new: NewToken) -> None:

@@ -38,8 +38,8 @@ class Holders:
         for block_id in ids:
             for seq, layer, index in self.blocks.holders_of(block_id):
                 by_table.setdefault((seq, layer), []).append(index)
-        for (seq, layer), indices in by_table.items():
-            self.set_maps(self.tables[seq][layer], indices, tier)
+        moved = [(self.tables[seq][layer], indices) for (seq, layer), indices in by_table.items()]
+        self.tensors.set_locations([(t, i, self._slots(t, i, tier)) for t, i in moved], tier)
 
     def enter(self, table: LayerTable, indices: Sequence[int], tier: int) -> None:
         """The blocks of entries `indices` of `table`, which no other entry holds, were just recorded in `tier`
@@ -50,9 +50,11 @@ class Holders:
     def set_maps(self, table: LayerTable, indices: list[int], tier: int) -> None:
         """Point the table's device maps for entries `indices` at `tier` (slots in the GPU pools and the cpu tier,
         which a captured step reads itself: tiers/slice_gather.py)."""
+        self.tensors.set_location(table, indices, self._slots(table, indices, tier), tier)
+
+    def _slots(self, table: LayerTable, indices: list[int], tier: int) -> list[int]:
         pooled = HOT_TIER <= tier <= CPU_TIER
-        slots = self.stack[tier].slots.lookup([table.block_ids[i] for i in indices]) if pooled else [-1] * len(indices)
-        self.tensors.set_location(table, indices, slots, tier)
+        return self.stack[tier].slots.lookup([table.block_ids[i] for i in indices]) if pooled else [-1] * len(indices)
 
     def count(self, ids: Sequence[int], tier: int, sign: int) -> None:
         """`ids` entered (+1) or left (-1) `tier`: every holder's warm or cold count follows."""

@@ -18,6 +18,7 @@ import torch
 
 from eviction.sketch import encode_blocks
 from eviction.summaries import summarize_keys
+from kvstore.blocks.map_scatter import scatter_locations
 from tiers.base import device_ints
 
 DROPPED = -1  # block id of a block H2O drop-mode evicted for good
@@ -134,6 +135,18 @@ class TableTensors:
             out.tier_map[:n] = table.tier_map[:n]
             out.h2o_scores[:, :n] = table.h2o_scores[:, :n]
         return out
+
+    def set_locations(self, moved: list[tuple[LayerTable, list[int], list[int]]], tier: int) -> None:
+        """set_location for many tables at once: (table, indices, slots) each; on CUDA one copy and one launch
+        for all of them (kvstore/blocks/map_scatter.py)."""
+        if self.device.type != "cuda" or len(moved) == 1:
+            for table, indices, slots in moved:
+                self.set_location(table, indices, slots, tier)
+            return
+        scatter_locations([(t.slot_map, t.tier_map) for t, _, _ in moved], [i for _, i, _ in moved],
+                          [s for _, _, s in moved], tier)
+        for table, _, _ in moved:
+            table.moves += 1
 
     def set_location(self, table: LayerTable, indices: list[int], slots: list[int], tier: int) -> None:
         """Blocks `indices` of `table` now live in `tier` at `slots` (-1 for tiers without slots)."""

@@ -51,7 +51,7 @@ from eviction.quest_kernel import live_and_protected, quest_scores_live, quest_s
 from eviction.select import top_blocks
 from eviction.sketch_topk import SketchTopK
 from eviction.topk_kernel import can_select, topk_block_table, two_stage
-from kvstore.attention.append import NewToken, append_token, append_token_ref
+from kvstore.attention.append import NewToken, append_token, append_token_ref, open_tails, open_tails_ref
 from kvstore.blocks.table import DROPPED, LayerTable
 from kvstore.blocks.tierset import HOT_TIER, WARM_TIER
 from kvstore.decode.cold_slices import StepColdBlocks
@@ -89,6 +89,10 @@ class DecodeStep:
         self.capacity = -(-capacity_tokens // b)  # blocks every table is preallocated for
         for t in self.tables:
             self.tensors.reserve(t, self.capacity, exact=True)  # fixed addresses from here on: what a graph needs
+        self._table_addresses = tuple(  # int64 [L] each: summaries, H2O scores, H2O row strides (open_tails)
+            device_ints(v, dev) for v in ([t.summaries.data_ptr() for t in tables],
+                                          [t.h2o_scores.data_ptr() for t in tables],
+                                          [t.h2o_scores.stride(0) for t in tables]))
         self.sink_blocks = -(-c.sink_tokens // b)
         self.recent_tokens = self.path.recent_window(budget)
         self.k = max(budget // b, self.sink_blocks + -(-self.recent_tokens // b) + 1)  # blocks per head (topk)
@@ -207,11 +211,12 @@ class DecodeStep:
             if not placed:
                 self.tiers.check_room(len(self.tables))
                 place_tails(self.tiers, self.new_tails(), self.spec, self.block_tokens, self.device)
-            for table in self.tables:
-                index = table.num_blocks - 1
-                table.summaries[index, 0] = float("inf")  # min/max of no keys: the step widens them
-                table.summaries[index, 1] = float("-inf")
-                table.h2o_scores[:, index] = 0.0
+            summaries, h2o = [t.summaries for t in self.tables], [t.h2o_scores for t in self.tables]
+            index = self.tables[0].num_blocks - 1  # min/max of no keys (the step widens them), no H2O mass yet
+            if self.device.type == "cuda":  # one launch for every layer
+                open_tails(summaries, h2o, self._table_addresses, index)
+            else:
+                open_tails_ref(summaries, h2o, index)
             self._sync_tail_slots()
         self.note_cold()
         self.partitions.update(self.tables, self.dense_blocks, self.length + 1, self.phase == "dense" and

@@ -8,7 +8,7 @@ import torch
 
 from eviction.batch_kernels import addresses
 from kvstore.attention.append import (NewToken, append_token, append_token_ref, append_tokens,
-                                     append_tokens_ref)
+                                     append_tokens_ref, open_tails, open_tails_ref)
 from kvstore.attention.paged_decode import paged_decode
 from kvstore.attention.reference import paged_decode_ref
 from tests.kvstore.attention.cases import make_case
@@ -47,6 +47,22 @@ def test_batch_append_matches_reference():
     append_tokens(pool, summaries, addresses(summaries, DEVICE), k, v, slots, counts)
     assert torch.equal(pool, want_pool) and all(torch.equal(a, b) for a, b in zip(summaries, want_summaries))
     assert torch.equal(pool[7, 1, :, 200 % block_tokens], v[2])
+
+
+def test_open_tails_matches_reference():
+    g = torch.Generator().manual_seed(8)
+    capacities = [5, 9, 5]  # one entry per layer, tables of different capacities
+    summaries = [torch.randn((n, 2, 3, 16), generator=g).half().to(DEVICE) for n in capacities]
+    h2o = [torch.rand((3, n), generator=g).to(DEVICE) for n in capacities]
+    want_s, want_h = [s.clone() for s in summaries], [h.clone() for h in h2o]
+    addresses = tuple(torch.tensor(v, dtype=torch.int64, device=DEVICE) for v in
+                      ([s.data_ptr() for s in summaries], [h.data_ptr() for h in h2o], [h.stride(0) for h in h2o]))
+    open_tails(summaries, h2o, addresses, 4)
+    open_tails_ref(want_s, want_h, 4)
+    assert all(torch.equal(a, b) for a, b in zip(summaries + h2o, want_s + want_h))
+    assert (summaries[1][4, 0] == float("inf")).all() and not h2o[2][:, 4].any() and h2o[2][:, 3].all()
+    with pytest.raises(ValueError, match="holding entry 5"):
+        open_tails(summaries, h2o, addresses, 5)
 
 
 def test_append_checks_its_inputs():
