@@ -114,8 +114,9 @@ def quest_scores_rows(q: torch.Tensor, summaries: list[torch.Tensor], s_addrs: t
     grid = (triton.cdiv(num_blocks, 64), heads, b)
     _quest_rows_kernel[grid](q, s_addrs, first, out, counts, num_blocks, sink_blocks, recent_tokens, block_tokens,
                              q.stride(0), q.stride(1), first.stride(0), first.stride(1), first.stride(2),
-                             out.stride(0), out.stride(1), GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-                             HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=64, num_warps=8)
+                             out.stride(0), out.stride(1), GROUP=group,
+                             GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
+                             BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=64, num_warps=8)
     return out
 
 

@@ -243,7 +243,7 @@ class KVStore:
         omitted softmax mass is <= epsilon for every kv head, or `budget` tokens are selected."""
         table = self.table(seq, layer)
         policy = self._policy(mode)
-        self._check_query(q, budget)
+        self.check_query(q, budget)
         if table.num_tokens == 0:
             raise ValueError(f"sequence {seq} layer {layer} holds no tokens to attend to")
         if table.num_dropped and not isinstance(policy, type(self.policies["h2o"])):
@@ -272,7 +272,8 @@ class KVStore:
             raise ValueError(f"mode must be one of {MODES} or an eviction.Policy instance, got {mode!r}")
         return None if mode == "dense" else self.policies[mode]
 
-    def _check_query(self, q: torch.Tensor, budget: int) -> None:
+    def check_query(self, q: torch.Tensor, budget: int) -> None:
+        """ValueError unless q is float16 [num_q_heads, head_dim] on the store's device and budget a positive int."""
         if not _is_int(budget) or budget <= 0:
             raise ValueError(f"budget must be a positive int (tokens), got {budget!r}")
         shape = (self.spec.num_q_heads, self.spec.head_dim)

@@ -13,6 +13,8 @@ ShardPlan range of the K/V and attends only over it:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from eviction.select import SeqWindow, all_blocks
@@ -29,16 +31,30 @@ MODES = ("dense", "topk", "sketch")
 class ShardedSequence:
     """This rank's part of one sequence sharded by `plan` over `group`."""
 
-    def __init__(self, store: KVStore, group: RankGroup, plan: ShardPlan) -> None:
+    def __init__(self, store: KVStore, group: RankGroup, plan: ShardPlan, seq: int | None = None,
+                 lengths: Sequence[int] | None = None) -> None:
+        """A new, empty sequence; or (seq and lengths: the whole sequence's tokens per layer) one of the store's
+        sequences that holds exactly this rank's range of them, e.g. a shard opened from a save."""
         if plan.world_size != group.world_size:
             raise ValueError(f"plan has {plan.world_size} ranks, the group {group.world_size}")
         if plan.block_tokens != store.config.block_tokens:
             raise ValueError(f"plan's blocks are {plan.block_tokens} tokens, the store's {store.config.block_tokens}")
+        if (seq is None) != (lengths is None):
+            raise ValueError("pass both seq and lengths (an existing shard) or neither (a new sequence)")
         self.store, self.group, self.plan = store, group, plan
         self.rank = group.rank
         self.lo, self.hi = plan.token_range(self.rank)
-        self.seq = store.create_sequence()
-        self.lengths = [0] * store.spec.num_layers  # tokens of the whole sequence, per layer
+        num_layers = store.spec.num_layers
+        self.lengths = [0] * num_layers if lengths is None else list(lengths)  # whole sequence's tokens, per layer
+        if len(self.lengths) != num_layers:
+            raise ValueError(f"lengths must give each of the {num_layers} layers, got {len(self.lengths)}")
+        if seq is not None:
+            held = [store.table(seq, layer).num_tokens for layer in range(num_layers)]
+            want = [max(0, min(n, self.hi) - self.lo) for n in self.lengths]
+            if held != want:
+                raise ValueError(f"sequence {seq} holds {held} tokens per layer; rank {self.rank}'s range of "
+                                 f"{self.lengths} is {want}")
+        self.seq = store.create_sequence() if seq is None else seq
 
     def fill(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [T, kv_heads, head_dim] at the sequence's next T positions of `layer` (every rank passes the
@@ -101,10 +117,4 @@ def check_query(store: KVStore, q: torch.Tensor, mode: str, budget: int) -> None
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "sketch" and not store.config.sketch_codes:
         raise ValueError("mode='sketch' reads sketch codes, and this store has none (Config.sketch_codes=False)")
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-        raise ValueError(f"budget must be a positive int (tokens), got {budget!r}")
-    shape = (store.spec.num_q_heads, store.spec.head_dim)
-    if not isinstance(q, torch.Tensor) or tuple(q.shape) != shape or q.dtype != torch.float16 \
-            or q.device.type != store.device.type:
-        got = f"{q.dtype} {list(q.shape)} on {q.device}" if isinstance(q, torch.Tensor) else type(q).__name__
-        raise ValueError(f"q must be float16 {list(shape)} on {store.device.type}, got {got}")
+    store.check_query(q, budget)
