@@ -88,6 +88,8 @@ class ShardedSequence:
         was attended, lse float32 [Hq]) of this rank's shard."""
         table = self.store.table(self.seq, layer)
         check_query(self.store, q, mode, budget)
+        if mode == "sketch":
+            self.store.unread.load_if_needed(self.seq)  # an opened shard reads its sketch codes now, as store.attend
         if self.lengths[layer] == 0:
             raise ValueError(f"layer {layer} of the sequence holds no tokens to attend to")
         selected = self.select(table, q, mode, budget, self.lengths[layer])
