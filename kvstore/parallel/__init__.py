@@ -9,6 +9,8 @@
                  (kvstore.attention.merge's split merge; its torch reference on CPU)
     sequence.py  ShardedSequence: fill, append (only the owner stores), attend (select and attend over the
                  shard, all_gather [q heads, head_dim + 1], merge)
+    saved.py     save_sharded / open_sharded: each rank's shard through store.save / store.open, and a checksummed
+                 manifest of the split (ranks, starts, tokens per layer, geometry, each shard's save id)
     reference.py ShardedSelection: the ranks' selection computed in one process over the whole sequence (a
                  policy for store.attend), what the multi-process runs are tested against
 

@@ -1,7 +1,7 @@
 """Two gloo processes save a sharded sequence (each rank its shard, each store its copy of the manifest), free it,
 and open it in new stores over the same paths: the opened sequence appends and attends bit-equal to the one never
-saved, in every mode. A damaged shard is refused on every rank (IntegrityError), and a group of another size is
-refused before anything opens (ValueError)."""
+saved, in every mode. A damaged shard is refused on every rank (IntegrityError), a group of another size is
+refused before anything opens (ValueError), and a delete takes the manifest and the rank's shard."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvstore.parallel.group import RankGroup, spawn
-from kvstore.parallel.saved import open_sharded, read_sharded, save_sharded, shard_name
+from kvstore.parallel.saved import delete_sharded, open_sharded, read_sharded, save_sharded, shard_name
 from kvstore.parallel.sequence import ShardedSequence
 from kvstore.parallel.shards import ShardPlan
 from tests.kvstore.parallel.test_sharded_sequence import MODES, queries
@@ -83,4 +83,9 @@ def test_two_ranks_save_and_open_a_sharded_sequence_that_decodes_bit_equal(tmp_p
         with pytest.raises(ValueError, match="saved over 2 ranks; this group has 1"):
             open_sharded(store, RankGroup(), "doc")
         assert not store.sequences
+        assert store.saved_contexts() == ["doc:rank0-of2"]
+        delete_sharded(store, RankGroup(0, 2), "doc")  # rank 0's part (no collective)
+        assert store.saved_contexts() == []
+        with pytest.raises(KeyError, match="no sharded context named 'doc'"):
+            read_sharded(store, "doc")
         store.check_integrity()
