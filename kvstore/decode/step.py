@@ -13,21 +13,17 @@ per layer, inside the step (no host sync):
                  sketch, whose first level reads the tail's summary, appends first)
     2. select    dense: the table itself, viewed up to a bucket of blocks (ceil(n / B) rounded up by at most
                  1.25x, so a short sequence in a long capacity gets a short table's kernel; one graph per bucket);
-                 topk (Quest's min/max bound) or sketch (the 4-bit key sketch, select_masked_table):
-                 block scores over capacity, invalid blocks -inf, sinks and the recent window +inf,
-                 top k (k fixed: budget // B), ascending
+                 topk (Quest's min/max bound) or sketch: k blocks per kv head, ascending (step_select.py)
     3. attend    the paged kernel over that block table, token count computed on the device; a dense phase
                  with no warm block in any layer passes no warm pool, so a long table takes the hot-only
                  walk (host-known; a graph per case); with warm blocks, a long table's partition by pool
                  is made at begin_token when the tables changed, not in every token (dense_tables.py)
     4. account   the kernel's block mass into the table's H2O scores (added by the kernel's merge); sketch:
                  the certified omitted mass per q head from the merge's log-sum-exp (one launch)
-A batch of sequences (batch.py) runs 1-2 (`select`) and 4 (`account`) per sequence around one launch of 3.
-Counts that depend only on the token (tokens the kernel reads, the sketch's live/protected masks) are
-computed once per token, in layer 0 (so a token's layers run in order). On CUDA the topk select is
-Quest scores masked from the device count in one launch, then (k <= 256 blocks of a long table) top-k
-in two stages whose second writes the kernel's block table; the sketch's final top-k over its fine
-candidates writes it too.
+A batch of sequences (batch.py) runs 1-2 (`select`) and 4 (`account`) per sequence around one launch of 3
+(or, all in Quest's topk phase, one launch each for all of them: batch_rows.py). Counts that depend only on
+the token (tokens the kernel reads, the sketch's live/protected masks) are computed once per token, in
+layer 0 (so a token's layers run in order).
 Host work happens between tokens and only at block boundaries: the sketch codes of the tail block a
 token filled and promotion of cpu blocks the step keeps reading (`end_token`), a new tail block per layer
 and cooling of blocks the next token pushes out of their windows (`begin_token`).
@@ -47,17 +43,14 @@ import torch
 
 from eviction import Policy
 from eviction.certify import omitted_mass_bounds
-from eviction.quest_kernel import live_and_protected, quest_scores_live, quest_scores_live_ref
-from eviction.select import top_blocks
 from eviction.sketch_topk import SketchTopK
-from eviction.topk_kernel import can_select, topk_block_table, two_stage
 from kvstore.attention.append import NewToken, append_token, append_token_ref, open_tails, open_tails_ref
 from kvstore.blocks.table import DROPPED, LayerTable
 from kvstore.blocks.tierset import HOT_TIER, WARM_TIER
 from kvstore.decode.cold_slices import StepColdBlocks
 from kvstore.decode.dense_tables import StepPartitions, dense_bucket
-from kvstore.decode.eager import block_table
 from kvstore.decode.step_parts import Selection, StepParts, place_tails
+from kvstore.decode.step_select import StepSelect
 from tiers.base import device_ints
 
 STEP_MODES = ("dense", "topk", "sketch")
@@ -103,9 +96,8 @@ class DecodeStep:
         # [L, Hq] this token's bounds per layer and q head (one launch per layer writes its row)
         self.certified = torch.zeros(spec.num_layers, spec.num_q_heads, dtype=torch.float32, device=dev)
         self._lse = torch.zeros((1, spec.num_q_heads), dtype=torch.float32, device=dev)  # the kernel's, per layer
-        self.positions = torch.arange(self.capacity, device=dev)  # [N]
-        self.all_blocks = self.positions.expand(h, self.capacity)  # [H, N] the dense table
-        self._scores = quest_scores_live if dev.type == "cuda" else quest_scores_live_ref
+        self.selector = StepSelect(self.policy, self.capacity, self.k, b, self.sink_blocks, self.recent_tokens, h,
+                                   dev)
         self._append_token = append_token if dev.type == "cuda" else append_token_ref  # one launch on the GPU
         self.cold = StepColdBlocks(self.tiers, self.path.stats, dev, spec, self.capacity)  # staging, verifying, promoting
         self.partitions = StepPartitions(spec, self.capacity, b, dev)  # the dense tables by pool (long, mixed)
@@ -324,7 +316,7 @@ class DecodeStep:
             new = NewToken(k, v, table.summaries, tail, self.num_tokens)
         else:
             self._append_token(self.tiers.hot.pool, table.summaries, k, v, tail, self.num_tokens)
-        selected, slots, is_int8, upper = self._select(table, q)  # [H, k] ascending, the tail block last
+        selected, slots, is_int8, upper = self.selector(table, q, self.phase, self.dense_blocks, self.num_tokens)
         if self.stages_cold:  # selected cpu blocks: one head's slice each into the staging rows, verified
             self.cold.stage(layer, table, selected, slots, is_int8)
         return Selection(selected, slots, is_int8, upper, new)
@@ -354,27 +346,4 @@ class DecodeStep:
             self.kernel_tokens.copy_(n)
             return
         self.kernel_tokens.copy_((self.k - 1) * b + (n - 1) % b + 1)
-        if isinstance(self.policy, SketchTopK):
-            self._valid, self._protected = live_and_protected(self.num_tokens, self.capacity, block_tokens=b,
-                                                              sink_blocks=self.sink_blocks,
-                                                              recent_tokens=self.recent_tokens)
-
-    def _select(self, table, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(selected [H, k], slots int32 [H, k], is_int8 [H, k], the sketch's block upper bounds [Hq, N] or None)."""
-        if self.phase == "dense":
-            # the table itself, shared by the kv heads (stride 0): no gather, no launch. Its tier codes are the
-            # kernel's int8 flags: a dense phase holds hot (0: fp16) and warm (1: int8) blocks only
-            m, h = self.dense_blocks, self.spec.num_kv_heads
-            flags = table.tier_map[None, :m].expand(h, m)
-            return self.all_blocks[:, :m], table.slot_map[None, :m].expand(h, m), flags, None
-        if isinstance(self.policy, SketchTopK):  # the final top-k writes the block table too (on CUDA)
-            selected, upper, gathered = self.policy.select_masked_table(
-                q, table.summaries[: self.capacity], table.sketch[: self.capacity], self._valid, self._protected,
-                self.k, table.slot_map, table.tier_map, WARM_TIER)
-            return (selected, *(gathered or block_table(table, selected)), upper)
-        scores = self._scores(q, table.summaries[: self.capacity], self.num_tokens, block_tokens=self.block_tokens,
-                              sink_blocks=self.sink_blocks, recent_tokens=self.recent_tokens)  # [H, N]
-        if scores.is_cuda and two_stage(self.capacity, self.k) and can_select(self.capacity, self.k):
-            return (*topk_block_table(scores, self.k, table.slot_map, table.tier_map, WARM_TIER), None)
-        selected = top_blocks(scores, self.k)
-        return (selected, *block_table(table, selected), None)
+        self.selector.count(self.num_tokens)

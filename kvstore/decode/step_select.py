@@ -1,0 +1,60 @@
+"""StepSelect: which blocks one layer of a captured decode step reads, from device state only.
+
+    dense   the table itself, viewed up to the step's bucket of blocks and shared by the kv heads (stride 0):
+            no gather, no launch; its tier codes are the kernel's int8 flags (a dense phase holds hot and
+            warm blocks only)
+    topk    Quest's bound over the table's capacity from the device count (blocks past it -inf, sinks and
+            the recent window +inf), then k blocks per kv head, ascending; on CUDA two launches whose second
+            writes the kernel's block table (eviction/topk_kernel.py)
+    sketch  the 4-bit key sketch (eviction/sketch_topk.py) over the live and protected masks of the token
+            (`count`, once per token), whose final top-k writes the block table too
+A batch of sequences in the topk phase selects for all of them at once instead (batch_rows.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eviction import Policy
+from eviction.quest_kernel import live_and_protected, quest_scores_live, quest_scores_live_ref
+from eviction.select import top_blocks
+from eviction.sketch_topk import SketchTopK
+from eviction.topk_kernel import can_select, topk_block_table, two_stage
+from kvstore.blocks.table import LayerTable
+from kvstore.blocks.tierset import WARM_TIER
+from kvstore.decode.eager import block_table
+
+
+class StepSelect:
+    def __init__(self, policy: Policy | None, capacity: int, k: int, block_tokens: int, sink_blocks: int,
+                 recent_tokens: int, num_kv_heads: int, device: torch.device) -> None:
+        """policy: the SketchTopK for mode "sketch", else None (Quest's bound)."""
+        self.policy, self.capacity, self.k = policy, capacity, k
+        self.window = dict(block_tokens=block_tokens, sink_blocks=sink_blocks, recent_tokens=recent_tokens)
+        self.all_blocks = torch.arange(capacity, device=device).expand(num_kv_heads, capacity)  # [H, N] dense
+        self._scores = quest_scores_live if device.type == "cuda" else quest_scores_live_ref
+        self._valid = self._protected = None  # the sketch's masks of this token [N] (count)
+
+    def count(self, num_tokens: torch.Tensor) -> None:
+        """Once per topk token, from the device count int64 [1] (tokens before it): the sketch's masks."""
+        if isinstance(self.policy, SketchTopK):
+            self._valid, self._protected = live_and_protected(num_tokens, self.capacity, **self.window)
+
+    def __call__(self, table: LayerTable, q: torch.Tensor, phase: str, dense_blocks: int,
+                 num_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(selected [H, k], slots int32 [H, k], is_int8 [H, k], the sketch's block upper bounds [Hq, N] or None)."""
+        if phase == "dense":
+            m, h = dense_blocks, self.all_blocks.shape[0]
+            flags = table.tier_map[None, :m].expand(h, m)
+            return self.all_blocks[:, :m], table.slot_map[None, :m].expand(h, m), flags, None
+        n, k = self.capacity, self.k
+        if isinstance(self.policy, SketchTopK):
+            selected, upper, gathered = self.policy.select_masked_table(
+                q, table.summaries[:n], table.sketch[:n], self._valid, self._protected, k, table.slot_map,
+                table.tier_map, WARM_TIER)
+            return (selected, *(gathered or block_table(table, selected)), upper)
+        scores = self._scores(q, table.summaries[:n], num_tokens, **self.window)  # [H, N]
+        if scores.is_cuda and two_stage(n, k) and can_select(n, k):
+            return (*topk_block_table(scores, k, table.slot_map, table.tier_map, WARM_TIER), None)
+        selected = top_blocks(scores, k)
+        return (selected, *block_table(table, selected), None)
