@@ -156,9 +156,9 @@ def test_hot_sequences_keeps_every_hot_window_on_the_hot_tier(tmp_path, hot_sequ
     """Full GPU pools, three sequences crossing block boundaries together: with a hot pool sized for all three
     (Config.hot_sequences) every sink and hot-window block stays fp16; sized for one, new tails make room by
     cooling some of them."""
-    store, seqs = filled(tmp_path, "h", (150, 300, 700), gpu_bytes=320 << 10, hot_sequences=hot_sequences)
+    store, seqs = filled(tmp_path, "h", (155, 300, 700), gpu_bytes=320 << 10, hot_sequences=hot_sequences)
     batch = BatchStep([store.decode_step(s, mode="topk", budget=128) for s in seqs])
-    tokens = work(len(seqs), 12, seed=2)  # boundaries at 160, 304 and 704
+    tokens = work(len(seqs), 6, seed=2)  # boundaries at 160, 304 and 704
     for t in range(tokens.shape[0]):
         batch.begin_token()
         for layer in range(SPEC.num_layers):
