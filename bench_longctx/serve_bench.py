@@ -144,11 +144,10 @@ def run_trace(kind: str, model, p: ServePreset, requests: list[Request], device:
         admitted = lambda: sum(r.admitted_s is not None for r in requests) + scheduler.preemptions  # noqa: E731
         began = time.perf_counter()
         while scheduler.pending:
-            graphs = decoder.graph_decoders
-            before, captured, t0 = admitted(), graphs.captures, time.perf_counter()
+            before, captured, t0 = admitted(), decoder.graph_decoders.captures, time.perf_counter()
             produced = scheduler.step()
             step_s.append(time.perf_counter() - t0)
-            if admitted() != before or graphs.captures != captured:  # a fill or a graph capture: not steady
+            if admitted() != before or decoder.graph_decoders.captures != captured:  # a fill or a capture: not steady
                 admit_steps.add(len(step_s) - 1)
             step_end.append(scheduler.now())
             step_tokens.append(len(produced))
@@ -162,8 +161,8 @@ def run_trace(kind: str, model, p: ServePreset, requests: list[Request], device:
     finally:
         store.close()
         del decoder, store
-        scheduler = graphs = None  # the store's pools and captured graphs go when run_trace returns: run_serve
-        # releases them to the driver then (empty_cache frees only blocks nothing references)
+        scheduler = None  # the last reference to the store's pools and captured graphs (run_serve then gives
+        # the memory back to the driver: empty_cache frees only blocks nothing references)
     tokens = sum(len(r.output) for r in done)
     gaps = [b - a for r in done for a, b in zip(r.token_s, r.token_s[1:])]
     steady = [s for i, s in enumerate(step_s) if i not in admit_steps]

@@ -22,7 +22,7 @@ import torch
 
 from kvstore.decode.batch_rows import BatchRows
 from kvstore.decode.step import DecodeStep, StepNotReady
-from kvstore.decode.step_parts import place_tails
+from kvstore.decode.step_parts import Selection, place_tails
 
 
 class BatchStep:
@@ -115,38 +115,39 @@ class BatchStep:
         (row i: what steps[i].attend returns)."""
         if len(self.steps) == 1:
             return self.steps[0].attend(layer, q[0], k[0], v[0])[None]
+        picked = None  # each sequence's Selection, when they select one by one
         if self.batched:  # every sequence in Quest's topk phase: one launch per kernel for all of them
-            selected, slots, is_int8 = self.rows.select(layer, q, k, v)
-            if layer == 0:
-                torch.cat([s.kernel_tokens for s in self.steps], out=self.kernel_tokens)
-            out, mass = self.steps[0].path.kernel(q, *self._both_pools(), slots, is_int8, self.kernel_tokens,
-                                                  return_block_mass=True)
-            self.rows.account(layer, selected, mass)
-            return out
-        picked = [s.select(layer, q[i], k[i], v[i]) for i, s in enumerate(self.steps)]
-        widths = [p.selected.shape[1] for p in picked]
-        width = max(widths)
+            selected, table, flags = self.rows.select(layer, q, k, v)
+        else:
+            picked = [s.select(layer, q[i], k[i], v[i]) for i, s in enumerate(self.steps)]
+            table, flags = self._stack(picked)
         if layer == 0:  # the token counts every layer's launch reads
             torch.cat([s.kernel_tokens for s in self.steps], out=self.kernel_tokens)
-        same = len({p.is_int8.dtype for p in picked}) == 1  # bool (topk) or int8 tier codes (dense): 1 is warm
-        if len(set(widths)) == 1 and same:  # topk: every sequence selects k blocks
-            table = torch.stack([p.slots for p in picked])  # [B, H, k]
-            flags = torch.stack([p.is_int8 for p in picked])
-        else:  # dense phases of different lengths: each row's first entries (the kernel reads no further)
-            h = picked[0].slots.shape[0]
-            table = torch.zeros((len(picked), h, width), dtype=torch.int32, device=self.device)
-            flags = torch.zeros((len(picked), h, width), dtype=torch.int8, device=self.device)
-            for i, p in enumerate(picked):
-                table[i, :, : widths[i]] = p.slots
-                flags[i, :, : widths[i]] = p.is_int8
-        certify = any(p.upper is not None for p in picked)
-        hot_only = all(s.hot_only for s in self.steps)
-        pools = self.steps[0].pools() if hot_only else self._both_pools()
+        certify = picked is not None and any(p.upper is not None for p in picked)
+        pools = self.steps[0].pools() if all(s.hot_only for s in self.steps) else self._both_pools()
         out, mass = self.steps[0].path.kernel(q, *pools, table, flags, self.kernel_tokens, return_block_mass=True,
                                               lse_out=self.lse if certify else None)
-        for i, (s, p) in enumerate(zip(self.steps, picked)):
-            s.account(layer, p, mass[i, :, : widths[i]], self.lse[i])
+        if picked is None:
+            self.rows.account(layer, selected, mass)
+        else:
+            for i, (s, p) in enumerate(zip(self.steps, picked)):
+                s.account(layer, p, mass[i, :, : p.selected.shape[1]], self.lse[i])
         return out
+
+    def _stack(self, picked: list[Selection]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's block table [B, H, width] and flags of the sequences' selections."""
+        widths = [p.selected.shape[1] for p in picked]
+        same = len({p.is_int8.dtype for p in picked}) == 1  # bool (topk) or int8 tier codes (dense): 1 is warm
+        if len(set(widths)) == 1 and same:  # topk: every sequence selects k blocks
+            return torch.stack([p.slots for p in picked]), torch.stack([p.is_int8 for p in picked])
+        # dense phases of different lengths: each row's first entries (the kernel reads no further)
+        shape = (len(picked), picked[0].slots.shape[0], max(widths))
+        table = torch.zeros(shape, dtype=torch.int32, device=self.device)
+        flags = torch.zeros(shape, dtype=torch.int8, device=self.device)
+        for i, p in enumerate(picked):
+            table[i, :, : widths[i]] = p.slots
+            flags[i, :, : widths[i]] = p.is_int8
+        return table, flags
 
     def _both_pools(self) -> tuple[torch.Tensor, ...]:
         warm = self.tiers.warm.pool
