@@ -33,6 +33,14 @@ def context(keys: torch.Tensor, q: torch.Tensor, block_tokens: int, basis: torch
     return ScoreContext(summaries, window, q=q, sketch=codes)
 
 
+def case(shape: tuple, seed: int, use_basis: bool = True) -> tuple:
+    """(keys, q, basis or None, ScoreContext) of one SHAPES entry."""
+    tokens, b, heads, group, dim = shape
+    keys, q = keys_and_q(tokens, heads, group, dim, seed=seed)
+    basis = pca_basis(keys) if use_basis else None
+    return keys, q, basis, context(keys, q, b, basis)
+
+
 def true_logits(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """float64 [Hq, T], softmax scale applied, brute force over every token."""
     heads, group = keys.shape[1], q.shape[0] // keys.shape[1]
@@ -77,9 +85,7 @@ def test_threshold_prunes_when_the_partition_sum_is_known():
 @pytest.mark.parametrize("shape", SHAPES)
 def test_every_block_a_candidate_is_the_full_4bit_ranking(shape):
     tokens, b, heads, group, dim = shape
-    keys, q = keys_and_q(tokens, heads, group, dim, seed=7)
-    basis = pca_basis(keys)
-    ctx = context(keys, q, b, basis)
+    keys, q, basis, ctx = case(shape, seed=7)
     policy = CascadeTopK(basis=basis, candidate_factor=1, min_candidates=ctx.num_blocks)
     budget = 4 * b
     selected, stats = policy.select_with_stats(ctx, budget)
@@ -90,9 +96,7 @@ def test_every_block_a_candidate_is_the_full_4bit_ranking(shape):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_candidates_are_quest_in_the_basis(shape):
     tokens, b, heads, group, dim = shape
-    keys, q = keys_and_q(tokens, heads, group, dim, seed=11)
-    basis = pca_basis(keys)
-    ctx = context(keys, q, b, basis)
+    keys, q, basis, ctx = case(shape, seed=11)
     budget = 5 * b
     selected, stats = CascadeTopK(basis=basis, candidate_factor=2).select_with_stats(ctx, budget)
     k = ctx.window.num_selected(budget)
