@@ -246,8 +246,8 @@ def paged_decode(
     if block_is_int8.dtype == torch.bool:
         block_is_int8 = block_is_int8.view(torch.int8)  # same bytes; keeps expanded strides
     scale = (sm_scale if sm_scale is not None else geom.head_dim**-0.5) * LOG2E
-    # int8: [n_warm, 2, H, T, D / 4], 4 int8 per word; fp8 and int4 are read as bytes
-    warm_words = warm_data.view(torch.int32) if geom.warm_format == WARM_INT8 else warm_data
+    # [n_warm, 2, H, T, D / 4] words of 4 int8 or e4m3 values, or [n_warm, 2, H, T, D / 8] of 8 int4 codes
+    warm_words = warm_data.view(torch.int32)
     args = (q, hot_pool, warm_words, warm_k_scale, warm_v_scale, block_table, block_is_int8, num_tokens)
     if cfg.one_tile:
         parts = one_tile_partials(*args, geom, cfg, scale, with_mass, use_asm(q.device), append)

@@ -5,10 +5,11 @@ the table) with one pool's blocks in a run. int8 -> fp16 happens in registers, 4
 word, exactly, without I2F (quarter rate on sm_90): fp16 with bits 0x64 | (x + 128) is 1152 + x, so a
 byte becomes fp16 by an xor, a byte permute and one subtraction. USE_ASM does a word with one xor, two
 prmt and two packed subs; the plain-Triton form is for the interpreter, which cannot run PTX.
-The other warm formats (WARM_FORMAT, plan.py) are read as bytes and decoded with integer ops too, exactly:
-fp8 (e4m3 bits, fp16 bits (b & 0x80) << 8 | (b & 0x7F) << 7 are the value / 256) and int4 (a nibble x as
-fp16 bits 0x6400 | x is 1024 + x; (scale, zero) in fp16 per K group of K_GROUP tokens and V group of V_GROUP
-channels, tiers/quant.py).
+The other warm formats (WARM_FORMAT, plan.py) are read as int32 words too and decoded with integer ops,
+exactly, two values a 32-bit op with USE_ASM: fp8 (e4m3 bits, fp16 bits (b & 0x80) << 8 | (b & 0x7F) << 7
+are the value / 256) and int4 (a nibble x as fp16 bits 0x6400 | x is 1024 + x; (scale, zero) in fp16 per K
+group of K_GROUP tokens and V group of V_GROUP channels, tiers/quant.py, each loaded once per group and
+broadcast in registers).
 """
 
 from __future__ import annotations
@@ -52,19 +53,95 @@ def words_to_fp16(words, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def fp8_to_fp16(b):
-    """uint8 e4m3 bit patterns (any shape) -> fp16 values, exactly (e4m3's subnormals become fp16 normals)."""
-    bits = b.to(tl.uint16)
-    bits = ((bits & 0x80) << 8) | ((bits & 0x7F) << 7)  # fp16 with e4m3's exponent and mantissa: value / 256
+def _fp8_byte_to_fp16(words, k: tl.constexpr):
+    """Byte k of each int32 word, e4m3 bits, to fp16: fp16 bits (b & 0x80) << 8 | (b & 0x7F) << 7 are the
+    value / 256 (e4m3's subnormals land in fp16's, exactly)."""
+    b = (words >> (8 * k)) & 0xFF
+    bits = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.uint16)
     return bits.to(tl.float16, bitcast=True) * 256.0
 
 
 @triton.jit
-def nibbles_to_fp16(b, ROWS: tl.constexpr, HALF: tl.constexpr):
-    """uint8 [ROWS, HALF] of two 4-bit codes (channel 2j low, 2j + 1 high) -> fp16 codes [ROWS, 2 HALF], exactly."""
-    lo = ((b & 0xF).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
-    hi = ((b >> 4).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
-    return tl.reshape(tl.join(lo, hi), [ROWS, 2 * HALF])
+def fp8_words_to_fp16(words, USE_ASM: tl.constexpr):
+    """int32 [..., W] of packed e4m3 (4 per word, memory order) -> fp16 [..., W, 2, 2], exactly. USE_ASM: per
+    pair of bytes one prmt (each byte to the top of a 16-bit half), a shift and two masks put e4m3's sign,
+    exponent and mantissa where fp16's are, and one packed multiply by 256 rebiases the exponent."""
+    if USE_ASM:
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 x, y, s, lo, hi, c, m;
+            mov.b32 c, 0x5C005C00;
+            mov.b32 m, 0x3F803F80;
+            prmt.b32 x, $4, 0, 0x1404;
+            shr.b32 y, x, 1;
+            and.b32 s, x, 0x80008000;
+            lop3.b32 lo, y, m, s, 0xEA;
+            mul.f16x2 lo, lo, c;
+            prmt.b32 x, $4, 0, 0x3424;
+            shr.b32 y, x, 1;
+            and.b32 s, x, 0x80008000;
+            lop3.b32 hi, y, m, s, 0xEA;
+            mul.f16x2 hi, hi, c;
+            mov.b32 {$0, $1}, lo;
+            mov.b32 {$2, $3}, hi;
+            }""",
+            constraints="=h,=h,=h,=h,r", args=[words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True, pack=1,
+        )
+    else:
+        b0 = _fp8_byte_to_fp16(words, 0)
+        b1 = _fp8_byte_to_fp16(words, 1)
+        b2 = _fp8_byte_to_fp16(words, 2)
+        b3 = _fp8_byte_to_fp16(words, 3)
+    return tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [..., W, 2, 2]: [..., w, i, j] = byte 2 i + j of word w
+
+
+@triton.jit
+def _nibble_to_fp16(words, c: tl.constexpr):
+    """Code c (bits 4c .. 4c + 3) of each int32 word to fp16: fp16 bits 0x6400 | x are 1024 + x."""
+    return (((words >> (4 * c)) & 0xF) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
+def nibble_words_to_fp16(words, USE_ASM: tl.constexpr):
+    """int32 [..., W] of packed 4-bit codes (8 per word; channel 2j low, 2j + 1 high in byte j, so channel c of
+    a word is its bits 4c .. 4c + 3) -> fp16 codes [..., W, 2, 2, 2], exactly. USE_ASM: channels c and c + 4
+    are one mask-and-or (lop3) and one packed subtraction of 1024 away from an fp16 pair."""
+    if USE_ASM:
+        c0, c4, c1, c5, c2, c6, c3, c7 = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t, r0, r1, r2, r3, c, m;
+            mov.b32 c, 0x64006400;
+            mov.b32 m, 0x000F000F;
+            lop3.b32 r0, $8, m, c, 0xEA;
+            shr.b32 t, $8, 4;
+            lop3.b32 r1, t, m, c, 0xEA;
+            shr.b32 t, $8, 8;
+            lop3.b32 r2, t, m, c, 0xEA;
+            shr.b32 t, $8, 12;
+            lop3.b32 r3, t, m, c, 0xEA;
+            sub.f16x2 r0, r0, c;
+            sub.f16x2 r1, r1, c;
+            sub.f16x2 r2, r2, c;
+            sub.f16x2 r3, r3, c;
+            mov.b32 {$0, $1}, r0;
+            mov.b32 {$2, $3}, r1;
+            mov.b32 {$4, $5}, r2;
+            mov.b32 {$6, $7}, r3;
+            }""",
+            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r", args=[words], dtype=(tl.float16,) * 8, is_pure=True, pack=1,
+        )
+    else:
+        c0 = _nibble_to_fp16(words, 0)
+        c1 = _nibble_to_fp16(words, 1)
+        c2 = _nibble_to_fp16(words, 2)
+        c3 = _nibble_to_fp16(words, 3)
+        c4 = _nibble_to_fp16(words, 4)
+        c5 = _nibble_to_fp16(words, 5)
+        c6 = _nibble_to_fp16(words, 6)
+        c7 = _nibble_to_fp16(words, 7)
+    # [..., w, i, j, l] = channel 4 i + 2 j + l of word w: the innermost join is the most significant bit
+    return tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
 
 
 @triton.jit
@@ -98,7 +175,7 @@ def load_warm_k(
     CHECK_FLAGS: tl.constexpr, PARTITIONED: tl.constexpr, USE_ASM: tl.constexpr,
     WARM_FORMAT: tl.constexpr, K_GROUP: tl.constexpr,
 ):
-    """Dequantized K of the warm blocks among entries j0 .. j0 + BLOCKS_PER_ITER, fp16 [N, D], 0 elsewhere.
+    """Dequantized K of the warm blocks among entries j0 .. j0 + BLOCKS_PER_ITER, fp16 [N, D], 0 in other entries.
 
     int8 / fp8: K's scale is per (block, channel), so K is loaded per block and the scale broadcasts over its
     tokens. It is applied in fp16: exact to rounding unless a channel's absmax is < 2^-7 (scale in
@@ -116,26 +193,24 @@ def load_warm_k(
     base = slot * s_warm_slot + head * s_warm_head  # [J] int64
     rows = base[:, None, None] + offs_t[None, :, None] * s_warm_tok  # [J, T, 1]
     ks_row = k_scale_ptr + (slot * s_ks_slot + head * s_ks_head)[:, None]  # [J, 1]
-    if WARM_FORMAT == 2:  # int4: codes, then (scale, zero) per token group; zeros half a slot after the scales
-        offs_h = tl.arange(0, HEAD_DIM // 2)
-        codes = tl.load(warm_ptr + rows + offs_h[None, None, :], mask=mask[:, :, None], other=0)
-        k = tl.reshape(nibbles_to_fp16(tl.reshape(codes, [n, HEAD_DIM // 2]), n, HEAD_DIM // 2),
-                       [BLOCKS_PER_ITER, BLOCK_TOKENS, HEAD_DIM])
-        if K_GROUP >= BLOCK_TOKENS:  # one group a block: [J, D] broadcast over its tokens
-            ptrs = ks_row + offs_d[None, :]
-            k_scale = tl.load(ptrs, mask=is_int8[:, None], other=0.0)[:, None, :]
-            k_zero = tl.load(ptrs + s_ks_slot // 2, mask=is_int8[:, None], other=0.0)[:, None, :]
-        else:
-            ptrs = ks_row[:, :, None] + (offs_t // K_GROUP)[None, :, None] * HEAD_DIM + offs_d[None, None, :]
-            k_scale = tl.load(ptrs, mask=mask[:, :, None], other=0.0)  # [J, T, D]
-            k_zero = tl.load(ptrs + s_ks_slot // 2, mask=mask[:, :, None], other=0.0)
-        return tl.reshape(k * k_scale + k_zero, [n, HEAD_DIM])
-    if WARM_FORMAT == 1:  # fp8: a byte a channel
-        k = fp8_to_fp16(tl.load(warm_ptr + rows + offs_d[None, None, :], mask=mask[:, :, None], other=0))
+    if WARM_FORMAT == 2:  # int4: 8 codes a word; (scale, zero) per token group, the zeros half a slot after
+        offs_w = tl.arange(0, HEAD_DIM // 8)
+        codes = tl.load(warm_ptr + rows + offs_w[None, None, :], mask=mask[:, :, None], other=0)
+        groups: tl.constexpr = BLOCK_TOKENS // K_GROUP  # each (scale, zero) read once, broadcast over its tokens
+        k = tl.reshape(nibble_words_to_fp16(codes, USE_ASM), [BLOCKS_PER_ITER, groups, BLOCK_TOKENS // groups,
+                                                                HEAD_DIM])
+        ptrs = ks_row[:, :, None] + tl.arange(0, groups)[None, :, None] * HEAD_DIM + offs_d[None, None, :]
+        k_scale = tl.load(ptrs, mask=is_int8[:, None, None], other=0.0)  # [J, G, D]
+        k_zero = tl.load(ptrs + s_ks_slot // 2, mask=is_int8[:, None, None], other=0.0)
+        # tokens past n_tok in a warm block read code 0 (= k_zero): finite, and the caller masks their scores
+        return tl.reshape(k * k_scale[:, :, None, :] + k_zero[:, :, None, :], [n, HEAD_DIM])
+    offs_w = tl.arange(0, HEAD_DIM // 4)
+    words = tl.load(warm_ptr + rows + offs_w[None, None, :], mask=mask[:, :, None], other=0)
+    if WARM_FORMAT == 1:  # fp8: 4 e4m3 a word
+        k = fp8_words_to_fp16(words, USE_ASM)
     else:  # int8: 4 bytes a word
-        offs_w = tl.arange(0, HEAD_DIM // 4)
-        k = words_to_fp16(tl.load(warm_ptr + rows + offs_w[None, None, :], mask=mask[:, :, None], other=0), USE_ASM)
-        k = tl.reshape(k, [BLOCKS_PER_ITER, BLOCK_TOKENS, HEAD_DIM])
+        k = words_to_fp16(words, USE_ASM)
+    k = tl.reshape(k, [BLOCKS_PER_ITER, BLOCK_TOKENS, HEAD_DIM])
     k_scale = tl.load(ks_row + offs_d[None, :], mask=is_int8[:, None], other=0.0).to(tl.float16)  # [J, D]
     return tl.reshape(k * k_scale[:, None, :], [n, HEAD_DIM])
 
@@ -201,20 +276,21 @@ def load_kv_at(
     if HAS_WARM:
         rows = tok_slot * s_warm_slot + head * s_warm_head + tok_in_blk * s_warm_tok  # [N] int64
         if WARM_FORMAT == 2:  # int4: V = code * scale + zero per (token, group of V_GROUP channels)
-            offs_h = tl.arange(0, HEAD_DIM // 2)
-            codes = tl.load(warm_ptr + s_warm_kv + rows[:, None] + offs_h[None, :], mask=warm_ok[:, None], other=0)
-            vs_ptrs = v_scale_ptr + (tok_slot * s_vs_slot + head * s_vs_head + tok_in_blk * (HEAD_DIM // V_GROUP)
-                                     )[:, None] + (offs_d // V_GROUP)[None, :]  # [N, D]
+            groups: tl.constexpr = HEAD_DIM // V_GROUP
+            codes = tl.load(warm_ptr + s_warm_kv + rows[:, None] + tl.arange(0, HEAD_DIM // 8)[None, :],
+                            mask=warm_ok[:, None], other=0)
+            vs_ptrs = v_scale_ptr + (tok_slot * s_vs_slot + head * s_vs_head + tok_in_blk * groups)[:, None] + \
+                tl.arange(0, groups)[None, :]  # [N, G]: each scale read once and broadcast over its channels
             v_scale = tl.load(vs_ptrs, mask=warm_ok[:, None], other=0.0)
             v_zero = tl.load(vs_ptrs + s_vs_slot // 2, mask=warm_ok[:, None], other=0.0)
-            v8 = nibbles_to_fp16(codes, n, HEAD_DIM // 2) * v_scale + v_zero
+            v8 = tl.reshape(nibble_words_to_fp16(codes, USE_ASM), [n, groups, V_GROUP])
+            v8 = tl.reshape(v8 * v_scale[:, :, None] + v_zero[:, :, None], [n, HEAD_DIM])
         else:
+            offs_w = tl.arange(0, HEAD_DIM // 4)
+            v8 = tl.load(warm_ptr + s_warm_kv + rows[:, None] + offs_w[None, :], mask=warm_ok[:, None], other=0)
             if WARM_FORMAT == 1:  # fp8
-                v8 = fp8_to_fp16(tl.load(warm_ptr + s_warm_kv + rows[:, None] + offs_d[None, :],
-                                         mask=warm_ok[:, None], other=0))
+                v8 = tl.reshape(fp8_words_to_fp16(v8, USE_ASM), [n, HEAD_DIM])
             else:
-                offs_w = tl.arange(0, HEAD_DIM // 4)
-                v8 = tl.load(warm_ptr + s_warm_kv + rows[:, None] + offs_w[None, :], mask=warm_ok[:, None], other=0)
                 v8 = tl.reshape(words_to_fp16(v8, USE_ASM), [n, HEAD_DIM])
             vs_ptrs = v_scale_ptr + tok_slot * s_vs_slot + head * s_vs_head + tok_in_blk
             v_mul = tl.where(warm_ok, tl.load(vs_ptrs, mask=warm_ok, other=0.0), tok_ok.to(tl.float32)) * V_BOOST
