@@ -20,6 +20,7 @@ from kvstore.blocks.append_path import AppendPath
 from kvstore.blocks.table import DROPPED, LayerTable, TableTensors
 from kvstore.blocks.tierset import HOT_TIER, TierSet
 from kvstore.config import Config
+from kvstore.contexts.background_load import BackgroundLoads
 from kvstore.contexts.saving import SavedContexts, values_store
 from kvstore.contexts.sequences import Contexts, PrefixMatch, check_token_ids
 from kvstore.contexts.unread_codes import UnreadCodes
@@ -54,6 +55,7 @@ class KVStore:
         self.appends = AppendPath(c, self.tiers, self.tensors)
         self.unread = UnreadCodes(self.sequences, c.block_tokens, self.device)  # sketch codes left in saves
         self.contexts = Contexts(c, self.sequences, self.tiers, self.tensors, self.unread)
+        self.loads = BackgroundLoads(self.tiers)  # opened sequences' blocks read on threads, placed between tokens
         values = values_store(self.tiers.cold)  # None: the sidecar's cold tier holds no saved contexts
         self.saved = None if values is None else SavedContexts(values, self.tiers, self.contexts.root, c.model_id)
         if values is not None:
@@ -105,21 +107,28 @@ class KVStore:
         codes = partial(self.unread.codes, seq)  # codes an opened sequence never read go save to save
         self._saved_contexts().save(name, self.sequences[seq], self.token_ids(seq), codes)
 
-    def open(self, name: str) -> int:
+    def open(self, name: str, background_load: bool = False) -> int:
         """A new sequence on the saved context `name` (saved by any process with this ssd_path or redis_url,
         model_id and geometry): summaries, H2O scores, tables and token ids load now, so a top-K decode can
         start at once; sketch codes load when mode="sketch" first needs them; blocks are read from the
-        saved values when selected (or promoted), never copied in bulk. Sinks, the recent window and the
-        tail load now. Outputs equal the saved sequence's."""
-        return self.contexts.start_saved(self._saved_contexts().load(name))
+        saved values when selected (or promoted). Sinks, the recent window and the tail load now. Outputs
+        equal the saved sequence's. background_load: a thread reads the other blocks meanwhile, newest first,
+        and place_loaded (engine_adapter.Decoder calls it before every token) puts them where store.load would:
+        once all are in, the captured decode step serves the sequence (kvstore/contexts/background_load.py)."""
+        if not isinstance(background_load, bool):
+            raise ValueError(f"background_load must be True or False, got {background_load!r}")
+        seq = self.contexts.start_saved(self._saved_contexts().load(name))
+        if background_load:
+            self.loads.start(seq, self.sequences[seq])
+        return seq
 
     def load(self, seq: int, max_blocks: int | None = None) -> int:
         """Move up to `max_blocks` (default: all) of an opened sequence's blocks that are still read from its
         save into the tiers their positions belong in (the hot and warm windows on the GPU, the rest in cpu),
         newest first, into free room only (no other block cools for them; what does not fit stays in the
-        save). Call it between decode steps with a few thousand blocks at a time to load an opened context in
-        the background of decoding: a sequence whose blocks are all on the GPU or in the cpu tier decodes
-        through the captured step. Returns how many blocks moved (0: nothing left to load, or no room)."""
+        save). A sequence whose blocks are all on the GPU or in the cpu tier decodes through the captured step
+        (open(name, background_load=True) loads on a thread instead). Returns how many blocks moved (0: nothing
+        left to load, or no room)."""
         self.table(seq, 0)
         if max_blocks is not None and (isinstance(max_blocks, bool) or not isinstance(max_blocks, int)
                                        or max_blocks < 0):
@@ -130,6 +139,12 @@ class KVStore:
                 break
             moved += self.tiers.load_saved(table, int(min(left - moved, table.num_blocks)))
         return moved
+
+    def place_loaded(self) -> int:
+        """Put the blocks that background loads (open(..., background_load=True)) have read since the last call
+        into their tiers: between tokens, a bounded pause. Returns how many moved; raises what a read raised
+        (IntegrityError, BlockMissingError), once, and that load ends."""
+        return self.loads.place()
 
     def saved_contexts(self) -> list[str]:
         """Names of the contexts saved at this store's ssd_path (or in its Redis)."""
@@ -170,6 +185,7 @@ class KVStore:
     def free(self, seq: int) -> None:
         """Let go of every block of `seq`: blocks no other sequence shares return to their tiers."""
         self.table(seq, 0)
+        self.loads.stop(seq)
         self.contexts.free(seq)
 
     def drop(self, seq: int, layer: int, indices: Sequence[int]) -> None:
@@ -296,6 +312,7 @@ class KVStore:
         self.tiers.blocks.check_tables(self.sequences, self.config.block_tokens, HOT_TIER)
 
     def close(self) -> None:
+        self.loads.close()  # before the values store its threads read closes
         self.tiers.close()
 
     def __enter__(self) -> KVStore:

@@ -114,12 +114,18 @@ class SavedTier:
     def fetch_as_stored(self, ids: Sequence[int], device: torch.device | str) -> StoredBlocks:
         """The blocks on `device`, each in the format it was saved in (fp16 or quantized), verified where they lie
         (LMDB: in the mapped pages, one read transaction) and copied once into one batch per format."""
+        return self.read_as_stored(ids, [self.key_of[i] for i in ids], device)
+
+    def read_as_stored(self, ids: Sequence[int], keys: Sequence[bytes], device: torch.device | str) -> StoredBlocks:
+        """fetch_as_stored of blocks whose keys the caller looked up (`key`): what a thread reading beside the
+        decode path calls (it reads the values store, never the mapping the decode thread edits)."""
         if not hasattr(self._local, "codec"):
             self._local.codec = Codec()  # decode reads the compression from each value's header
-        return self.source.view([self.key_of[i] for i in ids], partial(self._decode, ids, device))
+        return self.source.view(list(keys), partial(self._decode, ids, keys, device))
 
-    def _decode(self, ids: Sequence[int], device: torch.device | str, values: list) -> StoredBlocks:
-        values = [None if v is None else self._unseal(i, self.key_of[i], v) for i, v in zip(ids, values)]
+    def _decode(self, ids: Sequence[int], keys: Sequence[bytes], device: torch.device | str,
+                values: list) -> StoredBlocks:
+        values = [None if v is None else self._unseal(i, k, v) for i, k, v in zip(ids, keys, values)]
         return decode_tier_values(self, self._local.codec, ids, values, "saved", device, lambda gone: BlockMissingError(
             f"saved tier: the saved values of blocks {gone} are gone (the context was deleted or replaced after "
             "it was opened)"))

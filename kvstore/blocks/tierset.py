@@ -120,6 +120,11 @@ class TierSet:
         into_gpu = dst < CPU_TIER <= src
         blocks = self.stack[src].fetch(ids, self.device) if into_gpu else self.stack[src].get(ids)  # verified: a
         # damaged block raises here, before anything moved
+        self.put_moved(ids, blocks, src, dst, coldest)
+
+    def put_moved(self, ids: list[int], blocks: Blocks, src: int, dst: int, coldest: int | None = None) -> None:
+        """The second half of `move`: blocks the caller read from `src` (verified) go into `dst` (or colder), then
+        leave `src`."""
         with self._moving(ids):
             self.place(ids, blocks, dst, coldest=coldest if coldest is not None else src - 1 if dst < src else None)
         self.stack[src].delete(ids)
