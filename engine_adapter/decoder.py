@@ -41,6 +41,7 @@ class Decoder:
             raise ValueError(f"model on {self.device} but store on {store.device}; put both on one device type")
         self.graphs = graphs  # on CUDA, decode dense/topk through captured steps (False: always eager)
         self.graph_decoders = GraphDecoders(model, store)  # on CUDA: the captured decoders, by sequences
+        self.paths = {"captured": 0, "eager": 0}  # decoded tokens by path (captured: through a GraphDecoder)
 
     def length(self, seq: int) -> int:
         """Tokens the sequence holds (its next position)."""
@@ -156,6 +157,7 @@ class Decoder:
                              f"{token_ids}")
         for seq in seqs:
             self.store.table(seq, 0)  # KeyError for an unknown sequence, before any token is recorded
+        self.store.place_loaded()  # opened contexts' blocks read in the background (a sequence may run captured now)
         logits, recorded = self._replay(seqs, token_ids, mode, budget, recorded=False)
         if logits is not None:
             return logits
@@ -178,6 +180,7 @@ class Decoder:
         except StepNotReady:
             return None, True
         graph.step.verify()  # IntegrityError if a cpu block it read was damaged (syncs only if it read one)
+        self.paths["captured"] += len(seqs)
         return logits, True
 
     def _decode_alone(self, seq: int, token_id: int, mode: str, budget: int, recorded: bool) -> torch.Tensor:
@@ -188,6 +191,7 @@ class Decoder:
     def _decode_eager(self, seq: int, token_id: int, mode: str, budget: int, recorded: bool) -> torch.Tensor:
         """store.append + store.attend per layer; fp32 logits [1, vocab]."""
         ids = self._tokens([token_id])
+        self.paths["eager"] += 1
         if not recorded:
             self._record_tokens(seq, ids)
         pos = self.length(seq)
@@ -250,10 +254,12 @@ class Decoder:
             recorded = max(recorded, upto)
 
         for i in range(num_new):  # token i appends ids[i] and writes ids[i + 1]
+            self.store.place_loaded()
             graph, logits = self._graph_decoder([seq], mode, budget), None
             if graph is not None:  # begin_token checks readiness again and refuses with StepNotReady
                 try:
                     logits = graph(ids[i: i + 1])[0]
+                    self.paths["captured"] += 1
                 except StepNotReady:  # nothing of this token happened: the eager path below runs it
                     pass
             if logits is None:
