@@ -22,6 +22,11 @@ the candidates read anyway). With a basis the bounds hold for the fp16-rounded r
 codes were built from. On real keys Quest's bound is loose by ~16 nats at the median block, so most blocks
 survive: the threshold certifies, it does not prune.
 
+The store's mode "cascade" runs the raw-channel cascade inside the captured decode step
+(kvstore/decode/step_select.py): the topk mode's Quest scores, then `select_scored` (top-k kernel for the
+candidates, the sketch's fine-pass kernel over them, no host sync); store.attend runs `select`, the same
+`_rerank` over torch references.
+
 Layout: policy -> basis helpers -> the threshold (pure torch: the reference a kernel is checked against).
 """
 
@@ -34,9 +39,10 @@ import torch
 
 from eviction.policy import Policy, ScoreContext
 from eviction.quest_kernel import quest_scores_ref
-from eviction.select import top_blocks
+from eviction.select import SeqWindow, cdiv, top_blocks
 from eviction.sketch import token_estimates_ref, token_mask
-from eviction.sketch_kernel import sketch_block_stats_ref
+from eviction.sketch_kernel import sketch_block_stats, sketch_block_stats_ref
+from eviction.topk_kernel import can_select, topk_sorted
 
 
 @dataclass(slots=True)
@@ -78,31 +84,68 @@ class CascadeTopK(Policy):
         return torch.softmax(lse, dim=1).view(ctx.num_kv_heads, -1, ctx.num_blocks).mean(1)
 
     def select(self, ctx: ScoreContext, budget_tokens: int) -> torch.Tensor:
-        return self.select_with_stats(ctx, budget_tokens)[0]
+        return self._select(ctx, budget_tokens)[0]
 
     def select_with_stats(self, ctx: ScoreContext, budget_tokens: int) -> tuple[torch.Tensor, CascadeStats]:
         """(selected int64 [H, k] rows ascending, CascadeStats)."""
-        q = self._query(ctx)
-        k = ctx.window.num_selected(budget_tokens)
+        selected, candidates, q, upper, bound, keep = self._select(ctx, budget_tokens)
         num_kv_heads, num_blocks = ctx.num_kv_heads, ctx.num_blocks
-        keep = ctx.window.protected_mask(ctx.device)  # [N]
-        upper = quest_upper(q, ctx.summaries)  # [Hq, N]
-        bound = upper.view(num_kv_heads, -1, num_blocks).amax(1).masked_fill(keep, float("inf"))  # [H, N]
-        num_free = num_blocks - int(keep.sum())
-        c = min(max(self.candidate_factor * k, self.min_candidates) + num_blocks - num_free, num_blocks)
-        candidates = top_blocks(bound, c)  # [H, C] ascending, the protected blocks among them
-        lse, _ = sketch_block_stats_ref(q, ctx.summaries, ctx.sketch, ctx.num_tokens, block_ids=candidates)
-        share = torch.softmax(lse, dim=1).view(num_kv_heads, -1, c).mean(1)  # [H, C]
-        chosen = top_blocks(torch.where(keep[candidates], float("inf"), share), k)
-        selected = candidates.gather(1, chosen)
         log_z = self._log_z_lower(q, ctx, bound, keep)
         survivors = threshold_survivors(upper, log_z, self.tau, num_kv_heads)  # [H, N]
         free = survivors & ~keep
+        num_free = num_blocks - int(keep.sum())
         is_candidate = torch.zeros_like(survivors).scatter_(1, candidates, True)
-        stats = CascadeStats(candidates=c - (num_blocks - num_free), survivors=survivors, log_z=log_z,
-                             survivor_fraction=free.sum(1).float() / max(num_free, 1),
+        stats = CascadeStats(candidates=candidates.shape[1] - (num_blocks - num_free), survivors=survivors,
+                             log_z=log_z, survivor_fraction=free.sum(1).float() / max(num_free, 1),
                              complete=~(free & ~is_candidate).any(1))
         return selected, stats
+
+    def _select(self, ctx: ScoreContext, budget_tokens: int) -> tuple[torch.Tensor, ...]:
+        """(selected [H, k], candidates [H, C], q in the basis, per-q-head bound [Hq, N], kv-head bound [H, N]
+        with the protected blocks +inf, protected mask [N])."""
+        q = self._query(ctx)
+        k = ctx.window.num_selected(budget_tokens)
+        keep = ctx.window.protected_mask(ctx.device)  # [N]
+        upper = quest_upper(q, ctx.summaries)  # [Hq, N]
+        bound = upper.view(ctx.num_kv_heads, -1, ctx.num_blocks).amax(1).masked_fill(keep, float("inf"))  # [H, N]
+        tail = torch.full((1,), ctx.num_blocks - 1, device=ctx.device)
+        selected, candidates = self._rerank(q, ctx.summaries, ctx.sketch, bound, tail, k,
+                                            protected_max(ctx.window), ctx.num_tokens)
+        return selected, candidates, q, upper, bound, keep
+
+    def select_scored(self, q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, scores: torch.Tensor,
+                      tail: torch.Tensor, k: int, most_protected: int) -> torch.Tensor:
+        """`select`'s blocks with no host sync (a captured decode step), raw channels only: int64 [H, k]
+        ascending. scores float32 [H, N]: Quest's bound over capacity-sized summaries [N, 2, H, D] and codes,
+        +inf on protected blocks and -inf past the live ones (quest_scores_live); tail int64 [1]: the block
+        the current token goes into; most_protected: protected_max of the step's window."""
+        if self.basis is not None:
+            raise ValueError("select_scored ranks raw channels; a basis needs summaries and codes built in it")
+        return self._rerank(q, summaries, codes, scores, tail, k, most_protected, scores.shape[1] * codes.shape[3])[0]
+
+    def _rerank(self, q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, bound: torch.Tensor,
+                tail: torch.Tensor, k: int, most_protected: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(selected [H, k], candidates [H, C]), both ascending: the C = max(candidate_factor x k, min_candidates)
+        + most_protected blocks of highest bound [H, N] (+inf: protected, -inf: not live) are candidates; each
+        one's share of its q heads' softmax over the candidates (4-bit log-sum-exp, mean over the GQA group)
+        ranks it; the protected ones and the best of the rest make k. The tail is left out of the softmax: a
+        captured step writes its codes once it fills. Kernels on CUDA (no host sync), torch references
+        elsewhere."""
+        num_kv_heads, n = bound.shape
+        c = min(max(self.candidate_factor * k, self.min_candidates) + most_protected, n)
+        cuda = bound.is_cuda
+        candidates = topk_sorted(bound, c) if cuda and can_select(n, c) else top_blocks(bound, c)  # [H, C]
+        stats = sketch_block_stats if cuda else sketch_block_stats_ref
+        lse, _ = stats(q, summaries, codes, num_tokens, block_ids=candidates)  # [Hq, C]
+        picked = bound.gather(1, candidates)
+        counted = (picked > float("-inf")) & (candidates != tail)  # [H, C]
+        group = q.shape[0] // num_kv_heads
+        lse = lse.masked_fill(~counted.repeat_interleave(group, dim=0), float("-inf"))
+        share = torch.softmax(lse, dim=1).view(num_kv_heads, group, -1).mean(1).nan_to_num(0.0)  # [H, C]
+        ranked = torch.where(picked == float("inf"), float("inf"), share)
+        ranked = ranked.masked_fill(picked == float("-inf"), float("-inf"))
+        chosen = topk_sorted(ranked, k) if cuda and can_select(c, k) else top_blocks(ranked, k)
+        return candidates.gather(1, chosen), candidates
 
     def _log_z_lower(self, q: torch.Tensor, ctx: ScoreContext, bound: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """float32 [Hq]: a lower bound on each q head's log partition sum over every token, from the 4-bit codes
@@ -129,6 +172,11 @@ class CascadeTopK(Policy):
             raise ValueError(f"basis: expected [{ctx.num_kv_heads}, {ctx.q.shape[1]}, {ctx.q.shape[1]}], "
                              f"got {list(self.basis.shape)}")
         return rotate_queries(ctx.q, self.basis.to(ctx.device))
+
+
+def protected_max(window: SeqWindow) -> int:
+    """The most blocks `window` protects at any length: the sinks, the recent window and one partial block."""
+    return cdiv(window.sink_tokens, window.block_tokens) + cdiv(window.recent_tokens, window.block_tokens) + 1
 
 
 def quest_upper(q: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:

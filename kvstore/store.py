@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from eviction import POLICIES, Policy
+from eviction import POLICIES, CascadeTopK, Policy, SketchTopK
 from kvstore.blocks.append_path import AppendPath
 from kvstore.blocks.table import DROPPED, LayerTable, TableTensors
 from kvstore.blocks.tierset import HOT_TIER, TierSet
@@ -30,7 +30,8 @@ from kvstore.decode.step_parts import StepParts
 from tiers.errors import CapacityError
 from tiers.layout import BlockLayout
 
-MODES = ("dense", "topk", "sketch", "h2o", "window")  # topk: Quest's min/max bound; sketch: the 4-bit key sketch
+MODES = ("dense", "topk", "sketch", "cascade", "h2o", "window")  # KVStore.attend says what each one reads
+CODE_MODES = ("sketch", "cascade")  # modes that read the blocks' 4-bit key codes (Config.sketch_codes)
 
 
 class KVStore:
@@ -253,8 +254,9 @@ class KVStore:
 
         mode: "dense" (exact), "topk" (Quest's min/max bound: fast), "sketch" (4-bit key sketch: finds what
         the bound misses, certified omitted mass in stats()["attend"], ~8x slower to select at 1M tokens),
-        "window", "h2o" (drop mode), or a policy instance (e.g. `SketchTopK(coarse_factor=4)`,
-        `H2O(head_reduce="sum")`) whose fields are its settings.
+        "cascade" (Quest's best candidate_factor x k blocks reranked by their 4-bit codes), "window", "h2o"
+        (drop mode), or a policy instance (e.g. `SketchTopK(coarse_factor=4)`, `H2O(head_reduce="sum")`) whose
+        fields are its settings.
         epsilon (sketch): adaptive budget: grow the selection in power-of-two block counts until the certified
         omitted softmax mass is <= epsilon for every kv head, or `budget` tokens are selected."""
         table = self.table(seq, layer)
@@ -264,7 +266,7 @@ class KVStore:
             raise ValueError(f"sequence {seq} layer {layer} holds no tokens to attend to")
         if table.num_dropped and not isinstance(policy, type(self.policies["h2o"])):
             raise ValueError(f"sequence {seq} layer {layer}: h2o mode dropped blocks; only mode='h2o' can attend it")
-        if isinstance(policy, type(self.policies["sketch"])):
+        if _reads_codes(policy):
             self.unread.load_if_needed(seq)  # an opened sequence reads its sketch codes now
         return self.decode.attend(table, q, policy, budget, measure_mass, epsilon)
 
@@ -274,14 +276,14 @@ class KVStore:
         capturable in one CUDA graph (kvstore/decode/step.py). Capacity: the length + max(16K, 1/16 of it)."""
         tables = [self.table(seq, layer) for layer in range(self.spec.num_layers)]
         self._policy(mode)  # ValueError for a mode this store cannot serve
-        if mode == "sketch":
+        if mode in CODE_MODES:
             self.unread.load_if_needed(seq)  # an opened sequence reads its sketch codes now
         parts = StepParts(self.config, self.device, self.tiers, self.tensors, self.decode)
         return DecodeStep(parts, seq, tables, mode, budget, self.policies.get(mode), capacity_tokens)
 
     def _policy(self, mode: str | Policy) -> Policy | None:
-        if (mode == "sketch" or isinstance(mode, type(self.policies["sketch"]))) and not self.config.sketch_codes:
-            raise ValueError("mode='sketch' reads sketch codes, and this store has none (Config.sketch_codes=False)")
+        if (mode in CODE_MODES or _reads_codes(mode)) and not self.config.sketch_codes:
+            raise ValueError(f"mode={mode!r} reads sketch codes, and this store has none (Config.sketch_codes=False)")
         if isinstance(mode, Policy):
             return mode
         if mode not in MODES:
@@ -324,6 +326,10 @@ class KVStore:
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _reads_codes(policy: object) -> bool:
+    return isinstance(policy, (SketchTopK, CascadeTopK))
 
 
 __all__ = ["CapacityError", "KVStore", "MODES"]

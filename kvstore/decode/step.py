@@ -53,7 +53,7 @@ from kvstore.decode.step_parts import Selection, StepParts, place_tails
 from kvstore.decode.step_select import StepSelect
 from tiers.base import device_ints
 
-STEP_MODES = ("dense", "topk", "sketch")
+STEP_MODES = ("dense", "topk", "sketch", "cascade")
 assert (HOT_TIER, WARM_TIER) == (0, 1), "the dense step passes tier codes as the kernel's int8 flags"
 
 
@@ -65,14 +65,15 @@ class StepNotReady(ValueError):
 class DecodeStep:
     def __init__(self, parts: StepParts, seq: int, tables: list[LayerTable], mode: str = "topk",
                  budget: int = 4096, policy: Policy | None = None, capacity_tokens: int | None = None) -> None:
-        """`tables`: the sequence's block table of every layer; `policy`: the SketchTopK for mode "sketch"."""
+        """`tables`: the sequence's block table of every layer; `policy`: the SketchTopK or CascadeTopK of mode
+        "sketch" or "cascade"."""
         if mode not in STEP_MODES:
             raise ValueError(f"DecodeStep mode must be one of {STEP_MODES}, got {mode!r}")
         c = self.config = parts.config
         spec, dev = self.spec, self.device = c.model, parts.device
         self.tiers, self.tensors, self.path = parts.tiers, parts.tensors, parts.path
         self.seq, self.mode, self.budget = seq, mode, budget
-        self.policy = policy if mode == "sketch" else None  # SketchTopK; topk scores with Quest
+        self.policy = policy if mode in ("sketch", "cascade") else None  # topk scores with Quest alone
         self.tables = tables
         if any(DROPPED in t.block_ids for t in self.tables):
             raise ValueError("DecodeStep serves dense and topk sequences; this one has blocks H2O dropped")

@@ -8,6 +8,8 @@
             writes the kernel's block table (eviction/topk_kernel.py)
     sketch  the 4-bit key sketch (eviction/sketch_topk.py) over the live and protected masks of the token
             (`count`, once per token), whose final top-k writes the block table too
+    cascade Quest's bound as in topk picks candidate_factor x k candidates, their 4-bit codes rank them by
+            estimated softmax mass, the k best are read (eviction/cascade.py CascadeTopK.select_scored)
 A batch of sequences in the topk phase selects for all of them at once instead (batch_rows.py).
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from eviction import Policy
+from eviction.cascade import CascadeTopK
 from eviction.quest_kernel import live_and_protected, quest_scores_live, quest_scores_live_ref
 from eviction.select import top_blocks
 from eviction.sketch_topk import SketchTopK
@@ -28,8 +31,9 @@ from kvstore.decode.eager import block_table
 class StepSelect:
     def __init__(self, policy: Policy | None, capacity: int, k: int, block_tokens: int, sink_blocks: int,
                  recent_tokens: int, num_kv_heads: int, device: torch.device) -> None:
-        """policy: the SketchTopK for mode "sketch", else None (Quest's bound)."""
+        """policy: the SketchTopK for mode "sketch", the CascadeTopK for "cascade", else None (Quest's bound)."""
         self.policy, self.capacity, self.k = policy, capacity, k
+        self.protected_max = sink_blocks + -(-recent_tokens // block_tokens) + 1  # blocks the window can protect
         self.window = dict(block_tokens=block_tokens, sink_blocks=sink_blocks, recent_tokens=recent_tokens)
         self.all_blocks = torch.arange(capacity, device=device).expand(num_kv_heads, capacity)  # [H, N] dense
         self._scores = quest_scores_live if device.type == "cuda" else quest_scores_live_ref
@@ -54,6 +58,11 @@ class StepSelect:
                 table.tier_map, WARM_TIER)
             return (selected, *(gathered or block_table(table, selected)), upper)
         scores = self._scores(q, table.summaries[:n], num_tokens, **self.window)  # [H, N]
+        if isinstance(self.policy, CascadeTopK):
+            tail = num_tokens // self.window["block_tokens"]  # [1]: the block this token goes into
+            selected = self.policy.select_scored(q, table.summaries[:n], table.sketch[:n], scores, tail, k,
+                                                 self.protected_max)
+            return (selected, *block_table(table, selected), None)
         if scores.is_cuda and two_stage(n, k) and can_select(n, k):
             return (*topk_block_table(scores, k, table.slot_map, table.tier_map, WARM_TIER), None)
         selected = top_blocks(scores, k)

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from eviction.cascade import (CascadeTopK, pca_basis, quest_upper, rotate_keys, rotate_queries,
+from eviction import TopK
+from eviction.cascade import (CascadeTopK, pca_basis, protected_max, quest_upper, rotate_keys, rotate_queries,
                               threshold_survivors)
 from eviction.policy import ScoreContext
 from eviction.select import SeqWindow, cdiv, select
@@ -100,7 +101,8 @@ def test_candidates_are_quest_in_the_basis(shape):
     budget = 5 * b
     selected, stats = CascadeTopK(basis=basis, candidate_factor=2).select_with_stats(ctx, budget)
     k = ctx.window.num_selected(budget)
-    assert stats.candidates == min(2 * k, ctx.num_blocks - ctx.window.num_protected())
+    # C = candidate_factor x k + the most blocks the window can protect, the protected ones among them
+    assert stats.candidates == min(2 * k + protected_max(ctx.window), ctx.num_blocks) - ctx.window.num_protected()
     bound = quest_upper(rotate_queries(q, basis), ctx.summaries).view(heads, group, -1).amax(1)  # [H, N]
     assert selected.shape == (heads, k) and (selected.diff(dim=1) > 0).all()
     protected = ctx.window.protected_mask()
@@ -130,3 +132,42 @@ def test_bad_arguments():
         CascadeTopK(basis=torch.eye(8).expand(3, 8, 8)).select(ctx, 16)
     with pytest.raises(ValueError, match="sketch"):
         CascadeTopK().select(ScoreContext(ctx.summaries, ctx.window, q=q), 16)
+
+
+def needle_haystack(seed: int, blocks: int = 256, b: int = 16, heads: int = 2, group: int = 2, dim: int = 32,
+                    decoys: int = 40, needles: int = 4) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """(keys fp16 [T, H, D], q fp16 [Hq, D], needle blocks): `decoys` blocks hold one large key orthogonal to
+    the query (a wide min/max box, logit ~0: Quest's bound ranks them first), `needles` blocks one key along it
+    (a logit of 2.5 sqrt(D) |q|, most of the softmax): more decoys than the budget's k, fewer than the cascade's
+    candidates."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(blocks * b, heads, dim, generator=g) * 0.5
+    q = torch.randn(heads * group, dim, generator=g)
+    direction = q.view(heads, group, dim).mean(1)
+    direction = direction / direction.norm(dim=1, keepdim=True)  # [H, D]
+    planted = (torch.randperm(blocks - 20, generator=g)[: decoys + needles] + 10).tolist()
+    for i, block in enumerate(planted):
+        t = block * b + int(torch.randint(0, b, (1,), generator=g))
+        for h in range(heads):
+            if i < decoys:
+                o = torch.randn(dim, generator=g) * 6
+                keys[t, h] = o - (o @ direction[h]) * direction[h]
+            else:
+                keys[t, h] = direction[h] * 2.5 * math.sqrt(dim)
+    return keys.half(), q.half(), planted[decoys:]
+
+
+def test_cascade_finds_the_needles_quest_ranks_below_decoys():
+    """Graded: Quest's bound alone finds few of the needles (decoys outrank them), the cascade all."""
+    found, total = {"topk": 0, "cascade": 0}, 0
+    for seed in range(6):
+        keys, q, needles = needle_haystack(seed)
+        window = SeqWindow(num_tokens=keys.shape[0], block_tokens=16, sink_tokens=16, recent_tokens=32)
+        summaries, codes = sketch_keys(keys, 16)
+        ctx = ScoreContext(summaries, window, q=q, sketch=codes)
+        for name, policy in (("topk", TopK()), ("cascade", CascadeTopK())):
+            selected = policy.select(ctx, 256)  # k = 16 blocks of 256
+            found[name] += sum(needle in row for row in selected.tolist() for needle in needles)
+        total += 2 * len(needles)
+    assert found["topk"] <= total // 4, found
+    assert found["cascade"] == total, found
