@@ -235,7 +235,8 @@ def timed_paths(decoder: Decoder, seq: int, p: E2EPreset, deadline: Deadline) ->
     eager = Decoder(decoder.model, store, graphs=False)
     kinds = (("graph", decoder), ("eager", eager)) if store.device.type == "cuda" else (("eager", eager),)
     for kind, dec in kinds:
-        modes = [m for m in ("topk", "sketch", "dense") if m in p.modes.split(",") and (kind == "graph" or m != "sketch")]
+        modes = [m for m in ("topk", "cascade", "sketch", "dense") if m in p.modes.split(",")
+                 and (kind == "graph" or m not in ("sketch", "cascade"))]  # the eager code modes: too slow at 1M
         for mode in modes:
             if deadline.expired():
                 notes.append(f"{kind}_{mode} skipped: time budget")

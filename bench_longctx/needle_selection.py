@@ -8,7 +8,8 @@ margins, smollm2-135m geometry, 32-token blocks, 64 sink + 128 recent tokens); p
 picks blocks at each budget. A (needle, q head) holding >= 5% of the dense weight is a trial; it is found when
 its block is selected for its kv head. Also the share of the needles' dense weight the selections hold.
 Selectors: quest (TopK), sketch (SketchTopK), cascade (CascadeTopK in the haystack's PCA basis, and with
-16 x k candidates), cascade_raw (CascadeTopK on raw channels). Numbers: BENCHMARKS.md, Selection quality.
+16 x k candidates), cascade_raw (CascadeTopK on raw channels: the store's mode="cascade"; also with 16 x k).
+Numbers: BENCHMARKS.md, Selection quality.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def selectors(keys: torch.Tensor, window: SeqWindow, block_tokens: int) -> dict[
             "sketch": lambda q, b: SketchTopK().select(raw(q), b),
             "cascade": lambda q, b: CascadeTopK(basis=basis).select(turned(q), b),
             "cascade_c16": lambda q, b: CascadeTopK(basis=basis, candidate_factor=16).select(turned(q), b),
-            "cascade_raw": lambda q, b: CascadeTopK().select(raw(q), b)}
+            "cascade_raw": lambda q, b: CascadeTopK().select(raw(q), b),
+            "cascade_raw_c16": lambda q, b: CascadeTopK(candidate_factor=16).select(raw(q), b)}
 
 
 def run(contexts: tuple[int, ...], seeds: int, p: NeedlePreset = NeedlePreset(),
