@@ -2,6 +2,7 @@
 
     python -m bench_longctx.contexts_bench --preset cpu  [--out FILE]      # 2-core CPU, tiny geometry, ~1 min
     python -m bench_longctx.contexts_bench --preset h200 --open-tokens 1M [--out FILE]
+    python -m bench_longctx.contexts_bench --preset h200 --open-tokens 512K --fork-tokens 0 --background
     python -m bench_longctx.contexts_bench --preset cpu --contexts '' --fork-tokens 0 --profile 25  # + its profile
 
 Random K/V of a named geometry with token ids recorded, the store's windows (hot and warm on the
@@ -15,7 +16,12 @@ int8 on the GPU, so that a writer saving into /dev/shm does not also hold it in 
                default): seconds to open and to the first token, and its logits against the
                never-saved sequence's in the writer; twice: a cold process, then one that first ran a
                step over a throwaway sequence (kernels loaded, CUDA initialised: a serving process) and,
-               after its first token, loads the whole context (store.load); each decodes 4 more tokens
+               after its first token, loads the whole context (store.load); each decodes 4 more tokens, as
+               the writer does, and says which path each took (captured step or eager); --background adds a
+               third that opens with store.open(name, background_load=True) and decodes from its first
+               token until the load has ended (bench_longctx/contexts_tokens.py); the store has a staging
+               row per selected block (staging_tokens = the budget), which the captured step needs to read
+               cpu-tier blocks itself
   forks        10 sequences forked from one --fork-tokens prefix: blocks and bytes stored against
                the prefix alone (~1x: full blocks shared, one partial tail copied per fork); 0 skips it
   transfer     a context of --transfer-tokens saved, then loaded whole by a new store from a cold page cache:
@@ -43,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from bench_longctx.contexts_tokens import BUDGET, decode_while_loading, describe, first_token, next_tokens
 from bench_longctx.contexts_transfer import run_transfer, summary
 from bench_longctx.presets import parse_tokens
 from bench_longctx.timing import environment, timed
@@ -54,7 +61,6 @@ from kvstore.store import KVStore
 BLOCK_TOKENS = 32
 CHUNK = 8192
 VOCAB = 32000
-NEXT_TOKENS = 4  # decoded and timed after the first one in the new process
 MODES = ("topk", "sketch", "dense")  # topk: min/max summaries (Quest); sketch: the 4-bit key sketch (eviction/)
 PRESETS = {  # the cpu preset is what CI runs (tests/bench_longctx); h200 keeps 1M on a 235 GiB disk
     "cpu": dict(geometry="smollm2-135m", layers=4, contexts="8K,32K", open_tokens="32K", fork_tokens="32K",
@@ -69,7 +75,8 @@ PRESETS = {  # the cpu preset is what CI runs (tests/bench_longctx); h200 keeps 
 def bench_config(args: argparse.Namespace, path: str) -> Config:
     spec = ModelSpec.preset(args.geometry, num_layers=args.layers)
     return Config(model=spec, block_tokens=BLOCK_TOKENS, hot_tokens=1024, warm_tokens=args.warm_tokens,
-                  gpu_bytes=args.gpu_bytes,
+                  gpu_bytes=args.gpu_bytes, staging_tokens=BUDGET,  # a staging row per selected block: the
+                  # captured step reads the cpu tier's blocks itself (fewer rows: every token goes the eager way)
                   cpu_bytes=args.cpu_bytes, cpu_dtype="int8", ssd_path=path, ssd_bytes=args.ssd_bytes,
                   ssd_compression="none", device=args.device, host_memory_reserve=0, model_id="contexts-bench")
 
@@ -139,35 +146,34 @@ def decoder(store: KVStore, args: argparse.Namespace) -> Decoder:
     return Decoder(random_llama(store.spec, seed=0, vocab_size=VOCAB, dtype=dtype, device=args.device), store)
 
 
-def first_token(dec: Decoder, seq: int, last: int, args: argparse.Namespace) -> tuple[torch.Tensor, float]:
-    """fp32 logits [vocab] of one topk decode step after `last`, and its seconds (synchronized)."""
-    logits, seconds = timed(lambda: dec.decode_step(seq, last, "topk", 4096), args.device)
-    return logits.float().cpu(), seconds
-
-
 def warm_up(dec: Decoder, store: KVStore, args: argparse.Namespace) -> float:
     """Seconds of one topk step over a throwaway 4-block sequence: what a serving process pays once at start
     (kernels loaded from triton's cache, CUDA and cuBLAS initialised), before any context is opened."""
     def step() -> None:
         seq, _ = fill(store, 4 * BLOCK_TOKENS)
-        dec.decode_step(seq, 0, "topk", 4096)
+        dec.decode_step(seq, 0, "topk", BUDGET)
         store.free(seq)
     return timed(step, args.device)[1]
 
 
 def write_and_save(args: argparse.Namespace, context: int, path: str) -> tuple[list[int], dict, torch.Tensor]:
-    """The writer: fill, save, one decoded token of the never-saved sequence: (token ids, timings, its logits).
-    Its store and model are gone when this returns."""
+    """The writer: fill, save, decoded tokens of the never-saved sequence: (token ids, timings, the first one's
+    logits). Its store and model are gone when this returns."""
     with KVStore(bench_config(args, path)) as store:
         (seq, ids), fill_s = timed(lambda: fill(store, context))
         print(f"writer: {context} tokens filled in {fill_s:.1f} s", flush=True)
         _, save_s = timed(lambda: store.save(seq, "bench"))
         print(f"writer: saved in {save_s:.1f} s", flush=True)
         saved_bytes = sum(store.stats()["tiers"][t]["bytes"] for t in ("hot", "warm", "cpu", "ssd"))
-        want, writer_s = first_token(decoder(store, args), seq, ids[-1] % VOCAB, args)
-    print(f"writer: first token of the never-saved sequence in {writer_s:.2f} s", flush=True)
+        dec = decoder(store, args)
+        want, writer_s = first_token(dec, seq, ids[-1] % VOCAB, args.device)
+        after = next_tokens(dec, seq, want, args.device)
+    print(f"writer: first token of the never-saved sequence in {writer_s:.2f} s, then "
+          f"{', '.join(f'{t:.3f}' for t in after['next_tokens_s'])} s ({', '.join(after['next_tokens_path'])})",
+          flush=True)
     return ids, {"fill_s": fill_s, "save_s": save_s, "stored_bytes_before_save": saved_bytes,
-                 "writer_first_token_s": writer_s}, want
+                 "writer_first_token_s": writer_s, "writer_next_tokens_s": after["next_tokens_s"],
+                 "writer_next_tokens_path": after["next_tokens_path"]}, want
 
 
 def run_new_process(args: argparse.Namespace, context: int, directory: str) -> dict:
@@ -179,9 +185,11 @@ def run_new_process(args: argparse.Namespace, context: int, directory: str) -> d
     argv = [sys.executable, "-m", "bench_longctx.contexts_bench", "open", "--path", path, "--out", str(out),
             "--last", str(ids[-1] % VOCAB), f"--profile={args.profile}"] + \
         [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-         ("geometry", "layers", "device", "gpu_bytes", "cpu_bytes", "ssd_bytes", "warm_tokens")]
+         ("geometry", "layers", "device", "gpu_bytes", "cpu_bytes", "ssd_bytes", "warm_tokens", "background_tokens")]
     children = {}
-    for name, extra in (("cold", []), ("warmed_up", ["--warm-up", "--load"])):  # the second reads a page cache the first warmed
+    runs = [("cold", []), ("warmed_up", ["--warm-up", "--load"])] + \
+        ([("background", ["--warm-up", "--background"])] if args.background else [])
+    for name, extra in runs:  # the later ones read a page cache the first warmed
         started = time.perf_counter()
         subprocess.run(argv + extra, check=True, cwd=Path(__file__).resolve().parents[1])
         child = json.loads(out.read_text())
@@ -190,7 +198,8 @@ def run_new_process(args: argparse.Namespace, context: int, directory: str) -> d
                           "token_equal": int(got.argmax()) == int(want.argmax()),
                           "max_abs_logit_diff": float((got - want).abs().max())}
     shutil.rmtree(path, ignore_errors=True)
-    return {"context": context, **writer, **children["cold"], "warmed_up_process": children["warmed_up"]}
+    return {"context": context, **writer, **children["cold"], "warmed_up_process": children["warmed_up"],
+            "background_load_process": children.get("background")}
 
 
 def open_in_this_process(args: argparse.Namespace) -> None:
@@ -201,24 +210,24 @@ def open_in_this_process(args: argparse.Namespace) -> None:
         dec, model_s = timed(lambda: decoder(store, args), args.device)
         warm_s = warm_up(dec, store, args) if args.warm_up else 0.0
         reads = counting_reads(store)
-        seq, open_s = timed(lambda: store.open("bench"), args.device)
+        seq, open_s = timed(lambda: store.open("bench", background_load=args.background), args.device)
         open_bytes = sum(reads)
-        profiler = cProfile.Profile() if args.profile else None
+        profiler, eager = cProfile.Profile() if args.profile else None, dec.paths["eager"]
         with profiler or contextlib.nullcontext():
-            logits, token_s = first_token(dec, seq, args.last, args)
+            logits, token_s = first_token(dec, seq, args.last, args.device)
         if profiler is not None:
             pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
-        fetched = store.stats()["attend"]["cold_blocks_fetched"]
+        fetched, first_path = store.stats()["attend"]["cold_blocks_fetched"], \
+            "eager" if dec.paths["eager"] > eager else "captured"
         loaded, load_s = timed(lambda: store.load(seq), args.device) if args.load else (0, 0.0)
-        next_s, token = [], int(logits.argmax())
-        for _ in range(NEXT_TOKENS):  # the steps after: promotions of blocks fetched twice, then steady state
-            out, seconds = first_token(dec, seq, token, args)
-            next_s.append(seconds)
-            token = int(out.argmax())
+        if args.background:  # from the token after the first: until every block is in and tokens run captured
+            after = {"background": decode_while_loading(dec, store, seq, logits, args.device, args.background_tokens)}
+        else:
+            after = next_tokens(dec, seq, logits, args.device)  # promotions of blocks fetched twice, then steady
         result = {"store_init_s": init_s, "model_init_s": model_s, "process_warm_up_s": warm_s, "open_s": open_s,
                   "open_read_bytes": open_bytes, "first_token_s": token_s, "open_to_first_token_s": open_s + token_s,
                   "blocks_read_for_first_token": fetched, "blocks_loaded_after_first_token": loaded,
-                  "load_s": load_s, "next_tokens_s": next_s,
+                  "load_s": load_s, "first_token_path": first_path, **after,
                   "promotions_in_next_tokens": store.stats()["attend"]["promotions"],
                   "cold_blocks_fetched_in_all": store.stats()["attend"]["cold_blocks_fetched"],
                   "cold_slices_staged_by_captured_steps": store.stats()["attend"]["cold_slices_staged"],
@@ -250,8 +259,12 @@ def print_opened(opened: dict) -> None:
     print(f"  after a warm-up step ({warm['process_warm_up_s']:.2f} s): open {warm['open_s']:.2f} s + first "
           f"token {warm['first_token_s']:.2f} s; token equal {warm['token_equal']}; store.load "
           f"{warm['blocks_loaded_after_first_token']} blocks {warm['load_s']:.2f} s; next tokens "
-          f"{', '.join(f'{t:.2f}' for t in warm['next_tokens_s'])} s (without load: "
-          f"{', '.join(f'{t:.2f}' for t in opened['next_tokens_s'])} s)")
+          f"{', '.join(f'{t:.3f}' for t in warm['next_tokens_s'])} s ({', '.join(warm['next_tokens_path'])}; "
+          f"without load: {', '.join(f'{t:.2f}' for t in opened['next_tokens_s'])} s, "
+          f"{', '.join(opened['next_tokens_path'])})")
+    background = opened["background_load_process"]
+    if background:
+        print(describe(background["background"]))
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -265,6 +278,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--last", type=int, default=0)
     parser.add_argument("--warm-up", action="store_true")  # the child: one step on a throwaway sequence first
     parser.add_argument("--load", action="store_true")  # the child: store.load of the context after its first token
+    parser.add_argument("--background", action="store_true")  # a child that opens with background_load=True
+    parser.add_argument("--background-tokens", type=int, default=2000)  # at most this many tokens while it loads
     parser.add_argument("--profile", type=int, default=0)  # N: each child prints cProfile's top N of its first token
     args = parser.parse_args(argv)
     for name, value in PRESETS[args.preset].items():
