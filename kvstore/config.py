@@ -16,7 +16,7 @@ _BYTES_MAX = 1 << 50  # byte budgets: 1 PiB (LMDB's map size and host allocators
 _INT_FIELDS = (  # (field, lowest, highest) of every integer knob of Config
     ("block_tokens", 1, 1 << 16), ("sink_tokens", 0, _TOKENS_MAX), ("hot_tokens", 1, _TOKENS_MAX),
     ("warm_tokens", 0, _TOKENS_MAX), ("recent_tokens", 0, _TOKENS_MAX), ("staging_tokens", 0, _TOKENS_MAX),
-    ("hot_sequences", 1, 1 << 20),
+    ("hot_sequences", 1, 1 << 20), ("promotions_per_boundary", 0, 1 << 20),
     ("gpu_bytes", 0, _BYTES_MAX), ("cpu_bytes", 0, _BYTES_MAX), ("ssd_bytes", 0, _BYTES_MAX),
     ("ssd_level", -7, 22), ("host_memory_reserve", 0, _BYTES_MAX),
 )
@@ -97,6 +97,8 @@ class Config:
     cpu_dtype: str = "float16"  # "float16" (exact) or warm_format (blocks cool as the warm tier holds them)
     cpu_checksums: str = "auto"  # "auto": block sums on the GPU beside pinned slabs (what a captured step verifies
     # cpu blocks with), else xxh3 on the host; "host"; or a device ("cpu": block sums in torch, slow: tests)
+    promotions_per_boundary: int = 512  # cpu blocks a captured decode step reads again and again that move up to
+    # the warm tier at one block boundary, at most (kvstore/decode/promotion.py; 0: none): bounds that host work
     ssd_path: str | None = None  # None: a temporary directory removed on close()
     ssd_bytes: int = 64 << 30
     ssd_compression: str = "zstd"  # "zstd", "zstd-split" (byte planes first) or "none"; BENCHMARKS.md: ratios

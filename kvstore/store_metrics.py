@@ -14,7 +14,9 @@ and the scraping thread only reads the last one:
     kvtier_store_integrity_errors_total, kvtier_store_missing_blocks  checksum failures; blocks a shared tier lost
     kvtier_store_attend_calls_total                                 layer steps attended (eager and captured)
     kvtier_store_context_tokens_total, kvtier_store_attended_tokens_total   tokens held vs tokens read
-    kvtier_store_cold_blocks_fetched_total, kvtier_store_promotions_total
+    kvtier_store_cold_blocks_fetched_total, kvtier_store_cold_slices_staged_total
+    kvtier_store_promotions_total, kvtier_store_promotion_swaps_total   blocks moved up to the warm tier; warm
+        blocks a captured step's promotion moved down to the cpu tier to make room for them
     kvtier_store_certified_calls_total, kvtier_store_certified_omitted_mass_total
         steps whose selection certified an upper bound on the softmax mass it left out (the sketch
         policy), and the sum of those bounds (rate(sum) / rate(calls): the mean certified omitted mass)
@@ -37,6 +39,7 @@ ATTEND_COUNTERS = (  # stats()["attend"] key -> (metric name, help)
     ("cold_blocks_fetched", "cold_blocks_fetched", "Blocks fetched from cpu/ssd tiers for a step"),
     ("cold_slices_staged", "cold_slices_staged", "Head slices of cpu blocks a captured step read (verified)"),
     ("promotions", "promotions", "Blocks promoted to the warm tier after repeated cold fetches"),
+    ("promotion_swaps", "promotion_swaps", "Warm blocks moved down to the cpu tier to make room for promoted ones"),
     ("certified_calls", "certified_calls", "Steps whose selection certified its omitted softmax mass"),
     ("certified_omitted", "certified_omitted_mass", "Sum of certified upper bounds on the omitted softmax mass"),
     ("certified_measured", "measured_calls", "Certified steps also measured with a dense pass"),

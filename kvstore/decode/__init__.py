@@ -4,6 +4,7 @@
     staging.py       selected cold blocks fetched in the format their tier holds, into staging rows
     step.py          DecodeStep: the captured step of every layer of a token from device state
     dense_tables.py  the captured dense step's table bucket and its partition by pool
-    cold_slices.py   the captured step's cpu-tier blocks: staged, verified on the GPU, promoted
+    cold_slices.py   the captured step's cpu-tier blocks: staged, verified on the GPU
+    promotion.py     StepPromotion: cpu blocks the captured step keeps reading move up to warm at block boundaries
     graphs.py        GraphedSteps: one CUDA graph per step key, replayed per token
 """

@@ -1,17 +1,11 @@
 """The captured decode step's cpu-tier blocks (kvstore/decode/step.py): whether it can serve them, staging the slices
-it selects, verifying them, and promoting the blocks it keeps reading.
+it selects and verifying them (the blocks it keeps reading move up to the warm tier: promotion.py).
 
 Staging (tiers/slice_gather.py): inside the step, each selected cpu block's kv-head slice is read from the
 pinned slab into a staging row of the GPU pool of the cpu tier's format and verified on the device against
 the head's recorded sums; damage is counted on the device and `verify` raises IntegrityError at the next
-sync. The same launch counts, per layer and table position, the slices it read.
-
-Promotion: a block the step selects token after token is read over PCIe every time. At a block boundary,
-where the step does host work anyway, blocks read PROMOTE_AFTER whole blocks' worth of slices move up to
-the warm tier (the eager path promotes after PROMOTE_AFTER cold fetches: kvstore/decode/eager.py), where room can
-be made, and only as many as the cpu tier can take back warm blocks for (the room they need): nothing is
-pushed past the cpu tier, so the step keeps serving every cold block. One host sync per boundary, only
-while the step stages cold blocks; a promoted block's K/V are the same bytes in the warm pool.
+sync. The same launch counts, per layer and table position, the slices it read (`reads`), which the
+step's promotion reads at block boundaries.
 """
 
 from __future__ import annotations
@@ -19,16 +13,12 @@ from __future__ import annotations
 import torch
 
 from kvstore.blocks.table import LayerTable
-from kvstore.blocks.tierset import CPU_TIER, WARM_TIER, TierSet
+from kvstore.blocks.tierset import CPU_TIER, TierSet
 from kvstore.config import ModelSpec
-from kvstore.decode.eager import PROMOTE_AFTER, AttendStats
+from kvstore.decode.eager import AttendStats
 from tiers.base import IntegrityError
 from tiers.block_rows import fields, normal_device
 from tiers.slice_gather import stage_cold_slices
-
-
-MAX_PROMOTIONS = 64  # blocks promoted at one boundary, at most: bounds its host work (and the warm blocks
-# making room, put into the cpu tier from the GPU at ~0.6 GB/s: bench_longctx.fetch_bench; BENCHMARKS.md, Tiers)
 
 
 class StepColdBlocks:
@@ -41,7 +31,7 @@ class StepColdBlocks:
         self._seen = [0, 0]  # counts as verify() last read them
         self.unverified = False  # a token staged cold blocks since verify() last read counts
         self.reads = torch.zeros((num_layers, capacity), dtype=torch.int32, device=dev)  # slices staged per block
-        self._read = False  # slices staged since the last promotion
+        self.staged_since_boundary = False  # a token staged slices since promotion last read `reads`
         self.row_offset = 0  # this step's staging rows start here: each sequence of a batch has rows of its own
 
     def staging_pool(self):
@@ -68,7 +58,7 @@ class StepColdBlocks:
     def token_done(self, staged: bool) -> None:
         """After a token's device work is queued: what it staged is to be verified; pinned rows it reads stay put."""
         self.unverified |= staged
-        self._read |= staged
+        self.staged_since_boundary |= staged
         if staged and self.device.type == "cuda":  # the GPU may still be reading pinned rows: no put
             self.tiers.cpu.reading_on_device(torch.cuda.Event())  # may overwrite a slot freed meanwhile
 
@@ -85,28 +75,3 @@ class StepColdBlocks:
             self.tiers.cpu.integrity_errors += new_damage
             raise IntegrityError(f"cpu tier: {new_damage} block slices read by the captured decode step failed "
                                  f"their checksums; the tokens since the last verified one are not to be trusted")
-
-    def promote(self, tables: list[LayerTable]) -> int:
-        """Host side, between tokens: the cpu blocks read PROMOTE_AFTER whole blocks' worth of slices since they
-        were last counted move to the warm tier (module docstring). Verifies first (the reads were of intact
-        slices). Returns how many moved."""
-        if not self._read:
-            return 0
-        self.verify()
-        self._read = False
-        tiers, heads = self.tiers, self.num_kv_heads
-        hot = torch.nonzero(self.reads >= PROMOTE_AFTER * heads).tolist()  # [[layer, position]]: one sync
-        room = min(MAX_PROMOTIONS, tiers.cpu.free_blocks())  # the warm blocks making room go to cpu
-        ids, counted = [], []  # blocks to promote; entries whose count restarts (promoted, or out of cpu already)
-        for layer, pos in hot:
-            block = tables[layer].block_ids[pos]
-            in_cpu = tiers.blocks.tier_of[block] == CPU_TIER
-            if in_cpu and len(ids) == room:
-                continue  # keeps its count for the next boundary
-            ids += [block] if in_cpu else []
-            counted.append((layer, pos))
-        if counted:
-            self.reads[tuple(zip(*counted))] = 0
-        moved = tiers.promote(ids, WARM_TIER) if ids else 0
-        self.stats.promotions += moved
-        return moved

@@ -39,6 +39,7 @@ class AttendStats:
     cold_blocks_fetched: int = 0
     cold_slices_staged: int = 0  # one kv head's slice of a cpu block, read by a captured step (DecodeStep.verify)
     promotions: int = 0
+    promotion_swaps: int = 0  # warm blocks a captured step's promotion moved down to the cpu tier to make room
     mass_measured: int = 0
     mass_captured: float = 0.0  # summed over measured calls
     certified_calls: int = 0  # calls whose policy certified its omitted mass (SketchTopK)

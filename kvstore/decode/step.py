@@ -31,7 +31,7 @@ Cold blocks (kvstore/decode/cold_slices.py): in the topk phase, selected blocks 
 step, one kv head's slice each, from the pinned slabs into k staging rows of the pool of the tier's format,
 and verified on the device against per-head block sums (tiers/slice_gather.py); a damaged slice is counted
 on the device and `verify()` (called wherever the host syncs anyway) raises IntegrityError; blocks read
-again and again move up to the warm tier at block boundaries. Blocks beyond the cpu tier
+again and again move up to the warm tier at block boundaries (kvstore/decode/promotion.py). Blocks beyond the cpu tier
 (ssd, remote, saved), a dense phase over cold blocks, too few staging rows (staging_tokens < budget) or a
 cpu tier checksummed on the host (xxh3) cannot be served from device state: `ready()` says so and callers
 use the eager path for that token (store.load brings saved blocks into the cpu tier and the GPU pools).
@@ -49,6 +49,7 @@ from kvstore.blocks.table import DROPPED, LayerTable
 from kvstore.blocks.tierset import HOT_TIER, WARM_TIER
 from kvstore.decode.cold_slices import StepColdBlocks
 from kvstore.decode.dense_tables import StepPartitions, dense_bucket
+from kvstore.decode.promotion import StepPromotion
 from kvstore.decode.step_parts import Selection, StepParts, place_tails
 from kvstore.decode.step_select import StepSelect
 from tiers.base import device_ints
@@ -100,7 +101,8 @@ class DecodeStep:
         self.selector = StepSelect(self.policy, self.capacity, self.k, b, self.sink_blocks, self.recent_tokens, h,
                                    dev)
         self._append_token = append_token if dev.type == "cuda" else append_token_ref  # one launch on the GPU
-        self.cold = StepColdBlocks(self.tiers, self.path.stats, dev, spec, self.capacity)  # staging, verifying, promoting
+        self.cold = StepColdBlocks(self.tiers, self.path.stats, dev, spec, self.capacity)  # staging, verifying
+        self.promotion = StepPromotion(self.cold, c, self.recent_tokens)  # cpu blocks it keeps reading move up
         self.partitions = StepPartitions(spec, self.capacity, b, dev)  # the dense tables by pool (long, mixed)
         self.stages_cold = False  # this token stages cpu blocks (fixed per token: part of the graph's key)
         self.phase = self._phase(length + 1)
@@ -249,7 +251,7 @@ class DecodeStep:
             stats.add_certified(self.certified.mean(1))  # a tensor of its own: the next replay rewrites the buffer
         self.cold.token_done(self.stages_cold)
         if (old + 1) % self.block_tokens == 0:  # cpu blocks this sequence keeps reading move up (a sync, if any)
-            self.cold.promote(self.tables)
+            self.promotion.at_boundary(self.tables)
         self._synced_length = old + 1  # the step advanced the device count itself
 
     def _phase(self, num_tokens: int) -> str:

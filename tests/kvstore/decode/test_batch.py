@@ -99,6 +99,44 @@ def test_a_batch_equals_each_sequence_alone(tmp_path, mode, gpu_bytes):
     alone.close(), batched.close()
 
 
+def test_a_batch_that_promotes_equals_each_sequence_alone_without_promotion(tmp_path):
+    """One sequence of two reads cpu blocks; the batch's step promotes those it keeps reading at its block
+    boundaries (kvstore/decode/promotion.py), the single steps in the twin store never do: the same outputs,
+    bit for bit on CPU, and the same stored K/V."""
+    lengths = (300, 700)
+    alone, seqs = filled(tmp_path, "a", lengths, promotions_per_boundary=0)
+    batched, bseqs = filled(tmp_path, "b", lengths)
+    cold_before = batched.table(bseqs[1], 0).num_cold
+    assert cold_before > 10 and batched.table(bseqs[0], 0).num_cold == 0
+    singles = [alone.decode_step(s, mode="topk", budget=128) for s in seqs]
+    batch = BatchStep([batched.decode_step(s, mode="topk", budget=128) for s in bseqs])
+    tokens = work(len(seqs), 40, seed=4)  # 700 -> 740: boundaries at 704, 720 and 736
+    for t in range(tokens.shape[0]):
+        batch.begin_token()
+        for s in singles:
+            s.begin_token()
+        for layer in range(SPEC.num_layers):
+            x = tokens[t, layer]
+            got = batch.attend(layer, x[:, 0], x[:, 1, :2], x[:, 2, :2])
+            for i, s in enumerate(singles):
+                want = s.attend(layer, x[i, 0], x[i, 1, :2], x[i, 2, :2])
+                if DEVICE == "cpu":
+                    assert torch.equal(got[i], want), (t, layer, i)
+                else:
+                    torch.testing.assert_close(got[i], want, atol=2e-3, rtol=2e-3)
+        batch.end_token()
+        for s in singles:
+            s.end_token()
+    batch.verify()
+    assert batched.stats()["attend"]["promotions"] > 0 and alone.stats()["attend"]["promotions"] == 0
+    assert batched.table(bseqs[1], 0).num_cold < cold_before <= alone.table(seqs[1], 0).num_cold
+    for a, b in zip(seqs, bseqs):
+        for layer in range(SPEC.num_layers):
+            assert all(torch.equal(x, y) for x, y in zip(alone.read(a, layer), batched.read(b, layer)))
+    batched.check_integrity(), alone.check_integrity()
+    alone.close(), batched.close()
+
+
 def test_a_batch_needs_staging_rows_for_every_sequences_cold_blocks(tmp_path):
     """Staging rows for only one sequence's selection: the batch refuses (StepNotReady) before anything of
     the token happens, and the sequences are as they were."""

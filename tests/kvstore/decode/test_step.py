@@ -191,27 +191,6 @@ def test_step_serves_selected_cpu_blocks_like_gpu_held_ones(tmp_path, mode):
     eager.close(), stepped.close(), warm.close()
 
 
-def test_promotions_at_a_boundary_are_capped_and_the_rest_keep_their_counts(tmp_path, monkeypatch):
-    import kvstore.decode.cold_slices
-
-    monkeypatch.setattr(kvstore.decode.cold_slices, "MAX_PROMOTIONS", 1)
-    _, stepped, (_, sb) = cold_pair(tmp_path)
-    step = stepped.decode_step(sb, mode="topk", budget=128)
-    work = tokens(40, seed=6)  # 600 -> 640: boundaries at 608, 624 and 640
-    for t in range(40):
-        step.begin_token()
-        for layer in range(SPEC.num_layers):
-            step.attend(layer, *work[t * SPEC.num_layers + layer])
-        step.end_token()
-    assert 1 <= stepped.stats()["attend"]["promotions"] <= 3  # one a boundary at most
-    threshold = 2 * SPEC.num_kv_heads  # PROMOTE_AFTER whole blocks' worth of head slices
-    waiting = [(layer, pos) for layer, pos in torch.nonzero(step.cold.reads >= threshold).tolist()
-               if stepped.table(sb, layer).tier_map[pos] == 2]  # still in cpu: counted for the next boundary
-    assert waiting
-    stepped.check_integrity()
-    stepped.close()
-
-
 def test_step_serves_fp16_cpu_blocks_like_the_eager_path(tmp_path):
     """An fp16 cpu tier holds some blocks the warm tier never quantized, so the reference is the eager path over the
     same blocks, for the first token (the eager path quantizes an fp16 block it fetched twice into the warm tier,
