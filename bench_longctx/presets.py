@@ -125,6 +125,8 @@ class ServePreset:
     stores: str = "kvtier,dense-fp16,dense-int8"
     batch_sizes: tuple[int, ...] = ()  # a sweep of fixed batches of the first context (kvtier), for the plot
     warm_format: str = "int8"  # the kvtier store's warm and cpu format (dense-int8 stays int8): int8, fp8, int4
+    promotions_per_boundary: int = 512  # the kvtier store's Config.promotions_per_boundary: cpu blocks the captured
+    # step keeps reading that move up to the warm tier at a block boundary (0: none, every read stays on PCIe)
 
     def __post_init__(self) -> None:
         check_warm_format("serve", self.warm_format)

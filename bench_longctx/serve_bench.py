@@ -15,7 +15,9 @@ On CUDA an untimed warm-up trace (2 requests, 2 tokens) runs before each store's
 not in its numbers. Each reports aggregate output tokens/s over the run (fills excluded), time per output
 token p50 / p99, and the same over steady steps (neither a fill nor a CUDA graph capture in them: a new batch
 membership or graph key captures once, as engines capture at start-up), queueing, preemptions, graph
-captures, the most requests running at once, blocks per tier at that peak, and the fraction of each
+captures, the most requests running at once, blocks per tier at that peak, the cpu tier's reads (head slices the
+captured steps staged, in all and per output token; blocks fetched eagerly; blocks promoted to the warm tier
+and warm blocks swapped down for them: serve.promotions_per_boundary, 0 for none) and the fraction of each
 request's appended K/V found intact. serve.batch_sizes adds a sweep: a fixed batch of that many requests of
 the first context, kvtier only, for the throughput / p99 vs batch size plot.
 """
@@ -91,7 +93,8 @@ def serve_store(kind: str, p: ServePreset, spec, device: torch.device, requests:
                     recent_tokens=p.recent_tokens, gpu_bytes=gpu + staging_bytes(layout, staging_tokens),
                     staging_tokens=staging_tokens, cpu_bytes=cpu, cpu_dtype=warm_format, device=str(device),
                     host_memory_reserve=0, sketch_codes=sketch_codes, warm_format=warm_format,
-                    hot_sequences=len(concurrent) if kind == "kvtier" else 1)
+                    hot_sequences=len(concurrent) if kind == "kvtier" else 1,
+                    promotions_per_boundary=p.promotions_per_boundary)
     return KVStore(config)
 
 
@@ -158,6 +161,8 @@ def run_trace(kind: str, model, p: ServePreset, requests: list[Request], device:
         wall = time.perf_counter() - began
         done, preemptions = scheduler.finished, scheduler.preemptions
         captures = decoder.graph_decoders.captures
+        attend = store.stats()["attend"]  # cpu reads: slices the captured steps staged, blocks moved up and down
+        cold = {k: attend[k] for k in ("cold_slices_staged", "cold_blocks_fetched", "promotions", "promotion_swaps")}
     finally:
         store.close()
         del decoder, store
@@ -182,6 +187,7 @@ def run_trace(kind: str, model, p: ServePreset, requests: list[Request], device:
             "queue_s_mean": statistics.mean(r.admitted_s - r.arrival_s for r in done),
             "queue_s_max": max(r.admitted_s - r.arrival_s for r in done), "preemptions": preemptions,
             "most_running": most, "peak_blocks_per_tier": peak_tiers,
+            "cold": cold, "cold_slices_per_output_token": cold["cold_slices_staged"] / max(tokens, 1),
             "appended_verified": f"{sum(intact)}/{len(intact)}"}
 
 
@@ -199,7 +205,7 @@ def run_serve(p: ServePreset, device: torch.device, deadline: Deadline, progress
     requests = lambda n, contexts: trace(p, n, contexts)  # noqa: E731 -- a fresh trace per store
     result = {"geometry": p.geometry, "layers": args.num_layers, "requests": p.requests, "contexts": p.contexts,
               "output_tokens": p.output_tokens, "arrival_rate": p.arrival_rate, "budget": p.budget, "mode": p.mode,
-              "warm_format": p.warm_format,
+              "warm_format": p.warm_format, "promotions_per_boundary": p.promotions_per_boundary,
               "runs": {}, "sweep": [], "notes": [], "warmup_s": {}}
     for kind in progress([s for s in STORES if s in p.stores.split(",")], "serve stores"):
         if deadline.expired():
