@@ -91,7 +91,7 @@ def test_a_full_warm_pool_swaps_out_the_least_attended_block_never_a_protected_o
                if (layer, i) != victim)
     stats = store.stats()["attend"]
     assert stats["promotions"] == stats["promotion_swaps"] == 1 and tiers.warm.free_blocks() == 0
-    assert all(torch.equal(x, y) for x, y in zip(tiers.cpu.get([block]).tensors(), warm_bytes))  # get() verifies
+    assert all(torch.equal(x, y.cpu()) for x, y in zip(tiers.cpu.get([block]).tensors(), warm_bytes))  # verified
     (promoted,) = [b for b in cpu_before if tiers.blocks.tier_of[b] == WARM_TIER]
     assert all(torch.equal(x.cpu(), y) for x, y in zip(tiers.warm.get([promoted]).tensors(), cpu_bytes[promoted]))
     store.check_integrity()
