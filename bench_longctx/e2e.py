@@ -29,6 +29,7 @@ from bench_longctx.presets import E2EPreset
 from bench_longctx.timing import Deadline, release, time_ms, timed
 from engine_adapter.llama import Llama, LlamaArgs
 from engine_adapter.decoder import APPEND_TOKENS, Decoder
+from eviction.cascade import CascadeTopK
 from kvstore.config import ModelSpec
 from kvstore.store import KVStore
 from kvstore.blocks.tier_stack import staging_bytes
@@ -98,10 +99,12 @@ def e2e_store(spec: ModelSpec, p: E2EPreset, device: torch.device, reserve: int 
         warm_tokens = min(warm_tokens, p.warm_tokens)
     cold_tokens = p.context - p.hot_tokens - warm_tokens
     cpu_bytes = int(max(0, cold_tokens + 4096) * per_token * 1.1)
-    return model_store(spec, device, hot_tokens=p.hot_tokens, warm_tokens=warm_tokens, sink_tokens=sink,
-                       recent_tokens=p.recent_tokens, sequences=1, cpu_bytes=max(cpu_bytes, 64 << 20),
-                       block_tokens=p.block_tokens, cpu_dtype=p.warm_format, warm_format=p.warm_format,
-                       staging_tokens=staging_tokens)
+    store = model_store(spec, device, hot_tokens=p.hot_tokens, warm_tokens=warm_tokens, sink_tokens=sink,
+                        recent_tokens=p.recent_tokens, sequences=1, cpu_bytes=max(cpu_bytes, 64 << 20),
+                        block_tokens=p.block_tokens, cpu_dtype=p.warm_format, warm_format=p.warm_format,
+                        staging_tokens=staging_tokens)
+    store.policies["cascade"] = CascadeTopK(candidate_factor=p.cascade_candidates)
+    return store
 
 
 def fill_random(store: KVStore, seq: int, context: int, seed: int, progress) -> None:
