@@ -17,7 +17,10 @@ class HotTier(DevicePoolTier):
     def __init__(self, layout: BlockLayout, capacity_bytes: int, device: torch.device | str,
                  staging_blocks: int = 0) -> None:
         super().__init__(layout, layout.fp16_bytes, capacity_bytes, device, staging_blocks)
-        self.pool = layout.empty_fp16(self.slots.num_slots + staging_blocks, self.device)  # [S + staging, 2, H, B, D]
+        # a row past the staging rows that no block holds: a batch's empty rows append their tokens there
+        # (kvstore/decode/batch_slots.py), so a captured batch step never writes into a stored block for them
+        self.scratch_slot = self.slots.num_slots + staging_blocks
+        self.pool = layout.empty_fp16(self.scratch_slot + 1, self.device)  # [S + staging + 1, 2, H, B, D]
 
     def _to_format(self, blocks: Blocks) -> torch.Tensor:
         return dequantize(blocks.to(self.device)) if isinstance(blocks, QuantBlocks) else blocks

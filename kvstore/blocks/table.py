@@ -57,6 +57,7 @@ class TableTensors:
         self.head_dim = head_dim
         self.block_tokens = block_tokens
         self.device = device
+        self.reallocations = 0  # tables given new tensors so far (a batch holding their addresses checks it)
 
     def bytes_per_block(self) -> int:
         """Device bytes of one block's entry in a table: summaries, slot and tier maps, H2O scores, sketch codes."""
@@ -96,6 +97,7 @@ class TableTensors:
             grown[4][:capacity] = table.sketch
         table.summaries, table.slot_map, table.tier_map, table.h2o_scores, table.sketch = grown
         table.moves += 1
+        self.reallocations += 1
 
     def extend_tail(self, table: LayerTable, index: int, k: torch.Tensor) -> None:
         """Fold keys k [t, H, D] appended to block `index` into its summary."""

@@ -51,40 +51,12 @@ class BatchStep:
 
     # -- host side, between tokens -----------------------------------------------------------
     def ready(self) -> bool:
-        """Whether every sequence's next token runs from device state, with room for the new tail blocks of all
-        that reach a block boundary together (as DecodeStep.has_room)."""
-        if not all(s.ready() for s in self.steps):
-            return False
-        opening = sum(len(s.tables) for s in self.steps if s.at_boundary())
-        tiers = self.tiers
-        gpu = tiers.hot.free_blocks() + tiers.warm.free_blocks()
-        # cooling to make room may take any sequence's blocks: every one of them must serve its cpu blocks
-        return gpu >= opening or (all(s.can_spill() for s in self.steps) and gpu + tiers.cpu.free_blocks() >= opening)
+        """Whether every sequence's next token runs from device state (steps_ready)."""
+        return steps_ready(self.steps)
 
     def begin_token(self) -> tuple[str, ...]:
-        """Every sequence's host work before a token (DecodeStep.begin_token): all of them prepared first, so
-        a refusal (StepNotReady) leaves no sequence with its tail blocks opened; decode that token sequence by
-        sequence then."""
-        if not self.ready():
-            raise StepNotReady("BatchStep: a sequence has blocks the step cannot serve, reached its capacity, "
-                               "or the GPU pools cannot take the new tail blocks; decode this token sequence "
-                               "by sequence")
-        for s in self.steps:
-            s.prepare_token(cool=False, checked=True)  # ready() above asked every sequence
-        cooling = [s for s in self.steps if s.cooling()]
-        if cooling:  # one move per pair of tiers for the whole batch
-            self.tiers.cool_tables([grown for s in cooling for grown in s.cooling()])
-            for s in cooling:
-                s.check_cooled()
-        opening = [s for s in self.steps if s.at_boundary()]
-        if opening:  # every sequence's new tails in one placement: the room they need is made once
-            self.tiers.check_room(sum(len(s.tables) for s in opening))
-            first = opening[0]
-            place_tails(self.tiers, [i for s in opening for i in s.new_tails()], first.spec, first.block_tokens,
-                        self.device)
-        phases = tuple(s.open_token(placed=True) for s in self.steps)
-        for s in self.steps:  # a later sequence's new tails may have cooled an earlier one's blocks into cpu
-            s.note_cold()
+        """Every sequence's host work before a token (begin_steps); StepNotReady leaves every sequence as it was."""
+        phases = begin_steps(self.steps)
         self.batched = self.rows is not None and self.rows.serves()
         return phases
 
@@ -152,3 +124,42 @@ class BatchStep:
     def _both_pools(self) -> tuple[torch.Tensor, ...]:
         warm = self.tiers.warm.pool
         return self.tiers.hot.pool, warm.data, warm.k_scale, warm.v_scale
+
+
+def steps_ready(steps: list[DecodeStep]) -> bool:
+    """Whether every sequence's next token runs from device state, with room for the new tail blocks of all
+    that reach a block boundary together (as DecodeStep.has_room)."""
+    if not all(s.ready() for s in steps):
+        return False
+    opening = sum(len(s.tables) for s in steps if s.at_boundary())
+    tiers = steps[0].tiers
+    gpu = tiers.hot.free_blocks() + tiers.warm.free_blocks()
+    # cooling to make room may take any sequence's blocks: every one of them must serve its cpu blocks
+    return gpu >= opening or (all(s.can_spill() for s in steps) and gpu + tiers.cpu.free_blocks() >= opening)
+
+
+def begin_steps(steps: list[DecodeStep]) -> tuple[str, ...]:
+    """Every sequence's host work before a token (DecodeStep.begin_token), for several decoded together: all of
+    them prepared first, so a refusal (StepNotReady) leaves no sequence with its tail blocks opened; decode that
+    token sequence by sequence then. Returns each sequence's phase."""
+    if not steps_ready(steps):
+        raise StepNotReady("BatchStep: a sequence has blocks the step cannot serve, reached its capacity, "
+                           "or the GPU pools cannot take the new tail blocks; decode this token sequence "
+                           "by sequence")
+    tiers, first = steps[0].tiers, steps[0]
+    for s in steps:
+        s.prepare_token(cool=False, checked=True)  # steps_ready above asked every sequence
+    cooling = [s for s in steps if s.cooling()]
+    if cooling:  # one move per pair of tiers for the whole batch
+        tiers.cool_tables([grown for s in cooling for grown in s.cooling()])
+        for s in cooling:
+            s.check_cooled()
+    opening = [s for s in steps if s.at_boundary()]
+    if opening:  # every sequence's new tails in one placement: the room they need is made once
+        tiers.check_room(sum(len(s.tables) for s in opening))
+        place_tails(tiers, [i for s in opening for i in s.new_tails()], first.spec, first.block_tokens,
+                    first.device)
+    phases = tuple(s.open_token(placed=True) for s in steps)
+    for s in steps:  # a later sequence's new tails may have cooled an earlier one's blocks into cpu
+        s.note_cold()
+    return phases

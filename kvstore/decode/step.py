@@ -50,7 +50,7 @@ from kvstore.blocks.tierset import HOT_TIER, WARM_TIER
 from kvstore.decode.cold_slices import StepColdBlocks
 from kvstore.decode.dense_tables import StepPartitions, dense_bucket
 from kvstore.decode.promotion import StepPromotion
-from kvstore.decode.step_parts import Selection, StepParts, place_tails
+from kvstore.decode.step_parts import Selection, StepParts, place_tails, topk_blocks
 from kvstore.decode.step_select import StepSelect
 from tiers.base import device_ints
 
@@ -90,7 +90,7 @@ class DecodeStep:
                                           [t.h2o_scores.stride(0) for t in tables]))
         self.sink_blocks = -(-c.sink_tokens // b)
         self.recent_tokens = self.path.recent_window(budget)
-        self.k = max(budget // b, self.sink_blocks + -(-self.recent_tokens // b) + 1)  # blocks per head (topk)
+        self.k = topk_blocks(budget, b, self.sink_blocks, self.recent_tokens)  # blocks per head (topk)
         h = spec.num_kv_heads
         self.num_tokens = torch.tensor([length], dtype=torch.int64, device=dev)  # [1]
         self.tail_slot = torch.zeros(spec.num_layers, dtype=torch.int64, device=dev)  # [L]
@@ -253,6 +253,14 @@ class DecodeStep:
         if (old + 1) % self.block_tokens == 0:  # cpu blocks this sequence keeps reading move up (a sync, if any)
             self.promotion.at_boundary(self.tables)
         self._synced_length = old + 1  # the step advanced the device count itself
+
+    def bind_state(self, num_tokens: torch.Tensor, tail_slot: torch.Tensor, kernel_tokens: torch.Tensor) -> None:
+        """Keep the device count [1], tail slots [L] and kernel token count [1] in these tensors from now on
+        (views of a batch's row: kvstore/decode/batch_slots.py), holding the current values. Between tokens."""
+        for mine, theirs in ((self.num_tokens, num_tokens), (self.tail_slot, tail_slot),
+                             (self.kernel_tokens, kernel_tokens)):
+            theirs.copy_(mine)
+        self.num_tokens, self.tail_slot, self.kernel_tokens = num_tokens, tail_slot, kernel_tokens
 
     def _phase(self, num_tokens: int) -> str:
         return "dense" if self.mode == "dense" or -(-num_tokens // self.block_tokens) <= self.k else "topk"

@@ -43,3 +43,8 @@ def place_tails(tiers: TierSet, ids: list[int], spec: ModelSpec, block_tokens: i
     empty = torch.zeros((len(ids), 2, spec.num_kv_heads, block_tokens, spec.head_dim), dtype=torch.float16,
                         device=device)
     tiers.place(ids, empty, HOT_TIER, coldest=HOT_TIER)  # a tail lives in the hot tier, or CapacityError
+
+
+def topk_blocks(budget: int, block_tokens: int, sink_blocks: int, recent_tokens: int) -> int:
+    """Blocks a topk step selects per kv head: the budget's, at least the sinks, the recent window and one more."""
+    return max(budget // block_tokens, sink_blocks + -(-recent_tokens // block_tokens) + 1)

@@ -1,0 +1,242 @@
+"""SlotBatch: R rows of Quest-topk decoding whose sequences join and leave between tokens under one captured graph.
+
+BatchStep (batch.py) reads each sequence's device state where its own DecodeStep keeps it, so a captured token
+is valid for one membership. Here the batch owns the device state of its rows, and a member's DecodeStep keeps
+its count, tail slots and kernel token count in views of its row (DecodeStep.bind_state):
+
+    counts          int64 [R]        tokens before this one (a member's num_tokens)
+    live            int64 [R]        1 where a member sits
+    tail_slots      int64 [L, R]     hot-pool slot of each layer's tail block (a member's tail_slot)
+    kernel_tokens   int32 [R]        tokens the attention kernel reads (0: the row reads nothing)
+    addresses       int64 [5, L, R]  each row's table tensors per layer: summaries, slot map, tier map, H2O
+                                     scores, H2O row stride (eviction/batch_kernels.py reads them)
+
+Per layer of a token, as BatchRows: one launch each appends every row's token, scores Quest's bound over W
+blocks and selects k blocks per kv head; members holding cpu blocks stage their selected ones (k staging rows
+each: a lane); one paged-kernel launch attends every row; one launch adds the block mass to the H2O scores;
+the last layer moves the counts of live rows on. None of it depends on which sequence sits in which row: a
+join or a leave writes one row's state and addresses between tokens and the captured graph replays as it
+is. The graph key holds only what the launches depend on: the members that stage cpu blocks (their staging
+launches read their own tables), the cpu tier's slab generation then, R and W.
+
+An empty row reads and writes nothing of any sequence: kernel token count 0, count 0, its tail slot the hot
+tier's scratch row and its tables the batch's scratch table (one summary entry, as a count of 0 reads block 0
+only; a slot map of W entries, all the scratch row, hot; H2O scores [H, W]); its logits are to be ignored.
+
+Members: sequences in Quest's topk phase from their next token on (mode "topk" with Quest's bound alone),
+nothing beyond the cpu tier, tables of at most W blocks. A row's arithmetic is its sequence's alone: on CPU the
+torch references (one sequence at a time) give what its DecodeStep gives by itself, bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eviction.batch_kernels import (add_mass_rows, add_mass_rows_ref, quest_scores_rows, quest_scores_rows_ref,
+                                    topk_table_rows, topk_table_rows_ref)
+from eviction.topk_kernel import can_select
+from kvstore.attention.append import append_tokens, append_tokens_ref
+from kvstore.blocks.table import LayerTable
+from kvstore.blocks.tierset import HOT_TIER, WARM_TIER
+from kvstore.decode.batch import begin_steps, steps_ready
+from kvstore.decode.step import DecodeStep, StepNotReady
+from tiers.base import device_ints
+
+TableTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # summaries, slot, tier maps, H2O
+
+
+def serves_next_token(tables: list[LayerTable], k: int, block_tokens: int) -> bool:
+    """Whether a sequence's next token can run in a SlotBatch selecting k blocks: past its dense phase (more
+    than k blocks), nothing beyond the cpu tier, nothing dropped."""
+    n = tables[0].num_tokens + 1
+    return -(-n // block_tokens) > k and not any(t.num_far or t.num_dropped for t in tables)
+
+
+class SlotBatch:
+    def __init__(self, num_rows: int, width: int, template: DecodeStep) -> None:
+        """num_rows rows (R), score rows of `width` blocks (W); mode, budget, pools and windows those of
+        `template` (a DecodeStep of mode "topk"; it does not join)."""
+        t = template
+        if t.mode != "topk" or t.policy is not None:
+            raise ValueError(f"SlotBatch serves mode 'topk' (Quest's bound), got {t.mode!r}")
+        if num_rows <= 0 or not 0 < t.k <= width or not can_select(width, t.k):
+            raise ValueError(f"SlotBatch needs rows > 0 and a width the top-k kernel holds for k {t.k}, got "
+                             f"{num_rows} rows of {width} blocks")
+        self.num_rows, self.width, self.k, self.budget = num_rows, width, t.k, t.budget
+        self.tiers, self.tensors, self.path, self.device = t.tiers, t.tensors, t.path, t.device
+        self.block_tokens, self.cuda = t.block_tokens, t.device.type == "cuda"
+        self.window = dict(block_tokens=t.block_tokens, sink_blocks=t.sink_blocks, recent_tokens=t.recent_tokens)
+        spec, dev, r = t.spec, t.device, num_rows
+        self.num_layers, h, d = spec.num_layers, spec.num_kv_heads, spec.head_dim
+        self.scratch_slot = self.tiers.hot.scratch_slot
+        self.scratch: TableTensors = (
+            torch.zeros((1, 2, h, d), dtype=torch.float16, device=dev),  # [1, 2, H, D]: a count of 0 reads block 0
+            torch.full((width,), self.scratch_slot, dtype=torch.int32, device=dev),  # [W]
+            torch.full((width,), HOT_TIER, dtype=torch.int8, device=dev),  # [W]
+            torch.zeros((h, width), dtype=torch.float32, device=dev))  # [H, W]
+        self.counts = torch.zeros(r, dtype=torch.int64, device=dev)  # [R]
+        self.live = torch.zeros(r, dtype=torch.int64, device=dev)  # [R]
+        self.tail_slots = torch.full((self.num_layers, r), self.scratch_slot, dtype=torch.int64, device=dev)  # [L, R]
+        self.kernel_tokens = torch.zeros(r, dtype=torch.int32, device=dev)  # [R]
+        self.addresses = torch.zeros((5, self.num_layers, r), dtype=torch.int64, device=dev)  # [5, L, R]
+        self.scores = torch.empty((r, h, width), dtype=torch.float32, device=dev)  # [R, H, W]
+        # [L][R] per kind: what each row's launches read (the kernels' checks, the CPU references); holding the
+        # tensors also keeps a departed table's memory from being reused while a queued token may write it
+        self.tables: list[list[list[torch.Tensor]]] = [[[x] * r for _ in range(self.num_layers)] for x in self.scratch]
+        self.members: list[DecodeStep | None] = [None] * r
+        self._pointers: list[list[int]] = [[] for _ in range(r)]  # a member's summaries addresses when it joined
+        self._reallocations = self.tensors.reallocations
+        pool = t.cold.staging_pool()
+        self.lanes: list[int | None] = [None] * (pool.staging_blocks // t.k)  # staging lane -> the row using it
+        self.staging: list[tuple[int, DecodeStep]] = []  # this token's members that stage cpu blocks
+        for row in range(r):
+            self._write_row(row, None)
+
+    def __len__(self) -> int:
+        return sum(m is not None for m in self.members)
+
+    @property
+    def seqs(self) -> tuple[int, ...]:
+        """The members' sequences, by row."""
+        return tuple(m.seq for m in self.members if m is not None)
+
+    def row_of(self, seq: int) -> int:
+        for row, m in enumerate(self.members):
+            if m is not None and m.seq == seq:
+                return row
+        raise KeyError(f"sequence {seq} is in no row of this batch")
+
+    # -- membership, between tokens ------------------------------------------------------------
+    def refusal(self, step: DecodeStep) -> str | None:
+        """Why `step` cannot take a free row (None: it can): it needs the batch's k and windows, the topk phase
+        from its next token on, and tables of at most W blocks."""
+        if step.mode != "topk" or step.policy is not None or step.k != self.k or \
+                step.recent_tokens != self.window["recent_tokens"]:
+            return f"mode {step.mode!r} with k {step.k}: the batch runs Quest's topk with k {self.k}"
+        if step.seq in self.seqs:
+            return "it is a member already"
+        if not serves_next_token(step.tables, self.k, self.block_tokens):
+            return "its next token is in the dense phase, or it has blocks beyond the cpu tier or dropped ones"
+        if any(t.summaries.shape[0] > self.width for t in step.tables):
+            return f"its tables are wider than {self.width} blocks"
+        return "a full batch" if None not in self.members else None
+
+    def join(self, step: DecodeStep) -> int:
+        """Put `step`'s sequence in the lowest free row (its device state moves into the row); returns the row."""
+        refusal = self.refusal(step)
+        if refusal is not None:
+            raise ValueError(f"SlotBatch: sequence {step.seq} cannot join: {refusal}")
+        row = self.members.index(None)
+        lane = self.lanes.index(None) if None in self.lanes else len(self.lanes)  # none left: no cpu blocks served
+        if lane < len(self.lanes):
+            self.lanes[lane] = row
+        step.cold.row_offset = lane * self.k
+        step.bind_state(self.counts[row: row + 1], self.tail_slots[:, row], self.kernel_tokens[row: row + 1])
+        self._write_row(row, step.tables)
+        self.members[row] = step
+        self._pointers[row] = [t.summaries.data_ptr() for t in step.tables]
+        return row
+
+    def leave(self, seq: int) -> DecodeStep:
+        """Empty `seq`'s row; returns its DecodeStep, holding its device state in tensors of its own again."""
+        row = self.row_of(seq)
+        step, dev = self.members[row], self.device
+        step.bind_state(torch.zeros(1, dtype=torch.int64, device=dev),
+                        torch.zeros(self.num_layers, dtype=torch.int64, device=dev),
+                        torch.zeros(1, dtype=torch.int32, device=dev))
+        self.members[row] = None
+        self.lanes = [None if r == row else r for r in self.lanes]
+        self.counts[row: row + 1].zero_()
+        self.tail_slots[:, row].fill_(self.scratch_slot)
+        self._write_row(row, None)
+        return step
+
+    def moved(self) -> list[int]:
+        """Members whose tables were given new tensors since they joined (another step reserved more capacity):
+        their rows address the old ones, so they must leave (and may join again)."""
+        if self.tensors.reallocations == self._reallocations:
+            return []
+        moved = [m.seq for row, m in enumerate(self.members) if m is not None and
+                 [t.summaries.data_ptr() for t in m.tables] != self._pointers[row]]
+        if not moved:  # asked again until they have left
+            self._reallocations = self.tensors.reallocations
+        return moved
+
+    def _write_row(self, row: int, tables: list[LayerTable] | None) -> None:
+        """A row's table addresses (a member's tables, or the scratch table: None) and whether it is live."""
+        per_layer = [self.scratch] * self.num_layers if tables is None else \
+            [(t.summaries, t.slot_map, t.tier_map, t.h2o_scores) for t in tables]
+        for kind, lists in enumerate(self.tables):
+            for layer, tensors in enumerate(per_layer):
+                lists[layer][row] = tensors[kind]
+        values = [tensors[kind].data_ptr() for kind in range(4) for tensors in per_layer]
+        values += [tensors[3].stride(0) for tensors in per_layer]
+        self.addresses[:, :, row].copy_(device_ints(values, self.device).view(5, self.num_layers))
+        self.live[row: row + 1].fill_(0 if tables is None else 1)
+
+    # -- host side of a token ------------------------------------------------------------------
+    def ready(self) -> bool:
+        """Whether every member's next token runs from device state (batch.steps_ready), no member's tables
+        moved, and there is a member."""
+        steps = [m for m in self.members if m is not None]
+        return bool(steps) and not self.moved() and steps_ready(steps)
+
+    def begin_token(self) -> tuple[str, ...]:
+        """Every member's host work before the token (batch.begin_steps); StepNotReady changes nothing."""
+        if not self.ready():
+            raise StepNotReady("SlotBatch: no member, a member's tables moved, or a member's token cannot run "
+                               "from device state; decode this token sequence by sequence")
+        phases = begin_steps([m for m in self.members if m is not None])
+        self.staging = [(row, m) for row, m in enumerate(self.members) if m is not None and m.stages_cold]
+        return phases
+
+    def graph_key(self) -> tuple:
+        """What a captured token depends on beyond the rows' device state: the members staging cpu blocks
+        (row, sequence, staging offset) and then the cpu tier's slab generation, R and W. The first two lead, so
+        GraphedSteps drops a graph of the same stagers over an older slab table."""
+        staging = tuple((row, m.seq, m.cold.row_offset) for row, m in self.staging)
+        return staging, self.tiers.cpu.generation if staging else 0, self.num_rows, self.width
+
+    def end_token(self) -> None:
+        for m in self.members:
+            if m is not None:
+                m.end_token()
+
+    def verify(self) -> None:
+        for m in self.members:
+            if m is not None:
+                m.verify()
+
+    # -- device side, capturable ---------------------------------------------------------------
+    def token_positions(self) -> torch.Tensor:
+        """int64 [R]: each row's position for this token (an empty row's: 0)."""
+        return self.counts
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [R, Hq, D], k, v [R, H, D] fp16 of every row's token at `layer` -> out [R, Hq, D] fp16 (a member's
+        row: what its DecodeStep.attend returns alone; an empty row's: nothing read). Layers run in order."""
+        b, kk = self.block_tokens, self.k
+        if layer == 0:  # a live row reads k - 1 full blocks and its tail (DecodeStep.count_tokens); an empty one 0
+            self.kernel_tokens.copy_((self.counts % b + ((kk - 1) * b + 1)) * self.live)
+        addr, pool = self.addresses[:, layer], self.tiers.hot.pool
+        summaries, slot_maps, tier_maps, h2o = (kind[layer] for kind in self.tables)
+        if self.cuda:
+            append_tokens(pool, summaries, addr[0], k, v, self.tail_slots[layer], self.counts)
+            scores = quest_scores_rows(q, summaries, addr[0], self.counts, self.width, out=self.scores, **self.window)
+            selected, slots, is_int8 = topk_table_rows(scores, kk, addr[1], addr[2], self.scratch[1:3], WARM_TIER)
+        else:
+            append_tokens_ref(pool, summaries, k, v, self.tail_slots[layer], self.counts)
+            scores = quest_scores_rows_ref(q, summaries, self.counts, self.width, **self.window)
+            selected, slots, is_int8 = topk_table_rows_ref(scores, kk, slot_maps, tier_maps, WARM_TIER)
+        for row, m in self.staging:  # selected cpu blocks into the member's own staging rows
+            m.cold.stage(layer, m.tables[layer], selected[row], slots[row], is_int8[row])
+        warm = self.tiers.warm.pool
+        out, mass = self.path.kernel(q, pool, warm.data, warm.k_scale, warm.v_scale, slots, is_int8,
+                                     self.kernel_tokens, return_block_mass=True)
+        if self.cuda:
+            add_mass_rows(mass, selected, addr[3], self.scratch[3], addr[4])
+        else:
+            add_mass_rows_ref(mass, selected, h2o)
+        if layer == self.num_layers - 1:
+            self.counts += self.live
+        return out
