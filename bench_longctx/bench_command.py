@@ -14,6 +14,11 @@ serve (not part of all: minutes of device time at the h200 preset): a request tr
 batching, against dense fp16 and dense int8 stores on the same trace (bench_longctx/serve_bench.py).
     kvtier bench serve --preset h200 --set serve.requests=48 --set serve.contexts=32K
 
+formats (not part of all: ~20 minutes on a 2-core CPU): each warm format (int8, fp8, int4) against fp16 on
+SmolLM2 over 8K tokens of real text: perplexity per hot window, passkey per depth, attention error per layer
+(bench_longctx/warm_formats.py).
+    kvtier bench formats --device cpu --out DIR
+
 vllm (not part of all: it needs vLLM, and LMCache in an environment of its own): time to first
 token in vLLM with no connector, KVTierConnector and LMCache on one trace (bench_longctx/vllm_ttft.py).
     kvtier bench vllm --model HF_FOLDER --lmcache-python /path/to/lmcache-venv/bin/python
@@ -57,7 +62,7 @@ class Run:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("suite", choices=(*SUITES, "all", "serve", "vllm"))
+    parser.add_argument("suite", choices=(*SUITES, "all", "serve", "formats", "vllm"))
     parser.add_argument("--preset", default="quick", choices=sorted(presets.PRESETS))
     parser.add_argument("--out", default=None, help="output directory (default: kvtier-bench-<preset>)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: the preset's; quick: cuda if present)")
@@ -175,6 +180,10 @@ def run_suite(name: str, run: Run) -> dict:
         from bench_longctx.serve_bench import run_serve
 
         return run_serve(p.serve, dev, run.deadline, run.progress)
+    if name == "formats":  # its cost is set by its preset; the time budget does not cut it short
+        from bench_longctx.warm_formats import run_formats
+
+        return run_formats(p.formats, dev, run.models, run.progress)
     from bench_longctx.e2e import run_e2e
 
     return run_e2e(p.e2e, dev, run.deadline, run.progress)
@@ -213,7 +222,7 @@ def run_suites(args: argparse.Namespace, preset: presets.Preset, device: torch.d
     run_ = Run(preset, device, out, Deadline(preset.time_budget_s), Models(device), progress_bars(args.progress))
     run_.copy_GBps = copy_ceiling_GBps(device, preset.tiers.ceiling_bytes)
     note = run_.models.note()
-    if note and (args.suite in ("all", "needle", "quality")):
+    if note and (args.suite in ("all", "needle", "quality", "formats")):
         print(f"note: {note}")
     results = {"environment": environment(args, device), "preset": dataclasses.asdict(preset),
                "ceilings": {"copy_GBps": run_.copy_GBps}, "suites": {}}

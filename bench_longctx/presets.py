@@ -134,6 +134,24 @@ class ServePreset:
 
 
 @dataclass(frozen=True)
+class FormatsPreset:
+    """`kvtier bench formats` (bench_longctx/warm_formats.py): each warm format against fp16, SmolLM2 on real text."""
+    formats: tuple[str, ...] = ("int8", "fp8", "int4")
+    tokens: int = 8192  # perplexity window, and the stored context of the attention error
+    hot_tokens: tuple[int, ...] = (4096, 64)  # hot windows: Config's default, and the worst case (all but 64 warm)
+    chunk_tokens: int = 128  # tokens per prefill call: each call reads the earlier tokens back from the store
+    sink_tokens: int = 64
+    queries: int = 16  # real queries (the text's next positions) per layer for the attention error
+    passkey_context: int = 8192
+    depths: tuple[float, ...] = (0.1, 0.4, 0.9)  # at 8K and a 4K hot window: two needles in warm blocks, one hot
+
+    def __post_init__(self) -> None:
+        for name in self.formats:
+            if name not in QUANT_FORMATS:
+                raise ValueError(f"formats.formats must hold names from {QUANT_FORMATS}, got {name!r}")
+
+
+@dataclass(frozen=True)
 class Preset:
     name: str
     device: str  # "cpu", "cuda" or "auto"
@@ -147,6 +165,7 @@ class Preset:
     tiers: TiersPreset = field(default_factory=TiersPreset)
     e2e: E2EPreset = field(default_factory=E2EPreset)
     serve: ServePreset = field(default_factory=ServePreset)
+    formats: FormatsPreset = field(default_factory=FormatsPreset)
 
 
 K, M = 1 << 10, 1 << 20
@@ -176,7 +195,7 @@ PRESETS: dict[str, Preset] = {
     ),
 }  # fmt: skip
 
-SECTIONS = ("decode", "needle", "passkey", "quality", "tiers", "e2e", "serve")
+SECTIONS = ("decode", "needle", "passkey", "quality", "tiers", "e2e", "serve", "formats")
 
 
 def parse_tokens(text: str) -> int:

@@ -68,6 +68,23 @@ def capture(model: Llama, ids: list[int], steps: int,
     return [torch.cat(k) for k in keys], [torch.cat(q)[-steps:] for q in queries]
 
 
+@torch.no_grad()
+def next_queries(model: Llama, kv: list[tuple[torch.Tensor, torch.Tensor]], ids: list[int]) -> list[torch.Tensor]:
+    """Queries fp16 [S, Hq, D] per layer of the S tokens ids that follow the T tokens whose keys and values
+    kv[layer] = (k, v) [T, H, D] hold: each position attends (exact) to the T tokens and the earlier ones of ids."""
+    device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+    start = kv[0][0].shape[0]
+    cos, sin = model.rope(torch.arange(start, start + len(ids), device=device), dtype)
+    x = model.embed_tokens(torch.tensor(ids, device=device))  # [S, dim]
+    out = []
+    for (past_k, past_v), layer in zip(kv, model.layers):
+        q, k, v = layer.qkv(x, cos, sin)  # [S, Hq, D], [S, H, D], [S, H, D]
+        out.append(q.half())
+        keys, values = (torch.cat([p.to(dtype), t.half().to(dtype)]) for p, t in ((past_k, k), (past_v, v)))
+        x = layer.finish(x, chunk_attention(q, keys, values, start))
+    return out
+
+
 def key_statistics(keys: list[torch.Tensor]) -> dict:
     """Per layer: mean fp16 [H, D] and covariance fp16 [H, D, D] of the keys (fp32 math)."""
     means, covs = [], []

@@ -136,8 +136,42 @@ def serve_table(r: dict) -> str:
     return "\n\n".join(parts + [f"- {n}" for n in r["notes"]])
 
 
+def formats_table(r: dict) -> str:
+    def num(x: float | None, digits: int = 4, sign: str = "") -> str | None:
+        return None if x is None else f"{x:{sign}.{digits}f}"
+
+    ppl = [[x["format"], x["hot_tokens"], num(x["ppl"]), num(x["delta_vs_fp16"], sign="+"),
+            num(x.get("past_window_ppl")), num(x.get("past_window_fp16_ppl")),
+            num(x.get("past_window_delta"), sign="+"), num(x["warm_share"], 3), x["shared_tokens"], x.get("wall_s")]
+           for x in r["perplexity"]]
+    cells = list(dict.fromkeys((x["format"], x["hot_tokens"]) for x in r["attention"]["rows"]))
+    by_layer: dict[int, dict] = {}
+    for x in r["attention"]["rows"]:
+        by_layer.setdefault(x["layer"], {})[(x["format"], x["hot_tokens"])] = f"{x['mean']:.2e} / {x['max']:.2e}"
+    attn = [[layer, *[cols.get(c) for c in cells]] for layer, cols in sorted(by_layer.items())]
+    keys = list(dict.fromkeys((x["format"], x["hot_tokens"]) for x in r["passkey"]["rows"]))
+    by_depth: dict[float, dict] = {}
+    for x in r["passkey"]["rows"]:
+        mark = "" if x["format"] == "fp16" else (" (= fp16)" if x["as_fp16"] else " (differs)")
+        row = by_depth.setdefault(x["depth"], {"needle": x["needle_position"]})
+        row[(x["format"], x["hot_tokens"])] = f"{x['answer']}{' ok' if x['correct'] else ' wrong'}{mark}"
+    pk = [[depth, row["needle"], *[row.get(k) for k in keys]] for depth, row in by_depth.items()]
+    label = [f"{f}" if h is None else f"{f} hot {h}" for f, h in keys]
+    return "\n\n".join([
+        f"Perplexity per warm format, {r['model']}, {r['tokens']} tokens of {r['text']}, {r['chunk_tokens']} tokens "
+        "per prefill call (each reads the earlier ones back from the store); past window = positions past the "
+        "sinks and the hot window",
+        md_table(["format", "hot window", "ppl", "change vs fp16", "past-window ppl", "fp16 past-window ppl",
+                  "past-window change", "warm share", "shared tokens", "s"], ppl),
+        f"Attention output relative error per layer, mean / max over {r['attention']['queries']} real queries x q "
+        f"heads, over {r['attention']['context']} stored tokens read back from each format's store",
+        md_table(["layer", *[f"{f} hot {h}" for f, h in cells]], attn),
+        f"Passkey at {r['passkey']['context']} tokens, dense answers over the stored prompt (needle = its position)",
+        md_table(["depth", "needle", *label], pk)])
+
+
 TABLES = {"decode": decode_table, "needle": needle_table, "tiers": tiers_table, "quality": quality_table,
-          "e2e": e2e_table, "serve": serve_table}
+          "e2e": e2e_table, "serve": serve_table, "formats": formats_table}
 
 
 def _skip_or_error(what: str, r: dict) -> list[str]:

@@ -93,3 +93,21 @@ def perplexity(decoder: Decoder, token_ids: list[int], chunk_tokens: int = 256, 
         if owned:
             decoder.free(seq)
     return math.exp(total / len(targets))
+
+
+def read_back_nll(decoder: Decoder, seq: int, token_ids: list[int], chunk_tokens: int = 128) -> torch.Tensor:
+    """Next-token NLL [len(token_ids) - 1] (fp32) of token_ids appended to seq, one prefill call per chunk.
+
+    Each chunk attends to every earlier token as the store reads it back (warm blocks in their format), the
+    way decode reads them; a single prefill call would keep the whole window's K/V in fp16 on the device and
+    never see the warm format. seq keeps the window afterwards."""
+    if len(token_ids) < 2 or chunk_tokens <= 0:
+        raise ValueError(f"need >= 2 tokens and chunk_tokens > 0, got {len(token_ids)} and {chunk_tokens}")
+    out = []
+    for lo in range(0, len(token_ids), chunk_tokens):
+        targets = torch.as_tensor(token_ids[lo + 1: lo + 1 + chunk_tokens], dtype=torch.long)
+        with torch.no_grad():
+            logits = decoder.forward_chunk(seq, token_ids[lo: lo + chunk_tokens], all_logits=True)  # [t, vocab]
+        if len(targets):  # the last token has no target, but enters the store
+            out.append(F.cross_entropy(logits[: len(targets)].float(), targets.to(logits.device), reduction="none"))
+    return torch.cat(out).cpu()

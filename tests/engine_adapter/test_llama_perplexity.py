@@ -12,10 +12,9 @@ import functools
 import math
 
 import pytest
-import torch
-import torch.nn.functional as F
 
 from engine_adapter.decoder import Decoder
+from engine_adapter.evaluate import read_back_nll
 from kvstore import Config, KVStore, ModelSpec
 from tests.engine_adapter import smollm2
 
@@ -32,13 +31,7 @@ def config(hot_tokens: int, warm_format: str) -> Config:
 def read_back_perplexity(decoder: Decoder, seq: int, ids: list[int]) -> float:
     """exp(mean next-token NLL) of ids, prefilled CHUNK tokens per call: each chunk's earlier tokens come from
     the store's read-back (with a 64-token hot window, almost all of them from warm blocks)."""
-    total = 0.0
-    for lo in range(0, len(ids) - 1, CHUNK):
-        chunk = ids[lo: lo + CHUNK]
-        logits = torch.cat(list(decoder.prefill_logits(seq, chunk, CHUNK, all_logits=True)))  # [len(chunk), V]
-        targets = torch.as_tensor(ids[lo + 1: lo + 1 + len(chunk)], dtype=torch.long)
-        total += float(F.cross_entropy(logits[: len(targets)].float(), targets, reduction="sum"))
-    return math.exp(total / (len(ids) - 1))
+    return math.exp(float(read_back_nll(decoder, seq, ids, CHUNK).mean()))
 
 
 @functools.cache
