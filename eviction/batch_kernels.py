@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from eviction.quest_kernel import _quest_tile, quest_scores_live_ref
+from eviction.quest_kernel import LIVE_BLOCK_N, LIVE_WARPS, _quest_tile, quest_scores_live_ref
 from eviction.select import top_blocks
 from eviction.topk_kernel import CHUNK, _chunk_topk_kernel, _keys, _store_table, _warps, _winners, can_select, \
     two_stage
@@ -111,12 +111,12 @@ def quest_scores_rows(q: torch.Tensor, summaries: list[torch.Tensor], s_addrs: t
     if out is None:
         out = torch.empty((b, heads, num_blocks), dtype=torch.float32, device=q.device)  # [B, H, N]
     group = hq // heads
-    grid = (triton.cdiv(num_blocks, 64), heads, b)
+    grid = (triton.cdiv(num_blocks, LIVE_BLOCK_N), heads, b)
     _quest_rows_kernel[grid](q, s_addrs, first, out, counts, num_blocks, sink_blocks, recent_tokens, block_tokens,
                              q.stride(0), q.stride(1), first.stride(0), first.stride(1), first.stride(2),
                              out.stride(0), out.stride(1), GROUP=group,
                              GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
-                             BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=64, num_warps=8)
+                             BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=LIVE_BLOCK_N, num_warps=LIVE_WARPS)
     return out
 
 
