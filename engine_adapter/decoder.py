@@ -17,6 +17,7 @@ import torch
 
 from engine_adapter.graph_decode import GraphDecoder, GraphDecoders
 from engine_adapter.llama import Llama, chunk_attention
+from engine_adapter.row_decode import RowDecoder
 from kvstore.decode.step import STEP_MODES, StepNotReady
 from kvstore.store import KVStore
 
@@ -143,14 +144,16 @@ class Decoder:
 
     @torch.no_grad()
     def decode_batch(self, seqs: Sequence[int], token_ids: Sequence[int], mode: str = "dense",
-                     budget: int = 4096) -> torch.Tensor:
+                     budget: int = 4096, rows: bool | None = None) -> torch.Tensor:
         """Append token_ids[i] to sequence seqs[i] for every i and attend; returns fp32 logits [B, vocab].
 
         On CUDA the B tokens run as one captured step (kvstore/decode/batch.py: the weight matmuls once for
         all of them, one attention launch per layer) whenever every sequence can run from device state;
         otherwise each sequence's token runs alone, eagerly if it must. Row i is what decode_step(seqs[i],
         token_ids[i]) returns alone: the same selection and attention; the weight matmuls' sums may round
-        differently at another batch size."""
+        differently at another batch size. rows (default: for more than one sequence): sequences in Quest's
+        topk phase (mode "topk") run in the rows of a bucketed batch (engine_adapter/row_decode.py), whose
+        graph a sequence joining or leaving between tokens replays unchanged."""
         seqs, token_ids = list(seqs), [_token_id(t, self.model.args.vocab_size) for t in token_ids]
         if not seqs or len(seqs) != len(token_ids) or len(set(seqs)) != len(seqs):
             raise ValueError(f"decode_batch needs distinct sequences and one token id each, got {seqs} and "
@@ -158,18 +161,20 @@ class Decoder:
         for seq in seqs:
             self.store.table(seq, 0)  # KeyError for an unknown sequence, before any token is recorded
         self.store.place_loaded()  # opened contexts' blocks read in the background (a sequence may run captured now)
-        logits, recorded = self._replay(seqs, token_ids, mode, budget, recorded=False)
+        rows = len(seqs) > 1 if rows is None else rows
+        logits, recorded = self._replay(seqs, token_ids, mode, budget, recorded=False, rows=rows)
         if logits is not None:
             return logits
-        if len(seqs) > 1:
+        if len(seqs) > 1 or rows:  # one by one, each on its own captured step if it can
             return torch.stack([self._decode_alone(s, t, mode, budget, recorded) for s, t in zip(seqs, token_ids)])
         return self._decode_eager(seqs[0], token_ids[0], mode, budget, recorded)
 
     def _replay(self, seqs: list[int], token_ids: list[int], mode: str, budget: int,
-                recorded: bool) -> tuple[torch.Tensor | None, bool]:
-        """(logits [B, vocab], True) from the captured step of these sequences, or (None, whether the token ids
-        are recorded already) when these tokens cannot run captured: nothing of their K/V happened then."""
-        graph = self._graph_decoder(seqs, mode, budget)
+                recorded: bool, rows: bool = False) -> tuple[torch.Tensor | None, bool]:
+        """(logits [B, vocab], True) from the captured step of these sequences (rows: in a row decoder's rows
+        if they can run there), or (None, whether the token ids are recorded already) when these tokens cannot
+        run captured: nothing of their K/V happened then."""
+        graph = self._graph_decoder(seqs, mode, budget, rows)
         if graph is None or not graph.ready():
             return None, recorded
         if not recorded:
@@ -209,11 +214,12 @@ class Decoder:
         tests use to exercise the captured path's bookkeeping."""
         return self.graphs and self.device.type == "cuda"
 
-    def _graph_decoder(self, seqs: Sequence[int], mode: str, budget: int) -> GraphDecoder | None:
+    def _graph_decoder(self, seqs: Sequence[int], mode: str, budget: int,
+                       rows: bool = False) -> GraphDecoder | RowDecoder | None:
         """The captured decoder of (seqs, mode, budget) on CUDA (GraphDecoders.get), else None."""
         if not self._captures() or mode not in STEP_MODES:
             return None
-        return self.graph_decoders.get(seqs, mode, budget)
+        return self.graph_decoders.get(seqs, mode, budget, rows)
 
     def generate(self, seq: int, prompt_ids: TokenIds, max_new_tokens: int, mode: str = "dense", budget: int = 4096,
                  chunk_tokens: int = 512, eos_id: int | None = None) -> list[int]:

@@ -1,13 +1,11 @@
 """Greedy decode of one or more sequences with each whole token captured as one CUDA graph.
 
-embedding -> every layer (q/k/v projections of the B tokens, the store's BatchStep: each sequence's append,
-select and H2O accounting around one paged-attention launch for all of them; output projection and MLP)
--> logits [B, vocab]. Every token is appended to the store. A graph is captured per graph key (the
-membership, each sequence's phase: "dense" while it has at most k blocks, then "topk", and what
+A token's forward (engine_adapter/decode_forward.py) runs over the store's BatchStep: each sequence's append,
+select and H2O accounting around one paged-attention launch for all of them. A graph is captured per graph
+key (the membership, each sequence's phase: "dense" while it has at most k blocks, then "topk", and what
 DecodeStep.graph_key adds) and replayed for every later token with that key; between tokens the host only
-does the block-boundary work DecodeStep.begin_token names. RoPE positions are the steps' device token
-counts, so nothing is re-captured as the sequences grow. Each layer's last residual add is deferred into
-the next layer's input norm (one fused add+RMSNorm launch on CUDA, as vLLM does).
+does the block-boundary work DecodeStep.begin_token names. Sequences in Quest's topk phase decoded together
+go through rows instead (engine_adapter/row_decode.py: a join or a leave replays the graph it had).
 On CPU the same forward runs eagerly (no graph).
 """
 
@@ -17,7 +15,9 @@ from collections.abc import Sequence
 
 import torch
 
+from engine_adapter.decode_forward import decode_logits
 from engine_adapter.llama import Llama
+from engine_adapter.row_decode import RowDecoder, RowDecoders
 from kvstore.decode.batch import BatchStep
 from kvstore.decode.graphs import GraphedSteps
 from kvstore.store import KVStore
@@ -40,16 +40,9 @@ class GraphDecoder:
         """False when the next token must go the eager way (blocks the step cannot serve, or capacity reached)."""
         return self.step.ready()
 
-    @torch.no_grad()
     def _forward(self) -> torch.Tensor:
         """fp32 logits [B, vocab] of each sequence's token at its next position, appending K/V in every layer."""
-        cos, sin = self.model.rope(self.step.token_positions(), self.dtype)  # [B, D] each, from device state
-        x, delta = self.model.embed_tokens(self.tokens), None  # [B, dim]; delta: the MLP output not yet in x
-        for i, layer in enumerate(self.model.layers):
-            q, k, v = layer.qkv(x, cos, sin, delta)  # [B, Hq, D], [B, H, D], [B, H, D]; x += delta first
-            attn = self.step.attend(i, q.half(), k.half(), v.half())  # [B, Hq, D]
-            x, delta = layer.finish_deferred(x, attn)
-        return self.model.logits(x, delta)
+        return decode_logits(self.model, self.step, self.tokens)
 
     def __call__(self, tokens: int | Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Append each sequence's token (ints, or an int64 [B] tensor on the device: no host sync, so the host
@@ -67,16 +60,25 @@ class GraphDecoder:
 class GraphDecoders:
     """A Decoder's captured decoders: one GraphDecoder per (sequences, mode, budget), built on first use and
     rebuilt when a sequence's capacity runs out. A new batch replaces the batches its sequences were in (one
-    graph set per live batch), and a table that moved (more capacity) drops every graph that captured it."""
+    graph set per live batch), and a table that moved (more capacity) drops every graph that captured it.
+    Asked for rows, sequences that can all run in Quest's topk phase go through the row decoders instead
+    (`rows`: a graph per bucket of rows and width, whatever the membership)."""
 
     def __init__(self, model: Llama, store: KVStore) -> None:
         self.model, self.store = model, store
         self.graphs: dict[tuple[tuple[int, ...], str, int], GraphDecoder] = {}  # (seqs, mode, budget) ->
         self.captures = 0  # CUDA graphs captured: a token that captures one runs twice as long as a replay
+        self.rows = RowDecoders(model, store, self._count_capture)
 
-    def get(self, seqs: Sequence[int], mode: str, budget: int) -> GraphDecoder | None:
+    def get(self, seqs: Sequence[int], mode: str, budget: int,
+            rows: bool = False) -> GraphDecoder | RowDecoder | None:
         """The decoder of (seqs, mode, budget), or None when these tokens must go another way (blocks the
-        step cannot reach or dropped ones; not ready for another reason than capacity)."""
+        step cannot reach or dropped ones; not ready for another reason than capacity). rows: in the rows of
+        a RowDecoder when every sequence can run there (mode "topk"), else by membership."""
+        if rows and mode == "topk":
+            decoder = self.rows.get(seqs, budget)
+            if decoder is not None:
+                return decoder
         key = (tuple(seqs), mode, budget)
         graph = self.graphs.get(key)
         if graph is not None:
@@ -103,13 +105,14 @@ class GraphDecoders:
         self.graphs[key] = graph
         return graph
 
-    def of(self, seq: int) -> list[GraphDecoder]:
+    def of(self, seq: int) -> list[GraphDecoder | RowDecoder]:
         """The decoders that step `seq`."""
-        return [g for key, g in self.graphs.items() if seq in key[0]]
+        return [g for key, g in self.graphs.items() if seq in key[0]] + self.rows.of(seq)
 
     def drop(self, seq: int) -> None:
         for key in [k for k in self.graphs if seq in k[0]]:
             del self.graphs[key]
+        self.rows.drop(seq)
 
     def _count_capture(self) -> None:
         self.captures += 1

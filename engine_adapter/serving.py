@@ -11,7 +11,8 @@ Each `step()`:
              that one is saved (store.save: every block, verified when read back) and freed; it resumes,
              in a later step, where it stopped, with the tokens it would have produced had it stayed.
   3. decode  one token of every running request in one Decoder.decode_batch (one captured step for all of
-             them on CUDA); a request that reaches max_new_tokens (or eos_id) leaves and frees its blocks.
+             them on CUDA; in topk, rows that requests join and leave without a new capture); a request that
+             reaches max_new_tokens (or eos_id) leaves and frees its blocks.
 A request that could never fit, even in an empty store, is refused at submit (ValueError) and changes nothing.
 """
 
@@ -173,7 +174,7 @@ class Scheduler:
         produced = {}
         if live:
             inputs = [r.output[-1] if r.output else FILL_TOKEN for r in live]
-            logits = self.decoder.decode_batch([r.seq for r in live], inputs, self.mode, self.budget)
+            logits = self.decoder.decode_batch([r.seq for r in live], inputs, self.mode, self.budget, rows=True)
             for request, token in zip(live, logits.argmax(-1).tolist()):
                 produced[request.request_id] = self._emit(request, token)
         for request in [r for r in self.running if r.done]:

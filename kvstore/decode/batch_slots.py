@@ -145,7 +145,12 @@ class SlotBatch:
                         torch.zeros(self.num_layers, dtype=torch.int64, device=dev),
                         torch.zeros(1, dtype=torch.int32, device=dev))
         self.members[row] = None
-        self.lanes = [None if r == row else r for r in self.lanes]
+        if row in self.lanes:  # its staging rows go to a member without any, if there is one
+            lane = self.lanes.index(row)
+            waiting = [r for r, m in enumerate(self.members) if m is not None and r not in self.lanes]
+            self.lanes[lane] = waiting[0] if waiting else None
+            if waiting:
+                self.members[waiting[0]].cold.row_offset = lane * self.k
         self.counts[row: row + 1].zero_()
         self.tail_slots[:, row].fill_(self.scratch_slot)
         self._write_row(row, None)
@@ -183,10 +188,11 @@ class SlotBatch:
 
     def begin_token(self) -> tuple[str, ...]:
         """Every member's host work before the token (batch.begin_steps); StepNotReady changes nothing."""
-        if not self.ready():
-            raise StepNotReady("SlotBatch: no member, a member's tables moved, or a member's token cannot run "
-                               "from device state; decode this token sequence by sequence")
-        phases = begin_steps([m for m in self.members if m is not None])
+        steps = [m for m in self.members if m is not None]
+        if not steps or self.moved():
+            raise StepNotReady("SlotBatch: no member, or a member's tables moved; decode this token sequence by "
+                               "sequence")
+        phases = begin_steps(steps)  # StepNotReady unless every member's token runs from device state
         self.staging = [(row, m) for row, m in enumerate(self.members) if m is not None and m.stages_cold]
         return phases
 

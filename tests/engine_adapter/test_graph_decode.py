@@ -175,8 +175,48 @@ def test_a_captured_batch_gives_each_sequence_its_logits_alone(mode):
                     rows[i].append(logits[row])
             store.check_integrity()
             results.append([torch.stack(r) for r in rows])
-            if batched:  # the last tokens ran as one captured step of the two sequences left
+            if batched and mode == "topk":  # the last tokens ran in the rows of the two sequences left
+                assert decoder.graph_decoders.rows.active[512].seqs == tuple(seqs[1:])
+            elif batched:  # the last tokens ran as one captured step of the two sequences left
                 assert (tuple(seqs[1:]), mode, 512) in decoder.graph_decoders.graphs
     for alone, together in zip(*results):
         close = torch.isclose(together, alone, atol=2e-2, rtol=2e-2).all(-1)  # [tokens]
         assert bool(close.all()) if mode != "sketch" else float(close.float().mean()) >= 0.9, close
+
+
+def test_captured_rows_take_a_join_and_a_leave_without_a_capture():
+    """Three sequences past their dense phase decoded in rows (the scheduler's decode_batch(rows=True)); a fourth
+    joins at token 10 and the first leaves at token 30: after the first token's capture no token captures again,
+    and every row's logits equal that sequence's captured step alone within fp16 rounding."""
+    model = random_llama(SPEC, seed=0, dtype=torch.float16, device="cuda")
+    config = Config(model=SPEC, block_tokens=64, sink_tokens=64, hot_tokens=1024, warm_tokens=65536,
+                    recent_tokens=256, gpu_bytes=4 << 30, cpu_bytes=1 << 30, device="cuda")
+    prompts = [torch.randint(0, model.args.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+               for n in (2000, 3000, 5000, 2500)]
+    forced = torch.randint(0, model.args.vocab_size, (4, 40), generator=torch.Generator().manual_seed(9)).tolist()
+    live_at = [[i for i in range(4) if (i != 3 or t >= 10) and (i != 0 or t < 30)] for t in range(40)]
+    results, captures = [], []
+    for batched in (False, True):
+        with KVStore(config) as store:
+            decoder = Decoder(model, store)
+            seqs = [store.create_sequence() for _ in prompts]
+            for seq, ids in zip(seqs, prompts):
+                decoder.prefill(seq, ids, chunk_tokens=1024)
+            rows = [[] for _ in seqs]
+            for t, live in enumerate(live_at):
+                if batched:
+                    logits = decoder.decode_batch([seqs[i] for i in live], [forced[i][t] for i in live], "topk", 512,
+                                                  rows=True)
+                    captures.append(decoder.graph_decoders.captures)
+                else:
+                    logits = torch.stack([decoder.decode_step(seqs[i], forced[i][t], "topk", 512) for i in live])
+                for row, i in enumerate(live):
+                    rows[i].append(logits[row])
+            store.check_integrity()
+            results.append([torch.stack(r) for r in rows])
+            if batched:
+                assert decoder.paths["eager"] == 0 and decoder.graph_decoders.rows.active[512].step.num_rows == 4
+    assert captures[0] == 1 and captures[-1] == 1, captures
+    for alone, together in zip(*results):
+        assert torch.isclose(together, alone, atol=2e-2, rtol=2e-2).all()
+

@@ -92,3 +92,46 @@ def test_bad_arguments():
         topk_table_rows(scores, 9, count, count, (maps, maps.to(torch.int8)), 1)
     with pytest.raises(ValueError, match="int32"):
         topk_table_rows(scores, 2, count, count, (maps.long(), maps.to(torch.int8)), 1)
+
+
+def test_an_empty_row_reads_and_writes_only_its_scratch_table():
+    """A row with no sequence (kvstore/decode/batch_slots.py): count 0, its addresses those of a scratch table (one summary
+    entry, slot and tier maps of the full width, H2O scores [H, width]). Every kernel gives the real rows what they
+    give without it and touches nothing but the scratch; the empty row selects block 0 (its protected tail) and
+    k - 1 blocks of -inf within the width, all mapped to the scratch slot."""
+    g = torch.Generator().manual_seed(11)
+    capacities, width, k, scratch_slot = [40, 23], 48, 6, 99
+    real = _summaries(capacities, g)
+    scratch = _summaries([1], g)[0]  # [1, 2, H, D]
+    summaries = [real[0], scratch, real[1]]  # row 1 is empty
+    q = torch.randn((3, HEADS * GROUP, DIM), generator=g).half().to(DEVICE)
+    count = torch.tensor([600, 0, 300], dtype=torch.int64, device=DEVICE)
+    args = dict(block_tokens=BLOCK_TOKENS, sink_blocks=2, recent_tokens=40)
+    scores = quest_scores_rows(q, summaries, addresses(summaries, DEVICE), count, width, **args)
+    assert torch.equal(scores.isinf(), quest_scores_rows_ref(q, summaries, count, width, **args).isinf())
+    assert (scores[1, :, 0] == float("inf")).all() and (scores[1, :, 1:] == float("-inf")).all()
+    for i in (0, 2):
+        assert torch.equal(scores[i], quest_scores_rows(q[i: i + 1], summaries[i: i + 1],
+                                                        addresses(summaries[i: i + 1], DEVICE), count[i: i + 1],
+                                                        width, **args)[0])
+    slot_maps = [torch.randperm(n, generator=g).to(torch.int32).to(DEVICE) for n in capacities]
+    tier_maps = [torch.randint(0, 2, (n,), generator=g, dtype=torch.int8).to(DEVICE) for n in capacities]
+    slot_maps.insert(1, torch.full((width,), scratch_slot, dtype=torch.int32, device=DEVICE))
+    tier_maps.insert(1, torch.zeros(width, dtype=torch.int8, device=DEVICE))
+    got = topk_table_rows(scores, k, addresses(slot_maps, DEVICE), addresses(tier_maps, DEVICE),
+                          (slot_maps[0], tier_maps[0]), 1)
+    for x, y in zip(got, topk_table_rows_ref(scores, k, slot_maps, tier_maps, 1)):
+        assert torch.equal(x[[0, 2]], y[[0, 2]])  # the empty row's -inf ties may break either way
+    selected, slots, is_int8 = got
+    assert (selected[1, :, 0] == 0).all() and int(selected[1].max()) < width and len(set(selected[1, 0].tolist())) == k
+    assert (slots[1] == scratch_slot).all() and not is_int8[1].any()
+    assert int(selected[0].max()) < capacities[0] and int(selected[2].max()) < capacities[1]
+    h2o = [torch.rand((HEADS, n), generator=g).to(DEVICE) for n in capacities]
+    h2o.insert(1, torch.zeros((HEADS, width), device=DEVICE))
+    want = [t.clone() for t in h2o]
+    mass = torch.rand((3, HEADS, k), generator=g).to(DEVICE)
+    mass[1] = 0.0  # what the attention kernel gives a row of 0 tokens
+    strides = torch.tensor([t.stride(0) for t in h2o], dtype=torch.int64, device=DEVICE)
+    add_mass_rows(mass, selected, addresses(h2o, DEVICE), h2o[0], strides)
+    add_mass_rows_ref(mass, selected, want)
+    assert all(torch.equal(x, y) for x, y in zip(h2o, want)) and not h2o[1].any()

@@ -134,3 +134,21 @@ def test_append_is_refused_where_it_cannot_run():
     single = make_case([40], 2, 2, 32, 16, 0.0, shared_table=True)
     with pytest.raises(ValueError, match="k, v"):
         paged_decode(*single.args(), append=new._replace(v=k.float()))
+
+
+def test_batch_append_of_an_empty_row_writes_only_the_scratch_row():
+    """A batch row with no sequence (kvstore/decode/batch_slots.py) appends at count 0 into the pool's scratch row
+    and widens its one scratch summary: every other pool row and summary is what the real rows alone make."""
+    g = torch.Generator().manual_seed(4)
+    heads, block_tokens, head_dim, scratch = 2, 16, 32, 8
+    pool = torch.randn((scratch + 1, 2, heads, block_tokens, head_dim), generator=g).half().to(DEVICE)
+    real = [torch.randn((n, 2, heads, head_dim), generator=g).half().to(DEVICE) for n in (5, 12)]
+    scratch_summary = torch.randn((1, 2, heads, head_dim), generator=g).half().to(DEVICE)
+    summaries = [real[0], scratch_summary, real[1]]
+    k, v = (torch.randn((3, heads, head_dim), generator=g).half().to(DEVICE) for _ in range(2))
+    slots, counts = torch.tensor([3, scratch, 6], device=DEVICE), torch.tensor([47, 0, 180], device=DEVICE)
+    want_pool, want_real = pool.clone(), [s.clone() for s in real]
+    append_tokens_ref(want_pool, want_real, k[[0, 2]], v[[0, 2]], slots[[0, 2]], counts[[0, 2]])  # without it
+    append_tokens(pool, summaries, addresses(summaries, DEVICE), k, v, slots, counts)
+    assert torch.equal(pool[:scratch], want_pool[:scratch]) and all(map(torch.equal, real, want_real))
+    assert torch.equal(pool[scratch, 0, :, 0], k[1]) and torch.equal(pool[scratch, 1, :, 0], v[1])
