@@ -268,6 +268,7 @@ def run_e2e(p: E2EPreset, device: torch.device, deadline: Deadline, progress) ->
         decoder = Decoder(model, store)
         seq = store.create_sequence()
         fill, fill_s, prefill = fill_context(decoder, seq, p, progress)
+        release(device)  # the fill's freed chunks back to the driver: cuBLAS allocates its handle outside torch's cache
         paths, notes = timed_paths(decoder, seq, p, deadline)
         result = {"geometry": p.geometry, "layers": args.num_layers, "dim": args.dim, "hidden_dim": args.hidden_dim,
                   "vocab_size": args.vocab_size, "dtype": str(model.embed_tokens.weight.dtype).replace("torch.", ""),
