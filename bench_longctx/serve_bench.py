@@ -13,8 +13,9 @@ prefill; the prefill itself is not timed here). Three stores run the same trace,
   dense-int8  every token int8 on the GPU, dense attention
 On CUDA an untimed warm-up trace (2 requests, 2 tokens) runs before each store's, so kernel compilation is
 not in its numbers. Each reports aggregate output tokens/s over the run (fills excluded), time per output
-token p50 / p99, and the same over steady steps (neither a fill nor a CUDA graph capture in them: a new batch
-membership or graph key captures once, as engines capture at start-up), queueing, preemptions, graph
+token p50 / p99, and the same over steady steps (neither a fill nor a CUDA graph capture in them: kvtier's
+topk requests decode in rows that they join and leave without a capture, a new row or width bucket captures
+once, as engines capture at start-up; dense batches capture per membership), queueing, preemptions, graph
 captures, the most requests running at once, blocks per tier at that peak, the cpu tier's reads (head slices the
 captured steps staged, in all and per output token; blocks fetched eagerly; blocks promoted to the warm tier
 and warm blocks swapped down for them: serve.promotions_per_boundary, 0 for none) and the fraction of each

@@ -106,16 +106,14 @@ class RowDecoders:
         members = {} if active is None else {m.seq: m for m in active.step.members if m is not None}
         k = topk_blocks(budget, c.block_tokens, -(-c.sink_tokens // c.block_tokens),
                         self.store.decode.recent_window(budget))
-        new = [seq for seq in seqs if seq not in members]
-        if not all(serves_next_token([self.store.table(seq, i) for i in layers], k, c.block_tokens) for seq in new):
-            return None
         moved = set(active.step.moved()) if active is not None else set()
-        kept = {}
-        for seq, step in members.items():
-            full = step.length + 1 > step.capacity * step.block_tokens  # a new step with more capacity joins
-            if seq in seqs and seq not in moved and not full:
-                kept[seq] = step
-            else:
+        kept = {seq: step for seq, step in members.items()  # a full one joins again with more capacity
+                if seq in seqs and seq not in moved and step.length + 1 <= step.capacity * step.block_tokens}
+        tables = lambda seq: [self.store.table(seq, i) for i in layers]  # noqa: E731
+        if not all(serves_next_token(tables(seq), k, c.block_tokens) for seq in seqs if seq not in kept):
+            return None
+        for seq in members:
+            if seq not in kept:
                 active.leave(seq)
         joining = [self.store.decode_step(seq, "topk", budget) for seq in seqs if seq not in kept]
         # the widest table: the kept members' fit the active width (a table that grew has moved, and left)

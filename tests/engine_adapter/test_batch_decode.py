@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine_adapter.decoder import Decoder
+from engine_adapter.row_decode import row_bucket, width_bucket
 from engine_adapter.weights import random_llama
 from tests.engine_adapter.test_llama import TINY, store_for
 
@@ -112,3 +113,10 @@ def test_rows_replay_their_graph_while_sequences_join_and_leave(monkeypatch):
         assert decoder.paths == {"captured": sum(map(len, live_at)), "eager": 0}
         store.check_integrity()
     assert got == want
+
+
+def test_row_and_width_buckets():
+    """Rows: 1, 2, 4, 8, then multiples of 8; widths: at most a quarter octave (25%) past the widest table."""
+    assert [row_bucket(n) for n in (1, 2, 3, 5, 8, 9, 17, 41, 48)] == [1, 2, 4, 8, 8, 16, 24, 48, 48]
+    assert [width_bucket(n) for n in (5, 768, 769, 1032)] == [5, 768, 896, 1280]
+    assert all(n <= width_bucket(n) <= 1.25 * n for n in range(1, 5000))
