@@ -95,8 +95,8 @@ def test_bad_arguments():
 
 
 def test_an_empty_row_reads_and_writes_only_its_scratch_table():
-    """A row with no sequence (kvstore/decode/batch_slots.py): count 0, its addresses those of a scratch table (one summary
-    entry, slot and tier maps of the full width, H2O scores [H, width]). Every kernel gives the real rows what they
+    """A row with no sequence (kvstore/decode/batch_slots.py): count 0, its addresses those of a scratch table (one
+    summary entry, slot and tier maps of the full width, H2O scores [H, width]). Every kernel gives the real rows what they
     give without it and touches nothing but the scratch; the empty row selects block 0 (its protected tail) and
     k - 1 blocks of -inf within the width, all mapped to the scratch slot."""
     g = torch.Generator().manual_seed(11)
