@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from eviction import POLICIES, CascadeTopK, Policy, SketchTopK
+from eviction import POLICIES, Policy
 from kvstore.blocks.append_path import AppendPath
 from kvstore.blocks.table import DROPPED, LayerTable, TableTensors
 from kvstore.blocks.tierset import HOT_TIER, TierSet
@@ -25,13 +25,11 @@ from kvstore.contexts.saving import SavedContexts, values_store
 from kvstore.contexts.sequences import Contexts, PrefixMatch, check_token_ids
 from kvstore.contexts.unread_codes import UnreadCodes
 from kvstore.decode.eager import DecodePath
+from kvstore.decode.modes import MODES, check_query, reads_codes, resolve_policy
 from kvstore.decode.step import DecodeStep
 from kvstore.decode.step_parts import StepParts
 from tiers.errors import CapacityError
 from tiers.layout import BlockLayout
-
-MODES = ("dense", "topk", "sketch", "cascade", "h2o", "window")  # KVStore.attend says what each one reads
-CODE_MODES = ("sketch", "cascade")  # modes that read the blocks' 4-bit key codes (Config.sketch_codes)
 
 
 class KVStore:
@@ -252,11 +250,9 @@ class KVStore:
                measure_mass: bool = False, epsilon: float | None = None) -> torch.Tensor:
         """Decode attention of q [num_q_heads, head_dim] over one layer of `seq` -> [num_q_heads, head_dim].
 
-        mode: "dense" (exact), "topk" (Quest's min/max bound: fast), "sketch" (4-bit key sketch: finds what
-        the bound misses, certified omitted mass in stats()["attend"], ~8x slower to select at 1M tokens),
-        "cascade" (Quest's best candidate_factor x k blocks reranked by their 4-bit codes), "window", "h2o"
-        (drop mode), or a policy instance (e.g. `SketchTopK(coarse_factor=4)`, `H2O(head_reduce="sum")`) whose
-        fields are its settings.
+        mode: one of MODES (kvstore/decode/modes.py; docs/decode.md, Modes): "dense" (exact), "topk" (Quest's
+        bound: fast), "cascade", "sketch" (certified omitted mass in stats()["attend"]), "window", "h2o", or a
+        policy instance whose fields are its settings (e.g. `SketchTopK(coarse_factor=4)`).
         epsilon (sketch): adaptive budget: grow the selection in power-of-two block counts until the certified
         omitted softmax mass is <= epsilon for every kv head, or `budget` tokens are selected."""
         table = self.table(seq, layer)
@@ -266,7 +262,7 @@ class KVStore:
             raise ValueError(f"sequence {seq} layer {layer} holds no tokens to attend to")
         if table.num_dropped and not isinstance(policy, type(self.policies["h2o"])):
             raise ValueError(f"sequence {seq} layer {layer}: h2o mode dropped blocks; only mode='h2o' can attend it")
-        if _reads_codes(policy):
+        if reads_codes(policy):
             self.unread.load_if_needed(seq)  # an opened sequence reads its sketch codes now
         return self.decode.attend(table, q, policy, budget, measure_mass, epsilon)
 
@@ -276,29 +272,17 @@ class KVStore:
         capturable in one CUDA graph (kvstore/decode/step.py). Capacity: the length + max(16K, 1/16 of it)."""
         tables = [self.table(seq, layer) for layer in range(self.spec.num_layers)]
         self._policy(mode)  # ValueError for a mode this store cannot serve
-        if mode in CODE_MODES:
+        if reads_codes(mode):
             self.unread.load_if_needed(seq)  # an opened sequence reads its sketch codes now
         parts = StepParts(self.config, self.device, self.tiers, self.tensors, self.decode)
         return DecodeStep(parts, seq, tables, mode, budget, self.policies.get(mode), capacity_tokens)
 
     def _policy(self, mode: str | Policy) -> Policy | None:
-        if (mode in CODE_MODES or _reads_codes(mode)) and not self.config.sketch_codes:
-            raise ValueError(f"mode={mode!r} reads sketch codes, and this store has none (Config.sketch_codes=False)")
-        if isinstance(mode, Policy):
-            return mode
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES} or an eviction.Policy instance, got {mode!r}")
-        return None if mode == "dense" else self.policies[mode]
+        return resolve_policy(mode, self.policies, self.config.sketch_codes)
 
     def check_query(self, q: torch.Tensor, budget: int) -> None:
         """ValueError unless q is float16 [num_q_heads, head_dim] on the store's device and budget a positive int."""
-        if not _is_int(budget) or budget <= 0:
-            raise ValueError(f"budget must be a positive int (tokens), got {budget!r}")
-        shape = (self.spec.num_q_heads, self.spec.head_dim)
-        if not isinstance(q, torch.Tensor) or tuple(q.shape) != shape or q.dtype != torch.float16 \
-                or q.device.type != self.device.type:
-            got = f"{q.dtype} {list(q.shape)} on {q.device}" if isinstance(q, torch.Tensor) else type(q).__name__
-            raise ValueError(f"q must be float16 {list(shape)} on {self.device.type}, got {got}")
+        check_query(q, budget, self.spec, self.device)
 
     # -- introspection -----------------------------------------------------------------------
     def stats(self) -> dict:
@@ -326,10 +310,6 @@ class KVStore:
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _reads_codes(policy: object) -> bool:
-    return isinstance(policy, (SketchTopK, CascadeTopK))
 
 
 __all__ = ["CapacityError", "KVStore", "MODES"]
