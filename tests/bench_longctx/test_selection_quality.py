@@ -30,7 +30,7 @@ def test_cascade_rows_beside_quest():
 def test_needle_selection_rows():
     rows = run_needles((4096,), 1, NeedlePreset(budgets=(1024,)))
     by = {r["selector"]: r for r in rows}
-    assert set(by) == {"quest", "sketch", "cascade", "cascade_c16", "cascade_raw"}
+    assert set(by) == {"quest", "sketch", "cascade", "cascade_c16", "cascade_raw", "cascade_raw_c16"}
     assert len({r["trials"] for r in rows}) == 1 and rows[0]["trials"] > 0  # the same needles for each selector
     assert by["cascade"]["found"] == by["cascade"]["trials"] and by["cascade"]["weight_held"] > 0.99
     assert by["quest"]["found"] < by["cascade"]["found"]
