@@ -23,9 +23,10 @@ codes were built from. On real keys Quest's bound is loose by ~16 nats at the me
 survive: the threshold certifies, it does not prune.
 
 The store's mode "cascade" runs the raw-channel cascade inside the captured decode step
-(kvstore/decode/step_select.py): the topk mode's Quest scores, then `select_scored` (top-k kernel for the
-candidates, the sketch's fine-pass kernel over them, no host sync); store.attend runs `select`, the same
-`_rerank` over torch references.
+(kvstore/decode/step_select.py): the topk mode's Quest scores, then `select_scored`; store.attend runs
+`select`. Both rank through `_rerank`: on CUDA five launches with no host sync (the candidates' top-k in two,
+the sketch's fine pass over them, the shares: cascade_kernel.py, the final top-k with its block table), on CPU
+their torch references.
 
 Layout: policy -> basis helpers -> the threshold (pure torch: the reference a kernel is checked against).
 """
@@ -42,7 +43,8 @@ from eviction.quest_kernel import quest_scores_ref
 from eviction.select import SeqWindow, cdiv, top_blocks
 from eviction.sketch import token_estimates_ref, token_mask
 from eviction.sketch_kernel import sketch_block_stats, sketch_block_stats_ref
-from eviction.topk_kernel import can_select, topk_sorted
+from eviction.cascade_kernel import candidate_shares, candidate_shares_ref
+from eviction.topk_kernel import FASTER_THAN_TORCH, can_select, topk_gather_table, topk_sorted
 
 
 @dataclass(slots=True)
@@ -109,43 +111,46 @@ class CascadeTopK(Policy):
         upper = quest_upper(q, ctx.summaries)  # [Hq, N]
         bound = upper.view(ctx.num_kv_heads, -1, ctx.num_blocks).amax(1).masked_fill(keep, float("inf"))  # [H, N]
         tail = torch.full((1,), ctx.num_blocks - 1, device=ctx.device)
-        selected, candidates = self._rerank(q, ctx.summaries, ctx.sketch, bound, tail, k,
-                                            protected_max(ctx.window), ctx.num_tokens)
+        selected, candidates, _ = self._rerank(q, ctx.summaries, ctx.sketch, bound, tail, k,
+                                               protected_max(ctx.window), ctx.num_tokens)
         return selected, candidates, q, upper, bound, keep
 
     def select_scored(self, q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, scores: torch.Tensor,
-                      tail: torch.Tensor, k: int, most_protected: int) -> torch.Tensor:
-        """`select`'s blocks with no host sync (a captured decode step), raw channels only: int64 [H, k]
-        ascending. scores float32 [H, N]: Quest's bound over capacity-sized summaries [N, 2, H, D] and codes,
-        +inf on protected blocks and -inf past the live ones (quest_scores_live); tail int64 [1]: the block
-        the current token goes into; most_protected: protected_max of the step's window."""
+                      tail: torch.Tensor, k: int, most_protected: int,
+                      table: tuple | None = None) -> tuple[torch.Tensor, tuple | None]:
+        """`select`'s blocks with no host sync (a captured decode step), raw channels only: (int64 [H, k]
+        ascending, their block table (slots int32 [H, k], is_int8 bool [H, k]) when `table` = (slot_map,
+        tier_map, int8_tier) is given and the final top-k wrote it, else None). scores float32 [H, N]: Quest's
+        bound over capacity-sized summaries [N, 2, H, D] and codes, +inf on protected blocks and -inf past the
+        live ones (quest_scores_live); tail int64 [1]: the block the current token goes into; most_protected:
+        protected_max of the step's window."""
         if self.basis is not None:
             raise ValueError("select_scored ranks raw channels; a basis needs summaries and codes built in it")
-        return self._rerank(q, summaries, codes, scores, tail, k, most_protected, scores.shape[1] * codes.shape[3])[0]
+        selected, _, gathered = self._rerank(q, summaries, codes, scores, tail, k, most_protected,
+                                             scores.shape[1] * codes.shape[3], table)
+        return selected, gathered
 
     def _rerank(self, q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, bound: torch.Tensor,
-                tail: torch.Tensor, k: int, most_protected: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(selected [H, k], candidates [H, C]), both ascending: the C = max(candidate_factor x k, min_candidates)
-        + most_protected blocks of highest bound [H, N] (+inf: protected, -inf: not live) are candidates; each
-        one's share of its q heads' softmax over the candidates (4-bit log-sum-exp, mean over the GQA group)
-        ranks it; the protected ones and the best of the rest make k. The tail is left out of the softmax: a
-        captured step writes its codes once it fills. Kernels on CUDA (no host sync), torch references
-        elsewhere."""
-        num_kv_heads, n = bound.shape
+                tail: torch.Tensor, k: int, most_protected: int, num_tokens: int,
+                table: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+        """(selected [H, k], candidates [H, C], both ascending, and the block table `select_scored` describes):
+        the C = max(candidate_factor x k, min_candidates) + most_protected blocks of highest bound [H, N] (+inf:
+        protected, -inf: not live) are candidates; each one's share of its q heads' softmax over the candidates
+        (4-bit log-sum-exp, mean over the GQA group) ranks it; the protected ones and the best of the rest make
+        k. The tail is left out of the softmax: a captured step writes its codes once it fills. Kernels on CUDA
+        (no host sync; eviction/cascade_kernel.py), torch references elsewhere."""
+        n = bound.shape[1]
         c = min(max(self.candidate_factor * k, self.min_candidates) + most_protected, n)
         cuda = bound.is_cuda
         candidates = topk_sorted(bound, c) if cuda and can_select(n, c) else top_blocks(bound, c)  # [H, C]
         stats = sketch_block_stats if cuda else sketch_block_stats_ref
         lse, _ = stats(q, summaries, codes, num_tokens, block_ids=candidates)  # [Hq, C]
-        picked = bound.gather(1, candidates)
-        counted = (picked > float("-inf")) & (candidates != tail)  # [H, C]
-        group = q.shape[0] // num_kv_heads
-        lse = lse.masked_fill(~counted.repeat_interleave(group, dim=0), float("-inf"))
-        share = torch.softmax(lse, dim=1).view(num_kv_heads, group, -1).mean(1).nan_to_num(0.0)  # [H, C]
-        ranked = torch.where(picked == float("inf"), float("inf"), share)
-        ranked = ranked.masked_fill(picked == float("-inf"), float("-inf"))
+        ranked = (candidate_shares if cuda else candidate_shares_ref)(lse, bound, candidates, tail)  # [H, C]
+        if table is not None and cuda and k < c <= FASTER_THAN_TORCH:
+            selected, slots, is_int8 = topk_gather_table(ranked, k, candidates, *table)
+            return selected, candidates, (slots, is_int8)
         chosen = topk_sorted(ranked, k) if cuda and can_select(c, k) else top_blocks(ranked, k)
-        return candidates.gather(1, chosen), candidates
+        return candidates.gather(1, chosen), candidates, None
 
     def _log_z_lower(self, q: torch.Tensor, ctx: ScoreContext, bound: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """float32 [Hq]: a lower bound on each q head's log partition sum over every token, from the 4-bit codes

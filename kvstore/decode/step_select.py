@@ -60,9 +60,10 @@ class StepSelect:
         scores = self._scores(q, table.summaries[:n], num_tokens, **self.window)  # [H, N]
         if isinstance(self.policy, CascadeTopK):
             tail = num_tokens // self.window["block_tokens"]  # [1]: the block this token goes into
-            selected = self.policy.select_scored(q, table.summaries[:n], table.sketch[:n], scores, tail, k,
-                                                 self.protected_max)
-            return (selected, *block_table(table, selected), None)
+            selected, gathered = self.policy.select_scored(q, table.summaries[:n], table.sketch[:n], scores, tail,
+                                                           k, self.protected_max,
+                                                           (table.slot_map, table.tier_map, WARM_TIER))
+            return (selected, *(gathered or block_table(table, selected)), None)
         if scores.is_cuda and two_stage(n, k) and can_select(n, k):
             return (*topk_block_table(scores, k, table.slot_map, table.tier_map, WARM_TIER), None)
         selected = top_blocks(scores, k)

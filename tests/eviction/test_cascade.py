@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from eviction import TopK
+from eviction.cascade_kernel import candidate_shares, candidate_shares_ref
 from eviction.cascade import (CascadeTopK, pca_basis, protected_max, quest_upper, rotate_keys, rotate_queries,
                               threshold_survivors)
 from eviction.policy import ScoreContext
@@ -13,6 +14,7 @@ from eviction.select import SeqWindow, cdiv, select
 from eviction.sketch import sketch_keys
 from eviction.summaries import summarize_keys
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (tokens, block_tokens, kv_heads, group, head_dim): partial tails, GQA groups of 1-4, odd block counts
 SHAPES = [(203, 8, 2, 3, 12), (97, 16, 1, 4, 16), (333, 10, 3, 1, 8), (64, 4, 2, 2, 20)]
 
@@ -171,3 +173,22 @@ def test_cascade_finds_the_needles_quest_ranks_below_decoys():
         total += 2 * len(needles)
     assert found["topk"] <= total // 4, found
     assert found["cascade"] == total, found
+
+
+@pytest.mark.parametrize("heads, group, n, c", [(2, 3, 40, 13), (3, 1, 300, 70), (1, 4, 17, 17)])
+def test_candidate_shares_kernel_matches_reference(heads, group, n, c):
+    """The one-launch ranking (TRITON_INTERPRET=1 on CPU) against its torch reference, with protected (+inf),
+    dead (-inf) and tail candidates and a q head whose every candidate is uncounted."""
+    g = torch.Generator().manual_seed(heads * 100 + n)
+    bound = torch.randn((heads, n), generator=g) * 3
+    bound[:, :2] = math.inf  # sinks
+    bound[:, -3:] = -math.inf  # past the live blocks
+    candidates = torch.stack([torch.randperm(n, generator=g)[:c].sort().values for _ in range(heads)])
+    lse = torch.randn((heads * group, c), generator=g) * 4
+    tail = torch.tensor([int(candidates[0, -1])])
+    want = candidate_shares_ref(lse, bound, candidates, tail)
+    got = candidate_shares(lse.to(DEVICE), bound.to(DEVICE), candidates.to(DEVICE), tail.to(DEVICE)).cpu()
+    assert torch.equal(got.isinf(), want.isinf()) and torch.equal(got.sign(), want.sign())
+    finite = want.isfinite()
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-7)
+    assert finite.any() and (want[finite] > 0).any()  # shares to rank, not only protected or dead candidates
