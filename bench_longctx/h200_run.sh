@@ -43,6 +43,37 @@ if [ "$step" = all ] || [ "$step" = contexts ]; then
   timeout 400 python3 -m bench_longctx.contexts_bench --preset h200 --open-tokens 512K --fork-tokens 0 \
     --out "$out/contexts_h200.json" 2>&1 | tail -4
 fi
+if [ "$step" = contexts-background ]; then
+  # the same, plus a child that opens with a background load and decodes until it ends (each token's path)
+  timeout 500 python3 -m bench_longctx.contexts_bench --preset h200 --open-tokens 128K --fork-tokens 0 \
+    --background --out "$out/contexts_background_h200.json" 2>&1 | tail -6
+fi
+if [ "$step" = all ] || [ "$step" = serve ]; then
+  # row batches (joins and leaves without a capture), promotion on and off, all at once and Poisson arrivals
+  bench() { timeout 300 python3 -c 'from bench_longctx.cli import main; raise SystemExit(main())' bench serve \
+    --preset h200 --no-plots "$@" 2>&1 | tail -8; }
+  bench --set serve.output_tokens=256 --out "$out/serve-12x128k"
+  bench --set serve.output_tokens=256 --set serve.stores=kvtier --set serve.promotions_per_boundary=0 \
+    --out "$out/serve-12x128k-no-promotion"
+  bench --set serve.output_tokens=128 --set serve.requests=48 --set serve.contexts=32768 --set serve.arrival_rate=8 \
+    --out "$out/serve-48x32k-poisson"
+fi
+if [ "$step" = all ] || [ "$step" = cascade ]; then
+  # the cascade mode against topk at 1M (every token appended), then its needles at 256K and 1M
+  timeout 300 python3 -c 'from bench_longctx.cli import main; raise SystemExit(main())' bench e2e --preset h200 \
+    --no-plots --set e2e.modes=topk,cascade --set e2e.steps=64 --out "$out/e2e-cascade" 2>&1 | tail -12
+  timeout 400 python3 -m bench_longctx.needle_selection --device cuda --contexts 262144,1048576 --budgets 4096 \
+    --seeds 1 --out "$out/needles-cascade.json" 2>&1 | tail -8
+fi
+if [ "$step" = all ] || [ "$step" = formats ]; then
+  # fp8 / int4 walks at 1M against SDPA, then e2e with an int4 warm tier and the serve trace's capacity with it
+  timeout 200 python3 -m bench_longctx.kernel_bench --quick --out "$out" 2>&1 | tail -24
+  timeout 300 python3 -c 'from bench_longctx.cli import main; raise SystemExit(main())' bench e2e --preset h200 \
+    --no-plots --set e2e.modes=dense --set e2e.warm_format=int4 --set e2e.steps=16 --out "$out/e2e-int4" 2>&1 | tail -12
+  timeout 400 python3 -c 'from bench_longctx.cli import main; raise SystemExit(main())' bench serve --preset h200 \
+    --no-plots --set serve.output_tokens=128 --set serve.stores=kvtier --set serve.warm_format=int4 \
+    --set serve.requests=24 --out "$out/serve-int4" 2>&1 | tail -8
+fi
 if [ "$step" = all ] || [ "$step" = fetch ]; then
   timeout 120 python3 -m bench_longctx.fetch_bench --out "$out/fetch_h200.json" 2>&1 | tail -4
 fi
