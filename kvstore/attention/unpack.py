@@ -45,11 +45,8 @@ def words_to_fp16(words, USE_ASM: tl.constexpr):
             is_pure=True, pack=1,
         )
     else:
-        b0 = _byte_to_fp16(words, 0)
-        b1 = _byte_to_fp16(words, 1)
-        b2 = _byte_to_fp16(words, 2)
-        b3 = _byte_to_fp16(words, 3)
-    return tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [..., W, 2, 2]: [..., w, i, j] = byte 2 i + j of word w
+        b0, b1, b2, b3 = _bytes_to_fp16(words, False)
+    return _memory_order(b0, b1, b2, b3)
 
 
 @triton.jit
@@ -59,6 +56,21 @@ def _fp8_byte_to_fp16(words, k: tl.constexpr):
     b = (words >> (8 * k)) & 0xFF
     bits = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.uint16)
     return bits.to(tl.float16, bitcast=True) * 256.0
+
+
+@triton.jit
+def _bytes_to_fp16(words, FP8: tl.constexpr):
+    """The four bytes of each word as fp16, plain Triton (the interpreter's twin of the PTX): int8 or e4m3."""
+    if FP8:
+        return (_fp8_byte_to_fp16(words, 0), _fp8_byte_to_fp16(words, 1), _fp8_byte_to_fp16(words, 2),
+                _fp8_byte_to_fp16(words, 3))
+    return _byte_to_fp16(words, 0), _byte_to_fp16(words, 1), _byte_to_fp16(words, 2), _byte_to_fp16(words, 3)
+
+
+@triton.jit
+def _memory_order(b0, b1, b2, b3):
+    """Bytes 0-3 of each word -> [..., W, 2, 2]: [..., w, i, j] = byte 2 i + j of word w."""
+    return tl.join(tl.join(b0, b2), tl.join(b1, b3))
 
 
 @triton.jit
@@ -89,11 +101,8 @@ def fp8_words_to_fp16(words, USE_ASM: tl.constexpr):
             is_pure=True, pack=1,
         )
     else:
-        b0 = _fp8_byte_to_fp16(words, 0)
-        b1 = _fp8_byte_to_fp16(words, 1)
-        b2 = _fp8_byte_to_fp16(words, 2)
-        b3 = _fp8_byte_to_fp16(words, 3)
-    return tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [..., W, 2, 2]: [..., w, i, j] = byte 2 i + j of word w
+        b0, b1, b2, b3 = _bytes_to_fp16(words, True)
+    return _memory_order(b0, b1, b2, b3)
 
 
 @triton.jit
