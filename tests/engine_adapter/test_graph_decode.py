@@ -145,25 +145,37 @@ def test_a_damaged_cpu_block_read_by_the_captured_step_raises():
         assert store.tiers.cpu.integrity_errors > 0
 
 
+def batch_case(lengths: tuple[int, ...]) -> tuple:
+    """(fp16 random Llama on CUDA, a store Config with room for the batch, one random prompt per length)."""
+    model = random_llama(SPEC, seed=0, dtype=torch.float16, device="cuda")
+    config = Config(model=SPEC, block_tokens=64, sink_tokens=64, hot_tokens=1024, warm_tokens=65536,
+                    recent_tokens=256, gpu_bytes=4 << 30, cpu_bytes=1 << 30, device="cuda")
+    prompts = [torch.randint(0, model.args.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+               for n in lengths]
+    return model, config, prompts
+
+
+def prefilled(decoder: Decoder, prompts: list[torch.Tensor]) -> list[int]:
+    """A sequence per prompt in the decoder's store, each prompt prefilled."""
+    seqs = [decoder.store.create_sequence() for _ in prompts]
+    for seq, ids in zip(seqs, prompts):
+        decoder.prefill(seq, ids, chunk_tokens=1024)
+    return seqs
+
+
 @pytest.mark.parametrize("mode", ["dense", "topk", "sketch"])
 def test_a_captured_batch_gives_each_sequence_its_logits_alone(mode):
     """Three sequences of different lengths (one in the dense phase) decoded together by one captured step per
     token, the same tokens forced into each: every row's logits equal that sequence's captured step alone
     within fp16 rounding (the batch's matmuls and kernel splits differ), a sequence leaving half way included.
     The sketch's two-level selection can flip a near-tie block on such rounding of q: there most rows agree."""
-    model = random_llama(SPEC, seed=0, dtype=torch.float16, device="cuda")
-    config = Config(model=SPEC, block_tokens=64, sink_tokens=64, hot_tokens=1024, warm_tokens=65536,
-                    recent_tokens=256, gpu_bytes=4 << 30, cpu_bytes=1 << 30, device="cuda")
-    prompts = [torch.randint(0, model.args.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
-               for n in (500, 3000, 5000)]
+    model, config, prompts = batch_case((500, 3000, 5000))
     forced = torch.randint(0, model.args.vocab_size, (3, 60), generator=torch.Generator().manual_seed(9)).tolist()
     results = []
     for batched in (False, True):
         with KVStore(config) as store:
             decoder = Decoder(model, store)
-            seqs = [store.create_sequence() for _ in prompts]
-            for seq, ids in zip(seqs, prompts):
-                decoder.prefill(seq, ids, chunk_tokens=1024)
+            seqs = prefilled(decoder, prompts)
             rows = [[] for _ in seqs]
             for t in range(60):
                 live = [i for i in range(3) if i != 0 or t < 40]  # the first leaves after 40 tokens
@@ -188,20 +200,14 @@ def test_captured_rows_take_a_join_and_a_leave_without_a_capture():
     """Three sequences past their dense phase decoded in rows (the scheduler's decode_batch(rows=True)); a fourth
     joins at token 10 and the first leaves at token 30: after the first token's capture no token captures again,
     and every row's logits equal that sequence's captured step alone within fp16 rounding."""
-    model = random_llama(SPEC, seed=0, dtype=torch.float16, device="cuda")
-    config = Config(model=SPEC, block_tokens=64, sink_tokens=64, hot_tokens=1024, warm_tokens=65536,
-                    recent_tokens=256, gpu_bytes=4 << 30, cpu_bytes=1 << 30, device="cuda")
-    prompts = [torch.randint(0, model.args.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
-               for n in (2000, 3000, 5000, 2500)]
+    model, config, prompts = batch_case((2000, 3000, 5000, 2500))
     forced = torch.randint(0, model.args.vocab_size, (4, 40), generator=torch.Generator().manual_seed(9)).tolist()
     live_at = [[i for i in range(4) if (i != 3 or t >= 10) and (i != 0 or t < 30)] for t in range(40)]
     results, captures = [], []
     for batched in (False, True):
         with KVStore(config) as store:
             decoder = Decoder(model, store)
-            seqs = [store.create_sequence() for _ in prompts]
-            for seq, ids in zip(seqs, prompts):
-                decoder.prefill(seq, ids, chunk_tokens=1024)
+            seqs = prefilled(decoder, prompts)
             rows = [[] for _ in seqs]
             for t, live in enumerate(live_at):
                 if batched:
