@@ -3,6 +3,7 @@
     eager.py         DecodePath: the eager step of one layer (store.attend); block_table() for every path
     staging.py       selected cold blocks fetched in the format their tier holds, into staging rows
     step.py          DecodeStep: the captured step of every layer of a token from device state
+    readiness.py     StepReadiness: whether the captured step's next token runs from device state, what it cools
     dense_tables.py  the captured dense step's table bucket and its partition by pool
     cold_slices.py   the captured step's cpu-tier blocks: staged, verified on the GPU
     promotion.py     StepPromotion: cpu blocks the captured step keeps reading move up to warm at block boundaries

@@ -128,7 +128,7 @@ class BatchStep:
 
 def steps_ready(steps: list[DecodeStep]) -> bool:
     """Whether every sequence's next token runs from device state, with room for the new tail blocks of all
-    that reach a block boundary together (as DecodeStep.has_room)."""
+    that reach a block boundary together (as StepReadiness.has_room)."""
     if not all(s.ready() for s in steps):
         return False
     opening = sum(len(s.tables) for s in steps if s.at_boundary())

@@ -31,10 +31,9 @@ Cold blocks (kvstore/decode/cold_slices.py): in the topk phase, selected blocks 
 step, one kv head's slice each, from the pinned slabs into k staging rows of the pool of the tier's format,
 and verified on the device against per-head block sums (tiers/slice_gather.py); a damaged slice is counted
 on the device and `verify()` (called wherever the host syncs anyway) raises IntegrityError; blocks read
-again and again move up to the warm tier at block boundaries (kvstore/decode/promotion.py). Blocks beyond the cpu tier
-(ssd, remote, saved), a dense phase over cold blocks, too few staging rows (staging_tokens < budget) or a
-cpu tier checksummed on the host (xxh3) cannot be served from device state: `ready()` says so and callers
-use the eager path for that token (store.load brings saved blocks into the cpu tier and the GPU pools).
+again and again move up to the warm tier at block boundaries (kvstore/decode/promotion.py). Whether a token
+can run from device state at all, and what it cools first, is the step's StepReadiness (readiness.py):
+`ready()` says so, and callers use the eager path for a token it refuses.
 """
 
 from __future__ import annotations
@@ -50,6 +49,7 @@ from kvstore.blocks.tierset import HOT_TIER, WARM_TIER
 from kvstore.decode.cold_slices import StepColdBlocks
 from kvstore.decode.dense_tables import StepPartitions, dense_bucket
 from kvstore.decode.promotion import StepPromotion
+from kvstore.decode.readiness import StepReadiness
 from kvstore.decode.step_parts import Selection, StepParts, place_tails, topk_blocks
 from kvstore.decode.step_select import StepSelect
 from tiers.base import device_ints
@@ -102,10 +102,11 @@ class DecodeStep:
                                    dev)
         self._append_token = append_token if dev.type == "cuda" else append_token_ref  # one launch on the GPU
         self.cold = StepColdBlocks(self.tiers, self.path.stats, dev, spec, self.capacity)  # staging, verifying
+        self.readiness = StepReadiness(tables, self.tiers, self.cold, c, self.capacity, self.k, mode)
         self.promotion = StepPromotion(self.cold, c, self.recent_tokens)  # cpu blocks it keeps reading move up
         self.partitions = StepPartitions(spec, self.capacity, b, dev)  # the dense tables by pool (long, mixed)
         self.stages_cold = False  # this token stages cpu blocks (fixed per token: part of the graph's key)
-        self.phase = self._phase(length + 1)
+        self.phase = self.readiness.phase(length + 1)
         self.dense_blocks = dense_bucket(length + 1, b, self.capacity)  # the dense table's length (graph key)
         self._next_layer = 0
         self._sync_tail_slots()
@@ -116,37 +117,17 @@ class DecodeStep:
         return self.tables[0].num_tokens
 
     def ready(self) -> bool:
-        """Whether the next token can run from device state: every block on the GPU or servable in the cpu
-        tier (module docstring), room in capacity, and at a block boundary room for new tail blocks (has_room)."""
-        at_boundary = self.length % self.block_tokens == 0
-        if at_boundary and not self.has_room(len(self.tables)):
-            return False
-        return self.length + 1 <= self.capacity * self.block_tokens and self._cold_servable(self.length + 1) and \
-            not any(t.num_dropped for t in self.tables)
-
-    def has_room(self, num_blocks: int) -> bool:
-        """Whether num_blocks new tail blocks fit: in free GPU pool rows, or, when this step serves cpu blocks
-        (can_spill), by cooling the coldest GPU blocks into a cpu tier with room (TierSet.place, at open_token)."""
-        tiers = self.tiers
-        gpu = tiers.hot.free_blocks() + tiers.warm.free_blocks()
-        return gpu >= num_blocks or (self.can_spill() and gpu + tiers.cpu.free_blocks() >= num_blocks)
+        """Whether the next token can run from device state (StepReadiness.ready)."""
+        return self.readiness.ready()
 
     def can_spill(self) -> bool:
-        """Whether this sequence's next token is served whichever of its blocks cool into the cpu tier: past
-        its dense phase, with every cold block in a cpu tier the step reads itself."""
-        return self._phase(self.length + 1) == "topk" and self.cold.servable(self.tables, self.k)
+        """Whether the next token is served whichever of its blocks cool into the cpu tier (StepReadiness)."""
+        return self.readiness.can_spill()
 
     def note_cold(self) -> None:
         """Whether this token stages cpu blocks, once the token's blocks are where they will be read from (the
         tail blocks opened, and what they cooled, this sequence's or another's)."""
         self.stages_cold = any(t.num_cold for t in self.tables)
-
-    def _cold_servable(self, num_tokens: int) -> bool:
-        """Whether the step serves the tables' cold blocks at num_tokens tokens (none, or all in a cpu tier the
-        device reads and verifies, in the topk phase, with a staging row per selected block)."""
-        if not any(t.num_cold for t in self.tables):
-            return True
-        return self._phase(num_tokens) == "topk" and self.cold.servable(self.tables, self.k)
 
     def graph_key(self) -> tuple:
         """What a captured graph of this token depends on beyond device state: its phase, whether it stages cpu
@@ -179,7 +160,7 @@ class DecodeStep:
         if self._synced_length != self.length:  # tokens were appended eagerly since the last step
             self._sync_tail_slots()
         self._next_layer = 0  # a token that failed part way left nothing on the device count: start over
-        self.phase = self._phase(self.length + 1)
+        self.phase = self.readiness.phase(self.length + 1)
         self.dense_blocks = dense_bucket(self.length + 1, self.block_tokens, self.capacity)
         grown = self.cooling() if cool else []
         if grown:  # only a token that cools can leave a block where the step cannot read it
@@ -187,14 +168,12 @@ class DecodeStep:
             self.check_cooled()
 
     def cooling(self) -> list[tuple[LayerTable, int, int]]:
-        """What this token cools (TierSet.cool_tables): every layer's table growing by one token, when that
-        moves some block out of the hot or warm window; else nothing."""
-        n = self.length
-        return [(table, n, n + 1) for table in self.tables] if self._crosses_window(n) else []
+        """What this token cools (StepReadiness.cooling): every layer's table growing by one token, or nothing."""
+        return self.readiness.cooling()
 
     def check_cooled(self) -> None:
         """StepNotReady if what this token cooled left a block in a tier the step cannot serve."""
-        if not self._cold_servable(self.length + 1):
+        if not self.readiness.cold_servable(self.length + 1):
             raise StepNotReady("DecodeStep: this token cools a block to a tier the step cannot serve; use "
                                "store.append and store.attend")
 
@@ -262,9 +241,6 @@ class DecodeStep:
             theirs.copy_(mine)
         self.num_tokens, self.tail_slot, self.kernel_tokens = num_tokens, tail_slot, kernel_tokens
 
-    def _phase(self, num_tokens: int) -> str:
-        return "dense" if self.mode == "dense" or -(-num_tokens // self.block_tokens) <= self.k else "topk"
-
     @property
     def hot_only(self) -> bool:
         """Whether this token's kernel goes without the warm pool (part of the graph's key): a dense phase whose
@@ -272,13 +248,8 @@ class DecodeStep:
         need; new tail blocks are hot, so the answer changes only when a block cools, at begin_token)."""
         return self.phase == "dense" and not any(t.num_warm for t in self.tables)
 
-    def _crosses_window(self, old: int) -> bool:
-        """Whether growing from old to old + 1 tokens moves some block out of the hot or warm window."""
-        c, b = self.config, self.block_tokens
-        return any((old + 1 - w) // b != (old - w) // b for w in (c.hot_tokens, c.hot_tokens + c.warm_tokens))
-
     def _num_selected(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_tokens) if self._phase(num_tokens) == "dense" else self.k
+        return -(-num_tokens // self.block_tokens) if self.readiness.phase(num_tokens) == "dense" else self.k
 
     def _sync_tail_slots(self) -> None:
         hot = self.tiers.hot
