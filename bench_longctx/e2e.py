@@ -28,7 +28,8 @@ from bench_longctx.models import model_store, store_bytes
 from bench_longctx.presets import E2EPreset
 from bench_longctx.timing import Deadline, release, time_ms, timed
 from engine_adapter.llama import Llama, LlamaArgs
-from engine_adapter.decoder import APPEND_TOKENS, Decoder
+from engine_adapter.decoder import Decoder
+from engine_adapter.prefill import APPEND_TOKENS
 from eviction.cascade import CascadeTopK
 from kvstore.config import ModelSpec
 from kvstore.store import KVStore

@@ -1,8 +1,8 @@
 """Decoder: a Llama (engine_adapter/llama.py) run against a KVStore.
 
-A layer-wise prefill (per layer, the prompt's causal attention with SDPA over its K/V on the
-device, the sequence's earlier tokens read from the store once, then the K/V appended to the
-store), decode one token at a time (on CUDA one captured graph per token through
+A layer-wise prefill (engine_adapter/prefill.py: per layer, the prompt's causal attention with SDPA
+over its K/V on the device, the sequence's earlier tokens read from the store once, then the K/V
+appended to the store), decode one token at a time (on CUDA one captured graph per token through
 engine_adapter/graph_decode.py, else store.append + store.attend per layer), greedy `generate`.
 K and V enter the store as fp16 with RoPE already applied to K; compute is in the model's
 dtype (fp32 matches the HF reference best on CPU).
@@ -16,13 +16,13 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from engine_adapter.graph_decode import GraphDecoder, GraphDecoders
-from engine_adapter.llama import Llama, chunk_attention
+from engine_adapter.llama import Llama
+from engine_adapter.prefill import prefill_hidden
 from engine_adapter.row_decode import RowDecoder
 from kvstore.decode.step import STEP_MODES, StepNotReady
 from kvstore.store import KVStore
 
 TokenIds = Sequence[int] | torch.Tensor
-APPEND_TOKENS = 1 << 16  # prefill appends a layer's K/V to the store this many tokens at a time
 
 
 class Decoder:
@@ -64,33 +64,11 @@ class Decoder:
         x = self._prefill_hidden(seq, ids, ids.numel())
         return self.model.logits(x if all_logits else x[-1:])
 
-    @torch.no_grad()  # not inference_mode: tensors the store allocates here must stay writable after
     def _prefill_hidden(self, seq: int, ids: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
-        """Layer-wise prefill of ids [T] after the sequence's tokens; returns the last layer's hidden [T, dim].
-
-        Per layer: the layer's K/V of the whole prompt stay on the device (the earlier tokens read from
-        the store once, up front), queries and the MLP run chunk_tokens at a time with causal SDPA over
-        the K/V so far, then the prompt's K/V are appended to the store (placed by tier). K/V are
-        rounded to fp16 before anyone attends to them: exactly what decode later reads back."""
-        a, start, t = self.model.args, self.length(seq), ids.numel()
+        """The token ids recorded, then the layer-wise prefill of ids [T] after the sequence's tokens
+        (engine_adapter/prefill.py); returns the last layer's hidden [T, dim]."""
         self._record_tokens(seq, ids)
-        cos, sin = self.model.rope(torch.arange(start, start + t, device=self.device), self.dtype)  # [T, D]
-        x = self.model.embed_tokens(ids)  # [T, dim]
-        for i, layer in enumerate(self.model.layers):
-            keys = torch.empty((start + t, a.num_kv_heads, a.head_dim), dtype=self.dtype, device=self.device)
-            values = torch.empty_like(keys)  # [S, Hkv, D] for positions 0..start+T-1
-            if start:
-                keys[:start], values[:start] = self.store.read(seq, i)
-            for lo in range(0, t, chunk_tokens):
-                hi = min(t, lo + chunk_tokens)
-                q, k, v = layer.qkv(x[lo:hi], cos[lo:hi], sin[lo:hi])
-                keys[start + lo: start + hi], values[start + lo: start + hi] = k.half(), v.half()
-                attn = chunk_attention(q, keys[: start + hi], values[: start + hi], start + lo)
-                x[lo:hi] = layer.finish(x[lo:hi], attn)
-            for lo in range(start, start + t, APPEND_TOKENS):  # bounded staging in the store's append
-                hi = min(start + t, lo + APPEND_TOKENS)
-                self.store.append(seq, i, keys[lo:hi].half(), values[lo:hi].half())
-        return x
+        return prefill_hidden(self.model, self.store, seq, ids, chunk_tokens)
 
     def prefill_logits(self, seq: int, token_ids: TokenIds, chunk_tokens: int = 512,
                        all_logits: bool = True) -> Iterator[torch.Tensor]:
