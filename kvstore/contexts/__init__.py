@@ -2,6 +2,7 @@
 
     sequences.py     Contexts: sequence ids, token ids, content keys (hash chains), fork / prefix sharing
     saving.py        SavedContexts: save, list, delete named contexts beside the cold tier; collect_garbage
-    opening.py       the saved format (keys, checksummed manifest) and opening a save lazily
+    saved_format.py  the saved format: keys, the checksummed manifest, block formats
+    opening.py       opening a save lazily
     unread_codes.py  the sketch codes an opened sequence has not read from its save yet
 """

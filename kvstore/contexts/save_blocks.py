@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 from kvstore.blocks.table import LayerTable
 from kvstore.blocks.tierset import COLD_TIER, SAVED_TIER, TierSet
-from kvstore.contexts.opening import BLOCK, content_key
+from kvstore.contexts.saved_format import BLOCK, content_key
 from tiers.errors import BlockMissingError
 from tiers.keys import block_key
 from tiers.saved import seal, value_format

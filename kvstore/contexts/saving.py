@@ -1,6 +1,6 @@
 """Saved contexts: named sequences persisted where the cold tier keeps values (the ssd tier's LMDB, or
 the Redis the redis tier talks to), opened lazily by any process. This module saves, lists and deletes
-them and keeps track of who owns which data; the key layout and opening are kvstore/contexts/opening.py's.
+them and keeps track of who owns which data; the key layout is kvstore/contexts/saved_format.py's, opening kvstore/contexts/opening.py's.
 
 A save writes under a fresh save id, syncs, then commits the manifest. The data the replaced manifest
 owned is deleted after the commit, except what live sequences of this store still read (an opened
@@ -28,11 +28,12 @@ import lmdb
 import numpy as np
 import torch
 
-from kvstore.contexts.opening import DATA, MANIFEST, PENDING, RETIRED, SAVE_ID, VERSION, SavedContext, SavedReader, \
-    Values, check_name, own_keys, owned_ids, pack_formats, seal_manifest, value_digest
 from kvstore.blocks.table import DROPPED, LayerTable
 from kvstore.blocks.tierset import TierSet
+from kvstore.contexts.opening import SavedContext, SavedReader
 from kvstore.contexts.save_blocks import SaveBlocks
+from kvstore.contexts.saved_format import DATA, MANIFEST, PENDING, RETIRED, SAVE_ID, VERSION, Values, check_name, \
+    own_keys, owned_ids, pack_formats, seal_manifest, value_digest
 from kvstore.contexts.sweep import SWEEP, sweep_blocks, sweep_needed
 from tiers.base import Tier
 from tiers.errors import CapacityError

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
-from kvstore.contexts.opening import BLOCK, MANIFEST, SavedReader
+from kvstore.contexts.opening import SavedReader
+from kvstore.contexts.saved_format import BLOCK, MANIFEST
 from tiers.errors import BlockMissingError, IntegrityError
 from tiers.saved_values import LmdbValues
 

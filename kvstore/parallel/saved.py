@@ -13,7 +13,7 @@ opens its own shard and checks it is the one the manifest names. After each of t
 their status, so a failure on one rank (a damaged shard: IntegrityError) is raised on every rank, of the same
 class, and nothing stays opened; no rank is left waiting in a collective.
 
-Key (tiers/saved_values.py's values, beside the saved contexts; kvstore/contexts/opening.py has the rest):
+Key (tiers/saved_values.py's values, beside the saved contexts; kvstore/contexts/saved_format.py has the rest):
     ctx/sharded/<name>   b"KVSS", xxh3-64 (u64 little endian) of key and JSON, then the JSON: version, world_size,
                          block_tokens, starts (ShardPlan), lengths (the sequence's tokens per layer), geometry
                          [layers, q heads, kv heads, head_dim], shards [{name, save_id, num_tokens per layer}]
@@ -25,7 +25,7 @@ import json
 
 import torch
 
-from kvstore.contexts.opening import check_name, value_digest
+from kvstore.contexts.saved_format import check_name, value_digest
 from kvstore.contexts.saving import SavedContexts
 from kvstore.parallel.group import RankGroup
 from kvstore.parallel.sequence import ShardedSequence

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvstore import KVStore
-from kvstore.contexts.opening import seal_manifest
+from kvstore.contexts.saved_format import seal_manifest
 from tests.kvstore.contexts.test_saved import NUM_TOKENS, attend_all, config, filled, query
 from kvstore.blocks.tierset import SAVED_TIER
 from tiers.errors import BlockMissingError, IntegrityError

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kvstore import KVStore
-from kvstore.contexts.opening import MANIFEST
+from kvstore.contexts.saved_format import MANIFEST
 from tests.kvstore.contexts.test_saved import NUM_TOKENS, config, filled, query
 from tests.tiers.redis_servers import raw_client, redis_server  # noqa: F401  (fixture)
 from tiers.errors import IntegrityError

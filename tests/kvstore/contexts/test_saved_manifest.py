@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvstore import KVStore
-from kvstore.contexts.opening import MANIFEST
+from kvstore.contexts.saved_format import MANIFEST
 from tests.kvstore.contexts.test_saved import NUM_TOKENS, attend_all, filled, query
 from tests.kvstore.contexts.test_saved_resave import make_config  # noqa: F401  (fixture: LMDB or Redis)
 from tests.tiers.redis_servers import redis_server  # noqa: F401  (fixture)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvstore import KVStore
-from kvstore.contexts.opening import BLOCK
+from kvstore.contexts.saved_format import BLOCK
 from tests.kvstore.contexts.test_saved import SPEC, attend_all, config, filled, kv, query
 from tests.kvstore.contexts.test_saved_redis import redis_config
 from tests.tiers.redis_servers import redis_server  # noqa: F401  (fixture)
