@@ -9,8 +9,9 @@ holds the sequences of the last token. For a token of some sequences:
     8, as engines pad their graph batch sizes), fill less than a quarter of them, or a table outgrows the
     width (blocks, in quarter-octave buckets) do the members move, DecodeSteps and all, to the decoder of the
     new buckets: built once, its graphs captured once and replayed from then on.
-A join or a leave within the buckets captures nothing. Sequences that cannot run in rows (a dense phase,
-blocks beyond the cpu tier) go by membership (GraphDecoders).
+A join or a leave within the buckets captures nothing, whether the sequence holds cpu-tier blocks or not (the
+rows' staging launch reads each row's tables through its addresses). Sequences that cannot run in rows (a
+dense phase, blocks beyond the cpu tier) go by membership (GraphDecoders).
 """
 
 from __future__ import annotations
@@ -68,10 +69,9 @@ class RowDecoder:
         self.step.join(step)
 
     def leave(self, seq: int) -> DecodeStep:
-        """Empty seq's row; graphs whose staging launches read its tables are dropped. Returns its DecodeStep."""
+        """Empty seq's row (the graphs stay: they read its row's addresses, not its tables). Returns its
+        DecodeStep."""
         step = self.step.leave(seq)
-        for key in [k for k in self.steps.graphs if any(s == seq for _, s, _ in k[0])]:
-            del self.steps.graphs[key]
         if seq in self.seqs:
             self.seqs, self._rows = (), []
         return step

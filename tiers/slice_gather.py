@@ -15,6 +15,13 @@ half way); the host reads the counter when it next syncs and raises IntegrityErr
 what the kernel will attend. Each staged slice also adds 1 to its block's entry of `reads` (table
 positions), which the step reads at block boundaries to promote the blocks it keeps reading.
 
+stage_cold_slices_rows does the same for R sequences' tables in one launch (a batch of rows that sequences join
+and leave: kvstore/decode/batch_slots.py): each row's tier map, slot map, counters and `reads` are read through
+int64 address arrays [R] and its first staging row from a device tensor [R], so the launch stays valid when a
+row changes hands; a row whose first staging row is negative (an empty row, a member without staging rows)
+stages nothing. Both launches run one jit body per entry (_stage_slice), and the rows' torch reference is the
+single one, row by row.
+
 Layout: kernel -> launcher -> torch reference. Imports only torch, triton and tiers/.
 """
 
@@ -51,13 +58,11 @@ def _copy_slice(address_ptr, row, row_words, dst_ptr, dst_row, offset, count, fi
 
 
 @triton.jit
-def _stage_slices_kernel(sel_ptr, tier_ptr, slot_map_ptr, slots_ptr, flags_ptr, addresses_ptr, slab_rows,
-                         sums_ptr, mult_ptr, counts_ptr, reads_ptr, d0_ptr, d1_ptr, d2_ptr, c0, c1, c2, first_row,
-                         num_heads, cpu_tier, s_sel, s_slots, s_flags,
-                         NUM_FIELDS: tl.constexpr, IS_INT8: tl.constexpr, BLOCK: tl.constexpr):
-    h = tl.program_id(0)
-    j = tl.program_id(1)
-    pos = tl.load(sel_ptr + h * s_sel + j)
+def _stage_slice(h, j, pos, tier_ptr, slot_map_ptr, slot_out, flag_out, addresses_ptr, slab_rows, sums_ptr, mult_ptr,
+                 counts_ptr, reads_ptr, d0_ptr, d1_ptr, d2_ptr, c0, c1, c2, first_row, num_heads, cpu_tier,
+                 NUM_FIELDS: tl.constexpr, IS_INT8: tl.constexpr, BLOCK: tl.constexpr):
+    """Entry (h, j) of one sequence's block table, table position pos: if its block is in the cpu tier, head h's
+    slice staged into row first_row + j, verified, counted, and the entry (slot_out, flag_out) pointed at it."""
     if tl.load(tier_ptr + pos) == cpu_tier:
         slot = tl.load(slot_map_ptr + pos).to(tl.int64)
         slab = slot // slab_rows
@@ -80,8 +85,44 @@ def _stage_slices_kernel(sel_ptr, tier_ptr, slot_map_ptr, slots_ptr, flags_ptr, 
         tl.atomic_add(counts_ptr, bad.to(tl.int64), sem="relaxed")
         tl.atomic_add(counts_ptr + 1, tl.full((), 1, tl.int64), sem="relaxed")
         tl.atomic_add(reads_ptr + pos, tl.full((), 1, tl.int32), sem="relaxed")  # heads may share a block
-        tl.store(slots_ptr + h * s_slots + j, dst_row.to(tl.int32))
-        tl.store(flags_ptr + h * s_flags + j, IS_INT8)
+        tl.store(slot_out, dst_row.to(tl.int32))
+        tl.store(flag_out, IS_INT8)
+
+
+@triton.jit
+def _stage_slices_kernel(sel_ptr, tier_ptr, slot_map_ptr, slots_ptr, flags_ptr, addresses_ptr, slab_rows,
+                         sums_ptr, mult_ptr, counts_ptr, reads_ptr, d0_ptr, d1_ptr, d2_ptr, c0, c1, c2, first_row,
+                         num_heads, cpu_tier, s_sel, s_slots, s_flags,
+                         NUM_FIELDS: tl.constexpr, IS_INT8: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (head h, entry j) of one sequence's table."""
+    h = tl.program_id(0)
+    j = tl.program_id(1)
+    pos = tl.load(sel_ptr + h * s_sel + j)
+    _stage_slice(h, j, pos, tier_ptr, slot_map_ptr, slots_ptr + h * s_slots + j, flags_ptr + h * s_flags + j,
+                 addresses_ptr, slab_rows, sums_ptr, mult_ptr, counts_ptr, reads_ptr, d0_ptr, d1_ptr, d2_ptr, c0, c1,
+                 c2, first_row, num_heads, cpu_tier, NUM_FIELDS, IS_INT8, BLOCK)
+
+
+@triton.jit
+def _stage_slices_rows_kernel(sel_ptr, tier_addrs, slot_addrs, count_addrs, read_addrs, first_rows_ptr, slots_ptr,
+                              flags_ptr, addresses_ptr, slab_rows, sums_ptr, mult_ptr, d0_ptr, d1_ptr, d2_ptr, c0, c1,
+                              c2, num_heads, cpu_tier, s_sel_r, s_sel, s_slots_r, s_slots, s_flags_r, s_flags,
+                              NUM_FIELDS: tl.constexpr, IS_INT8: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (head h, entry j, row r): _stage_slices_kernel's over the tables row r's addresses point at."""
+    h = tl.program_id(0)
+    j = tl.program_id(1)
+    r = tl.program_id(2)
+    first_row = tl.load(first_rows_ptr + r)
+    if first_row >= 0:  # a row without staging rows stages nothing
+        pos = tl.load(sel_ptr + r * s_sel_r + h * s_sel + j)
+        tier_ptr = tl.load(tier_addrs + r).to(tl.pointer_type(tl.int8))
+        slot_map_ptr = tl.load(slot_addrs + r).to(tl.pointer_type(tl.int32))
+        counts_ptr = tl.load(count_addrs + r).to(tl.pointer_type(tl.int64))
+        reads_ptr = tl.load(read_addrs + r).to(tl.pointer_type(tl.int32))
+        _stage_slice(h, j, pos, tier_ptr, slot_map_ptr, slots_ptr + r * s_slots_r + h * s_slots + j,
+                     flags_ptr + r * s_flags_r + h * s_flags + j, addresses_ptr, slab_rows, sums_ptr, mult_ptr,
+                     counts_ptr, reads_ptr, d0_ptr, d1_ptr, d2_ptr, c0, c1, c2, first_row, num_heads, cpu_tier,
+                     NUM_FIELDS, IS_INT8, BLOCK)
 
 
 def stage_cold_slices(selected: torch.Tensor, tier_map: torch.Tensor, slot_map: torch.Tensor, slots: torch.Tensor,
@@ -97,21 +138,13 @@ def stage_cold_slices(selected: torch.Tensor, tier_map: torch.Tensor, slot_map: 
     layout's; counts int64 [2]: damaged slices and staged slices are added to counts[0] and counts[1];
     reads int32 [>= positions]: reads[pos] += 1 per slice staged from the block at table position pos."""
     heads, k = selected.shape
-    fields = [p.view(p.shape[0], -1).view(torch.int32) for p in pool]
-    if len(fields) not in (1, 3) or len(fields) != len(table.words) or any(
-            f.shape[1] != w for f, w in zip(fields, table.words)):
-        raise ValueError(f"pool: expected fields of {table.words} words a row, got {[f.shape[1] for f in fields]}")
-    if reads.dtype != torch.int32 or not reads.is_contiguous() or reads.device != selected.device:
-        raise ValueError(f"reads: expected contiguous int32 on {selected.device}, got {reads.dtype} on "
-                         f"{reads.device}")
+    fields = _checked_fields(pool, table, slots, is_int8, (heads, k))
+    _check_counters(counts, reads, selected.device)
     if first_row + k > fields[0].shape[0]:
         raise ValueError(f"pool: {k} staging rows from {first_row} do not fit {fields[0].shape[0]} rows")
-    if slots.shape != (heads, k) or is_int8.shape != (heads, k) or not (slots.is_contiguous() and
-                                                                       is_int8.is_contiguous()):
-        raise ValueError(f"slots and is_int8: expected contiguous [{heads}, {k}]")
     if k == 0 or not table.slabs:
         return
-    per_head = [w // (heads * (2 if i == 0 else 1)) for i, w in enumerate(table.words)] + [0, 0]
+    per_head = _per_head(table, heads)
     if not _triton_runs_on(selected.device):
         return stage_cold_slices_ref(selected, tier_map, slot_map, slots, is_int8, table, head_sums, fields,
                                      first_row, cpu_tier, counts, reads, per_head)
@@ -123,6 +156,72 @@ def stage_cold_slices(selected: torch.Tensor, tier_map: torch.Tensor, slot_map: 
         selected.stride(0), slots.stride(0), is_int8.stride(0),
         NUM_FIELDS=len(fields), IS_INT8=int(len(fields) == 3), BLOCK=_BLOCK, num_warps=4,
     )  # fmt: skip
+
+
+def stage_cold_slices_rows(selected: torch.Tensor, tier_maps: Sequence[torch.Tensor],
+                           slot_maps: Sequence[torch.Tensor], slots: torch.Tensor, is_int8: torch.Tensor,
+                           table: SlabTable, head_sums: torch.Tensor, pool: Sequence[torch.Tensor],
+                           first_rows: torch.Tensor, cpu_tier: int, counts: Sequence[torch.Tensor],
+                           reads: Sequence[torch.Tensor], addresses: Sequence[torch.Tensor]) -> None:
+    """stage_cold_slices for R sequences' tables in one launch: row r of `selected`, `slots` and `is_int8`
+    ([R, H, k]) is staged as stage_cold_slices stages one sequence's, over tier_maps[r], slot_maps[r], counts[r]
+    and reads[r], into pool rows first_rows[r] .. first_rows[r] + k - 1 (first_rows int64 [R] on the device; a
+    negative first row: row r stages nothing). Rows' staging rows must not overlap. Sync-free.
+
+    addresses: int64 [R] each on the device, the addresses of tier_maps, slot_maps, counts and reads in that order
+    (what the kernel reads, so a batch rewrites a row's between launches; the lists are for the checks and the
+    torch reference)."""
+    rows, heads, k = selected.shape
+    fields = _checked_fields(pool, table, slots, is_int8, (rows, heads, k))
+    if not (len(tier_maps) == len(slot_maps) == len(counts) == len(reads) == rows) or len(addresses) != 4 or any(
+            a.shape != (rows,) or a.dtype != torch.int64 or a.device != selected.device for a in addresses) or \
+            first_rows.shape != (rows,) or first_rows.dtype != torch.int64 or not selected.is_contiguous():
+        raise ValueError(f"stage_cold_slices_rows: {rows} rows need {rows} tier maps, slot maps, counts and reads, "
+                         f"four int64 [{rows}] address arrays, int64 [{rows}] first rows and a contiguous selection")
+    if any(t.dtype != torch.int8 for t in tier_maps) or any(s.dtype != torch.int32 for s in slot_maps):
+        raise ValueError("stage_cold_slices_rows: int8 tier maps and int32 slot maps expected")
+    for c, r in zip(counts, reads):
+        _check_counters(c, r, selected.device)
+    if rows == 0 or k == 0 or not table.slabs:
+        return
+    per_head = _per_head(table, heads)
+    if not _triton_runs_on(selected.device):
+        return stage_cold_slices_rows_ref(selected, tier_maps, slot_maps, slots, is_int8, table, head_sums, fields,
+                                          first_rows, cpu_tier, counts, reads, per_head)
+    padded = fields + [fields[0]] * (3 - len(fields))
+    flags = is_int8.view(torch.int8)
+    _stage_slices_rows_kernel[(heads, k, rows)](
+        selected, *addresses, first_rows, slots, flags, table.addresses, table.slab_rows, head_sums,
+        multipliers(sum(table.words), selected.device), *padded, *per_head[:3], heads, cpu_tier,
+        selected.stride(0), selected.stride(1), slots.stride(0), slots.stride(1), flags.stride(0), flags.stride(1),
+        NUM_FIELDS=len(fields), IS_INT8=int(len(fields) == 3), BLOCK=_BLOCK, num_warps=4,
+    )  # fmt: skip
+
+
+def _checked_fields(pool: Sequence[torch.Tensor], table: SlabTable, slots: torch.Tensor, is_int8: torch.Tensor,
+                    shape: tuple[int, ...]) -> list[torch.Tensor]:
+    """The pool's fields as int32 [rows, words], checked against the slabs' words; slots and is_int8 checked."""
+    fields = [p.view(p.shape[0], -1).view(torch.int32) for p in pool]
+    if len(fields) not in (1, 3) or len(fields) != len(table.words) or any(
+            f.shape[1] != w for f, w in zip(fields, table.words)):
+        raise ValueError(f"pool: expected fields of {table.words} words a row, got {[f.shape[1] for f in fields]}")
+    if slots.shape != shape or is_int8.shape != shape or not (slots.is_contiguous() and is_int8.is_contiguous()) \
+            or slots.dtype != torch.int32 or is_int8.dtype != torch.bool:
+        raise ValueError(f"slots and is_int8: expected contiguous int32 and bool {list(shape)}")
+    return fields
+
+
+def _check_counters(counts: torch.Tensor, reads: torch.Tensor, device: torch.device) -> None:
+    if counts.shape != (2,) or counts.dtype != torch.int64 or counts.device != device:
+        raise ValueError(f"counts: expected int64 [2] on {device}, got {counts.dtype} {list(counts.shape)} on "
+                         f"{counts.device}")
+    if reads.dtype != torch.int32 or not reads.is_contiguous() or reads.device != device:
+        raise ValueError(f"reads: expected contiguous int32 on {device}, got {reads.dtype} on {reads.device}")
+
+
+def _per_head(table: SlabTable, heads: int) -> list[int]:
+    """Words of one head's slice in each field (K and V halves of field 0 each), padded to three fields."""
+    return [w // (heads * (2 if i == 0 else 1)) for i, w in enumerate(table.words)] + [0, 0]
 
 
 def stage_cold_slices_ref(selected, tier_map, slot_map, slots, is_int8, table, head_sums, fields, first_row, cpu_tier,
@@ -157,3 +256,16 @@ def stage_cold_slices_ref(selected, tier_map, slot_map, slots, is_int8, table, h
             reads[sel[h, j]] += 1
             slots[h, j] = first_row + j
             is_int8[h, j] = len(fields) == 3
+
+
+def stage_cold_slices_rows_ref(selected, tier_maps, slot_maps, slots, is_int8, table, head_sums, fields, first_rows,
+                               cpu_tier, counts, reads, per_head) -> None:
+    """stage_cold_slices_rows in torch: stage_cold_slices_ref row by row (rows with a negative first row skipped)."""
+    k = selected.shape[2]
+    for r, first_row in enumerate(first_rows.tolist()):
+        if first_row < 0:
+            continue
+        if first_row + k > fields[0].shape[0]:
+            raise ValueError(f"pool: {k} staging rows from {first_row} do not fit {fields[0].shape[0]} rows")
+        stage_cold_slices_ref(selected[r], tier_maps[r], slot_maps[r], slots[r], is_int8[r], table, head_sums, fields,
+                              first_row, cpu_tier, counts[r], reads[r], per_head)

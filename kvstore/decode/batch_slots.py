@@ -8,16 +8,21 @@ its count, tail slots and kernel token count in views of its row (DecodeStep.bin
     live            int64 [R]        1 where a member sits
     tail_slots      int64 [L, R]     hot-pool slot of each layer's tail block (a member's tail_slot)
     kernel_tokens   int32 [R]        tokens the attention kernel reads (0: the row reads nothing)
-    addresses       int64 [5, L, R]  each row's table tensors per layer: summaries, slot map, tier map, H2O
-                                     scores, H2O row stride (eviction/batch_kernels.py reads them)
+    addresses       int64 [7, L, R]  each row's tensors per layer: summaries, slot map, tier map, H2O scores,
+                                     H2O row stride (eviction/batch_kernels.py reads them), the member's cpu
+                                     slice reads of the layer and its damage counters (StepColdBlocks: reads,
+                                     counts; tiers/slice_gather.py reads them)
+    staging_rows    int64 [R]        first of the row's k staging rows (its lane), -1: none
 
 Per layer of a token, as BatchRows: one launch each appends every row's token, scores Quest's bound over W
-blocks and selects k blocks per kv head; members holding cpu blocks stage their selected ones (k staging rows
-each: a lane); one paged-kernel launch attends every row; one launch adds the block mass to the H2O scores;
-the last layer moves the counts of live rows on. None of it depends on which sequence sits in which row: a
-join or a leave writes one row's state and addresses between tokens and the captured graph replays as it
-is. The graph key holds only what the launches depend on: the members that stage cpu blocks (their staging
-launches read their own tables), the cpu tier's slab generation then, R and W.
+blocks and selects k blocks per kv head; one launch stages every row's selected cpu blocks into its lane,
+verified against their per-head sums and counted in its member's counters (empty rows, rows without a lane
+and rows whose tables hold no cpu block stage nothing); one paged-kernel launch attends every row; one launch
+adds the block mass to the H2O scores; the last layer moves the counts of live rows on. None of it depends on
+which sequence sits in which row: a join or a leave writes one row's state and addresses between tokens and
+the captured graph replays as it is, whether the member holds cpu blocks or not. The graph key holds only what
+the launches depend on: R, W and the cpu tier's slab generation (the slab table and the per-head sums are
+tier-wide tensors that the tier reallocates as it grows: a graph over the old ones would read freed memory).
 
 An empty row reads and writes nothing of any sequence: kernel token count 0, count 0, its tail slot the hot
 tier's scratch row and its tables the batch's scratch table (one summary entry, as a count of 0 reads block 0
@@ -30,6 +35,8 @@ torch references (one sequence at a time) give what its DecodeStep gives by itse
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from eviction.batch_kernels import (add_mass_rows, add_mass_rows_ref, quest_scores_rows, quest_scores_rows_ref,
@@ -37,12 +44,14 @@ from eviction.batch_kernels import (add_mass_rows, add_mass_rows_ref, quest_scor
 from eviction.topk_kernel import can_select
 from kvstore.attention.append import append_tokens, append_tokens_ref
 from kvstore.blocks.table import LayerTable
-from kvstore.blocks.tierset import HOT_TIER, WARM_TIER
+from kvstore.blocks.tierset import CPU_TIER, HOT_TIER, WARM_TIER
 from kvstore.decode.batch import begin_steps, steps_ready
 from kvstore.decode.step import DecodeStep, StepNotReady
-from tiers.base import device_ints
+from tiers.base import IntegrityError, device_ints
+from tiers.block_rows import fields, normal_device
+from tiers.slice_gather import stage_cold_slices_rows
 
-TableTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # summaries, slot, tier maps, H2O
+RowTensors = tuple[torch.Tensor, ...]  # a row's at one layer: summaries, slot, tier maps, H2O, cpu reads, counts
 
 
 def serves_next_token(tables: list[LayerTable], k: int, block_tokens: int) -> bool:
@@ -69,16 +78,19 @@ class SlotBatch:
         spec, dev, r = t.spec, t.device, num_rows
         self.num_layers, h, d = spec.num_layers, spec.num_kv_heads, spec.head_dim
         self.scratch_slot = self.tiers.hot.scratch_slot
-        self.scratch: TableTensors = (
+        self.scratch: RowTensors = (
             torch.zeros((1, 2, h, d), dtype=torch.float16, device=dev),  # [1, 2, H, D]: a count of 0 reads block 0
             torch.full((width,), self.scratch_slot, dtype=torch.int32, device=dev),  # [W]
-            torch.full((width,), HOT_TIER, dtype=torch.int8, device=dev),  # [W]
-            torch.zeros((h, width), dtype=torch.float32, device=dev))  # [H, W]
+            torch.full((width,), HOT_TIER, dtype=torch.int8, device=dev),  # [W]: nothing in the cpu tier
+            torch.zeros((h, width), dtype=torch.float32, device=dev),  # [H, W]
+            torch.zeros(width, dtype=torch.int32, device=dev),  # [W] cpu slice reads (none)
+            torch.zeros(2, dtype=torch.int64, device=dev))  # [2] damaged and staged slices (none)
         self.counts = torch.zeros(r, dtype=torch.int64, device=dev)  # [R]
         self.live = torch.zeros(r, dtype=torch.int64, device=dev)  # [R]
         self.tail_slots = torch.full((self.num_layers, r), self.scratch_slot, dtype=torch.int64, device=dev)  # [L, R]
         self.kernel_tokens = torch.zeros(r, dtype=torch.int32, device=dev)  # [R]
-        self.addresses = torch.zeros((5, self.num_layers, r), dtype=torch.int64, device=dev)  # [5, L, R]
+        self.addresses = torch.zeros((7, self.num_layers, r), dtype=torch.int64, device=dev)  # [7, L, R]
+        self.staging_rows = torch.full((r,), -1, dtype=torch.int64, device=dev)  # [R]
         self.scores = torch.empty((r, h, width), dtype=torch.float32, device=dev)  # [R, H, W]
         # [L][R] per kind: what each row's launches read (the kernels' checks, the CPU references); holding the
         # tensors also keeps a departed table's memory from being reused while a queued token may write it
@@ -86,9 +98,10 @@ class SlotBatch:
         self.members: list[DecodeStep | None] = [None] * r
         self._pointers: list[list[int]] = [[] for _ in range(r)]  # a member's summaries addresses when it joined
         self._reallocations = self.tensors.reallocations
-        pool = t.cold.staging_pool()
-        self.lanes: list[int | None] = [None] * (pool.staging_blocks // t.k)  # staging lane -> the row using it
-        self.staging: list[tuple[int, DecodeStep]] = []  # this token's members that stage cpu blocks
+        self.staging_pool = t.cold.staging_pool()  # the GPU pool of the cpu tier's format, its staging rows
+        self.lanes: list[int | None] = [None] * (self.staging_pool.staging_blocks // t.k)  # lane -> its row
+        # whether a member can stage cpu blocks at all: a lane, and per-head sums where the step verifies them
+        self.can_stage = bool(self.lanes) and self.tiers.cpu.sum_device == normal_device(dev)
         for row in range(r):
             self._write_row(row, None)
 
@@ -127,13 +140,10 @@ class SlotBatch:
         if refusal is not None:
             raise ValueError(f"SlotBatch: sequence {step.seq} cannot join: {refusal}")
         row = self.members.index(None)
-        lane = self.lanes.index(None) if None in self.lanes else len(self.lanes)  # none left: no cpu blocks served
-        if lane < len(self.lanes):
-            self.lanes[lane] = row
-        step.cold.row_offset = lane * self.k
         step.bind_state(self.counts[row: row + 1], self.tail_slots[:, row], self.kernel_tokens[row: row + 1])
-        self._write_row(row, step.tables)
         self.members[row] = step
+        self._write_row(row, step)
+        self._give_lane(row, self.lanes.index(None) if None in self.lanes else None)
         self._pointers[row] = [t.summaries.data_ptr() for t in step.tables]
         return row
 
@@ -144,13 +154,15 @@ class SlotBatch:
         step.bind_state(torch.zeros(1, dtype=torch.int64, device=dev),
                         torch.zeros(self.num_layers, dtype=torch.int64, device=dev),
                         torch.zeros(1, dtype=torch.int32, device=dev))
+        step.cold.row_offset = 0  # alone again: the first staging rows
         self.members[row] = None
+        self.staging_rows[row: row + 1].fill_(-1)
         if row in self.lanes:  # its staging rows go to a member without any, if there is one
             lane = self.lanes.index(row)
+            self.lanes[lane] = None
             waiting = [r for r, m in enumerate(self.members) if m is not None and r not in self.lanes]
-            self.lanes[lane] = waiting[0] if waiting else None
             if waiting:
-                self.members[waiting[0]].cold.row_offset = lane * self.k
+                self._give_lane(waiting[0], lane)
         self.counts[row: row + 1].zero_()
         self.tail_slots[:, row].fill_(self.scratch_slot)
         self._write_row(row, None)
@@ -167,17 +179,30 @@ class SlotBatch:
             self._reallocations = self.tensors.reallocations
         return moved
 
-    def _write_row(self, row: int, tables: list[LayerTable] | None) -> None:
-        """A row's table addresses (a member's tables, or the scratch table: None) and whether it is live."""
-        per_layer = [self.scratch] * self.num_layers if tables is None else \
-            [(t.summaries, t.slot_map, t.tier_map, t.h2o_scores) for t in tables]
+    def _write_row(self, row: int, step: DecodeStep | None) -> None:
+        """A row's addresses (a member's tables and cpu slice counters, or the scratch ones: None) and whether
+        it is live."""
+        per_layer = [self.scratch] * self.num_layers if step is None else \
+            [(t.summaries, t.slot_map, t.tier_map, t.h2o_scores, step.cold.reads[layer], step.cold.counts)
+             for layer, t in enumerate(step.tables)]
         for kind, lists in enumerate(self.tables):
             for layer, tensors in enumerate(per_layer):
                 lists[layer][row] = tensors[kind]
         values = [tensors[kind].data_ptr() for kind in range(4) for tensors in per_layer]
         values += [tensors[3].stride(0) for tensors in per_layer]
-        self.addresses[:, :, row].copy_(device_ints(values, self.device).view(5, self.num_layers))
-        self.live[row: row + 1].fill_(0 if tables is None else 1)
+        values += [tensors[kind].data_ptr() for kind in (4, 5) for tensors in per_layer]
+        self.addresses[:, :, row].copy_(device_ints(values, self.device).view(7, self.num_layers))
+        self.live[row: row + 1].fill_(0 if step is None else 1)
+
+    def _give_lane(self, row: int, lane: int | None) -> None:
+        """Row `row`'s member stages into lane `lane`'s k staging rows (None: no lane left; a member holding cpu
+        blocks is then not ready, StepColdBlocks.servable, until one frees)."""
+        step = self.members[row]
+        step.cold.row_offset = (len(self.lanes) if lane is None else lane) * self.k
+        if lane is not None:
+            self.lanes[lane] = row
+        first = -1 if lane is None else self.staging_pool.slots.num_slots + step.cold.row_offset
+        self.staging_rows[row: row + 1].fill_(first)
 
     # -- host side of a token ------------------------------------------------------------------
     def ready(self) -> bool:
@@ -192,26 +217,35 @@ class SlotBatch:
         if not steps or self.moved():
             raise StepNotReady("SlotBatch: no member, or a member's tables moved; decode this token sequence by "
                                "sequence")
-        phases = begin_steps(steps)  # StepNotReady unless every member's token runs from device state
-        self.staging = [(row, m) for row, m in enumerate(self.members) if m is not None and m.stages_cold]
-        return phases
+        return begin_steps(steps)  # StepNotReady unless every member's token runs from device state
 
     def graph_key(self) -> tuple:
-        """What a captured token depends on beyond the rows' device state: the members staging cpu blocks
-        (row, sequence, staging offset) and then the cpu tier's slab generation, R and W. The first two lead, so
-        GraphedSteps drops a graph of the same stagers over an older slab table."""
-        staging = tuple((row, m.seq, m.cold.row_offset) for row, m in self.staging)
-        return staging, self.tiers.cpu.generation if staging else 0, self.num_rows, self.width
+        """What a captured token depends on beyond the rows' device state: R, W and the cpu tier's slab
+        generation (module docstring), in that order, so GraphedSteps drops a graph over an older slab table.
+        Members, and whether they hold cpu blocks, are device state."""
+        return self.num_rows, self.width, self.tiers.cpu.generation if self.can_stage else 0
 
     def end_token(self) -> None:
-        for m in self.members:
-            if m is not None:
-                m.end_token()
+        """Every member's host work after the token (at a block boundary a member verifies its cpu slices
+        first: IntegrityError as `verify` raises it, once every member's work is done)."""
+        self._each_member(DecodeStep.end_token)
 
     def verify(self) -> None:
-        for m in self.members:
-            if m is not None:
-                m.verify()
+        """IntegrityError naming each member (sequence and row) for which a cpu slice staged since the last call
+        failed its checksum; every member is verified (one host sync each that staged)."""
+        self._each_member(DecodeStep.verify)
+
+    def _each_member(self, action: Callable[[DecodeStep], None]) -> None:
+        damaged = []
+        for row, m in enumerate(self.members):
+            if m is None:
+                continue
+            try:
+                action(m)
+            except IntegrityError as error:
+                damaged.append(f"sequence {m.seq} (row {row}): {error}")
+        if damaged:
+            raise IntegrityError("SlotBatch: " + "; ".join(damaged))
 
     # -- device side, capturable ---------------------------------------------------------------
     def token_positions(self) -> torch.Tensor:
@@ -225,7 +259,7 @@ class SlotBatch:
         if layer == 0:  # a live row reads k - 1 full blocks and its tail (DecodeStep.count_tokens); an empty one 0
             self.kernel_tokens.copy_((self.counts % b + ((kk - 1) * b + 1)) * self.live)
         addr, pool = self.addresses[:, layer], self.tiers.hot.pool
-        summaries, slot_maps, tier_maps, h2o = (kind[layer] for kind in self.tables)
+        summaries, slot_maps, tier_maps, h2o = (kind[layer] for kind in self.tables[:4])
         if self.cuda:
             append_tokens(pool, summaries, addr[0], k, v, self.tail_slots[layer], self.counts)
             scores = quest_scores_rows(q, summaries, addr[0], self.counts, self.width, out=self.scores, **self.window)
@@ -234,8 +268,11 @@ class SlotBatch:
             append_tokens_ref(pool, summaries, k, v, self.tail_slots[layer], self.counts)
             scores = quest_scores_rows_ref(q, summaries, self.counts, self.width, **self.window)
             selected, slots, is_int8 = topk_table_rows_ref(scores, kk, slot_maps, tier_maps, WARM_TIER)
-        for row, m in self.staging:  # selected cpu blocks into the member's own staging rows
-            m.cold.stage(layer, m.tables[layer], selected[row], slots[row], is_int8[row])
+        if self.can_stage and self.tiers.cpu.slabs:  # every row's selected cpu blocks into its lane, one launch
+            cpu = self.tiers.cpu
+            stage_cold_slices_rows(selected, tier_maps, slot_maps, slots, is_int8, cpu.slab_table(self.device),
+                                   cpu.head_sums, fields(self.staging_pool.pool), self.staging_rows, CPU_TIER,
+                                   self.tables[5][layer], self.tables[4][layer], (addr[2], addr[1], addr[6], addr[5]))
         warm = self.tiers.warm.pool
         out, mass = self.path.kernel(q, pool, warm.data, warm.k_scale, warm.v_scale, slots, is_int8,
                                      self.kernel_tokens, return_block_mass=True)

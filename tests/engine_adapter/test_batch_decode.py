@@ -75,18 +75,23 @@ def test_decode_batch_refuses_bad_requests_before_anything_changes():
         assert store.token_ids(a) == [1, 2, 3] and store.token_ids(b) == [4, 5]
 
 
+ROW_STORE = dict(cpu_checksums="cpu", cpu_dtype="int8", staging_tokens=4 * 64)  # a lane of 4 blocks per row
+
+
 def test_rows_replay_their_graph_while_sequences_join_and_leave(monkeypatch):
     """Sequences past their dense phase (k = 4 blocks of 16 at budget 48) decoded in rows (the scheduler's
-    decode_batch(rows=True)): three start (4 rows), a fourth joins, two leave; the same RowDecoder and graph key
-    serve every token, so only the first token captures, and each sequence's greedy tokens are its tokens alone."""
+    decode_batch(rows=True)): three start (4 rows), a fourth whose prompt left blocks in the cpu tier (staged
+    inside the step, verified on the device) joins, two leave, then the fourth leaves; the same RowDecoder and
+    graph key serve every token, so only the first token captures, and each sequence's greedy tokens are its
+    tokens alone."""
     monkeypatch.setattr(Decoder, "_captures", lambda self: True)
-    prompts = [list(range(7, 97)), PROMPTS[1], PROMPTS[2], list(range(10, 90))]
-    live_at = [[m for m in range(4) if (m != 3 or t >= 5) and (m != 0 or t < 12) and (m != 1 or t < 20)]
-               for t in range(1, NEW)]  # the sequences of each decoded token: 3 joins, then 0 and 1 leave
+    prompts = [list(range(7, 97)), PROMPTS[1], PROMPTS[2], [(7 * i) % 97 for i in range(480)]]
+    live_at = [[m for m in range(4) if (m != 3 or 5 <= t < 30) and (m != 0 or t < 12) and (m != 1 or t < 20)]
+               for t in range(1, NEW)]  # the sequences of each decoded token: 3 joins, 0 and 1 leave, 3 leaves
     lengths = [1 + sum(m in live for live in live_at) for m in range(4)]  # tokens each one gets
     model = random_llama(TINY, seed=5, vocab_size=97)
     want = []
-    with store_for(TINY) as store:
+    with store_for(TINY, **ROW_STORE) as store:
         decoder = Decoder(model, store)
         for prompt, n in zip(prompts, lengths):
             seq = store.create_sequence()
@@ -94,10 +99,11 @@ def test_rows_replay_their_graph_while_sequences_join_and_leave(monkeypatch):
             while len(tokens) < n:
                 tokens.append(int(decoder.decode_step(seq, tokens[-1], "topk", 48).argmax()))
             want.append(tokens)
-    with store_for(TINY) as store:
+    with store_for(TINY, **ROW_STORE) as store:
         decoder = Decoder(model, store)
         seqs = [store.create_sequence() for _ in prompts]
         got = [[int(decoder.prefill(s, p, 16).argmax())] for s, p in zip(seqs, prompts)]
+        assert store.table(seqs[3], 0).num_cold > 5 and not any(store.table(s, 0).num_cold for s in seqs[:3])
         decoders, keys, captures = set(), set(), []
         for live in live_at:
             logits = decoder.decode_batch([seqs[m] for m in live], [got[m][-1] for m in live], "topk", 48, rows=True)
@@ -109,8 +115,9 @@ def test_rows_replay_their_graph_while_sequences_join_and_leave(monkeypatch):
             keys.add(graph.step.graph_key())
             captures.append(decoder.graph_decoders.captures)
         assert len(decoders) == 1 and len(keys) == 1 and graph.step.num_rows == 4
-        assert captures[0] == 1 and captures[-1] == 1  # the first token's capture, none for the 3 changes
+        assert captures[0] == 1 and captures[-1] == 1  # the first token's capture, none for the 4 changes
         assert decoder.paths == {"captured": sum(map(len, live_at)), "eager": 0}
+        assert store.stats()["attend"]["cold_slices_staged"] > 0
         store.check_integrity()
     assert got == want
 
