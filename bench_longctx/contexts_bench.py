@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import cProfile
 import gc
 import json
@@ -49,18 +48,15 @@ from pathlib import Path
 
 import torch
 
+from bench_longctx.contexts_store import BLOCK_TOKENS, VOCAB, bench_config, counting_reads, fill
 from bench_longctx.contexts_tokens import BUDGET, decode_while_loading, describe, first_token, next_tokens
 from bench_longctx.contexts_transfer import run_transfer, summary
 from bench_longctx.presets import parse_tokens
 from bench_longctx.timing import environment, timed
 from engine_adapter.decoder import Decoder
 from engine_adapter.weights import random_llama
-from kvstore.config import Config, ModelSpec
 from kvstore.store import KVStore
 
-BLOCK_TOKENS = 32
-CHUNK = 8192
-VOCAB = 32000
 MODES = ("topk", "sketch", "dense")  # topk: min/max summaries (Quest); sketch: the 4-bit key sketch (eviction/)
 PRESETS = {  # the cpu preset is what CI runs (tests/bench_longctx); h200 keeps 1M on a 235 GiB disk
     "cpu": dict(geometry="smollm2-135m", layers=4, contexts="8K,32K", open_tokens="32K", fork_tokens="32K",
@@ -72,29 +68,6 @@ PRESETS = {  # the cpu preset is what CI runs (tests/bench_longctx); h200 keeps 
 }
 
 
-def bench_config(args: argparse.Namespace, path: str) -> Config:
-    spec = ModelSpec.preset(args.geometry, num_layers=args.layers)
-    return Config(model=spec, block_tokens=BLOCK_TOKENS, hot_tokens=1024, warm_tokens=args.warm_tokens,
-                  gpu_bytes=args.gpu_bytes, staging_tokens=BUDGET,  # a staging row per selected block: the
-                  # captured step reads the cpu tier's blocks itself (fewer rows: every token goes the eager way)
-                  cpu_bytes=args.cpu_bytes, cpu_dtype="int8", ssd_path=path, ssd_bytes=args.ssd_bytes,
-                  ssd_compression="none", device=args.device, host_memory_reserve=0, model_id="contexts-bench")
-
-
-def fill(store: KVStore, context: int) -> tuple[int, list[int]]:
-    spec, g = store.spec, torch.Generator(device=store.device).manual_seed(0)
-    seq = store.create_sequence()
-    ids = torch.randint(0, VOCAB, (context,), generator=torch.Generator().manual_seed(0)).tolist()
-    store.extend_tokens(seq, ids)
-    for layer in range(spec.num_layers):
-        for lo in range(0, context, CHUNK):
-            n = min(CHUNK, context - lo)
-            k = torch.randn((n, spec.num_kv_heads, spec.head_dim), generator=g, device=store.device)
-            k[..., :8] *= 6  # outlier channels, as real keys have
-            store.append(seq, layer, k.half(), torch.randn(k.shape, generator=g, device=store.device).half())
-    return seq, ids
-
-
 def first_attends(store: KVStore, seq: int) -> dict:
     q = torch.randn((store.spec.num_q_heads, store.spec.head_dim), generator=torch.Generator().manual_seed(1))
     q, out = q.half().to(store.device), {}
@@ -104,23 +77,6 @@ def first_attends(store: KVStore, seq: int) -> dict:
                                     for layer in range(store.spec.num_layers)])
         out[mode] = {"s": seconds, "blocks_read": store.stats()["attend"]["cold_blocks_fetched"] - before}
     return out
-
-
-def counting_reads(store: KVStore) -> list[int]:
-    """Bytes each read of the saved contexts' reader returns (manifests, summaries, H2O scores, token ids, sketch
-    codes; not blocks, which the saved tier reads), copied (get) or in place (view), appended to the list handed
-    back."""
-    sizes, values = [], copy.copy(store.saved.reader.values)  # a copy: the saved tier reads through the original
-    get, view = values.get, values.view
-
-    def counted(got: list) -> list:
-        sizes.extend(len(v) for v in got if v is not None)
-        return got
-
-    values.get = lambda keys: counted(get(keys))
-    values.view = lambda keys, use: view(keys, lambda got: use(counted(got)))
-    store.saved.reader.values = values
-    return sizes
 
 
 def run_context(args: argparse.Namespace, context: int, directory: str) -> dict:

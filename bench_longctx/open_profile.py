@@ -7,8 +7,8 @@
           tokens, 128 B of summary each): seconds per 1M blocks
   bytes   byte throughput: llama3-8b geometry (8 kv heads, head_dim 128), 8 layers, 128K tokens
           (32,768 blocks, 4 KiB of summary each): MB/s of what open reads
-The context is filled with contexts_bench's random K/V and saved once (the directory is reused
-when it holds one); each open runs in a fresh store (a new process's view; the page cache stays
+The context is filled with the contexts benchmarks' random K/V (contexts_store.py) and saved once (the
+directory is reused when it holds one); each open runs in a fresh store (a new process's view; the page cache stays
 warm) --repeat times, the best reported (wall and CPU seconds); --profile N prints cProfile's top N functions of one more.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bench_longctx.contexts_bench import bench_config, counting_reads, fill
+from bench_longctx.contexts_store import bench_config, counting_reads, fill
 from bench_longctx.timing import environment, timed
 from kvstore.config import Config, ModelSpec
 from kvstore.store import KVStore
