@@ -64,6 +64,7 @@ class QualityPreset:
     selection_steps: int = 2  # decode steps (queries of the last positions)
     selection_blocks: tuple[int, ...] = (32,)
     selection_fractions: tuple[int, ...] = (8, 16)  # budget = context / fraction (64 sink + 64 recent kept)
+    selection_candidate_factors: tuple[int, ...] = (4, 16)  # the store's mode="cascade" at each candidate factor
 
 
 @dataclass(frozen=True)

@@ -104,11 +104,13 @@ def run_quality(p: QualityPreset, device: torch.device, models: Models, deadline
 
 
 def selection_quality(p: QualityPreset, models: Models, progress) -> dict:
-    """Mass the top-K selectors keep vs the oracle per layer-head, on real SmolLM2 Q/K (quest vs sketch), and the
-    certified omitted mass checked against the true one on every case (bench_longctx/selection_quality.py)."""
+    """Mass the top-K selectors keep vs the oracle per layer-head, on real SmolLM2 Q/K (quest, sketch and the
+    store's cascade at each candidate factor), and the certified omitted mass checked against the true one on
+    every case (bench_longctx/selection_quality.py)."""
     if not p.selection_tokens:
         return {"skipped": "quality.selection_tokens=0"}
     model, tokenizer = models.smollm2()
     ids = real_text(tokenizer, p.selection_tokens + p.selection_steps)
     keys, queries = capture(model, ids, p.selection_steps)
-    return evaluate(keys, queries, ["quest", "sketch"], p.selection_blocks, p.selection_fractions, progress=progress)
+    return evaluate(keys, queries, ["quest", "sketch", "cascade_raw"], p.selection_blocks, p.selection_fractions,
+                    progress=progress, candidate_factors=p.selection_candidate_factors)

@@ -52,6 +52,7 @@ class CascadeStats:
     """What a cascade selection saw (per kv head: float32 / bool [H] unless shaped otherwise)."""
 
     candidates: int  # C, candidates per kv head beyond the protected blocks
+    candidate_ids: torch.Tensor  # int64 [H, C + protected]: every block whose codes the ranking read, ascending
     survivors: torch.Tensor  # bool [H, N]: blocks passing the threshold (threshold_survivors)
     log_z: torch.Tensor  # float32 [Hq]: the lower bound on each q head's log partition sum it used
     survivor_fraction: torch.Tensor  # s: unprotected blocks passing the threshold / unprotected blocks
@@ -97,8 +98,8 @@ class CascadeTopK(Policy):
         free = survivors & ~keep
         num_free = num_blocks - int(keep.sum())
         is_candidate = torch.zeros_like(survivors).scatter_(1, candidates, True)
-        stats = CascadeStats(candidates=candidates.shape[1] - (num_blocks - num_free), survivors=survivors,
-                             log_z=log_z, survivor_fraction=free.sum(1).float() / max(num_free, 1),
+        stats = CascadeStats(candidates=candidates.shape[1] - (num_blocks - num_free), candidate_ids=candidates,
+                             survivors=survivors, log_z=log_z, survivor_fraction=free.sum(1).float() / max(num_free, 1),
                              complete=~(free & ~is_candidate).any(1))
         return selected, stats
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 import torch
 
 from bench_longctx.needle_selection import run as run_needles, table as needle_table
@@ -8,23 +9,52 @@ from bench_longctx.selection_quality import evaluate, table
 from eviction.cascade import CascadeTopK
 
 
+def qk(seed: int = 0, tokens: int = 515) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Keys [T, H, D] and queries [S, Hq, D] of two layers, 2 steps; 515 tokens: a partial tail block."""
+    g = torch.Generator().manual_seed(seed)
+    steps = 2
+    keys = [(torch.randn(tokens, 2, 16, generator=g) * 2).half() for _ in range(2)]
+    queries = [(torch.randn(steps, 4, 16, generator=g) * 2).half() for _ in range(2)]
+    return keys, queries
+
+
 def test_cascade_rows_beside_quest():
-    g = torch.Generator().manual_seed(0)
-    steps, tokens = 2, 515  # a partial tail block
-    keys = [(torch.randn(tokens, 2, 16, generator=g) * 2).half() for _ in range(2)]  # [T, H, D] per layer
-    queries = [(torch.randn(steps, 4, 16, generator=g) * 2).half() for _ in range(2)]  # [S, Hq, D]
+    keys, queries = qk(tokens=2051)  # 1/8: k = 16 of 129 blocks, 9 protected; 2 x k candidates: 41
     result = evaluate(keys, queries, ["quest", "cascade", "cascade_raw"], (16,), (8,),
-                      cascade=CascadeTopK(candidate_factor=2))
+                      cascade=CascadeTopK(candidate_factor=2), candidate_factors=(2, 64))
     rows = {r["method"]: r for r in result["rows"]}
-    assert set(rows) == {"oracle", "quest", "cascade", "cascade_raw"}
-    for r in rows.values():
-        assert 0.0 < r["worst_vs_oracle"] <= r["worst_layer_vs_oracle"] <= r["mean_vs_oracle"] <= 1.0 + 1e-6
+    cascades = {"cascade", "cascade_raw", "cascade_c64", "cascade_raw_c64"}
+    assert set(rows) == {"oracle", "oracle_free", "quest"} | cascades | {c + "_ceiling" for c in cascades}
+    assert rows["oracle_free"]["mean_vs_free_oracle"] == 1.0 and rows["oracle_free"]["mean_vs_oracle"] > 1.0
+    for name, r in rows.items():
+        if name != "oracle_free":  # the oracle picks the same count with the window protected
+            assert 0.0 < r["worst_vs_oracle"] <= r["worst_layer_vs_oracle"] <= r["mean_vs_oracle"] <= 1.0 + 1e-6
+            assert 0.0 < r["worst_layer_vs_free_oracle"] <= r["mean_vs_free_oracle"] <= 1.0 + 1e-6
+    for c in cascades:  # a perfect ranking of the candidates keeps at least the cascade's mass, at most the oracle's
+        assert rows[c]["mean_mass"] <= rows[c + "_ceiling"]["mean_mass"] + 1e-6
+    # 64 x k candidates are every block: their ceiling is the oracle
+    assert rows["cascade_raw_c64_ceiling"]["mean_vs_oracle"] == pytest.approx(1.0)
+    assert rows["cascade_raw_ceiling"]["mean_vs_oracle"] < 1.0
     checks = {c["method"]: c for c in result["cascade"]}
-    assert set(checks) == {"cascade", "cascade_raw"}
+    assert set(checks) == cascades
     for c in checks.values():
         assert 0.0 <= c["mean_survivor_fraction"] <= c["max_survivor_fraction"] <= 1.0
-        assert c["candidate_factor"] == 2 and 0.0 <= c["complete_fraction"] <= 1.0
-    assert "| cascade_raw | 16 | 1/8 |" in table(result)
+        assert c["candidate_factor"] == (64 if c["method"].endswith("_c64") else 2)
+        assert 0.0 <= c["complete_fraction"] <= 1.0
+    assert "| cascade_raw_c64 | 16 | 1/8 |" in table(result)
+
+
+def test_store_window_costs_the_oracle_mass():
+    """recent_tokens=None protects the store's recent window (half of a 256-token budget here, 128 tokens): the
+    oracle keeps no more than with 64 recent tokens, and oracle_free does not change."""
+    keys, queries = qk(seed=1)
+    rows = {}
+    for recent in (64, None):
+        result = evaluate(keys, queries, ["quest"], (16,), (2,), recent_tokens=recent)
+        assert result["recent_tokens"] == ("store" if recent is None else 64)
+        rows[recent] = {r["method"]: r for r in result["rows"]}
+    assert rows[None]["oracle"]["mean_mass"] < rows[64]["oracle"]["mean_mass"]
+    assert rows[None]["oracle_free"]["mean_mass"] == rows[64]["oracle_free"]["mean_mass"]
 
 
 def test_needle_selection_rows():
