@@ -3,6 +3,7 @@ marked `cuda` are skipped."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -20,3 +21,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("cuda"):
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def release_gpu_memory():
+    """On a GPU, what a test's stores, decoders and captured graphs hold (GiBs, often in reference cycles) is
+    collected and handed back before the next test, so a module's tests do not run the device out of memory."""
+    yield
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -34,15 +34,11 @@ def test_rows_equal_each_sequence_alone_across_joins_and_leaves(tmp_path):
     tokens = work(len(seqs), NUM_TOKENS, seed=6)  # [T, L, S, 3, 4, 32]
     garbage = work(4, NUM_TOKENS, seed=7)  # what the empty rows are fed
     live: list[int] = []  # sequence indices in the batch
-    got, now = {}, [0]
+    x = garbage[0].clone()  # [L, R, 3, 4, 32]: the token's input, at one address a captured graph reads
 
-    def forward() -> None:  # one token of every layer: a model's forward around batch.attend
-        t = now[0]
-        x = garbage[t].clone()  # [L, R, 3, 4, 32]
-        for i in live:
-            x[:, batch.row_of(rseqs[i])] = tokens[t, :, i]
-        got[t] = [batch.attend(layer, x[layer, :, 0], x[layer, :, 1, :2], x[layer, :, 2, :2])
-                  for layer in range(SPEC.num_layers)]
+    def forward() -> torch.Tensor:  # one token of every layer: a model's forward around batch.attend
+        return torch.stack([batch.attend(layer, x[layer, :, 0], x[layer, :, 1, :2], x[layer, :, 2, :2])
+                            for layer in range(SPEC.num_layers)])  # [L, R, 4, 32]
 
     graphed = GraphedSteps(batch, forward)
     keys, staging = [], []
@@ -55,17 +51,19 @@ def test_rows_equal_each_sequence_alone_across_joins_and_leaves(tmp_path):
                 batch.leave(rseqs[i])
                 steps[i] = None
                 live.remove(i)
-        now[0] = t
-        graphed()
+        x.copy_(garbage[t])
+        for i in live:
+            x[:, batch.row_of(rseqs[i])] = tokens[t, :, i]
+        got = graphed().clone()
         keys.append(batch.graph_key())
         staging.append(batch.staging_rows.tolist())
         for i in live:
             single = singles[i]
             single.begin_token()
             for layer in range(SPEC.num_layers):
-                x = tokens[t, layer, i]
-                want = single.attend(layer, x[0], x[1, :2], x[2, :2])
-                out = got[t][layer][batch.row_of(rseqs[i])]
+                y = tokens[t, layer, i]
+                want = single.attend(layer, y[0], y[1, :2], y[2, :2])
+                out = got[layer, batch.row_of(rseqs[i])]
                 if DEVICE == "cpu":
                     assert torch.equal(out, want), (t, layer, i)
                 else:
