@@ -58,7 +58,7 @@ from engine_adapter.weights import random_llama
 from kvstore.store import KVStore
 
 MODES = ("topk", "sketch", "dense")  # topk: min/max summaries (Quest); sketch: the 4-bit key sketch (eviction/)
-PRESETS = {  # the cpu preset is what CI runs (tests/bench_longctx); h200 keeps 1M on a 235 GiB disk
+PRESETS = {  # cpu: a small run on any machine (tests/bench_longctx runs a smaller one); h200 keeps 1M on a 235 GiB disk
     "cpu": dict(geometry="smollm2-135m", layers=4, contexts="8K,32K", open_tokens="32K", fork_tokens="32K",
                 device="cpu", gpu_bytes=256 << 20, cpu_bytes=256 << 20, ssd_bytes=16 << 30, warm_tokens=2048,
                 transfer_tokens="0"),

@@ -36,7 +36,7 @@ REGIMES = {
 
 def regime_args(regime: str, directory: str) -> argparse.Namespace:
     r = REGIMES[regime]
-    return argparse.Namespace(device="cpu", gpu_bytes=64 << 20,
+    return argparse.Namespace(device="cpu", gpu_bytes=64 << 20, warm_tokens=2048,
                               cpu_bytes=64 << 20, ssd_bytes=32 << 30, path=str(Path(directory) / regime), **r)
 
 
