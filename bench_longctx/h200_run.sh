@@ -14,8 +14,10 @@ step=${STEP:-all}
 if [ "$step" = all ] || [ "$step" = tests ]; then
   # the kernel tests (CPU-interpreted in CI, compiled here), then the tests marked `cuda`, which skip
   # without a GPU (tests/engine_adapter: their modules import with only the wheels above)
-  timeout 400 python3 -m pytest -q -p no:cacheprovider -rf tests/kvstore/attention tests/eviction tests/kvstore/decode \
+  # (~490 tests, most of the time Triton compiles: two runs of ~4 minutes)
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rf tests/kvstore/attention tests/kvstore/decode \
     tests/tiers/test_slice_gather.py tests/tiers/test_fetch_kernel.py 2>&1 | tail -15 | tee "$out/gpu_tests.log"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rf tests/eviction 2>&1 | tail -15 | tee -a "$out/gpu_tests.log"
   timeout 300 python3 -m pytest -q -p no:cacheprovider -rf -m cuda tests/engine_adapter 2>&1 | tail -15 \
     | tee -a "$out/gpu_tests.log"
 fi
