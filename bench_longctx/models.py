@@ -65,3 +65,16 @@ def model_store(spec: ModelSpec, device: torch.device, *, hot_tokens: int, warm_
                           warm_tokens=warm_tokens, recent_tokens=recent_tokens, gpu_bytes=windows + staging,
                           staging_tokens=staging_tokens, cpu_bytes=cpu_bytes, cpu_dtype=cpu_dtype, ssd_bytes=1 << 30,
                           device=str(device), host_memory_reserve=0, warm_format=warm_format))
+
+
+def copy_sequence(src: KVStore, seq: int, dst: KVStore) -> int:
+    """A new sequence of dst holding seq's token ids and K/V (every layer) as src reads them back: one prefill
+    serves stores that differ in settings the prefill does not read (Config.recent_tokens)."""
+    out = dst.create_sequence()
+    ids = src.token_ids(seq)
+    if ids is not None:
+        dst.extend_tokens(out, ids)
+    for layer in range(src.config.model.num_layers):
+        k, v = src.read(seq, layer)  # [T, H, D] fp16
+        dst.append(out, layer, k, v)
+    return out

@@ -3,7 +3,9 @@
 Prompts and answer parsing come from engine_adapter.evaluate (Mohtashami & Jaggi's
 passkey task). Each prompt is prefilled once into an all-fp16 store; every (mode,
 budget) cell then answers on its own fork of that sequence, so modes differ only in
-which blocks their decode steps attend.
+which blocks their decode steps attend. Per extra recent window (`recent_tokens` after
+the first) the sparse cells answer again in a store with that Config.recent_tokens,
+holding a copy of the prefill.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import random
 
 import torch
 
-from bench_longctx.models import Models, model_store
+from bench_longctx.models import Models, copy_sequence, model_store
 from bench_longctx.presets import PasskeyPreset
 from bench_longctx.timing import Deadline, release
 from engine_adapter.evaluate import passkey_prompt, read_passkey
@@ -21,54 +23,74 @@ from engine_adapter.decoder import Decoder
 MAX_NEW_TOKENS = 6
 
 
-def cells_for(ctx: int, budgets: tuple[int, ...]) -> list[tuple[str, int]]:
-    return [("dense", ctx)] + [(mode, b) for mode in ("topk", "h2o", "window") for b in budgets if b < ctx]
+def cells_for(ctx: int, budgets: tuple[int, ...], modes: str) -> list[tuple[str, int]]:
+    return [("dense", ctx)] + [(mode, b) for mode in modes.split(",") for b in budgets if b < ctx]
 
 
-def answers(decoder: Decoder, tokenizer, prompt_ids: list[int], cells: list[tuple[str, int]],
-            chunk_tokens: int = 512) -> list[str | None]:
-    """Prefill once; per (mode, budget) cell, the passkey read from a greedy answer on a fork."""
-    base = decoder.store.create_sequence()
+def fork_answers(decoder: Decoder, tokenizer, base: int, logits: torch.Tensor,
+                 cells: list[tuple[str, int]]) -> list[str | None]:
+    """Per (mode, budget) cell, the passkey read from a greedy answer on a fork of base (logits: its last)."""
+    out = []
+    for mode, budget in cells:
+        seq = decoder.fork(base)
+        try:
+            ids = decoder.continue_greedy(seq, logits, MAX_NEW_TOKENS, mode, budget)
+        finally:
+            decoder.free(seq)
+        out.append(read_passkey(tokenizer.decode(ids)))
+    return out
+
+
+def answers(decoders: list[Decoder], tokenizer, prompt_ids: list[int], cells: list[tuple[str, int]],
+            chunk_tokens: int = 512) -> list[tuple[int, str, int, str | None]]:
+    """Prefill once in the first decoder's store; (recent_tokens, mode, budget, passkey read) per cell there and
+    per sparse cell in each further decoder's store (differing only in Config.recent_tokens), over a copy."""
+    first, *windows = decoders
+    base = first.store.create_sequence()
     try:
-        logits = decoder.prefill(base, prompt_ids, chunk_tokens)
-        out = []
-        for mode, budget in cells:
-            seq = decoder.fork(base)
+        logits = first.prefill(base, prompt_ids, chunk_tokens)
+        window = first.store.config.recent_tokens
+        out = [(window, m, b, a) for (m, b), a in zip(cells, fork_answers(first, tokenizer, base, logits, cells))]
+        sparse = [c for c in cells if c[0] != "dense"]
+        for other in windows:
+            seq = copy_sequence(first.store, base, other.store)
             try:
-                ids = decoder.continue_greedy(seq, logits, MAX_NEW_TOKENS, mode, budget)
+                got = fork_answers(other, tokenizer, seq, logits, sparse)
             finally:
-                decoder.free(seq)
-            out.append(read_passkey(tokenizer.decode(ids)))
+                other.free(seq)
+            out += [(other.store.config.recent_tokens, m, b, a) for (m, b), a in zip(sparse, got)]
         return out
     finally:
-        decoder.free(base)
+        first.free(base)
 
 
 def accuracy(rows: list[dict]) -> list[dict]:
-    """Per (context, mode, budget): correct answers over depths."""
+    """Per (context, recent window, mode, budget): correct answers over depths."""
     table: dict[tuple, list[bool]] = {}
     for r in rows:
-        table.setdefault((r["context"], r["mode"], r["budget"]), []).append(r["correct"])
-    return [{"context": c, "mode": m, "budget": b, "accuracy": sum(v) / len(v), "prompts": len(v)}
-            for (c, m, b), v in table.items()]
+        table.setdefault((r["context"], r["recent_tokens"], r["mode"], r["budget"]), []).append(r["correct"])
+    return [{"context": c, "recent_tokens": w, "mode": m, "budget": b, "accuracy": sum(v) / len(v),
+             "prompts": len(v)} for (c, w, m, b), v in table.items()]
 
 
 def run_context(models: Models, ctx: int, p: PasskeyPreset, device: torch.device) -> list[dict]:
     model, tokenizer = models.smollm2()
-    store = model_store(model.args.spec, device, hot_tokens=ctx + 256, warm_tokens=0, sink_tokens=p.sink_tokens,
-                        recent_tokens=p.recent_tokens)
+    stores = [model_store(model.args.spec, device, hot_tokens=ctx + 256, warm_tokens=0, sink_tokens=p.sink_tokens,
+                          recent_tokens=w) for w in p.recent_tokens]
     rng = random.Random(ctx)
     rows = []
     try:
-        decoder = Decoder(model, store)
-        cells = cells_for(ctx, p.budgets)
+        decoders = [Decoder(model, store) for store in stores]
+        cells = cells_for(ctx, p.budgets, p.modes)
         for depth in p.depths:
             passkey = f"{rng.randrange(10000, 100000)}"
-            got = answers(decoder, tokenizer, passkey_prompt(tokenizer, ctx, depth, passkey), cells)
-            rows += [{"context": ctx, "depth": depth, "mode": m, "budget": b if m != "dense" else None,
-                      "passkey": passkey, "answer": a, "correct": a == passkey} for (m, b), a in zip(cells, got)]
+            got = answers(decoders, tokenizer, passkey_prompt(tokenizer, ctx, depth, passkey), cells)
+            rows += [{"context": ctx, "depth": depth, "recent_tokens": w, "mode": m,
+                      "budget": b if m != "dense" else None, "passkey": passkey, "answer": a, "correct": a == passkey}
+                     for w, m, b, a in got]
     finally:
-        store.close()
+        for store in stores:
+            store.close()
         release(device)
     return rows
 
@@ -84,5 +106,5 @@ def run_passkey(p: PasskeyPreset, device: torch.device, models: Models, deadline
             continue
         rows += run_context(models, ctx, p, device)
     return {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized, fp32)", "depths": list(p.depths),
-            "sink_tokens": p.sink_tokens, "recent_tokens": p.recent_tokens, "accuracy": accuracy(rows),
+            "sink_tokens": p.sink_tokens, "recent_tokens": list(p.recent_tokens), "accuracy": accuracy(rows),
             "rows": rows, "skipped_contexts_time_budget": skipped}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from kvstore.decode.modes import MODES
 from tiers.layout import QUANT_FORMATS
 
 
@@ -47,7 +48,11 @@ class PasskeyPreset:
     depths: tuple[float, ...] = (0.2, 0.5, 0.8)
     budgets: tuple[int, ...] = (256, 512)
     sink_tokens: int = 64
-    recent_tokens: int = 128
+    recent_tokens: tuple[int, ...] = (128,)  # Config.recent_tokens: a store per window, the prompt prefilled once
+    modes: str = "topk,h2o,window"  # the sparse modes answering, comma-separated (dense always answers)
+
+    def __post_init__(self) -> None:
+        check_modes("passkey", self.modes, self.recent_tokens)
 
 
 @dataclass(frozen=True)
@@ -58,13 +63,18 @@ class QualityPreset:
     budgets: tuple[int, ...] = (256,)
     int8_hot_tokens: int = 128  # hot window of the int8 store: everything older is int8
     sink_tokens: int = 64
-    recent_tokens: int = 64
+    recent_tokens: tuple[int, ...] = (64,)  # Config.recent_tokens of the fp16 store, one store per window (the
+    # prefix prefilled once, in the first, and copied); the int8 store keeps the first
+    modes: str = "topk,window,h2o"  # the sparse modes scored in the fp16 store, comma-separated (and dense)
     # selection: real SmolLM2 Q/K (bench_longctx/selection_quality.py), mass vs the oracle per layer-head
     selection_tokens: int = 4096  # context captured; 0 skips the part
     selection_steps: int = 2  # decode steps (queries of the last positions)
     selection_blocks: tuple[int, ...] = (32,)
     selection_fractions: tuple[int, ...] = (8, 16)  # budget = context / fraction (64 sink + 64 recent kept)
     selection_candidate_factors: tuple[int, ...] = (4, 16)  # the store's mode="cascade" at each candidate factor
+
+    def __post_init__(self) -> None:
+        check_modes("quality", self.modes, self.recent_tokens)
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,15 @@ class TiersPreset:
     service_mib: int = 8
     redis_mib: int = 64  # MiB moved per redis measurement (own servers on loopback); 0 skips the redis part
     redis_sizes: tuple[int, ...] = (1, 4)  # redis value sizes in MiB
+
+
+def check_modes(section: str, modes: str, recent_tokens: tuple[int, ...]) -> None:
+    """ValueError unless modes names distinct sparse modes and recent_tokens at least one window."""
+    sparse, names = tuple(m for m in MODES if m != "dense"), modes.split(",")
+    if not set(names) <= set(sparse) or len(set(names)) != len(names):
+        raise ValueError(f"{section}.modes must be distinct modes from {sparse}, comma-separated, got {modes!r}")
+    if not recent_tokens:
+        raise ValueError(f"{section}.recent_tokens needs at least one window, got {recent_tokens!r}")
 
 
 def check_warm_format(section: str, value: str) -> None:

@@ -54,8 +54,10 @@ def needle_table(r: dict) -> str:
     parts += _skip_or_error("synthetic needle", syn)
     pk = r.get("passkey", {})
     if pk.get("accuracy"):
-        rows = [[a["context"], a["mode"], a["budget"], a["accuracy"], a["prompts"]] for a in pk["accuracy"]]
-        parts += ["SmolLM2-135M passkey accuracy", md_table(["context", "mode", "budget", "accuracy", "prompts"], rows)]
+        rows = [[a["context"], a.get("recent_tokens"), a["mode"], a["budget"], a["accuracy"], a["prompts"]]
+                for a in pk["accuracy"]]
+        parts += ["SmolLM2-135M passkey accuracy",
+                  md_table(["context", "recent tokens", "mode", "budget", "accuracy", "prompts"], rows)]
     parts += _skip_or_error("passkey", pk)
     return "\n\n".join(parts)
 
@@ -70,14 +72,15 @@ def tiers_table(r: dict) -> str:
 
 def quality_table(r: dict) -> str:
     p = r["prefill"]
-    rows = [[x["store"], x["mode"], x["budget"], x["ppl"], x["delta_vs_dense_fp16"], x["relative_delta"]]
-            for x in r["decode"]["rows"]]
+    rows = [[x["store"], x.get("window_tokens"), x["mode"], x["budget"], x["ppl"], x["delta_vs_dense_fp16"],
+             x["relative_delta"]] for x in r["decode"]["rows"]]
     return "\n\n".join([
         f"Perplexity, {r['model']}, {r['text']}",
         md_table(["prefill tokens", "fp16", "int8 warm", "delta", "relative"],
                  [[p["tokens"], p["fp16_ppl"], p["int8_warm_ppl"], p["delta"], p["relative_delta"]]]),
         f"Teacher-forced decode: {r['decode']['scored_tokens']} tokens after a {r['decode']['prefix_tokens']}-token "
-        "prefix", md_table(["store", "mode", "budget", "ppl", "delta", "relative"], rows), *selection_tables(r)])
+        "prefix", md_table(["store", "recent window", "mode", "budget", "ppl", "delta", "relative"], rows),
+        *selection_tables(r)])
 
 
 def selection_tables(r: dict) -> list[str]:

@@ -51,3 +51,20 @@ def test_smallest_keeps_the_first_case_of_every_list(name):
     assert s.decode.contexts == p.decode.contexts[:1] and s.needle.budgets == p.needle.budgets[:1]
     assert s.passkey.depths == p.passkey.depths[:1] and s.needle.needles == 1
     assert s.e2e.context == p.e2e.context and s.e2e.steps <= p.e2e.steps
+
+
+def test_quality_and_passkey_take_several_recent_windows_and_the_sparse_modes_to_run():
+    p = get_preset("quick")
+    q = override(override(p, "quality.recent_tokens=1024,64"), "quality.modes=topk,sketch,cascade")
+    assert q.quality.recent_tokens == (1024, 64) and q.quality.modes == "topk,sketch,cascade"
+    assert override(p, "passkey.recent_tokens=64").passkey.recent_tokens == (64,)
+    assert smallest(q).quality.modes == "topk,sketch,cascade"  # modes are not a size: --smallest keeps them all
+
+
+@pytest.mark.parametrize("bad, match", [("quality.modes=topk,dense", "distinct modes"),
+                                         ("passkey.modes=quest", "distinct modes"),
+                                         ("quality.modes=topk,topk", "distinct modes"),
+                                         ("passkey.recent_tokens=", "at least one window")])
+def test_modes_and_windows_are_checked(bad, match):
+    with pytest.raises(ValueError, match=match):
+        override(get_preset("quick"), bad)
