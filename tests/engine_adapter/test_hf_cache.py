@@ -63,7 +63,7 @@ def test_tiny_model_generates_the_same_tokens_and_stores_every_position() -> Non
     assert sum(a == b for a, b in zip(ours, exact)) >= 9  # int8 K/V may flip a late near-tie
 
 
-def test_decode_updates_return_only_the_new_token_and_prefill_chunks_what_came_before() -> None:
+def test_updates_stage_the_new_k_v_and_commit_stores_each_row_s_tokens() -> None:
     with store_for(TINY) as store, KVTierCache(store) as cache:
         k = torch.randn(1, TINY.num_kv_heads, 41, TINY.head_dim)
         v = torch.randn(1, TINY.num_kv_heads, 41, TINY.head_dim)
@@ -72,17 +72,10 @@ def test_decode_updates_return_only_the_new_token_and_prefill_chunks_what_came_b
         torch.testing.assert_close(keys, k[:, :, :30], rtol=0, atol=0)  # the chunk's own K/V, not rounded
         assert cache.get_seq_length(1) == 0  # staged: the store gets it when kvtier attention commits it
         cache.layers[1].commit()
-        keys, values = cache.update(k[:, :, 30:40], v[:, :, 30:40], 1)  # a second chunk sees the first
-        assert keys.dtype == torch.float32 and keys.shape[2] == 40
-        torch.testing.assert_close(keys[:, :, :30], k[:, :, :30].half().float())
-        torch.testing.assert_close(values[:, :, 30:], v[:, :, 30:40], rtol=0, atol=0)
+        keys, values = cache.update(k[:, :, 30:40], v[:, :, 30:40], 1)  # a later chunk: its own K/V only
+        torch.testing.assert_close(values, v[:, :, 30:40], rtol=0, atol=0)
         cache.layers[1].commit()
-        reads = []
-        real_read = store.read
-        store.read = lambda *a, **kw: reads.append(a) or real_read(*a, **kw)  # instance attribute: this store only
-        keys, values = cache.update(k[:, :, 40:], v[:, :, 40:], 1)
-        assert keys.shape[2] == values.shape[2] == 1 and not reads  # decode: no read-back
-        del store.read
+        cache.update(k[:, :, 40:], v[:, :, 40:], 1)
         cache.layers[1].commit()
         stored_k, stored_v = store.read(cache.seq, 1)
         torch.testing.assert_close(stored_k, k[0].transpose(0, 1).half())
@@ -94,6 +87,17 @@ def test_decode_updates_return_only_the_new_token_and_prefill_chunks_what_came_b
         assert store.table(cache.seq, 0).num_tokens == 0 and cache.layers[0].staged is None  # dropped, not stored
         cache.reset()
         assert cache.get_seq_length(1) == 0 and store.stats()["sequences"]["count"] == 1
+        k3, v3 = (torch.randn(3, TINY.num_kv_heads, 5, TINY.head_dim) for _ in range(2))
+        cache.update(k3, v3, 0)  # an empty cache of its own sequence takes the batch's three rows
+        real = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 0, 0, 0, 1]], dtype=torch.bool)
+        cache.layers[0].commit(real)
+        assert len(cache.seqs) == 3 and store.stats()["sequences"]["count"] == 3
+        for row, seq in enumerate(cache.seqs):  # each row's tokens, never its padding
+            stored_k, stored_v = store.read(seq, 0)
+            torch.testing.assert_close(stored_k, k3[row].transpose(0, 1)[real[row]].half(), rtol=0, atol=0)
+            torch.testing.assert_close(stored_v, v3[row].transpose(0, 1)[real[row]].half(), rtol=0, atol=0)
+        assert cache.get_seq_length(0) == 5 and cache.layers[0].num_tokens == [5, 3, 1]
+        store.check_integrity()
 
 
 def test_chunked_prefill_and_decode_match_hf_logits() -> None:
@@ -129,12 +133,19 @@ def test_misuse_is_refused() -> None:
                 generate(hf, ids, 2, cache)
             assert store.table(cache.seq, 0).num_tokens == 0  # refused in the first layer, before it stored
         with KVTierCache(store) as cache:
-            with pytest.raises(ValueError, match="batch size 1"):
+            cache.update(torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16), 0)
+            cache.layers[0].commit()
+            with pytest.raises(ValueError, match=r"\[1, 2, T, 16\] \(1 batch rows"):  # it holds a row's tokens
                 cache.update(torch.randn(2, 2, 4, 16), torch.randn(2, 2, 4, 16), 0)
             with pytest.raises(ValueError, match="beam search"):
                 cache.reorder_cache(torch.tensor([0]))
             with pytest.raises(ValueError, match="expanding the batch"):
                 cache.batch_repeat_interleave(2)
+            cache.batch_select_indices(torch.tensor([0]))  # every row, in place: nothing to do
+            with pytest.raises(ValueError, match="selecting batch rows"):
+                cache.batch_select_indices(torch.tensor([1]))
+        with pytest.raises(ValueError, match="distinct sequences"):
+            KVTierCache(store, seq=[])
         with pytest.raises(ValueError, match="num_layers=3"):
             KVTierCache(store, num_layers=3)
         with pytest.raises(ValueError, match="mode must be one of"):
