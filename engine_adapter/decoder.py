@@ -3,7 +3,8 @@
 A layer-wise prefill (engine_adapter/prefill.py: per layer, the prompt's causal attention with SDPA
 over its K/V on the device, the sequence's earlier tokens read from the store once, then the K/V
 appended to the store), decode one token at a time (on CUDA one captured graph per token through
-engine_adapter/graph_decode.py, else store.append + store.attend per layer), greedy `generate`.
+engine_adapter/graph_decode.py, else store.append + store.attend per layer; before each token the store places
+background loads and pumps background saves), greedy `generate`.
 K and V enter the store as fp16 with RoPE already applied to K; compute is in the model's
 dtype (fp32 matches the HF reference best on CPU).
 """
@@ -139,6 +140,7 @@ class Decoder:
         for seq in seqs:
             self.store.table(seq, 0)  # KeyError for an unknown sequence, before any token is recorded
         self.store.place_loaded()  # opened contexts' blocks read in the background (a sequence may run captured now)
+        self.store.pump_saves()  # background saves: the next bounded part copied out for their writers
         rows = len(seqs) > 1 if rows is None else rows
         logits, recorded = self._replay(seqs, token_ids, mode, budget, recorded=False, rows=rows)
         if logits is not None:
@@ -239,6 +241,7 @@ class Decoder:
 
         for i in range(num_new):  # token i appends ids[i] and writes ids[i + 1]
             self.store.place_loaded()
+            self.store.pump_saves()
             graph, logits = self._graph_decoder([seq], mode, budget), None
             if graph is not None:  # begin_token checks readiness again and refuses with StepNotReady
                 try:

@@ -21,6 +21,7 @@ from kvstore.blocks.table import DROPPED, LayerTable, TableTensors
 from kvstore.blocks.tierset import HOT_TIER, TierSet
 from kvstore.config import Config
 from kvstore.contexts.background_load import BackgroundLoads
+from kvstore.contexts.background_save import BackgroundSaves, SaveJob
 from kvstore.contexts.saving import SavedContexts, values_store
 from kvstore.contexts.sequences import Contexts, PrefixMatch, check_token_ids
 from kvstore.contexts.unread_codes import UnreadCodes
@@ -55,6 +56,7 @@ class KVStore:
         self.unread = UnreadCodes(self.sequences, c.block_tokens, self.device)  # sketch codes left in saves
         self.contexts = Contexts(c, self.sequences, self.tiers, self.tensors, self.unread)
         self.loads = BackgroundLoads(self.tiers)  # opened sequences' blocks read on threads, placed between tokens
+        self.saves = BackgroundSaves(self.tiers)  # saves copied out between tokens, written on threads
         values = values_store(self.tiers.cold)  # None: the sidecar's cold tier holds no saved contexts
         self.saved = None if values is None else SavedContexts(values, self.tiers, self.contexts.root, c.model_id)
         if values is not None:
@@ -95,16 +97,24 @@ class KVStore:
         return self.contexts.token_ids(seq)
 
     # -- saved contexts ----------------------------------------------------------------------
-    def save(self, seq: int, name: str) -> None:
+    def save(self, seq: int, name: str, background: bool = False) -> SaveJob | None:
         """Persist `seq` as `name` beside the cold tier (the ssd tier's LMDB at Config.ssd_path, or Redis at
         Config.redis_url, where full blocks of known token ids are stored once under their content keys, so a
         save there needs Config.model_id: ValueError without):
         every block from whichever tier holds it, key summaries, sketch codes, H2O scores and token ids.
         Returns once durable; an interrupted save leaves nothing under `name` (an earlier save of `name`
-        stays until this one commits, then is replaced)."""
+        stays until this one commits, then is replaced).
+        background=True: returns a SaveJob at once (done(), wait(timeout), progress) that saves `seq` as it is now
+        while tokens decode: pump_saves (engine_adapter.Decoder calls it before every token) copies a bounded part a
+        call, a thread writes (kvstore/contexts/background_save.py)."""
+        if not isinstance(background, bool):
+            raise ValueError(f"background must be True or False, got {background!r}")
         self.table(seq, 0)
         codes = partial(self.unread.codes, seq)  # codes an opened sequence never read go save to save
+        if background:
+            return self.saves.start(self._saved_contexts(), seq, name, self.sequences[seq], self.token_ids(seq), codes)
         self._saved_contexts().save(name, self.sequences[seq], self.token_ids(seq), codes)
+        return None
 
     def open(self, name: str, background_load: bool = False) -> int:
         """A new sequence on the saved context `name` (saved by any process with this ssd_path or redis_url,
@@ -144,6 +154,12 @@ class KVStore:
         into their tiers: between tokens, a bounded pause. Returns how many moved; raises what a read raised
         (IntegrityError, BlockMissingError), once, and that load ends."""
         return self.loads.place()
+
+    def pump_saves(self) -> int:
+        """Copy the next part of the background saves (save(..., background=True)) out of the tiers for their
+        writers, or commit one whose data is durable: between tokens, at most saves.pump_blocks blocks (or rows of
+        summaries and sketch codes). Returns how many were copied; never raises for a save (its wait() does)."""
+        return self.saves.pump()
 
     def saved_contexts(self) -> list[str]:
         """Names of the contexts saved at this store's ssd_path (or in its Redis)."""
@@ -185,6 +201,7 @@ class KVStore:
         """Let go of every block of `seq`: blocks no other sequence shares return to their tiers."""
         self.table(seq, 0)
         self.loads.stop(seq)
+        self.saves.stop(seq)  # a background save still reading seq ends (SaveAborted), leaving nothing
         self.contexts.free(seq)
 
     def drop(self, seq: int, layer: int, indices: Sequence[int]) -> None:
@@ -298,6 +315,7 @@ class KVStore:
         self.tiers.blocks.check_tables(self.sequences, self.config.block_tokens, HOT_TIER)
 
     def close(self) -> None:
+        self.saves.close()  # aborts saves before their commit, waits for their writers
         self.loads.close()  # before the values store its threads read closes
         self.tiers.close()
 

@@ -131,9 +131,11 @@ class LmdbValues:
     def sync(self) -> None:
         self.env.sync(True)
 
-    def commit(self, key: bytes, value: bytes, done: bytes) -> bytes | None:
-        """Put `key` (replacing; returns the old value) and delete `done`, in one transaction."""
+    def commit(self, key: bytes, value: bytes, done: bytes, also: Sequence[tuple[bytes, bytes]] = ()) -> bytes | None:
+        """Put `also` and `key` (replacing; returns the old value) and delete `done`, in one transaction."""
         with self.env.begin(write=True) as txn:
+            for k, v in also:
+                txn.put(k, v)
             old = txn.get(key)
             txn.put(key, value)
             txn.delete(done)
@@ -266,10 +268,12 @@ class RedisValues:
     def sync(self) -> None:
         """Every write above was acknowledged; persistence is the server's (appendfsync)."""
 
-    def commit(self, key: bytes, value: bytes, done: bytes) -> bytes | None:
-        """SET `key` (one command: whole or absent; returns the old value), then delete `done` as far as the
-        server answers: the save is committed once the SET is, and a `done` key left behind is harmless
+    def commit(self, key: bytes, value: bytes, done: bytes, also: Sequence[tuple[bytes, bytes]] = ()) -> bytes | None:
+        """SET `also`, then `key` (one command: whole or absent; returns the old value), then delete `done` as far
+        as the server answers: the save is committed once the SET is, and a `done` key left behind is harmless
         (collect_garbage skips a pending key whose save has a manifest)."""
+        if also:
+            self.put(list(also))
         old = self.client.set(self.PREFIX + key, value, get=True)
         try:
             self.client.delete(self.PREFIX + done)

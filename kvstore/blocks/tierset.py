@@ -14,7 +14,7 @@ block where it was, so no failure loses a block.
 from __future__ import annotations
 
 from contextlib import contextmanager, suppress
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -48,6 +48,8 @@ class TierSet:
         self._in_flight: set[int] = set()  # blocks being moved: in two tiers for a moment, never victims
         self.demotion = Demotion(self.holders, self.blocks, self.placement, self._in_flight)  # who cools first
         self.cooling_failures = 0  # cooling moves a full or failing colder tier refused
+        # told (ids, tier) before blocks leave a tier (moved or freed): background saves copy those they still need
+        self.leaving: list[Callable[[list[int], int], None]] = []
 
     # -- room ----------------------------------------------------------------------------
     def check_room(self, num_new: int) -> None:
@@ -127,6 +129,8 @@ class TierSet:
         leave `src`."""
         with self._moving(ids):
             self.place(ids, blocks, dst, coldest=coldest if coldest is not None else src - 1 if dst < src else None)
+        for told in self.leaving:
+            told(ids, src)
         self.stack[src].delete(ids)
         self.holders.count(ids, src, -1)
 
@@ -232,6 +236,8 @@ class TierSet:
 
     def delete(self, ids: Sequence[int]) -> None:
         for tier, group in self.blocks.by_tier(ids).items():
+            for told in self.leaving:
+                told(group, tier)
             self.stack[tier].delete(group)
             self.holders.count(group, tier, -1)
         self.blocks.remove(ids)

@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
+import socket
 
 import numpy as np
 import xxhash
@@ -105,6 +107,29 @@ def owned_ids(name: str, raw: bytes | memoryview | None) -> list[str] | None:
     return ids if all(isinstance(s, str) and SAVE_ID.fullmatch(s) for s in ids) else None
 
 
+def token_bytes(token_ids: list[int] | None) -> bytes | None:
+    """The value of a save's token ids (ctx/data/<id>/t)."""
+    return None if token_ids is None else np.asarray(token_ids, dtype="<i8").tobytes()
+
+
+def scores_item(data: bytes, layer: int, scores: bytes) -> tuple[bytes, bytes]:
+    """The value of a layer's H2O scores (fp32 [H, n] bytes) under the save's data prefix `data`."""
+    return data + b"h/" + layer.to_bytes(2, "big"), scores
+
+
+def part_items(data: bytes, layer: int, part: int, summaries: bytes, codes: bytes) -> list[tuple[bytes, bytes]]:
+    """The values of one part of a layer's key summaries and sketch codes (the part's rows, as bytes)."""
+    at = layer.to_bytes(2, "big") + part.to_bytes(4, "big")
+    return [(data + b"m/" + at, summaries), (data + b"k/" + at, codes)]
+
+
+def layer_entry(num_tokens: int, num_blocks: int, formats: list[int], dropped: list[int], digests: list[int]) -> dict:
+    """A layer's manifest entry; `digests`: value_digest of its scores_item, then of the part_items of every part in
+    order."""
+    return {"num_tokens": num_tokens, "num_blocks": num_blocks, "keyed": len(formats), "int8": pack_formats(formats),
+            "dropped": dropped, "h_xxh3": digests[0], "m_xxh3": digests[1::2], "k_xxh3": digests[2::2]}
+
+
 def content_key(layer: int, fmt: int, chain_hash: bytes) -> bytes:
     """Where a content-keyed block of one format is stored (shared by every save naming it)."""
     return BLOCK + bytes([fmt]) + block_key(layer, chain_hash)
@@ -134,3 +159,38 @@ def unpack_formats(text: str, n: int) -> list[int] | None:
         return codes if len(codes) == n and all(c in FORMAT_CODES.values() for c in codes) else None
     bits = np.unpackbits(np.frombuffer(base64.b64decode(text), dtype=np.uint8))
     return bits[:n].tolist() if len(bits) == -(-n // 8) * 8 else None
+
+
+def writer_record() -> bytes:
+    """ctx/pending/<save id> of a save this process writes: its pid and host."""
+    return json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode()
+
+
+def dead_here(info: bytes | None) -> bool:
+    """Whether a pending save's writer ran on this host and is dead (a damaged record: not known to be)."""
+    try:
+        writer = json.loads(info)
+        host, pid = writer["host"], writer["pid"]
+    except (TypeError, ValueError, KeyError):
+        return False
+    if host != socket.gethostname() or not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError, ValueError):
+        return False
+    return False
+
+
+def retired_record(key: bytes, name: str) -> tuple[bytes, bytes]:
+    """ctx/pending/delete/<save id> (`key`): the data goes once the manifest of `name` no longer owns it."""
+    return key, value_digest(key, name.encode()).to_bytes(8, "little") + name.encode()
+
+
+def retired_name(key: bytes, raw: bytes | None) -> str | None:
+    """The name a retired record names (None: gone or damaged)."""
+    if raw is None or len(raw) < 8 or int.from_bytes(raw[:8], "little") != value_digest(key, raw[8:]):
+        return None
+    return raw[8:].decode()

@@ -2,12 +2,13 @@
 the Redis the redis tier talks to), opened lazily by any process. This module saves, lists and deletes
 them and keeps track of who owns which data; the key layout is kvstore/contexts/saved_format.py's, opening kvstore/contexts/opening.py's.
 
-A save writes under a fresh save id, syncs, then commits the manifest. The data the replaced manifest
-owned is deleted after the commit, except what live sequences of this store still read (an opened
-context grown and saved under its own name): the new manifest inherits that, and a later save of the
-name drops it once unread (or `delete` does). Before the commit (or a delete's taking of the manifest)
-the save ids to delete are recorded under ctx/pending/delete/, so `collect_garbage` finds data a writer killed
-after its commit left; it also deletes what a killed save left before its commit, once its writer is dead.
+A save (begin, its data, sync, commit, finish) writes under a fresh save id, syncs, then commits the manifest.
+The data the replaced manifest owned is deleted after the commit, except what live sequences of this store still
+read (an opened context grown and saved under its own name, or a background save reading it): the new manifest
+inherits that, and a later save of the name drops it once unread (or `delete` does). The commit records the save
+ids to delete under ctx/pending/delete/ in the same write (a delete, before taking the manifest), so
+`collect_garbage` finds data a writer killed after its commit left; it also deletes what a killed save left before
+its commit, once its writer is dead. kvstore/contexts/background_save.py runs the same steps beside decoding.
 Full blocks of known token ids go under content keys (kvstore/contexts/save_blocks.py), shared by every save
 naming them: through Redis, so a save there needs Config.model_id (ValueError); in LMDB too when the store has a
 model_id, where kvstore/contexts/sweep.py deletes those no manifest names any more. Writes stream in batches
@@ -16,16 +17,13 @@ model_id, where kvstore/contexts/sweep.py deletes those no manifest names any mo
 
 from __future__ import annotations
 
-import json
-import os
-import socket
 import uuid
 from contextlib import suppress
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterable, Iterator
 
 import lmdb
-import numpy as np
 import torch
 
 from kvstore.blocks.table import DROPPED, LayerTable
@@ -33,7 +31,8 @@ from kvstore.blocks.tierset import TierSet
 from kvstore.contexts.opening import SavedContext, SavedReader
 from kvstore.contexts.save_blocks import SaveBlocks
 from kvstore.contexts.saved_format import DATA, MANIFEST, PENDING, RETIRED, SAVE_ID, VERSION, Values, check_name, \
-    own_keys, owned_ids, pack_formats, seal_manifest, value_digest
+    dead_here, layer_entry, own_keys, owned_ids, part_items, retired_name, retired_record, scores_item, \
+    seal_manifest, token_bytes, value_digest, writer_record
 from kvstore.contexts.sweep import SWEEP, sweep_blocks, sweep_needed
 from tiers.base import Tier
 from tiers.errors import CapacityError
@@ -63,6 +62,8 @@ class SavedContexts:
         self.part_blocks = max(1, PART_BYTES // self.sketch_row)
         self.reader = SavedReader(values, layout, root, model_id)
         self.blocks = SaveBlocks(values, tiers)
+        # whether data under a prefix is still read: by the saved tier, and by background saves (appended)
+        self.reading: list[Callable[[bytes], bool]] = [tiers.saved.reads_under]
 
     def load(self, name: str) -> SavedContext:
         """The manifest and token ids of `name`; its layers read their summaries when handed their tensors."""
@@ -73,48 +74,78 @@ class SavedContexts:
         """Persist `tables` (and the sequence's token ids, if known) as `name`; codes(layer, lo, hi) gives the
         sketch codes of rows [lo, hi) (the table's, or those an opened sequence left in its save). Returns once
         the save is durable; on failure nothing of it stays under the name (content blocks it added may stay)."""
-        check_name(name)
-        self.reader.check_model_id()
+        self.check_save(name)
         self.collect_garbage()
-        save_id = uuid.uuid4().hex.encode()
-        pending = PENDING + save_id
-        self._may_orphan()  # content blocks this save writes are named by no manifest until it commits
-        self.values.put([(pending, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())])
+        save_id = self.begin()
         try:
             manifest = self._write_data(save_id, tables, token_ids, codes)
-            earlier = owned_ids(name, self.reader.manifest(name)) or []  # a damaged manifest names nothing
-            inherits = self._still_read(earlier)
-            manifest.update(name=name, root=self.root.hex(), inherits=inherits)
-            self._retire(name, set(earlier) - set(inherits))
             self.values.sync()  # every block and summary durable before the manifest names them
-            old = self.values.commit(MANIFEST + name.encode(), seal_manifest(name, manifest), pending)
+            done = self.commit(name, save_id, manifest)
         except BaseException as exc:
-            if not self._committed(name, save_id):  # a commit whose reply was lost did land: keep its data
-                self.values.delete_prefix(DATA + save_id + b"/")
-                self.values.delete([pending])
-                with suppress(Exception):  # the save's own error is the one to report; ctx/sweep stays recorded
-                    self._sweep()
-            if isinstance(exc, lmdb.MapFullError):
-                raise CapacityError(f"saving {name!r}: the ssd tier's LMDB map (2 x ssd_bytes) is full") from exc
-            raise
-        replaced = set(owned_ids(name, old) or []) - set(inherits)  # `old` is the manifest read above, unless
-        self._retire(name, replaced - set(earlier))  # another process saved the name meanwhile
-        self.values.sync()
-        self._delete_data(replaced)
-        if old is None and isinstance(self.values, LmdbValues):
+            error = self.abandon(name, save_id, exc)
+            if error is exc:
+                raise
+            raise error from exc
+        self.finish(name, done)
+        if done.old is None and isinstance(self.values, LmdbValues):
             self.values.delete([SWEEP])  # nothing replaced: every block this save wrote is named
         self._sweep()
+
+    def check_save(self, name: str) -> None:
+        """ValueError for a name or a store (Redis without a model_id) a save cannot have."""
+        check_name(name)
+        self.reader.check_model_id()
+
+    def begin(self) -> bytes:
+        """A new save id, its writer recorded (ctx/pending/<id>: collect_garbage knows whose data it is)."""
+        save_id = uuid.uuid4().hex.encode()
+        self._may_orphan()  # content blocks this save writes are named by no manifest until it commits
+        self.values.put([(PENDING + save_id, writer_record())])
+        return save_id
+
+    def commit(self, name: str, save_id: bytes, manifest: dict) -> Committed:
+        """The manifest of `name` names this save (its data synced before): what the one it replaces owned and no
+        live sequence of this store reads is recorded as retired in the same write (kept data is inherited)."""
+        earlier = owned_ids(name, self.reader.manifest(name)) or []  # a damaged manifest names nothing
+        inherits = self._still_read(earlier)
+        manifest.update(name=name, root=self.root.hex(), inherits=inherits)
+        old = self.values.commit(MANIFEST + name.encode(), seal_manifest(name, manifest), PENDING + save_id,
+                                 self._retired(name, set(earlier) - set(inherits)))
+        return Committed(old, earlier, inherits)
+
+    def finish(self, name: str, done: Committed) -> None:
+        """After the commit: the data of the replaced manifest goes (`old` is the manifest `commit` read, unless
+        another process saved the name meanwhile)."""
+        replaced = set(owned_ids(name, done.old) or []) - set(done.inherits)
+        self._retire(name, replaced - set(done.earlier))
+        self.values.sync()
+        self._delete_data(replaced)
+
+    def abandon(self, name: str, save_id: bytes, exc: BaseException, sweep: bool = True) -> BaseException:
+        """A save that failed before its commit leaves nothing (its data, its writer's record; sweep: the content
+        blocks it added, else ctx/sweep stays recorded); returns the error to raise."""
+        if not self._committed(name, save_id):  # a commit whose reply was lost did land: keep its data
+            self.values.delete_prefix(DATA + save_id + b"/")
+            self.values.delete([PENDING + save_id])
+            if sweep:
+                with suppress(Exception):  # the save's own error is the one to report; ctx/sweep stays recorded
+                    self._sweep()
+        if isinstance(exc, lmdb.MapFullError):
+            return CapacityError(f"saving {name!r}: the ssd tier's LMDB map (2 x ssd_bytes) is full")
+        return exc
 
     def _still_read(self, save_ids: list[str]) -> list[str]:
         """Those of `save_ids` whose data live sequences of this store still read: blocks left in the saved
         tier, or sketch codes not loaded yet."""
         codes = set(self.reader.code_readers.values())
-        return [s for s in save_ids if s in codes or self.tiers.saved.reads_under(DATA + s.encode() + b"/")]
+        return [s for s in save_ids if s in codes or any(reads(DATA + s.encode() + b"/") for reads in self.reading)]
 
     def _retire(self, name: str, save_ids: Iterable[str]) -> None:
         """Record that the data of `save_ids` goes once the manifest of `name` no longer owns it."""
-        keys = [RETIRED + s.encode() for s in sorted(save_ids)]
-        self.values.put([(k, value_digest(k, name.encode()).to_bytes(8, "little") + name.encode()) for k in keys])
+        self.values.put(self._retired(name, save_ids))
+
+    def _retired(self, name: str, save_ids: Iterable[str]) -> list[tuple[bytes, bytes]]:
+        return [retired_record(RETIRED + s.encode(), name) for s in sorted(save_ids)]
 
     def _delete_data(self, save_ids: Iterable[str]) -> None:
         """The data of `save_ids`, then their retired records."""
@@ -135,14 +166,20 @@ class SavedContexts:
                     codes: ReadLayerCodes) -> dict:
         """Blocks, per-layer metadata and token ids under the save id, streamed in batches (values.write_all:
         the next batch is built while the last is written); returns the manifest's other fields."""
-        data, layers = DATA + save_id + b"/", []
-        chain = chain_hashes(self.root, token_ids, self.block_tokens) if token_ids and self.reader.model_id else []
-        tokens = None if token_ids is None else np.asarray(token_ids, dtype="<i8").tobytes()
+        data, layers, tokens = DATA + save_id + b"/", [], token_bytes(token_ids)
         self.blocks.counts = dict.fromkeys(self.blocks.counts, 0)
-        self.values.write_all(self._batches(data, tables, chain, codes, layers, tokens))
+        self.values.write_all(self._batches(data, tables, self.chain(token_ids), codes, layers, tokens))
+        return self.manifest_fields(save_id, layers, tokens)
+
+    def chain(self, token_ids: list[int] | None) -> list[bytes]:
+        """The chain hash of every full block of `token_ids` where blocks are content-keyed (a model_id)."""
+        return chain_hashes(self.root, token_ids, self.block_tokens) if token_ids and self.reader.model_id else []
+
+    def manifest_fields(self, save_id: bytes, layers: list[dict], tokens: bytes | None) -> dict:
+        """The manifest of a save whose data is written, but its name, root and inherited data (`commit`)."""
         return {"version": VERSION, "save_id": save_id.decode(), "layers": layers,
                 "geometry": [self.num_kv_heads, self.head_dim, self.block_tokens], "part_blocks": self.part_blocks,
-                "tokens_xxh3": None if tokens is None else value_digest(data + b"t", tokens)}
+                "tokens_xxh3": None if tokens is None else value_digest(DATA + save_id + b"/t", tokens)}
 
     def _batches(self, data: bytes, tables: list[LayerTable], chain: list[bytes], codes: ReadLayerCodes,
                  layers: list[dict], tokens: bytes | None) -> Iterator[list[Item]]:
@@ -164,18 +201,14 @@ class SavedContexts:
     def _meta(self, data: bytes, layer: int, table: LayerTable, formats: list[int],
               codes: Callable[[int, int], torch.Tensor]) -> tuple[list[Item], dict]:
         """The layer's summaries, H2O scores and sketch codes to write, and its manifest entry."""
-        n, lay, p = table.num_blocks, layer.to_bytes(2, "big"), self.part_blocks
-        scores = table.h2o_scores[:, :n].cpu().contiguous().numpy().tobytes() if n else b""
-        items = [(data + b"h/" + lay, scores)]
-        for part, lo in enumerate(range(0, n, p)):
-            hi = min(n, lo + p)
-            items.append((data + b"m/" + lay + part.to_bytes(4, "big"), _bytes(table.summaries[lo:hi])))
-            items.append((data + b"k/" + lay + part.to_bytes(4, "big"), _bytes(codes(lo, hi))))
-        digests = [value_digest(k, v) for k, v in items]
-        return [(k, v, False) for k, v in items], {
-            "num_tokens": table.num_tokens, "num_blocks": n, "keyed": len(formats), "int8": pack_formats(formats),
-            "dropped": [i for i, b in enumerate(table.block_ids) if b == DROPPED],
-            "h_xxh3": digests[0], "m_xxh3": digests[1::2], "k_xxh3": digests[2::2]}
+        n = table.num_blocks
+        items = [scores_item(data, layer, table.h2o_scores[:, :n].cpu().contiguous().numpy().tobytes() if n else b"")]
+        for part, lo in enumerate(range(0, n, self.part_blocks)):
+            hi = min(n, lo + self.part_blocks)
+            items += part_items(data, layer, part, _bytes(table.summaries[lo:hi]), _bytes(codes(lo, hi)))
+        dropped = [i for i, b in enumerate(table.block_ids) if b == DROPPED]
+        return [(k, v, False) for k, v in items], layer_entry(table.num_tokens, n, formats, dropped,
+                                                              [value_digest(k, v) for k, v in items])
 
     # -- listing and deleting --------------------------------------------------------------
     def names(self) -> list[str]:
@@ -210,7 +243,7 @@ class SavedContexts:
     def _other_writers(self) -> bool:
         """Whether a save is in progress that is not known dead (its blocks are named by no manifest yet)."""
         keys = [k for k in self.values.keys(PENDING) if not k.startswith(RETIRED)]
-        return not all(_dead_here(info) for info in self.values.get(keys))
+        return not all(dead_here(info) for info in self.values.get(keys))
 
     def collect_garbage(self) -> int:
         """Delete saved data that no manifest owns and no live writer writes; returns how many saves' data went:
@@ -221,14 +254,14 @@ class SavedContexts:
         records = dict(zip(keys, self.values.get(keys)))
         retired = {k: v for k, v in records.items() if k.startswith(RETIRED)}
         writers = {k: v for k, v in records.items() if k not in retired}
-        if any(_dead_here(info) for info in writers.values()) or retired:
+        if any(dead_here(info) for info in writers.values()) or retired:
             self._may_orphan()  # a save killed before its commit, data a re-save or delete left
         freed = self._collect_dead_writers(writers) + self._collect_retired(retired)
         self._sweep()
         return freed
 
     def _collect_dead_writers(self, writers: dict[bytes, bytes | None]) -> int:
-        dead = [k[len(PENDING):] for k, info in writers.items() if _dead_here(info)]
+        dead = [k[len(PENDING):] for k, info in writers.items() if dead_here(info)]
         if not dead:
             return 0
         names = self.values.keys(MANIFEST)
@@ -246,7 +279,7 @@ class SavedContexts:
     def _collect_retired(self, retired: dict[bytes, bytes | None]) -> int:
         freed = 0
         for key, raw in retired.items():
-            name = _retired_name(key, raw)
+            name = retired_name(key, raw)
             if name is None:  # a damaged record names no data it could be trusted with
                 continue
             save_id = key[len(RETIRED):].decode()
@@ -261,26 +294,11 @@ def _bytes(t: torch.Tensor) -> bytes:
     return t.cpu().contiguous().numpy().tobytes()
 
 
-def _retired_name(key: bytes, raw: bytes | None) -> str | None:
-    """The name a retired record names (None: gone or damaged)."""
-    if raw is None or len(raw) < 8 or int.from_bytes(raw[:8], "little") != value_digest(key, raw[8:]):
-        return None
-    return raw[8:].decode()
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """What a commit replaced: the manifest it overwrote (None: none), the save ids the manifest read before the
+    commit owned, and those of them the new one inherits (live sequences still read them)."""
 
-
-def _dead_here(info: bytes | None) -> bool:
-    """Whether a pending save's writer ran on this host and is dead (a damaged record: not known to be)."""
-    try:
-        writer = json.loads(info)
-        host, pid = writer["host"], writer["pid"]
-    except (TypeError, ValueError, KeyError):
-        return False
-    if host != socket.gethostname() or not isinstance(pid, int):
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except (PermissionError, OverflowError, ValueError):
-        return False
-    return False
+    old: bytes | None
+    earlier: list[str]
+    inherits: list[str]

@@ -2,6 +2,8 @@
 
     python -m tests.kvstore.contexts.saved_worker open <ssd_path> <name> <out.pt> <warm_tokens>   attend the opened context
     python -m tests.kvstore.contexts.saved_worker save <ssd_path> <name> <seed>     fill and save slowly, printing progress
+    python -m tests.kvstore.contexts.saved_worker bgsave <ssd_path> <name> <seed>   the same with save(background=True),
+        pumped between appended tokens (test_saved_background_save.py)
     python -m tests.kvstore.contexts.saved_worker decode <redis_url> <name> <out.pt> <last token>   open the context
         through Redis, attend it, and decode greedily after <last token> (test_saved_redis.py)
 """
@@ -42,7 +44,17 @@ def main(argv: list[str]) -> None:
             time.sleep(0.2)
 
         store.saved.values._commit = slow
-        store.save(seq, name)
+        if what == "bgsave":
+            store.saves.pump_blocks = 8
+            job = store.save(seq, name, background=True)
+            while not job.done():
+                store.pump_saves()
+                store.extend_tokens(seq, [1])
+                for layer in range(store.spec.num_layers):
+                    store.append(seq, layer, *(torch.ones((1, 2, 16), dtype=torch.float16),) * 2)
+            job.wait()
+        else:
+            store.save(seq, name)
         print("saved", flush=True)
         time.sleep(60)
     store.close()

@@ -64,7 +64,7 @@ def attend_all(store: KVStore, seq: int, q: torch.Tensor) -> list[torch.Tensor]:
 @contextmanager
 def second_write_fails(store: KVStore) -> Iterator[None]:
     """The save's second batch of block values raises OSError (the disk went away), inside the block."""
-    encode, calls = store.saved.blocks.stored_values, []
+    encode, calls = store.saved.blocks.encode, []
 
     def failing(*args):
         calls.append(args)
@@ -72,11 +72,11 @@ def second_write_fails(store: KVStore) -> Iterator[None]:
             raise OSError("disk went away")
         return encode(*args)
 
-    store.saved.blocks.stored_values = failing
+    store.saved.blocks.encode = failing
     try:
         yield
     finally:
-        store.saved.blocks.stored_values = encode
+        store.saved.blocks.encode = encode
 
 
 def worker(*args: str, **kw) -> subprocess.Popen:

@@ -1,0 +1,138 @@
+"""The pause a decoding sequence sees while another sequence is saved: store.save (synchronous: nothing decodes
+until it returns) against store.save(..., background=True), which the Decoder pumps before every token.
+
+    python -m bench_longctx.save_pauses --preset cpu [--out FILE]           # 2-core CPU, tiny geometry, ~2 min
+    python -m bench_longctx.save_pauses --preset h200 --save-tokens 512K [--decode-saved] [--out FILE]
+
+A context of --save-tokens (random K/V of the geometry with token ids, contexts_store.py's store and windows) is
+saved twice, each time by a fresh store into a fresh ssd_path (under --dir; removed after): once synchronously,
+once in the background while a second sequence (a --prompt-tokens prompt, a random-weight Llama of the geometry;
+with --decode-saved the saved sequence too, in one batch) decodes greedily, one synchronized token at a time,
+until the save is durable. Reported: the synchronous save's seconds (the longest pause: every sequence waits for
+it); the background call's own seconds, then the decoded tokens' seconds during the save (longest, median) beside
+the same tokens before it (baseline), the tokens decoded and the save's seconds from call to durable; each pump's
+seconds and what it copied (blocks, and blocks copied by tier moves).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench_longctx.contexts_bench import decoder
+from bench_longctx.contexts_store import VOCAB, bench_config, fill
+from bench_longctx.presets import parse_tokens
+from bench_longctx.timing import environment, sync, timed
+from kvstore.store import KVStore
+
+PRESETS = {
+    "cpu": dict(geometry="smollm2-135m", layers=4, save_tokens="128K", prompt_tokens="1K", device="cpu",
+                gpu_bytes=256 << 20, cpu_bytes=256 << 20, ssd_bytes=16 << 30, warm_tokens=2048, baseline_tokens=20),
+    "h200": dict(geometry="llama3-8b", layers=32, save_tokens="512K", prompt_tokens="4K", device="cuda",
+                 gpu_bytes=16 << 30, cpu_bytes=48 << 30, ssd_bytes=96 << 30, warm_tokens=2048, baseline_tokens=50),
+}
+
+
+def run(args: argparse.Namespace, background: bool) -> dict:
+    """One save of a filled context into a fresh ssd_path (removed after), synchronous or in the background while
+    another sequence decodes."""
+    directory = tempfile.mkdtemp(prefix="kvtier-save-pauses-", dir=args.dir)
+    try:
+        return _run(args, directory, background)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, directory: str, background: bool) -> dict:
+    with KVStore(bench_config(args, directory)) as store:
+        saved, _ = fill(store, parse_tokens(args.save_tokens))
+        dec = decoder(store, args)
+        if args.pump_bytes:
+            store.saves.pump_blocks = max(1, args.pump_bytes // store.layout.fp16_bytes)
+        seq = store.create_sequence()
+        prompt = torch.randint(0, VOCAB, (parse_tokens(args.prompt_tokens),),
+                               generator=torch.Generator().manual_seed(1))
+        token = int(dec.prefill(seq, prompt).argmax())
+        seqs, tokens = ([seq, saved], [token, 0]) if args.decode_saved else ([seq], [token])
+
+        def step() -> float:  # one token of every decoding sequence, synchronized: its seconds
+            nonlocal tokens
+            logits, seconds = timed(lambda: dec.decode_batch(seqs, tokens, "topk", 4096), args.device)
+            tokens = logits.argmax(dim=1).tolist()
+            return seconds
+
+        baseline = [step() for _ in range(args.baseline_tokens)]
+        if not background:
+            _, save_s = timed(lambda: store.save(saved, "ctx"), args.device)
+            return {"save_s": save_s, "baseline_token_s": baseline, "written": store.saved.blocks.counts}
+        pumps, pump = [], store.pump_saves
+
+        def timed_pump() -> int:  # what the Decoder calls before every token
+            started = time.perf_counter()
+            moved = pump()
+            pumps.append((time.perf_counter() - started, moved))
+            return moved
+
+        store.pump_saves = timed_pump
+        sync(args.device)
+        started = time.perf_counter()
+        job = store.save(saved, "ctx", background=True)
+        call_s, during = time.perf_counter() - started, []
+        while not job.done():
+            during.append(step())
+        job.wait()
+        return {"call_s": call_s, "save_s": time.perf_counter() - started, "baseline_token_s": baseline,
+                "token_s": during, "pump_s": [s for s, _ in pumps], "pump_blocks": [n for _, n in pumps],
+                "pump_limit": store.saves.pump_blocks, "progress": job.progress}
+
+
+def summary(sync_run: dict, bg: dict) -> str:
+    ms = lambda s: f"{1e3 * s:.1f} ms"  # noqa: E731
+    during, base = bg["token_s"], bg["baseline_token_s"]
+    return (f"synchronous save: {sync_run['save_s']:.2f} s (every sequence waits)\n"
+            f"background save: call {ms(bg['call_s'])}; {len(during)} tokens decoded meanwhile, longest "
+            f"{ms(max(during))}, median {ms(statistics.median(during))} (before the save: longest {ms(max(base))}, "
+            f"median {ms(statistics.median(base))}); durable after {bg['save_s']:.2f} s\n"
+            f"  pumps: longest {ms(max(bg['pump_s']))}, at most {max(bg['pump_blocks'])} of {bg['pump_limit']} "
+            f"blocks a call; {bg['progress']['blocks_copied_by_moves']} blocks copied by moves; "
+            f"{bg['progress']['blocks_written']} blocks, {bg['progress']['bytes_written'] / 2**30:.2f} GiB written")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
+    for name, value in PRESETS["cpu"].items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None)
+    parser.add_argument("--decode-saved", action="store_true")  # the saved sequence decodes too (its blocks move)
+    parser.add_argument("--pump-bytes", type=int, default=0)  # 0: the store's default (background_save.PUMP_BYTES)
+    parser.add_argument("--dir", default=None)  # where each run's ssd_path goes (default: the temporary directory)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    for name, value in PRESETS[args.preset].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    sync_run = run(args, background=False)
+    print(f"synchronous save: {sync_run['save_s']:.2f} s", flush=True)
+    bg = run(args, background=True)
+    print(summary(sync_run, bg))
+    if args.out:
+        result = {**{k: getattr(args, k) for k in PRESETS["cpu"]}, "preset": args.preset, "pump_bytes": args.pump_bytes,
+                  "decode_saved": args.decode_saved,
+                  "environment": environment(torch.device(args.device)), "synchronous": sync_run, "background": bg}
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
