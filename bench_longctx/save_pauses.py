@@ -11,7 +11,7 @@ with --decode-saved the saved sequence too, in one batch) decodes greedily, one 
 until the save is durable. Reported: the synchronous save's seconds (the longest pause: every sequence waits for
 it); the background call's own seconds, then the decoded tokens' seconds during the save (longest, median) beside
 the same tokens before it (baseline), the tokens decoded and the save's seconds from call to durable; each pump's
-seconds and what it copied (blocks, and blocks copied by tier moves).
+seconds and what it copied; the blocks copied by tier moves and the seconds each move spent on them.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from bench_longctx.timing import environment, sync, timed
 from kvstore.store import KVStore
 
 PRESETS = {
-    "cpu": dict(geometry="smollm2-135m", layers=4, save_tokens="128K", prompt_tokens="1K", device="cpu",
+    "cpu": dict(geometry="smollm2-135m", layers=4, save_tokens="128K", prompt_tokens="256", device="cpu",
                 gpu_bytes=256 << 20, cpu_bytes=256 << 20, ssd_bytes=16 << 30, warm_tokens=2048, baseline_tokens=20),
     "h200": dict(geometry="llama3-8b", layers=32, save_tokens="512K", prompt_tokens="4K", device="cuda",
                  gpu_bytes=16 << 30, cpu_bytes=48 << 30, ssd_bytes=96 << 30, warm_tokens=2048, baseline_tokens=50),
@@ -81,6 +81,14 @@ def _run(args: argparse.Namespace, directory: str, background: bool) -> dict:
             return moved
 
         store.pump_saves = timed_pump
+        moves, leaving = [], store.saves._leaving
+
+        def timed_leaving(ids: list[int], tier: int) -> None:  # the copies a tier move makes of the save's blocks
+            started = time.perf_counter()
+            leaving(ids, tier)
+            moves.append(time.perf_counter() - started)
+
+        store.saves._leaving = timed_leaving  # registered with the tier set by the save below
         sync(args.device)
         started = time.perf_counter()
         job = store.save(saved, "ctx", background=True)
@@ -90,7 +98,7 @@ def _run(args: argparse.Namespace, directory: str, background: bool) -> dict:
         job.wait()
         return {"call_s": call_s, "save_s": time.perf_counter() - started, "baseline_token_s": baseline,
                 "token_s": during, "pump_s": [s for s, _ in pumps], "pump_blocks": [n for _, n in pumps],
-                "pump_limit": store.saves.pump_blocks, "progress": job.progress}
+                "pump_limit": store.saves.pump_blocks, "moves_s": moves, "progress": job.progress}
 
 
 def summary(sync_run: dict, bg: dict) -> str:
@@ -101,7 +109,8 @@ def summary(sync_run: dict, bg: dict) -> str:
             f"{ms(max(during))}, median {ms(statistics.median(during))} (before the save: longest {ms(max(base))}, "
             f"median {ms(statistics.median(base))}); durable after {bg['save_s']:.2f} s\n"
             f"  pumps: longest {ms(max(bg['pump_s']))}, at most {max(bg['pump_blocks'])} of {bg['pump_limit']} "
-            f"blocks a call; {bg['progress']['blocks_copied_by_moves']} blocks copied by moves; "
+            f"blocks a call; {bg['progress']['blocks_copied_by_moves']} blocks copied by moves (longest "
+            f"{ms(max(bg['moves_s'], default=0))} a move); "
             f"{bg['progress']['blocks_written']} blocks, {bg['progress']['bytes_written'] / 2**30:.2f} GiB written")
 
 

@@ -13,9 +13,9 @@ time; a writer thread does the rest (zstd and checksums, the exists checks of co
   not read at all (the writer reads their values by key, and the saved contexts keep those data while it may).
 - Full blocks never change, but their tier may, and with it their format (hot fp16 -> warm int8, cpu fp16 -> warm
   on promotion). So a block of the save that leaves its tier (a move, an H2O drop) before the pump reached it is
-  copied as it was, in that move, on the decode thread (TierSet.leaving): the save holds every block as stored at
-  the call, and a reopened context decodes bit-equal to the sequence at the call. That copy costs what the move
-  costs again, on top of the pump's bound; its host memory waits for the writer.
+  copied as it was, in that move, on the decode thread (TierSet.leaving), unless the move keeps its format (warm
+  int8 -> cpu int8): the save holds every block as stored at the call, and opens to what a save at the call opens
+  to. That copy costs what the move costs again, on top of the pump's bound; its host memory waits for the writer.
 - The writer (kvstore/contexts/save_writer.py) syncs the data, then the next pump commits the manifest
   (SavedContexts.commit: what it replaces is retired in the same write, live readers' data inherited: a small
   read and one write). The writer then deletes what the commit replaced.
@@ -36,7 +36,7 @@ from typing import Sequence
 import torch
 
 from kvstore.blocks.table import DROPPED, LayerTable
-from kvstore.blocks.tierset import TierSet
+from kvstore.blocks.tierset import CPU_TIER, HOT_TIER, WARM_TIER, TierSet
 from kvstore.contexts.save_writer import COMMIT, COMMITTED, READING, WRITING, Chunk, LayerCopy, SaveWriter
 from kvstore.contexts.saved_format import DATA
 from kvstore.contexts.saving import ReadLayerCodes, SavedContexts
@@ -171,9 +171,12 @@ class SaveJob:
 
     def leaving(self, ids: Sequence[int], tier: int) -> None:
         """TierSet.leaving: blocks `ids` leave `tier`; copy those the save has not read yet, as they are there."""
-        holders, wanted = self._saves.tiers.blocks.holders_of, {}
+        registry, formats, wanted = self._saves.tiers.blocks, self._saves.formats, {}
         for row, block_id in enumerate(ids):
-            for seq, layer, i in holders(block_id):
+            dst = registry.tier_of.get(block_id)  # where a move put it; `tier` still for a block being freed
+            if dst != tier and formats.get(tier) is not None and formats.get(tier) == formats.get(dst):
+                continue  # it is held there as it was here: the pump reads the same bytes there
+            for seq, layer, i in registry.holders_of(block_id):
                 if seq == self.seq and self._needs(layer, i, block_id):
                     wanted.setdefault(layer, []).append((row, i))
         for layer, found in wanted.items():
@@ -207,6 +210,7 @@ class BackgroundSaves:
     def __init__(self, tiers: TierSet) -> None:
         self.tiers = tiers
         self.pump_blocks = max(1, PUMP_BYTES // tiers.layout.fp16_bytes)  # per pump call, at most
+        self.formats = {HOT_TIER: "float16", WARM_TIER: tiers.warm.format, CPU_TIER: tiers.cpu.dtype}  # as they hold
         self.jobs: list[SaveJob] = []  # saves still reading the tiers or waiting for their commit
         self._started: list[SaveJob] = []  # every save not known to have ended: close() waits for its writer
 
