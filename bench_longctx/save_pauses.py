@@ -2,16 +2,17 @@
 until it returns) against store.save(..., background=True), which the Decoder pumps before every token.
 
     python -m bench_longctx.save_pauses --preset cpu [--out FILE]           # 2-core CPU, tiny geometry, ~2 min
-    python -m bench_longctx.save_pauses --preset h200 --save-tokens 512K [--decode-saved] [--out FILE]
+    python -m bench_longctx.save_pauses --preset h200 --save-tokens 512K [--decode-saved] [--runs background]
 
 A context of --save-tokens (random K/V of the geometry with token ids, contexts_store.py's store and windows) is
-saved twice, each time by a fresh store into a fresh ssd_path (under --dir; removed after): once synchronously,
-once in the background while a second sequence (a --prompt-tokens prompt, a random-weight Llama of the geometry;
-with --decode-saved the saved sequence too, in one batch) decodes greedily, one synchronized token at a time,
-until the save is durable. Reported: the synchronous save's seconds (the longest pause: every sequence waits for
-it); the background call's own seconds, then the decoded tokens' seconds during the save (longest, median) beside
-the same tokens before it (baseline), the tokens decoded and the save's seconds from call to durable; each pump's
-seconds and what it copied; the blocks copied by tier moves and the seconds each move spent on them.
+saved twice (--runs sync,background), each by a fresh store into a fresh ssd_path (under --dir; removed after):
+once synchronously, once in the background while a second sequence (a --prompt-tokens prompt, a random-weight
+Llama of the geometry; with --decode-saved the saved sequence too, in one batch) decodes greedily, one synchronized
+token at a time, until the save is durable. Reported: the synchronous save's seconds (the longest pause: every
+sequence waits for it); the background call's own seconds, then the decoded tokens' seconds during the save
+(longest, median) beside the same tokens before it (baseline), the tokens decoded and the save's seconds from call
+to durable; each pump's seconds and what it copied; the blocks copied by tier moves and the seconds each move
+spent on them.
 """
 
 from __future__ import annotations
@@ -101,11 +102,10 @@ def _run(args: argparse.Namespace, directory: str, background: bool) -> dict:
                 "pump_limit": store.saves.pump_blocks, "moves_s": moves, "progress": job.progress}
 
 
-def summary(sync_run: dict, bg: dict) -> str:
+def summary(bg: dict) -> str:
     ms = lambda s: f"{1e3 * s:.1f} ms"  # noqa: E731
     during, base = bg["token_s"], bg["baseline_token_s"]
-    return (f"synchronous save: {sync_run['save_s']:.2f} s (every sequence waits)\n"
-            f"background save: call {ms(bg['call_s'])}; {len(during)} tokens decoded meanwhile, longest "
+    return (f"background save: call {ms(bg['call_s'])}; {len(during)} tokens decoded meanwhile, longest "
             f"{ms(max(during))}, median {ms(statistics.median(during))} (before the save: longest {ms(max(base))}, "
             f"median {ms(statistics.median(base))}); durable after {bg['save_s']:.2f} s\n"
             f"  pumps: longest {ms(max(bg['pump_s']))}, at most {max(bg['pump_blocks'])} of {bg['pump_limit']} "
@@ -121,6 +121,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None)
     parser.add_argument("--decode-saved", action="store_true")  # the saved sequence decodes too (its blocks move)
     parser.add_argument("--pump-bytes", type=int, default=0)  # 0: the store's default (background_save.PUMP_BYTES)
+    parser.add_argument("--runs", default="sync,background")  # one of them alone: two shorter commands
     parser.add_argument("--dir", default=None)  # where each run's ssd_path goes (default: the temporary directory)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -132,10 +133,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    sync_run = run(args, background=False)
-    print(f"synchronous save: {sync_run['save_s']:.2f} s", flush=True)
-    bg = run(args, background=True)
-    print(summary(sync_run, bg))
+    runs = args.runs.split(",")
+    sync_run = run(args, background=False) if "sync" in runs else None
+    if sync_run:
+        print(f"synchronous save: {sync_run['save_s']:.2f} s (every sequence waits)", flush=True)
+    bg = run(args, background=True) if "background" in runs else None
+    if bg:
+        print(summary(bg))
     if args.out:
         result = {**{k: getattr(args, k) for k in PRESETS["cpu"]}, "preset": args.preset, "pump_bytes": args.pump_bytes,
                   "decode_saved": args.decode_saved,
