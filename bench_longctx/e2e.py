@@ -131,7 +131,7 @@ def decode_path(decoder: Decoder, seq: int, mode: str, p: E2EPreset, steps: int,
     generate` runs (no eos: the captured path queues each token before the last one's id reaches the
     host), or with per_token from one Decoder.decode_step per token and its id synced to the host each
     time (what an engine stepping token by token gets)."""
-    start, before = decoder.length(seq), cold_counts(decoder.store)
+    start, before, calls = decoder.length(seq), cold_counts(decoder.store), attend_calls(decoder.store)
     logits, setup = timed(lambda: decoder.decode_step(seq, 1, mode, p.budget), decoder.store.device)
     tokens = [1]
 
@@ -146,6 +146,7 @@ def decode_path(decoder: Decoder, seq: int, mode: str, p: E2EPreset, steps: int,
     out = tokens_per_s(run, steps, decoder.store.device)
     after = cold_counts(decoder.store)
     out["cold"] = {k: after[k] - before[k] for k in after}  # over the path's tokens, warm-up included
+    out["store_attend"] = attend_calls(decoder.store, since=calls)
     return {**out, "appends": True, "appended_verified": appended_kv_matches(decoder, seq, start, tokens[:-1]),
             "first_token_s": setup, "graphs": bool(decoder.graphs and decoder.store.device.type == "cuda"),
             "loop": "decode_step per token, id synced" if per_token else "continue_greedy"}
@@ -156,6 +157,13 @@ def cold_counts(store: KVStore) -> dict:
     fetched, blocks promoted to the warm tier."""
     attend = store.stats()["attend"]
     return {k: attend[k] for k in ("cold_slices_staged", "cold_blocks_fetched", "promotions")}
+
+
+def attend_calls(store: KVStore, since: dict | None = None) -> dict:
+    """store.attend calls the DecodeStep served, and the DecodePath's by reason (eager_step.py); since `since`."""
+    a = store.stats()["attend"]
+    now = {"step_calls": a["step_calls"], **{f"fallback_{k}": n for k, n in a["fallback_calls"].items()}}
+    return now if since is None else {k: n - since.get(k, 0) for k, n in now.items()}
 
 
 # one code step of each warm format as a fraction of the group's largest |value| (tiers/quant.py): int8's

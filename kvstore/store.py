@@ -1,11 +1,11 @@
 """KVStore: the KV cache of many sequences as fixed-size blocks across tiers.
 
-The facade users hold. It owns the sequences' block tables, a TierSet (where every block
-lives and how it moves), an AppendPath (fill the tail -> new blocks -> place -> cool), a
-DecodePath (select -> stage -> attend -> account), Contexts (sequences, token ids, content keys,
-fork and prefix sharing by reference count), SavedContexts (save / open beside the cold tier: the
-ssd tier's LMDB or Redis) and UnreadCodes (the sketch codes opened sequences left in their saves),
-checks every argument before anything changes, and hands each part only what it works on.
+The facade users hold. It owns the sequences' block tables, a TierSet (where every block lives and how it moves),
+an AppendPath (fill the tail -> new blocks -> place -> cool), a DecodePath (select -> stage -> attend -> account),
+EagerSteps (a decode token's store.append + store.attend through the DecodeStep's code), Contexts (sequences, token
+ids, content keys, fork and prefix sharing by reference count), SavedContexts (save / open beside the cold tier: the
+ssd tier's LMDB or Redis) and UnreadCodes (the sketch codes opened sequences left in their saves), checks every
+argument before anything changes, and hands each part only what it works on.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from kvstore.contexts.saving import SavedContexts, values_store
 from kvstore.contexts.sequences import Contexts, PrefixMatch, check_token_ids
 from kvstore.contexts.unread_codes import UnreadCodes
 from kvstore.decode.eager import DecodePath
-from kvstore.decode.modes import MODES, check_query, reads_codes, resolve_policy
+from kvstore.decode.eager_step import EagerSteps
+from kvstore.decode.modes import MODES, check_kv, check_query, reads_codes, resolve_policy
 from kvstore.decode.step import DecodeStep
 from kvstore.decode.step_parts import StepParts
 from tiers.errors import CapacityError
@@ -62,6 +63,8 @@ class KVStore:
         if values is not None:
             self.tiers.saved.serve_from(values)
         self.policies: dict[str, Policy] = {name: cls() for name, cls in POLICIES.items()}  # mode -> default policy
+        self.steps = EagerSteps(StepParts(c, self.device, self.tiers, self.tensors, self.decode), self.sequences,
+                                self.policies, self.unread.load_if_needed, self._append_eager, self.contexts.key_blocks)
 
     # -- sequences ---------------------------------------------------------------------------
     def create_sequence(self, prefix: PrefixMatch | None = None) -> int:
@@ -93,17 +96,16 @@ class KVStore:
 
     def token_ids(self, seq: int) -> list[int] | None:
         """The recorded token ids of `seq` (None: its K/V came without ids)."""
-        self.table(seq, 0)
+        self._table(seq, 0)
         return self.contexts.token_ids(seq)
 
     # -- saved contexts ----------------------------------------------------------------------
     def save(self, seq: int, name: str, background: bool = False) -> SaveJob | None:
         """Persist `seq` as `name` beside the cold tier (the ssd tier's LMDB at Config.ssd_path, or Redis at
         Config.redis_url, where full blocks of known token ids are stored once under their content keys, so a
-        save there needs Config.model_id: ValueError without):
-        every block from whichever tier holds it, key summaries, sketch codes, H2O scores and token ids.
-        Returns once durable; an interrupted save leaves nothing under `name` (an earlier save of `name`
-        stays until this one commits, then is replaced).
+        save there needs Config.model_id: ValueError without): every block from whichever tier holds it, key
+        summaries, sketch codes, H2O scores and token ids. Returns once durable; an interrupted save leaves
+        nothing under `name` (an earlier save of `name` stays until this one commits, then is replaced).
         background=True: returns a SaveJob at once (done(), wait(timeout), progress) that saves `seq` as it is now
         while tokens decode: pump_saves (engine_adapter.Decoder calls it before every token) copies a bounded part a
         call, a thread writes (kvstore/contexts/background_save.py)."""
@@ -178,9 +180,15 @@ class KVStore:
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
         """The longest prefix of `token_ids`, in whole blocks, whose K/V the store holds in every layer
         (under this store's model_id); `.num_tokens` is 0 when none is. Pass it to create_sequence."""
+        self.steps.settle_all()
         return self.contexts.match(check_token_ids(token_ids))
 
     def table(self, seq: int, layer: int) -> LayerTable:
+        table = self._table(seq, layer)  # then what a decode token of seq left open is finished (EagerSteps.settle)
+        self.steps.settle(seq)
+        return table
+
+    def _table(self, seq: int, layer: int) -> LayerTable:
         if seq not in self.sequences:
             raise KeyError(f"unknown sequence {seq!r} (never created or already freed)")
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.spec.num_layers:
@@ -194,12 +202,14 @@ class KVStore:
     def free_blocks(self) -> int:
         """Blocks the GPU pools and the cpu tier can still take: the room a captured step serves from (the
         ssd and saved tiers lie beyond it). A sequence of n tokens fits while blocks_for(n) <= free_blocks()."""
+        self.steps.settle_all()
         tiers = self.tiers
         return tiers.hot.free_blocks() + tiers.warm.free_blocks() + tiers.cpu.free_blocks()
 
     def free(self, seq: int) -> None:
         """Let go of every block of `seq`: blocks no other sequence shares return to their tiers."""
-        self.table(seq, 0)
+        self._table(seq, 0)
+        self.steps.forget(seq)
         self.loads.stop(seq)
         self.saves.stop(seq)  # a background save still reading seq ends (SaveAborted), leaving nothing
         self.contexts.free(seq)
@@ -222,28 +232,17 @@ class KVStore:
 
     # -- append ------------------------------------------------------------------------------
     def append(self, seq: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append k, v [T, kv_heads, head_dim] (fp16, finite, on the store's device) to one layer.
-        Raises CapacityError, leaving the store unchanged, when the tiers cannot hold them."""
-        table = self.table(seq, layer)
-        self._check_kv(k, v)
-        self.appends.append(seq, layer, table, k, v)
-        self.contexts.key_blocks(seq, layer)
+        """Append k, v [T, kv_heads, head_dim] (fp16, finite, on the store's device) to one layer. Raises CapacityError,
+        leaving the store unchanged, when the tiers cannot hold them. A decode token (T = 1) may go in with the
+        layer's attend (kvstore/decode/eager_step.py: the K/V are stored before any other call sees the sequence)."""
+        self._table(seq, layer)
+        check_kv(k, v, self.spec, self.device)
+        if not self.steps.hold(seq, layer, k, v):
+            self._append_eager(seq, layer, k, v)
 
-    def _check_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        h, d = self.spec.num_kv_heads, self.spec.head_dim
-        for name, t in (("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dim() != 3 or t.shape[1:] != (h, d) or t.shape[0] == 0:
-                raise ValueError(f"{name} must have shape [T>0, {h}, {d}], got {list(t.shape)}")
-            if t.dtype != torch.float16:
-                raise ValueError(f"{name} must be torch.float16, got {t.dtype}")
-            if t.device.type != self.device.type:
-                raise ValueError(f"{name} must be on {self.device.type}, got {t.device}")
-        if k.shape != v.shape:
-            raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
-        if not bool(torch.isfinite(k).all() & torch.isfinite(v).all()):  # int8 scales would spread a NaN/Inf
-            raise ValueError("k and v must be finite: NaN or Inf found (nothing was stored)")
+    def _append_eager(self, seq: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.appends.append(seq, layer, self.sequences[seq][layer], k, v)
+        self.contexts.key_blocks(seq, layer)
 
     # -- read --------------------------------------------------------------------------------
     def read(self, seq: int, layer: int, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,14 +270,18 @@ class KVStore:
         bound: fast), "cascade", "sketch" (certified omitted mass in stats()["attend"]), "window", "h2o", or a
         policy instance whose fields are its settings (e.g. `SketchTopK(coarse_factor=4)`).
         epsilon (sketch): adaptive budget: grow the selection in power-of-two block counts until the certified
-        omitted softmax mass is <= epsilon for every kv head, or `budget` tokens are selected."""
-        table = self.table(seq, layer)
+        omitted softmax mass is <= epsilon for every kv head, or `budget` tokens are selected. A decode token runs
+        through the DecodeStep's code where it can (kvstore/decode/eager_step.py), else through the DecodePath."""
+        table = self._table(seq, layer)
         policy = self._policy(mode)
         self.check_query(q, budget)
-        if table.num_tokens == 0:
-            raise ValueError(f"sequence {seq} layer {layer} holds no tokens to attend to")
         if table.num_dropped and not isinstance(policy, type(self.policies["h2o"])):
             raise ValueError(f"sequence {seq} layer {layer}: h2o mode dropped blocks; only mode='h2o' can attend it")
+        out = self.steps.attend(seq, layer, q, mode, budget, measure_mass, epsilon)  # None: settled, falls back
+        if out is not None:
+            return out
+        if table.num_tokens == 0:
+            raise ValueError(f"sequence {seq} layer {layer} holds no tokens to attend to")
         if reads_codes(policy):
             self.unread.load_if_needed(seq)  # an opened sequence reads its sketch codes now
         return self.decode.attend(table, q, policy, budget, measure_mass, epsilon)
@@ -287,22 +290,18 @@ class KVStore:
                     capacity_tokens: int | None = None) -> DecodeStep:
         """A DecodeStep for `seq`: append + select + attend for every layer of a token from device state,
         capturable in one CUDA graph (kvstore/decode/step.py). Capacity: the length + max(16K, 1/16 of it)."""
-        tables = [self.table(seq, layer) for layer in range(self.spec.num_layers)]
-        self._policy(mode)  # ValueError for a mode this store cannot serve
-        if reads_codes(mode):
-            self.unread.load_if_needed(seq)  # an opened sequence reads its sketch codes now
-        parts = StepParts(self.config, self.device, self.tiers, self.tensors, self.decode)
-        return DecodeStep(parts, seq, tables, mode, budget, self.policies.get(mode), capacity_tokens)
+        self.table(seq, 0)
+        return self.steps.build(seq, mode, budget, capacity_tokens)
 
     def _policy(self, mode: str | Policy) -> Policy | None:
         return resolve_policy(mode, self.policies, self.config.sketch_codes)
 
     def check_query(self, q: torch.Tensor, budget: int) -> None:
-        """ValueError unless q is float16 [num_q_heads, head_dim] on the store's device and budget a positive int."""
-        check_query(q, budget, self.spec, self.device)
+        check_query(q, budget, self.spec, self.device)  # ValueError unless q is fp16 [Hq, D] on the device, budget > 0
 
     # -- introspection -----------------------------------------------------------------------
     def stats(self) -> dict:
+        self.steps.settle_all()
         tokens = sum(tables[0].num_tokens for tables in self.sequences.values())
         tiers = self.tiers.stats()  # its tiers, then integrity_errors, missing_blocks, cooling_failures
         return {"tiers": tiers.pop("tiers"), "blocks": self.tiers.blocks.sharing(),
@@ -311,6 +310,7 @@ class KVStore:
 
     def check_integrity(self) -> None:
         """Raise AssertionError if any invariant is broken."""
+        self.steps.settle_all()
         self.tiers.check_integrity()
         self.tiers.blocks.check_tables(self.sequences, self.config.block_tokens, HOT_TIER)
 

@@ -1,6 +1,7 @@
 """Decode: one query token attends over a sequence's blocks (select -> stage -> attend -> account).
 
-    eager.py         DecodePath: the eager step of one layer (store.attend); block_table() for every path
+    eager.py         DecodePath: one layer, any mode and tier (what the step cannot serve); block_table() for all
+    eager_step.py    EagerSteps: store.append + store.attend of a decode token through a DecodeStep, eagerly
     staging.py       selected cold blocks fetched in the format their tier holds, into staging rows
     step.py          DecodeStep: the captured step of every layer of a token from device state
     readiness.py     StepReadiness: whether the captured step's next token runs from device state, what it cools

@@ -47,6 +47,8 @@ class AttendStats:
     true_omitted: float = 0.0  # summed over calls both certified and measured: 1 - captured mass
     certified_measured: int = 0
     certificate_violations: int = 0  # measured calls where some head's bound fell below its true omitted mass
+    step_calls: int = 0  # store.attend calls the DecodeStep's code served (kvstore/decode/eager_step.py)
+    fallback_calls: dict[str, int] = field(default_factory=dict)  # store.attend calls this DecodePath served, by why
     _certified: torch.Tensor | None = field(default=None, repr=False)  # device sum of bounds not yet read
 
     def add_certified(self, bounds: torch.Tensor) -> None:
@@ -60,7 +62,8 @@ class AttendStats:
         pending, self._certified = self._certified, None  # one swap: a bound added meanwhile is kept for later
         if pending is not None:
             self.certified_omitted += float(pending)
-        d = {name: value for name, value in self.__dict__.items() if not name.startswith("_")}
+        d = {name: dict(value) if isinstance(value, dict) else value for name, value in self.__dict__.items()
+             if not name.startswith("_")}
         d["read_fraction"] = self.attended_tokens / self.context_tokens if self.context_tokens else None
         d["mean_mass_captured"] = self.mass_captured / self.mass_measured if self.mass_measured else None
         d["mean_certified_omitted"] = self.certified_omitted / self.certified_calls if self.certified_calls else None

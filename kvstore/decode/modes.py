@@ -1,4 +1,4 @@
-"""The decode modes a store serves, the policy each one names, and the checks of a decode query.
+"""The decode modes a store serves, the policy each one names, and the checks of a decode query and its K/V.
 
     dense    every block (no policy)
     topk     Quest's min/max bound (TopK)                      window   sinks + newest blocks (Window)
@@ -44,3 +44,21 @@ def check_query(q: torch.Tensor, budget: int, spec: ModelSpec, device: torch.dev
             or q.device.type != device.type:
         got = f"{q.dtype} {list(q.shape)} on {q.device}" if isinstance(q, torch.Tensor) else type(q).__name__
         raise ValueError(f"q must be float16 {list(shape)} on {device.type}, got {got}")
+
+
+def check_kv(k: torch.Tensor, v: torch.Tensor, spec: ModelSpec, device: torch.device) -> None:
+    """ValueError unless k and v are finite float16 [T > 0, num_kv_heads, head_dim] of one shape on `device`."""
+    h, d = spec.num_kv_heads, spec.head_dim
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3 or t.shape[1:] != (h, d) or t.shape[0] == 0:
+            raise ValueError(f"{name} must have shape [T>0, {h}, {d}], got {list(t.shape)}")
+        if t.dtype != torch.float16:
+            raise ValueError(f"{name} must be torch.float16, got {t.dtype}")
+        if t.device.type != device.type:
+            raise ValueError(f"{name} must be on {device.type}, got {t.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}")
+    if not bool(torch.isfinite(k).all() & torch.isfinite(v).all()):  # int8 scales would spread a NaN/Inf
+        raise ValueError("k and v must be finite: NaN or Inf found (nothing was stored)")

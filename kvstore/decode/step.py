@@ -1,9 +1,8 @@
 """DecodeStep: one sequence's decode step for every layer, built once, replayable as a CUDA graph.
 
-The eager path (store.append + store.attend) costs ~0.4 ms of host work per layer; a graph
-cannot follow it because block tables grow and move. Here, as in vLLM and SGLang, every
-tensor the step touches is preallocated to a capacity and addressed through device-side
-state, so one capture stays valid while the sequence grows:
+Block tables grow and move, so here, as in vLLM and SGLang, every tensor the step touches is preallocated to a
+capacity and addressed through device-side state: one capture stays valid while the sequence grows, and
+store.append + store.attend run the same step eagerly (eager_step.py):
 
     num_tokens   int64 [1]   tokens held before this token (advanced inside the step)
     tail_slot    int64 [L]   hot-pool slot of each layer's tail block
@@ -21,19 +20,18 @@ per layer, inside the step (no host sync):
     4. account   the kernel's block mass into the table's H2O scores (added by the kernel's merge); sketch:
                  the certified omitted mass per q head from the merge's log-sum-exp (one launch)
 A batch of sequences (batch.py) runs 1-2 (`select`) and 4 (`account`) per sequence around one launch of 3
-(or, all in Quest's topk phase, one launch each for all of them: batch_rows.py). Counts that depend only on
-the token (tokens the kernel reads, the sketch's live/protected masks) are computed once per token, in
-layer 0 (so a token's layers run in order).
-Host work happens between tokens and only at block boundaries: the sketch codes of the tail block a
-token filled and promotion of cpu blocks the step keeps reading (`end_token`), a new tail block per layer
-and cooling of blocks the next token pushes out of their windows (`begin_token`).
+(or, all in Quest's topk phase, one launch each for all of them: batch_rows.py). Counts that depend only on the
+token (tokens the kernel reads, the sketch's live/protected masks) are computed once per token, in layer 0 (so a
+token's layers run in order). Host work happens between tokens and only at block boundaries: the sketch codes of
+the tail block a token filled and promotion of cpu blocks the step keeps reading (`end_token`), a new tail block
+per layer and cooling of blocks the next token pushes out of their windows (`begin_token`).
 Cold blocks (kvstore/decode/cold_slices.py): in the topk phase, selected blocks in the cpu tier are read inside the
 step, one kv head's slice each, from the pinned slabs into k staging rows of the pool of the tier's format,
 and verified on the device against per-head block sums (tiers/slice_gather.py); a damaged slice is counted
 on the device and `verify()` (called wherever the host syncs anyway) raises IntegrityError; blocks read
 again and again move up to the warm tier at block boundaries (kvstore/decode/promotion.py). Whether a token
 can run from device state at all, and what it cools first, is the step's StepReadiness (readiness.py):
-`ready()` says so, and callers use the eager path for a token it refuses.
+`ready()` says so, and callers use the DecodePath (eager.py) for a token it refuses.
 """
 
 from __future__ import annotations
@@ -211,27 +209,29 @@ class DecodeStep:
             ids.append(block_id)
         return ids
 
-    def end_token(self) -> None:
-        """Host bookkeeping after a token ran: lengths and stats."""
-        old = self.length
-        for table in self.tables:
+    def end_token(self, num_layers: int | None = None) -> None:
+        """Host bookkeeping after a token ran: lengths and stats. num_layers: it ran in the first num_layers layers
+        only (store.attend's token settled part way: eager_step.py); the others keep their length."""
+        old, ran = self.length, self.tables[:num_layers]
+        whole, filled = len(ran) == len(self.tables), (old + 1) % self.block_tokens == 0
+        for table in ran:
             table.num_tokens = old + 1
-        if (old + 1) % self.block_tokens == 0:  # the token filled every tail: its codes on their final grid now,
+        if filled:  # the token filled every tail: its codes on their final grid now,
             hot = self.tiers.hot  # not at the next begin_token (the next token may go the eager way)
-            for table in self.tables:  # a step's tail is always hot: the pool row, queued (no gather, no sync)
+            for table in ran:  # a step's tail is always hot: the pool row, queued (no gather, no sync)
                 keys = hot.pool[hot.slots.slot_of[table.block_ids[-1]], 0]  # [H, B, D]
                 self.tensors.encode_block(table, table.num_blocks - 1, keys.transpose(0, 1))
         stats = self.path.stats
-        stats.calls += len(self.tables)
-        stats.context_tokens += len(self.tables) * (old + 1)
+        stats.calls += len(ran)
+        stats.context_tokens += len(ran) * (old + 1)
         k = self._num_selected(old + 1)
-        stats.attended_tokens += len(self.tables) * ((k - 1) * self.block_tokens + (old % self.block_tokens) + 1)
-        if self.phase == "topk" and isinstance(self.policy, SketchTopK):
-            stats.add_certified(self.certified.mean(1))  # a tensor of its own: the next replay rewrites the buffer
+        stats.attended_tokens += len(ran) * ((k - 1) * self.block_tokens + (old % self.block_tokens) + 1)
+        if self.phase == "topk" and isinstance(self.policy, SketchTopK):  # a tensor of its own: the next replay
+            stats.add_certified(self.certified[:len(ran)].mean(1))  # rewrites the buffer
         self.cold.token_done(self.stages_cold)
-        if (old + 1) % self.block_tokens == 0:  # cpu blocks this sequence keeps reading move up (a sync, if any)
+        if filled and whole:  # cpu blocks this sequence keeps reading move up (a sync, if any)
             self.promotion.at_boundary(self.tables)
-        self._synced_length = old + 1  # the step advanced the device count itself
+        self._synced_length = old + 1 if whole else old  # the step advanced the device count after its last layer
 
     def bind_state(self, num_tokens: torch.Tensor, tail_slot: torch.Tensor, kernel_tokens: torch.Tensor) -> None:
         """Keep the device count [1], tail slots [L] and kernel token count [1] in these tensors from now on

@@ -2,7 +2,8 @@
 is on the GPU pools or in the cpu tier: after store.load, and by itself when open starts a background load.
 On CPU the captured path's bookkeeping runs (Decoder._captures patched; GraphDecoder's forward runs eagerly)
 and Decoder.paths says which path each token took. Logits equal the never-saved sequence's bit for bit where
-it took the same path per token (the two paths' forwards round differently)."""
+it took the same path per token (the two paths' forwards round differently). An opened sequence's eager tokens
+run the DecodePath (blocks in the save: kvstore/decode/eager_step.py), so the never-saved one's do too."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from engine_adapter.decoder import Decoder
 from engine_adapter.weights import random_llama
+from eviction import TopK
 from kvstore import Config, KVStore
 from tests.engine_adapter.test_llama import TINY
 
@@ -45,8 +47,8 @@ def never_saved(path, paths: list[str]) -> list[torch.Tensor]:
         store.save(seq, "doc")
         out = []
         for token, path in zip(forced(len(paths)), paths):
-            decoder.graphs = path == "captured"
-            out.append(decoder.decode_step(seq, token, "topk", BUDGET))
+            decoder.graphs = path == "captured"  # eager: the store's topk policy as an instance runs the DecodePath
+            out.append(decoder.decode_step(seq, token, "topk" if decoder.graphs else TopK(), BUDGET))
         assert decoder.paths["captured"] == paths.count("captured")
         return out
 
@@ -95,7 +97,9 @@ def test_a_background_load_switches_an_opened_context_to_the_captured_step(tmp_p
         first = paths.index("captured")
         assert set(paths[first:]) == {"captured"}  # no way back once every block is in
         assert not store.loads.loading(seq) and store.stats()["tiers"]["saved"]["blocks"] == 0
-        assert store.stats()["attend"]["cold_slices_staged"] > 0
+        attend = store.stats()["attend"]
+        assert attend["cold_slices_staged"] > 0 and attend["step_calls"] == 0  # eager tokens: blocks in the save
+        assert attend["fallback_calls"] == {"not_ready": first * TINY.num_layers}
         store.check_integrity()
     want = never_saved(tmp_path / "again", paths)
     assert all(torch.equal(a, b) for a, b in zip(got, want))

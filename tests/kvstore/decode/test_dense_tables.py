@@ -13,7 +13,7 @@ import torch
 from kvstore.decode import dense_tables as step_dense
 from kvstore.attention.paged_decode import paged_decode
 from kvstore.attention.partition import partition_table_ref
-from tests.kvstore.decode.test_step import DEVICE, SPEC, make_store, tokens, twin_stores
+from tests.kvstore.decode.test_step import DEVICE, SPEC, eager_path, make_store, tokens, twin_stores
 
 
 def test_table_moves_count_every_map_write(tmp_path):
@@ -58,7 +58,7 @@ def _run_dense_step(tmp_path, monkeypatch, num_tokens: int, interpret_every: int
         for layer in range(SPEC.num_layers):
             q, k, v = work[t * SPEC.num_layers + layer]
             eager.append(sa, layer, k[None], v[None])
-            want = eager.attend(sa, layer, q, mode="dense")
+            want = eager_path(eager, sa, layer, q, "dense")
             got = step.attend(layer, q, k, v)
             torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-3)
         step.end_token()
@@ -136,7 +136,7 @@ def test_a_long_mixed_dense_step_partitions_between_tokens_not_in_them(tmp_path,
             q, k, v = work[t * SPEC.num_layers + layer]
             eager.append(sa, layer, k[None], v[None])
             before = len(calls)
-            want = eager.attend(sa, layer, q, mode="dense")
+            want = eager_path(eager, sa, layer, q, "dense")
             assert len(calls) == before + 1  # the eager kernel partitioned the table
             got = step.attend(layer, q, k, v)
             assert len(calls) == before + 1  # the step's kernel read the kept partition

@@ -1,4 +1,4 @@
-"""DecodeStep (the capturable all-layer step) against the eager path on the same tokens: same outputs,
+"""DecodeStep (the capturable all-layer step) against the DecodePath (`eager_path`) on the same tokens: same outputs,
 same stored K/V, same summaries and H2O scores, across block boundaries, window crossings
 (hot -> warm cooling) and the dense -> topk phase change. Runs eagerly on CPU; on CUDA the
 same step is what engines capture (tests/engine_adapter/test_gpu_decode.py replays it)."""
@@ -35,6 +35,12 @@ def tokens(n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Te
     return out
 
 
+def eager_path(store: KVStore, seq: int, layer: int, q: torch.Tensor, mode: str, budget: int = 4096) -> torch.Tensor:
+    """The DecodePath's attend (kvstore/decode/eager.py: what store.attend runs where the step cannot serve a token;
+    store.table first stores the layer's appended token the eager way)."""
+    return store.decode.attend(store.table(seq, layer), q, store.policies.get(mode), budget)
+
+
 def twin_stores(tmp_path, length: int, seed: int, **overrides) -> tuple[KVStore, KVStore, int, int]:
     """Two stores holding the same `length` prefill tokens in every layer: (eager, stepped, their sequences)."""
     eager, stepped = make_store(tmp_path, "a", **overrides), make_store(tmp_path, "b", **overrides)
@@ -61,7 +67,7 @@ def test_step_equals_append_plus_attend(tmp_path, mode, budget):
         for layer in range(SPEC.num_layers):
             q, k, v = work[t * SPEC.num_layers + layer]
             eager.append(sa, layer, k[None], v[None])
-            want = eager.attend(sa, layer, q, mode=mode, budget=budget)
+            want = eager_path(eager, sa, layer, q, mode, budget)
             got = step.attend(layer, q, k, v)
             torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-3)
         step.end_token()
@@ -177,7 +183,7 @@ def test_step_serves_selected_cpu_blocks_like_gpu_held_ones(tmp_path, mode):
             assert torch.equal(got, warm_step.attend(layer, q, k, v))
             if mode == "topk":
                 eager.append(sa, layer, k[None], v[None])
-                want = eager.attend(sa, layer, q, mode=mode, budget=128)
+                want = eager_path(eager, sa, layer, q, mode, 128)
                 torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-3)
         step.end_token(), warm_step.end_token()
     step.verify()
@@ -201,7 +207,7 @@ def test_step_serves_fp16_cpu_blocks_like_the_eager_path(tmp_path):
     step.begin_token()
     for layer, (q, k, v) in enumerate(tokens(1, seed=8)):
         eager.append(sa, layer, k[None], v[None])
-        assert torch.equal(step.attend(layer, q, k, v), eager.attend(sa, layer, q, mode="topk", budget=128))
+        assert torch.equal(step.attend(layer, q, k, v), eager_path(eager, sa, layer, q, "topk", 128))
     step.end_token()
     step.verify()
     assert stepped.stats()["attend"]["cold_slices_staged"] > 0 and eager.stats()["attend"]["cold_blocks_fetched"] > 0
@@ -257,7 +263,7 @@ def test_a_long_all_hot_dense_step_skips_the_partition_walk(tmp_path, monkeypatc
             q, k, v = work[t * SPEC.num_layers + layer]
             eager.append(sa, layer, k[None], v[None])
             before = len(calls)
-            want = eager.attend(sa, layer, q, mode="dense")
+            want = eager_path(eager, sa, layer, q, "dense")
             assert len(calls) == before + 1  # the eager kernel walked the partitioned table
             got = step.attend(layer, q, k, v)
             assert len(calls) == before + 1  # the step did not

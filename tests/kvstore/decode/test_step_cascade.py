@@ -7,7 +7,7 @@ import torch
 
 from kvstore import Config, KVStore, ModelSpec
 from tests.eviction.test_cascade import needle_haystack
-from tests.kvstore.decode.test_step import SPEC, tokens, twin_stores
+from tests.kvstore.decode.test_step import SPEC, eager_path, tokens, twin_stores
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -22,10 +22,10 @@ def test_cascade_step_equals_the_eager_cascade(tmp_path):
         for layer in range(SPEC.num_layers):
             q, k, v = work[t * SPEC.num_layers + layer]
             eager.append(sa, layer, k[None], v[None])
-            want = eager.attend(sa, layer, q, mode="cascade", budget=128)
+            want = eager_path(eager, sa, layer, q, "cascade", 128)
             got = step.attend(layer, q, k, v)
             torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-3)
-            quest = eager.attend(sa, layer, q, mode="topk", budget=128)
+            quest = eager_path(eager, sa, layer, q, "topk", 128)
             differs_from_quest += not torch.allclose(quest.float(), want.float(), atol=2e-3, rtol=2e-3)
         step.end_token()
     assert differs_from_quest > 0  # the cascade's rerank changed what was read
