@@ -8,7 +8,7 @@ batch row.
     register()                                   # adds "kvtier" to transformers' attention and mask interfaces
     model.set_attn_implementation("kvtier")      # or from_pretrained(..., attn_implementation="kvtier")
     with KVTierCache(store, mode="topk", budget=512) as cache:
-        out = model.generate(input_ids, attention_mask=mask, cache=cache, max_new_tokens=32, do_sample=False)
+        out = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=32, do_sample=False)
         print(cache.decode_reads())              # K/V bytes the store's decode attention read per step
 
 The model calls `cache.update(k, v, layer)` and then this function on what update() returned.
@@ -49,7 +49,7 @@ def kvtier_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     """query [B, Hq, T, D], key/value [B, Hkv, T, D] as KVTierLayer.update returned them -> ([B, T, Hq, D], None)."""
     layer: KVTierLayer | None = getattr(key, LAYER_ATTRIBUTE, None)
     if layer is None:
-        raise ValueError("attn_implementation='kvtier' needs a KVTierCache: pass cache=KVTierCache(store, ...) "
+        raise ValueError("attn_implementation='kvtier' needs a KVTierCache: pass past_key_values=KVTierCache(store, ...) "
                          "to generate() or forward()")
     try:
         _check(module, layer, dropout, kwargs)

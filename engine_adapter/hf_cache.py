@@ -3,7 +3,7 @@
     register()                                   # engine_adapter.hf_attention: attn_implementation="kvtier"
     model.set_attn_implementation("kvtier")
     with KVTierCache(store, mode="topk", budget=512) as cache:
-        out = model.generate(input_ids, attention_mask=mask, cache=cache, max_new_tokens=16, do_sample=False)
+        out = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=16, do_sample=False)
         print(cache.decode_reads())
 
 One store sequence per batch row. Each layer's update() (engine_adapter/hf_cache_layer.py) stages the new K/V

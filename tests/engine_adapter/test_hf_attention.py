@@ -46,7 +46,7 @@ def test_topk_at_an_eighth_answers_the_passkey_like_dense_and_reads_about_its_bu
     answers, reads = {}, {}
     with kvtier_attention(hf_model), KVStore(config()) as store, KVTierCache(store) as prefilled:
         with torch.no_grad():
-            hf_model(ids[:, :-1], cache=prefilled, logits_to_keep=1)  # one SDPA prefill for every mode
+            hf_model(ids[:, :-1], past_key_values=prefilled, logits_to_keep=1)  # one SDPA prefill for every mode
         for mode in ("dense", "topk", "window"):
             with prefilled.fork(mode, BUDGET) as cache:
                 answers[mode] = read_passkey(tokenizer.decode(generate(hf_model, ids, 5, cache)))
@@ -95,7 +95,7 @@ def test_generate_cli_hf_engine_prints_text_and_bytes_per_step(
 
 
 def generate_masked(model, ids: torch.Tensor, mask: torch.Tensor, n: int, cache=None) -> list[int]:
-    kwargs = {} if cache is None else {"cache": cache}
+    kwargs = {} if cache is None else {"past_key_values": cache}
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                              pad_token_id=0, **kwargs)
@@ -109,7 +109,7 @@ def forward_greedy(model, ids: torch.Tensor, mask_for, n: int, cache) -> list[in
     with torch.no_grad():
         for _ in range(n):
             mask = mask_for(step.shape[1], cache.get_seq_length() + step.shape[1])
-            tokens.append(int(model(step, attention_mask=mask, cache=cache).logits[0, -1].argmax()))
+            tokens.append(int(model(step, attention_mask=mask, past_key_values=cache).logits[0, -1].argmax()))
             step = torch.tensor([tokens[-1:]])
     return tokens
 

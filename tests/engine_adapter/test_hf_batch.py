@@ -30,7 +30,7 @@ def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch
 def generate_batch(model, ids: torch.Tensor, mask: torch.Tensor | None, cache, n: int = NUM_NEW):
     """Greedy tokens [B, n] and the logits they came from ([n] x [B, vocab])."""
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=n, min_new_tokens=n,
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n, min_new_tokens=n,
                              do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     return out.sequences[:, ids.shape[1]:].tolist(), out.logits
 
@@ -134,16 +134,16 @@ def test_a_4d_mask_is_applied_when_it_is_what_the_cache_attends_and_refused_othe
     pad_sees_itself[1, 0, 0, 0] = True  # a pad query that sees itself reads as a token before row 1's pads
     with torch.no_grad(), kvtier_attention(hf), store_for(TINY, hot_tokens=1024) as store:
         with KVTierCache(store) as cache:
-            expected = hf(ids, attention_mask=mask, position_ids=positions, cache=cache).logits  # the 2-D path
+            expected = hf(ids, attention_mask=mask, position_ids=positions, past_key_values=cache).logits  # the 2-D path
             with pytest.raises(ValueError, match="hold padding"):  # then no mask: the pads would count as tokens
-                hf(ids[:, -1:], cache=cache)
+                hf(ids[:, -1:], past_key_values=cache)
         for mask_4d in (applied, additive):
             with KVTierCache(store) as cache:
-                ours = hf(ids, attention_mask=mask_4d, position_ids=positions, cache=cache).logits
+                ours = hf(ids, attention_mask=mask_4d, position_ids=positions, past_key_values=cache).logits
                 torch.testing.assert_close(ours[real], expected[real], rtol=0, atol=0)
         for mask_4d, refusal in ((sees_a_pad, "4-D mask that allows exactly"), (pad_sees_itself, "between its tokens")):
             with KVTierCache(store) as cache:
                 with pytest.raises(ValueError, match=refusal):
-                    hf(ids, attention_mask=mask_4d, position_ids=positions, cache=cache)
+                    hf(ids, attention_mask=mask_4d, position_ids=positions, past_key_values=cache)
                 assert [store.table(seq, 0).num_tokens for seq in cache.seqs] == [0, 0]
         store.check_integrity()

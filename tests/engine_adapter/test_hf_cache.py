@@ -34,7 +34,7 @@ def kvtier_attention(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
 
 def generate(model, ids: torch.Tensor, n: int, cache=None) -> list[int]:
-    kwargs = {} if cache is None else {"cache": cache}
+    kwargs = {} if cache is None else {"past_key_values": cache}
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kwargs)
     return out[0, ids.shape[1]:].tolist()
@@ -105,7 +105,7 @@ def test_chunked_prefill_and_decode_match_hf_logits() -> None:
     with torch.no_grad():
         ref = hf(ids).logits[0]  # [T, V] fp32 K/V, one pass
         with kvtier_attention(hf), store_for(TINY, hot_tokens=1024) as store, KVTierCache(store) as cache:
-            parts = [hf(ids[:, a:b], cache=cache).logits[0] for a, b in ((0, 70), (70, 129), (129, 130))]
+            parts = [hf(ids[:, a:b], past_key_values=cache).logits[0] for a, b in ((0, 70), (70, 129), (129, 130))]
             store.check_integrity()
     ours = torch.cat(parts)  # chunk 2 attends the store's fp16 copy of chunk 1; the last token decodes
     err = (ours - ref).abs().max() / ref.abs().max()
@@ -197,15 +197,15 @@ def test_a_4d_mask_is_applied_when_causal_and_refused_otherwise() -> None:
     additive = torch.zeros(1, 1, 24, 24).masked_fill(~causal, float("-inf"))
     biased = additive.masked_fill(causal & (torch.arange(24) < 4), -1.0)  # a soft bias the store cannot apply
     with torch.no_grad():
-        expected = hf(ids, cache=DynamicCache(config=hf.config), attention_mask=causal).logits  # HF's SDPA
+        expected = hf(ids, past_key_values=DynamicCache(config=hf.config), attention_mask=causal).logits  # HF's SDPA
     with torch.no_grad(), kvtier_attention(hf), store_for(TINY, hot_tokens=1024) as store:
         for mask in (causal, additive):
             with KVTierCache(store) as cache:
-                torch.testing.assert_close(hf(ids, cache=cache, attention_mask=mask).logits, expected)
+                torch.testing.assert_close(hf(ids, past_key_values=cache, attention_mask=mask).logits, expected)
         for mask in (biased, causal.transpose(2, 3), causal[..., :20]):  # a bias, the future, a short mask
             with KVTierCache(store) as cache:
                 with pytest.raises(ValueError, match="4-D mask that allows exactly"):
-                    hf(ids, cache=cache, attention_mask=mask)
+                    hf(ids, past_key_values=cache, attention_mask=mask)
                 assert [store.table(cache.seq, i).num_tokens for i in range(TINY.num_layers)] == [0, 0]
         store.check_integrity()
 
@@ -215,7 +215,7 @@ def test_topk_reads_about_the_budget_per_step_and_fork_shares_a_prefill() -> Non
     with kvtier_attention(hf), store_for(TINY, hot_tokens=1024, recent_tokens=16) as store:
         with KVTierCache(store) as base:
             with torch.no_grad():
-                hf(ids[:, :-1], cache=base)  # prefill once
+                hf(ids[:, :-1], past_key_values=base)  # prefill once
             for mode, budget in (("topk", 96), ("window", 96), ("dense", 4096)):
                 with base.fork(mode, budget) as cache:
                     assert cache.get_seq_length() == 639 and (cache.mode, cache.budget) == (mode, budget)
