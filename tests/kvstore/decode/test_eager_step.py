@@ -14,7 +14,7 @@ from engine_adapter.decoder import Decoder
 from engine_adapter.weights import random_llama
 from eviction import TopK
 from tests.engine_adapter.test_llama import TINY, store_for
-from tests.kvstore.decode.test_step import SPEC, cold_pair, make_store, tokens, twin_stores
+from tests.kvstore.decode.test_step import DEVICE, SPEC, cold_pair, make_store, tokens, twin_stores
 
 L = SPEC.num_layers
 
@@ -161,7 +161,7 @@ def test_unusual_call_orders_give_correct_outputs_and_an_intact_store(tmp_path):
     store = make_store(tmp_path, "u", hot_tokens=4096, warm_tokens=0)
     seq = store.create_sequence()
     g = torch.Generator().manual_seed(7)
-    prefill = [torch.randn(47, 2, 32, generator=g).half() for _ in range(2)]
+    prefill = [torch.randn(47, 2, 32, generator=g).half().to(DEVICE) for _ in range(2)]
     for layer in range(L):
         store.append(seq, layer, *prefill)
     appended = [list(prefill[0]) for _ in range(L)]  # every key each layer was given, in order
@@ -203,7 +203,7 @@ def test_two_sequences_interleaved_layer_by_layer_each_equal_their_step(tmp_path
     g = torch.Generator().manual_seed(9)
     seqs = []
     for length in (90, 130):
-        kv = [torch.randn(length, 2, 32, generator=g).half() for _ in range(2)]
+        kv = [torch.randn(length, 2, 32, generator=g).half().to(DEVICE) for _ in range(2)]
         pair = api.create_sequence(), stepped.create_sequence()
         for store, seq in zip((api, stepped), pair):
             for layer in range(L):
