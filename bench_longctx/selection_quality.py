@@ -9,7 +9,7 @@ mass per block (mean over the kv head's GQA group, as the store's kernel reports
 for each selector the mass of the blocks it picks at budget = context / 8, 16, 32 with
 64 sink tokens and a recent window protected inside the budget: 64 tokens, or with
 --recent-tokens store the window a store with the default Config forces (1,024 tokens, at most
-half the budget). The oracle picks the protected blocks plus the blocks of highest true mass,
+1/8 of the budget). The oracle picks the protected blocks plus the blocks of highest true mass,
 the same count; `oracle_free` the blocks of highest true mass with nothing protected, the same
 count (what the window costs). Reported per (method, block size, budget): mean over layer-heads
 of captured mass and of mass / oracle, the worst layer-head (each layer-head averaged over the
@@ -44,6 +44,7 @@ from eviction.certify import attended_lse, certified_omitted_mass, true_omitted_
 from eviction.select import SeqWindow, select, top_blocks
 from eviction.sketch import sketch_keys
 from eviction.sketch_topk import SketchTopK
+from kvstore.decode.eager import RECENT_SHARE
 
 from bench_longctx.block_estimators import blocks_of, scorers
 
@@ -64,8 +65,8 @@ def dense_block_mass(q: torch.Tensor, keys: torch.Tensor, block_tokens: int,
 
 def recent_window(budget: int, recent_tokens: int | None) -> int:
     """The recent window kept at `budget`: recent_tokens, or with None the store's (STORE_RECENT_TOKENS, at most
-    half the budget: kvstore/decode/eager.py DecodePath.recent_window)."""
-    return min(STORE_RECENT_TOKENS, budget // 2) if recent_tokens is None else recent_tokens
+    budget / RECENT_SHARE: kvstore/decode/eager.py DecodePath.recent_window)."""
+    return min(STORE_RECENT_TOKENS, budget // RECENT_SHARE) if recent_tokens is None else recent_tokens
 
 
 def candidate_ceiling(mass: torch.Tensor, window: SeqWindow, candidates: torch.Tensor, k: int) -> torch.Tensor:

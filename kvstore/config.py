@@ -90,7 +90,7 @@ class Config:
     hot_sequences: int = 1  # sequences whose sinks + hot window + tail the hot pool holds at once (a batch's size)
     warm_format: str = "int8"  # "int8", "fp8" (e4m3) or "int4" (KIVI, 2 codes a byte): docs/tiers.md, Formats
     int4_group: int = 32  # int4: tokens of K (per channel) and channels of V (per token) sharing a scale and zero
-    recent_tokens: int | None = None  # window every sparse step keeps, at most half its budget (None: min(1024, hot_tokens))
+    recent_tokens: int | None = None  # window every sparse step keeps, at most 1/8 of its budget (None: min(1024, hot_tokens))
     gpu_bytes: int = 1 << 30  # hot + warm pools + staging, shared by all sequences
     staging_tokens: int | None = None  # GPU slots (fp16 and warm each) cold blocks are fetched into per step (None: hot_tokens)
     cpu_bytes: int = 4 << 30  # cold host tier

@@ -81,6 +81,12 @@ def block_table(table: LayerTable, selected: torch.Tensor) -> tuple[torch.Tensor
     return table.slot_map[selected], table.tier_map[selected] == WARM_TIER
 
 
+# A budgeted step forces at most budget / RECENT_SHARE recent tokens. On real Q/K (SmolLM2, 8K context, budgets
+# 1/16 and 1/8) half the budget left every selector, even a perfect one, 2-3 points short of the mass the best
+# blocks hold, and an eighth gave lower perplexity in every mode (BENCHMARKS.md, "The forced recent window").
+RECENT_SHARE = 8
+
+
 class DecodePath:
     def __init__(self, config: Config, tiers: TierSet) -> None:
         self.block_tokens, self.sink_tokens = config.block_tokens, config.sink_tokens
@@ -91,9 +97,9 @@ class DecodePath:
         self.stats = AttendStats()
 
     def recent_window(self, budget: int) -> int:
-        """The recent window a budgeted step always keeps: Config.recent_tokens, at most half the budget,
-        so a small budget still leaves room for what the policy picks."""
-        return min(self.recent_tokens, budget // 2)
+        """The recent window a budgeted step always keeps: Config.recent_tokens, at most budget / RECENT_SHARE,
+        so most of the budget is left to what the policy picks."""
+        return min(self.recent_tokens, budget // RECENT_SHARE)
 
     def context(self, table: LayerTable, q: torch.Tensor, budget: int) -> ScoreContext:
         """What a policy sees of `table` at this step (validated once, here)."""

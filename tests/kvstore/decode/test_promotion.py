@@ -15,11 +15,11 @@ FULL = dict(gpu_bytes=160 << 10, warm_tokens=256)
 THRESHOLD = 2 * SPEC.num_kv_heads  # PROMOTE_AFTER whole blocks' worth of head slices
 
 
-def decode(store, seq: int, num_tokens: int, seed: int = 6, last_end: bool = True):
+def decode(store, seq: int, num_tokens: int, seed: int = 6, last_end: bool = True, budget: int = 128):
     """num_tokens through the sequence's DecodeStep: (the step, outputs of every token and layer, slices staged by
     each token). last_end=False: the last token's end_token (a block boundary, when it fills the tails) is left
     to the caller."""
-    step = store.decode_step(seq, mode="topk", budget=128)
+    step = store.decode_step(seq, mode="topk", budget=budget)
     work, outputs, staged, seen = tokens(num_tokens, seed), [], [], 0
     for t in range(num_tokens):
         step.begin_token()
@@ -60,14 +60,17 @@ def test_promoted_blocks_stop_being_staged_and_the_outputs_stay_bit_equal(tmp_pa
 
 
 def test_a_full_warm_pool_swaps_out_the_least_attended_block_never_a_protected_one(tmp_path):
-    """hot_tokens 32 with a 64-token recent window: the recent window's older blocks lie in the warm tier. The
+    """hot_tokens 32 with a 64-token recent window (a budget of 512): the window's older blocks lie in the warm tier. The
     least attended movable warm block goes to cpu (same bytes, verified there); recent-window blocks attended
     even less stay."""
-    _, store, (_, seq) = cold_pair(tmp_path, **FULL, hot_tokens=32, recent_tokens=64)
+    # staging rows for 512 tokens, not 128 (408 bytes a token: fp16 and int8 slots): the same full warm pool
+    full = {**FULL, "gpu_bytes": FULL["gpu_bytes"] + (512 - 128) * 408}
+    _, store, (_, seq) = cold_pair(tmp_path, **full, hot_tokens=32, recent_tokens=64, staging_tokens=512)
     tiers = store.tiers
-    step, _, _ = decode(store, seq, 8, last_end=False)  # 600 -> 608: the 8th token's end_token is the boundary
+    step, _, _ = decode(store, seq, 8, last_end=False, budget=512)  # 600 -> 608: the 8th token's end_token is the boundary
     tables = [store.table(seq, layer) for layer in range(SPEC.num_layers)]
     n = tables[0].num_blocks
+    assert step.recent_tokens == 64
     first_kept = (608 - 64) // 16  # blocks of the last 64 tokens (and the sinks, the tail) are never moved down
     warm = [(layer, i) for layer, t in enumerate(tables) for i in range(n) if int(t.tier_map[i]) == WARM_TIER]
     movable = [(layer, i) for layer, i in warm if 1 <= i < first_kept]
