@@ -167,7 +167,9 @@ def test_a_captured_batch_gives_each_sequence_its_logits_alone(mode):
     """Three sequences of different lengths (one in the dense phase) decoded together by one captured step per
     token, the same tokens forced into each: every row's logits equal that sequence's captured step alone
     within fp16 rounding (the batch's matmuls and kernel splits differ), a sequence leaving half way included.
-    The sketch's two-level selection can flip a near-tie block on such rounding of q: there most rows agree."""
+    A selection can flip a near-tie block on such rounding of q at a token (seen on an H100: top-K, one token of
+    40, 0.13 where the others differ by 0.005; the sketch's two-level selection more often): there most tokens
+    agree, and the next token agrees again."""
     model, config, prompts = batch_case((500, 3000, 5000))
     forced = torch.randint(0, model.args.vocab_size, (3, 60), generator=torch.Generator().manual_seed(9)).tolist()
     results = []
@@ -192,7 +194,8 @@ def test_a_captured_batch_gives_each_sequence_its_logits_alone(mode):
                 assert (tuple(seqs[1:]), mode, 512) in decoder.graph_decoders.graphs
     for alone, together in zip(*results):
         close = torch.isclose(together, alone, atol=2e-2, rtol=2e-2).all(-1)  # [tokens]
-        assert bool(close.all()) if mode != "sketch" else float(close.float().mean()) >= 0.9, close
+        agree = {"dense": 1.0, "topk": 0.95, "sketch": 0.9}[mode]
+        assert float(close.float().mean()) >= agree, close
 
 
 def test_captured_rows_take_a_join_and_a_leave_without_a_capture():
