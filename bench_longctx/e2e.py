@@ -33,6 +33,7 @@ from engine_adapter.prefill import APPEND_TOKENS
 from eviction.cascade import CascadeTopK
 from kvstore.config import ModelSpec
 from kvstore.store import KVStore
+from kvstore.blocks.table import TableTensors
 from kvstore.blocks.tier_stack import staging_bytes
 from tiers.layout import BlockLayout
 
@@ -87,14 +88,18 @@ def prefill_bytes(args: LlamaArgs, context: int) -> int:
 
 
 def e2e_store(spec: ModelSpec, p: E2EPreset, device: torch.device, reserve: int = 0) -> KVStore:
-    """p.warm_format warm for as much of the context as the device holds (less `reserve` bytes); the rest in
-    that format in host memory."""
+    """p.warm_format warm for as much of the context as the device holds (less `reserve` bytes and the block
+    tables: summaries, maps, H2O scores and sketch codes of every block, GPU-held or not); the rest in that
+    format in host memory."""
     sink = 64
     hot = store_bytes(spec, 32, p.hot_tokens, 0, sink, p.warm_format)
     per_token = spec.num_layers * BlockLayout.of(spec, 32, p.warm_format).warm_bytes / 32
     staging_tokens = max(4096, p.budget)  # a staging row per selected block: the step reads cpu blocks itself
     staging = staging_bytes(BlockLayout.of(spec, p.block_tokens, p.warm_format), staging_tokens)
-    room = available_bytes(device) - reserve - 2 * hot - staging
+    blocks = -(-(p.context + p.context // 16) // p.block_tokens)  # a decode step's capacity: 1/16 to spare
+    tables = spec.num_layers * blocks * TableTensors(spec.num_kv_heads, spec.head_dim, p.block_tokens,
+                                                     device).bytes_per_block()
+    room = available_bytes(device) - reserve - 2 * hot - staging - tables
     warm_tokens = max(0, min(p.context + p.steps * 8, int(room / per_token) - 64)) // 32 * 32  # 4 paths append
     if p.warm_tokens:
         warm_tokens = min(warm_tokens, p.warm_tokens)
@@ -191,7 +196,8 @@ def appended_kv_matches(decoder: Decoder, seq: int, start: int, token_ids: list[
 
 def memory(store: KVStore, model: Llama, seq: int) -> dict:
     tables = [store.table(seq, i) for i in range(store.spec.num_layers)]
-    index = sum(t.summaries.numel() * 2 + t.h2o_scores.numel() * 4 + t.slot_map.numel() * 5 for t in tables)
+    index = sum(t.summaries.numel() * 2 + t.h2o_scores.numel() * 4 + t.slot_map.numel() * 5 + t.sketch.numel()
+                for t in tables)
     out = {"tiers": store.stats()["tiers"], "block_index_bytes": index,
            "model_weights_bytes": sum(t.numel() * t.element_size() for t in model.parameters())}
     if store.device.type == "cuda":

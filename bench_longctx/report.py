@@ -59,6 +59,8 @@ def needle_table(r: dict) -> str:
         parts += ["SmolLM2-135M passkey accuracy",
                   md_table(["context", "recent tokens", "mode", "budget", "accuracy", "prompts"], rows)]
     parts += _skip_or_error("passkey", pk)
+    if "error" in pk.get("kvpress", {}):
+        parts += _skip_or_error("kvpress passkey", pk["kvpress"])
     return "\n\n".join(parts)
 
 
@@ -72,15 +74,26 @@ def tiers_table(r: dict) -> str:
 
 def quality_table(r: dict) -> str:
     p = r["prefill"]
-    rows = [[x["store"], x.get("window_tokens"), x["mode"], x["budget"], x["ppl"], x["delta_vs_dense_fp16"],
-             x["relative_delta"]] for x in r["decode"]["rows"]]
+    rows = [[x["store"], x.get("window_tokens"), x["mode"], x["budget"], x["ppl"],
+             x.get("delta_vs_dense_fp16", x.get("delta_vs_own_dense")),
+             x.get("relative_delta", x.get("relative_vs_own_dense"))] for x in r["decode"]["rows"]]
     return "\n\n".join([
         f"Perplexity, {r['model']}, {r['text']}",
         md_table(["prefill tokens", "fp16", "int8 warm", "delta", "relative"],
                  [[p["tokens"], p["fp16_ppl"], p["int8_warm_ppl"], p["delta"], p["relative_delta"]]]),
         f"Teacher-forced decode: {r['decode']['scored_tokens']} tokens after a {r['decode']['prefix_tokens']}-token "
         "prefix", md_table(["store", "recent window", "mode", "budget", "ppl", "delta", "relative"], rows),
-        *selection_tables(r)])
+        *kvpress_notes(r.get("kvpress", {})), *selection_tables(r)])
+
+
+def kvpress_notes(k: dict) -> list[str]:
+    if "dense_ppl" not in k:
+        return [] if "quality.kvpress_python" in k.get("skipped", "") else _skip_or_error("kvpress", k)
+    v = k["versions"]
+    return [f"- kvpress rows (kvpress {v['kvpress']}, transformers {v['transformers']}, fp32 KV): the press "
+            f"keeps `budget` tokens of the prefix and the scored tokens join uncompressed; deltas are against "
+            f"kvpress's own dense row, whose ppl {fmt(k['dense_ppl'])} differs from kvtier's dense fp16 "
+            f"{fmt(k['kvtier_dense_fp16_ppl'])} by {fmt(k['dense_difference'])}"]
 
 
 def selection_tables(r: dict) -> list[str]:
@@ -107,7 +120,7 @@ def e2e_table(r: dict) -> str:
     tiers = [[name, t["blocks"], t["bytes"] / 2**30, t["capacity_bytes"] / 2**30]
              for name, t in r["memory"]["tiers"].items()]
     mem = r["memory"]
-    extra = [["block index (summaries, maps, H2O)", None, mem["block_index_bytes"] / 2**30, None],
+    extra = [["block index (summaries, maps, H2O, sketch codes)", None, mem["block_index_bytes"] / 2**30, None],
              ["model weights", None, mem["model_weights_bytes"] / 2**30, None]]
     if "cuda_max_allocated_bytes" in mem:
         extra.append(["CUDA max allocated", None, mem["cuda_max_allocated_bytes"] / 2**30, None])
