@@ -1,6 +1,7 @@
-"""Where a captured decode token's GPU time goes, kernel by kernel (CUDA only).
+"""Where a captured decode token's GPU time goes, kernel by kernel (CUDA only); with --eager, where the eager
+path's host time goes (Decoder(graphs=False): store.append + store.attend per layer, as an eager engine runs).
 
-    python -m bench_longctx.step_profile --out DIR [--context 1048576] [--mode topk] [--steps 16]
+    python -m bench_longctx.step_profile --out DIR [--context 1048576] [--mode topk] [--steps 16] [--eager]
 
 The e2e benchmark's model and store (llama3-8b geometry, random weights, random K/V fill, every
 token appended): a few tokens to compile and capture, `steps` timed tokens through
@@ -8,14 +9,17 @@ Decoder.decode_step (one synced token at a time), two blocks' worth through Deco
 (queued ahead of the host; the lines where it still synchronizes are listed), then `steps` tokens
 under torch.profiler. Kernels are grouped by name and
 reported per token: launches, microseconds, share of the token's GPU time. Launch-bound steps show
-up as many short kernels whose count, not their bytes, sets the time.
+up as many short kernels whose count, not their bytes, sets the time. --eager adds the host side: the
+functions of largest cumulative time per token (cProfile) and the Triton launches per token.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import dataclasses
+import pstats
 import warnings
 
 import torch
@@ -56,18 +60,35 @@ def host_syncs(run) -> dict[str, int]:
     return dict(found)
 
 
+def host_table(run, steps: int, limit: int = 25) -> tuple[list[dict], float]:
+    """(the functions of largest cumulative host time, ms per token, and Triton launches per token) of `run`."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run()
+    torch.cuda.synchronize()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, tottime, cumtime, callers)
+    rows = [{"function": f"{'/'.join(file.split('/')[-2:])}:{line}({name})", "calls_per_token": calls / steps, "ms_per_token": 1e3 * cum / steps,
+             "self_ms_per_token": 1e3 * own / steps}
+            for (file, line, name), (_, calls, own, cum, _) in stats.items()]
+    launches = sum(calls for (file, _, name), (_, calls, *_) in stats.items()
+                   if file.endswith("triton/runtime/jit.py") and name == "run")
+    return sorted(rows, key=lambda r: -r["ms_per_token"])[:limit], launches / steps
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--context", type=int, default=1 << 20)
     parser.add_argument("--mode", default="topk", choices=("topk", "dense", "sketch"))
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--eager", action="store_true", help="the eager path (no graphs), with its host profile")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     p = dataclasses.replace(get_preset("h200").e2e, context=args.context, steps=3 * args.steps + 8)
     model = random_model(model_args(p.geometry, p.layers), device, torch.float16)
     store = e2e_store(model.args.spec, p, device)
-    decoder = Decoder(model, store)
+    decoder = Decoder(model, store, graphs=not args.eager)
     seq = store.create_sequence()
     fill_random(store, seq, p.context, seed=0, progress=lambda it, _: it)
     token = [1]
@@ -86,21 +107,27 @@ def main(argv: list[str] | None = None) -> int:
         run(args.steps)
         torch.cuda.synchronize()
     rows = kernel_table(prof, args.steps)
-    result = {"environment": environment(device), "context": p.context, "mode": args.mode, "budget": p.budget,
+    host, triton_launches = host_table(lambda: run(args.steps), args.steps) if args.eager else ([], None)
+    result = {"path": "eager" if args.eager else "graph", "environment": environment(device), "context": p.context, "mode": args.mode, "budget": p.budget,
               "block_tokens": p.block_tokens, "layers": model.args.num_layers, "steps": args.steps,
               "ms_per_token_unprofiled": 1e3 * seconds / args.steps,
               "ms_per_token_run_ahead": 1e3 * ahead_s / ahead, "run_ahead_tokens": ahead,
               "host_syncs_in_run_ahead": syncs,
               "gpu_us_per_token": sum(r["us_per_token"] for r in rows),
-              "launches_per_token": sum(r["launches_per_token"] for r in rows), "kernels": rows}
+              "launches_per_token": sum(r["launches_per_token"] for r in rows), "kernels": rows,
+              "triton_launches_per_token": triton_launches, "host_functions": host}
     store.close()
-    write_json(args.out, f"step_profile_{args.mode}_{p.context}.json", result)
+    write_json(args.out, f"step_profile_{result['path']}_{args.mode}_{p.context}.json", result)
     print(f"{args.mode} at {p.context}: {result['ms_per_token_unprofiled']:.2f} ms/token wall, "
           f"{result['gpu_us_per_token'] / 1e3:.2f} ms GPU, {result['launches_per_token']:.0f} launches/token")
     print(f"continue_greedy (run ahead, {ahead} tokens over block boundaries): "
           f"{result['ms_per_token_run_ahead']:.2f} ms/token; host syncs: {syncs or 'none but the last'}")
     for r in rows[:25]:
         print(f"{r['us_per_token']:9.1f} us {r['launches_per_token']:6.1f}x {100 * r['share']:5.1f}%  {r['kernel']}")
+    if args.eager:
+        print(f"host, per token under cProfile ({triton_launches:.0f} Triton launches): cumulative / own ms, calls")
+        for r in host:
+            print(f"{r['ms_per_token']:8.2f} {r['self_ms_per_token']:7.2f} {r['calls_per_token']:7.1f}  {r['function']}")
     return 0
 
 
