@@ -5,7 +5,9 @@ passkey task). Each prompt is prefilled once into an all-fp16 store; every (mode
 budget) cell then answers on its own fork of that sequence, so modes differ only in
 which blocks their decode steps attend. Per extra recent window (`recent_tokens` after
 the first) the sparse cells answer again in a store with that Config.recent_tokens,
-holding a copy of the prefill.
+holding a copy of the prefill. With `kvpress_python` set, kvpress's presses answer the same prompts in
+that environment (bench_longctx/kvpress_runner.py): the context before the question compressed to the
+budget, the question and answer not.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ import random
 
 import torch
 
-from bench_longctx.models import Models, copy_sequence, model_store
+from bench_longctx import kvpress_runner
+from bench_longctx.models import MODEL, Models, copy_sequence, model_store
 from bench_longctx.presets import PasskeyPreset
 from bench_longctx.timing import Deadline, release
-from engine_adapter.evaluate import passkey_prompt, read_passkey
+from engine_adapter.evaluate import QUESTION, passkey_prompt, read_passkey
 from engine_adapter.decoder import Decoder
+from engine_adapter.weights import find_gguf
 
 MAX_NEW_TOKENS = 6
 
@@ -73,18 +77,23 @@ def accuracy(rows: list[dict]) -> list[dict]:
              "prompts": len(v)} for (c, w, m, b), v in table.items()]
 
 
+def prompts(tokenizer, ctx: int, depths: tuple[float, ...]) -> list[tuple[float, str, list[int]]]:
+    """(depth, passkey, prompt ids) per depth; the passkeys are seeded by ctx, the same on every run."""
+    rng = random.Random(ctx)
+    keys = [f"{rng.randrange(10000, 100000)}" for _ in depths]
+    return [(depth, key, passkey_prompt(tokenizer, ctx, depth, key)) for depth, key in zip(depths, keys)]
+
+
 def run_context(models: Models, ctx: int, p: PasskeyPreset, device: torch.device) -> list[dict]:
     model, tokenizer = models.smollm2()
     stores = [model_store(model.args.spec, device, hot_tokens=ctx + 256, warm_tokens=0, sink_tokens=p.sink_tokens,
                           recent_tokens=w) for w in p.recent_tokens]
-    rng = random.Random(ctx)
     rows = []
     try:
         decoders = [Decoder(model, store) for store in stores]
         cells = cells_for(ctx, p.budgets, p.modes)
-        for depth in p.depths:
-            passkey = f"{rng.randrange(10000, 100000)}"
-            got = answers(decoders, tokenizer, passkey_prompt(tokenizer, ctx, depth, passkey), cells)
+        for depth, passkey, prompt_ids in prompts(tokenizer, ctx, p.depths):
+            got = answers(decoders, tokenizer, prompt_ids, cells)
             rows += [{"context": ctx, "depth": depth, "recent_tokens": w, "mode": m,
                       "budget": b if m != "dense" else None, "passkey": passkey, "answer": a, "correct": a == passkey}
                      for w, m, b, a in got]
@@ -105,6 +114,33 @@ def run_passkey(p: PasskeyPreset, device: torch.device, models: Models, deadline
             skipped.append(ctx)
             continue
         rows += run_context(models, ctx, p, device)
+    done = [c for c in sorted(p.contexts) if c not in skipped]
+    kvpress = {"skipped": "passkey.kvpress_python is empty"}
+    if p.kvpress_python:
+        kvpress = {"skipped": "time budget"} if deadline.expired() else kvpress_answers(p, models, done)
+        rows += kvpress.pop("rows", [])
     return {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized, fp32)", "depths": list(p.depths),
             "sink_tokens": p.sink_tokens, "recent_tokens": list(p.recent_tokens), "accuracy": accuracy(rows),
-            "rows": rows, "skipped_contexts_time_budget": skipped}
+            "rows": rows, "skipped_contexts_time_budget": skipped, "kvpress": kvpress}
+
+
+def kvpress_answers(p: PasskeyPreset, models: Models, contexts: list[int]) -> dict:
+    """kvpress's presses on the prompts of each context, run by p.kvpress_python (one process for all): rows
+    labelled `kvpress:<press>` with a dense row of its own. A failure is recorded, kvtier's rows stay."""
+    tokenizer = models.smollm2()[1]
+    question = len(tokenizer(QUESTION, add_special_tokens=False)["input_ids"])  # a prompt's last tokens
+    asked = [{"key": [ctx, depth, key], "context_ids": ids[:-question], "question_ids": ids[-question:]}
+             for ctx in contexts for depth, key, ids in prompts(tokenizer, ctx, p.depths)]
+    try:
+        req = kvpress_runner.request(str(find_gguf(MODEL)), p.kvpress_presses.split(","), list(p.budgets),
+                                     threads=torch.get_num_threads(), passkey=asked, max_new_tokens=MAX_NEW_TOKENS)
+        got = kvpress_runner.run(p.kvpress_python, req)
+    except (RuntimeError, ValueError, OSError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    rows = []
+    for r in got["passkey"]:
+        (ctx, depth, key), found = r["key"], read_passkey(tokenizer.decode(r["answer_ids"]))
+        rows.append({"context": ctx, "depth": depth, "recent_tokens": None, "mode": f"kvpress:{r['press']}",
+                     "budget": r["budget"], "kept_tokens": r["kept_tokens"], "passkey": key, "answer": found,
+                     "correct": found == key})
+    return {"python": p.kvpress_python, "versions": got["versions"], "wall_s": got["wall_s"], "rows": rows}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from bench_longctx.kvpress_runner import check_presses, check_python
 from kvstore.decode.modes import MODES
 from tiers.layout import QUANT_FORMATS
 
@@ -50,9 +51,13 @@ class PasskeyPreset:
     sink_tokens: int = 64
     recent_tokens: tuple[int, ...] = (128,)  # Config.recent_tokens: a store per window, the prompt prefilled once
     modes: str = "topk,h2o,window"  # the sparse modes answering, comma-separated (dense always answers)
+    kvpress_python: str = ""  # "" or the python of a virtual environment with kvpress, whose presses answer the
+    kvpress_presses: str = "snapkv,expected_attention,knorm,streaming_llm"  # same prompts (kvpress_runner.py)
 
     def __post_init__(self) -> None:
         check_modes("passkey", self.modes, self.recent_tokens)
+        check_python("passkey", self.kvpress_python)
+        check_presses("passkey", self.kvpress_presses)
 
 
 @dataclass(frozen=True)
@@ -72,9 +77,15 @@ class QualityPreset:
     selection_blocks: tuple[int, ...] = (32,)
     selection_fractions: tuple[int, ...] = (8, 16)  # budget = context / fraction (64 sink + 64 recent kept)
     selection_candidate_factors: tuple[int, ...] = (4, 16)  # the store's mode="cascade" at each candidate factor
+    # kvpress: "" skips it; else the python of a virtual environment with kvpress, whose presses score the same
+    # tokens at the same budgets there (bench_longctx/kvpress_runner.py), beside a dense row of its own
+    kvpress_python: str = ""
+    kvpress_presses: str = "snapkv,expected_attention,knorm,streaming_llm"
 
     def __post_init__(self) -> None:
         check_modes("quality", self.modes, self.recent_tokens)
+        check_python("quality", self.kvpress_python)
+        check_presses("quality", self.kvpress_presses)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ story, then Python's reference documentation when more tokens are asked for):
            positions. Dense and top-K also run over the int8 store (kvtier's real setup).
            Per extra recent window (`recent_tokens` after the first) the sparse modes run
            again in an fp16 store with that Config.recent_tokens, holding a copy of the prefill.
+  kvpress  with `kvpress_python` set, kvpress's presses score the same prefix and tokens at the same
+           budgets in that environment (bench_longctx/kvpress_runner.py), beside a dense row of its own.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ import math
 import torch
 import torch.nn.functional as F
 
+from bench_longctx import kvpress_runner
 from bench_longctx.timing import Deadline, release
-from bench_longctx.models import Models, copy_sequence, model_store
+from bench_longctx.models import MODEL, Models, copy_sequence, model_store
 from bench_longctx.presets import QualityPreset
 from bench_longctx.real_qk import PROSE, capture, real_text
 from bench_longctx.selection_quality import evaluate
 from engine_adapter.evaluate import perplexity
 from engine_adapter.decoder import Decoder
+from engine_adapter.weights import find_gguf
 
 
 def decode_nll(decoder: Decoder, seq: int, logits: torch.Tensor, targets: list[int], mode: str, budget: int) -> float:
@@ -118,13 +122,39 @@ def run_quality(p: QualityPreset, device: torch.device, models: Models, deadline
     for r in rows:
         r["delta_vs_dense_fp16"] = None if reference is None else r["ppl"] - reference
         r["relative_delta"] = None if reference is None else r["ppl"] / reference - 1
+    kvpress = {"skipped": "quality.kvpress_python is empty"}
+    if p.kvpress_python:
+        expired = deadline.expired()
+        kvpress = {"skipped": "time budget"} if expired else kvpress_perplexity(p, prefix, targets, reference)
+        rows += kvpress.pop("rows", [])
     return {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized, fp32)", "text": f"{PROSE.name} + pydoc topics",
             "text_tokens": len(ids), "sink_tokens": p.sink_tokens, "recent_tokens": list(p.recent_tokens),
             "prefill": {"tokens": n, "fp16_ppl": prefill["fp16"], "int8_warm_ppl": prefill["int8_warm"],
                         "int8_hot_tokens": p.int8_hot_tokens, "delta": prefill["int8_warm"] - prefill["fp16"],
                         "relative_delta": prefill["int8_warm"] / prefill["fp16"] - 1},
             "decode": {"prefix_tokens": prefix_len, "scored_tokens": len(targets), "rows": rows},
-            "selection": selection}
+            "kvpress": kvpress, "selection": selection}
+
+
+def kvpress_perplexity(p: QualityPreset, prefix: list[int], targets: list[int], reference: float | None) -> dict:
+    """kvpress's presses over the same prefix and targets at the budgets below the prefix, run by
+    p.kvpress_python: rows labelled `kvpress:<press>` (deltas against kvpress's own dense row), and that dense
+    row's perplexity beside kvtier's dense fp16. A failure is recorded, kvtier's rows stay."""
+    budgets = [b for b in p.budgets if b < len(prefix)]
+    try:
+        req = kvpress_runner.request(str(find_gguf(MODEL)), p.kvpress_presses.split(","), budgets,
+                                     threads=torch.get_num_threads(), prefix_ids=prefix, scored_ids=targets)
+        got = kvpress_runner.run(p.kvpress_python, req)
+    except (RuntimeError, ValueError, OSError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    dense = next(r["ppl"] for r in got["perplexity"] if r["press"] == "dense")
+    rows = [{"store": "kvpress", "mode": f"kvpress:{r['press']}", "budget": r["budget"], "ppl": r["ppl"],
+             "kept_tokens": r["kept_tokens"], "compression_ratio": r["compression_ratio"], "window_tokens": None,
+             "delta_vs_own_dense": r["ppl"] - dense, "relative_vs_own_dense": r["ppl"] / dense - 1}
+            for r in got["perplexity"]]
+    return {"python": p.kvpress_python, "versions": got["versions"], "wall_s": got["wall_s"], "dense_ppl": dense,
+            "kvtier_dense_fp16_ppl": reference, "dense_difference": None if reference is None else dense - reference,
+            "rows": rows}
 
 
 def selection_quality(p: QualityPreset, models: Models, progress) -> dict:
