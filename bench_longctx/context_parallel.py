@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from bench_longctx.e2e import model_args, random_model
+from bench_longctx.e2e_setup import model_args, random_model
 from bench_longctx.models import model_store
 from bench_longctx.timing import sync
 from engine_adapter.context_parallel import ContextParallelDecoder

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from bench_longctx.e2e import matmul_flops_per_s
+from bench_longctx.e2e_setup import matmul_flops_per_s
 from bench_longctx.timing import environment, time_ms, write_json
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # llama3-8b

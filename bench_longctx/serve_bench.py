@@ -32,7 +32,8 @@ import time
 
 import torch
 
-from bench_longctx.e2e import CHUNK, appended_kv_matches, available_bytes, model_args, random_model
+from bench_longctx.e2e import appended_kv_matches
+from bench_longctx.e2e_setup import CHUNK, available_bytes, model_args, random_model
 from bench_longctx.presets import ServePreset
 from bench_longctx.timing import Deadline, release
 from engine_adapter.decoder import Decoder

@@ -25,7 +25,7 @@ import warnings
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_longctx.e2e import e2e_store, fill_random, model_args, random_model
+from bench_longctx.e2e_setup import e2e_store, fill_random, model_args, random_model
 from bench_longctx.presets import get_preset
 from bench_longctx.timing import environment, timed, write_json
 from engine_adapter.decoder import Decoder

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from bench_longctx.e2e import appended_kv_matches, model_args, random_model
+from bench_longctx.e2e import appended_kv_matches
+from bench_longctx.e2e_setup import model_args, random_model
 from bench_longctx.models import model_store
 from bench_longctx.needle import haystack, key_distribution, logits
 from bench_longctx.presets import NeedlePreset
@@ -117,7 +118,7 @@ def test_serve_trace_finishes_every_request_on_every_store():
 def test_the_warm_format_setting_reaches_the_stores():
     """serve.warm_format sets the kvtier store's warm and cpu format (dense-int8 stays int8) and the trace
     still finishes intact; e2e.warm_format sets the e2e store's."""
-    from bench_longctx.e2e import e2e_store
+    from bench_longctx.e2e_setup import e2e_store
     from bench_longctx.presets import get_preset, override
     from bench_longctx.serve_bench import run_serve
     from bench_longctx.timing import Deadline
