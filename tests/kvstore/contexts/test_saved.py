@@ -122,7 +122,8 @@ def test_open_is_lazy_and_the_opened_sequence_lives_on(tmp_path):
     assert store.token_ids(opened) == ids
     fetched = store.stats()["attend"]["cold_blocks_fetched"]
     topk = store.attend(opened, 0, q, "topk", budget=64)
-    assert 0 < store.stats()["attend"]["cold_blocks_fetched"] - fetched <= 64 // 8  # only selected blocks read
+    read = store.stats()["attend"]["cold_blocks_fetched"] - fetched  # only selected blocks: 8 a kv head, of 151
+    assert 0 < read <= SPEC.num_kv_heads * 64 // 8
     assert torch.equal(topk, want[1])
     assert all(torch.equal(a, b) for a, b in zip(attend_all(store, opened, q), want))
     match = store.match_prefix(ids[:500])
