@@ -5,9 +5,10 @@ width, vocabulary), random weights initialized on the device. Its KV cache lives
 KVStore: sinks and the recent window fp16 (hot), everything older in e2e.warm_format (int8,
 fp8 or int4: warm) as far as GPU memory allows, the rest in that format in host memory (cpu).
 The context is filled either by the model's own layer-wise prefill ("prefill": tokens/s reported
-beside the FLOP-bound estimate, the prefill's matmul FLOPs over the device's measured matmul rate) or, at lengths where that prefill would take
-far longer than the benchmark, by writing random K/V into every layer ("random": the
-decode step reads the same bytes either way, so its speed is measured fairly).
+beside the FLOP-bound estimate, the prefill's matmul FLOPs over the device's measured matmul rate)
+or, at lengths where that prefill would take far longer than the benchmark, by writing random K/V
+into every layer (bench_longctx/e2e_setup.py; "random": the decode step reads the same bytes
+either way, so its speed is measured fairly).
 
 Paths timed, each `steps` greedy tokens, every one appended to the store (`appends: true`) and
 checked afterwards by reading layer 0's K/V of the generated tokens back from the store:
@@ -181,7 +182,8 @@ def run_e2e(p: E2EPreset, device: torch.device, deadline: Deadline, progress) ->
                   "context": p.context, "budget": p.budget, "hot_tokens": p.hot_tokens,
                   "recent_tokens": p.recent_tokens, "warm_tokens": store.config.warm_tokens,
                   "warm_format": store.config.warm_format, "cpu_dtype": store.config.cpu_dtype, "fill": fill,
-                  "fill_s": fill_s, "prefill": prefill, "paths": paths, "notes": notes, "memory": memory(store, model, seq)}
+                  "fill_s": fill_s, "prefill": prefill, "paths": paths, "notes": notes,
+                  "memory": memory(store, model, seq)}
     finally:
         store.close()
         del model, store

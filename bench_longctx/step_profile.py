@@ -68,7 +68,8 @@ def host_table(run, steps: int, limit: int = 25) -> tuple[list[dict], float]:
     torch.cuda.synchronize()
     profiler.disable()
     stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, tottime, cumtime, callers)
-    rows = [{"function": f"{'/'.join(file.split('/')[-2:])}:{line}({name})", "calls_per_token": calls / steps, "ms_per_token": 1e3 * cum / steps,
+    rows = [{"function": f"{'/'.join(file.split('/')[-2:])}:{line}({name})", "calls_per_token": calls / steps,
+             "ms_per_token": 1e3 * cum / steps,
              "self_ms_per_token": 1e3 * own / steps}
             for (file, line, name), (_, calls, own, cum, _) in stats.items()]
     launches = sum(calls for (file, _, name), (_, calls, *_) in stats.items()
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
     rows = kernel_table(prof, args.steps)
     host, triton_launches = host_table(lambda: run(args.steps), args.steps) if args.eager else ([], None)
-    result = {"path": "eager" if args.eager else "graph", "environment": environment(device), "context": p.context, "mode": args.mode, "budget": p.budget,
+    result = {"path": "eager" if args.eager else "graph", "environment": environment(device), "context": p.context,
+              "mode": args.mode, "budget": p.budget,
               "block_tokens": p.block_tokens, "layers": model.args.num_layers, "steps": args.steps,
               "ms_per_token_unprofiled": 1e3 * seconds / args.steps,
               "ms_per_token_run_ahead": 1e3 * ahead_s / ahead, "run_ahead_tokens": ahead,
@@ -127,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.eager:
         print(f"host, per token under cProfile ({triton_launches:.0f} Triton launches): cumulative / own ms, calls")
         for r in host:
-            print(f"{r['ms_per_token']:8.2f} {r['self_ms_per_token']:7.2f} {r['calls_per_token']:7.1f}  {r['function']}")
+            print(f"{r['ms_per_token']:8.2f} {r['self_ms_per_token']:7.2f} {r['calls_per_token']:7.1f}  "
+                  f"{r['function']}")
     return 0
 
 

@@ -112,8 +112,9 @@ def _run_hf(args: argparse.Namespace, dtype: torch.dtype) -> int:
     with KVStore(_store_config(args, spec)) as store, KVTierCache(store, args.mode, args.budget) as cache:
         start = time.perf_counter()
         with torch.no_grad():  # not inference_mode: the store's tables must stay writable
-            out = hf_model.generate(torch.tensor([prompt_ids], device=args.device), past_key_values=cache, do_sample=False,
-                                    max_new_tokens=args.max_new_tokens, prefill_chunk_size=args.chunk_tokens)
+            out = hf_model.generate(torch.tensor([prompt_ids], device=args.device), past_key_values=cache,
+                                    do_sample=False, max_new_tokens=args.max_new_tokens,
+                                    prefill_chunk_size=args.chunk_tokens)
         elapsed = time.perf_counter() - start
         new_ids = out[0, len(prompt_ids):].tolist()
         print(tokenizer.decode(new_ids, skip_special_tokens=True))

@@ -49,8 +49,8 @@ def kvtier_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     """query [B, Hq, T, D], key/value [B, Hkv, T, D] as KVTierLayer.update returned them -> ([B, T, Hq, D], None)."""
     layer: KVTierLayer | None = getattr(key, LAYER_ATTRIBUTE, None)
     if layer is None:
-        raise ValueError("attn_implementation='kvtier' needs a KVTierCache: pass past_key_values=KVTierCache(store, ...) "
-                         "to generate() or forward()")
+        raise ValueError("attn_implementation='kvtier' needs a KVTierCache: pass "
+                         "past_key_values=KVTierCache(store, ...) to generate() or forward()")
     try:
         _check(module, layer, dropout, kwargs)
         real = real_queries(attention_mask, layer.num_tokens, layer.num_columns, query.shape[2])  # [B, T] or None

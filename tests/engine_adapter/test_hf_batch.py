@@ -134,7 +134,8 @@ def test_a_4d_mask_is_applied_when_it_is_what_the_cache_attends_and_refused_othe
     pad_sees_itself[1, 0, 0, 0] = True  # a pad query that sees itself reads as a token before row 1's pads
     with torch.no_grad(), kvtier_attention(hf), store_for(TINY, hot_tokens=1024) as store:
         with KVTierCache(store) as cache:
-            expected = hf(ids, attention_mask=mask, position_ids=positions, past_key_values=cache).logits  # the 2-D path
+            # the 2-D path
+            expected = hf(ids, attention_mask=mask, position_ids=positions, past_key_values=cache).logits
             with pytest.raises(ValueError, match="hold padding"):  # then no mask: the pads would count as tokens
                 hf(ids[:, -1:], past_key_values=cache)
         for mask_4d in (applied, additive):

@@ -60,14 +60,15 @@ def test_promoted_blocks_stop_being_staged_and_the_outputs_stay_bit_equal(tmp_pa
 
 
 def test_a_full_warm_pool_swaps_out_the_least_attended_block_never_a_protected_one(tmp_path):
-    """hot_tokens 32 with a 64-token recent window (a budget of 512): the window's older blocks lie in the warm tier. The
-    least attended movable warm block goes to cpu (same bytes, verified there); recent-window blocks attended
-    even less stay."""
+    """hot_tokens 32 with a 64-token recent window (a budget of 512): the window's older blocks lie in the warm
+    tier. The least attended movable warm block goes to cpu (same bytes, verified there); recent-window blocks
+    attended even less stay."""
     # staging rows for 512 tokens, not 128 (408 bytes a token: fp16 and int8 slots): the same full warm pool
     full = {**FULL, "gpu_bytes": FULL["gpu_bytes"] + (512 - 128) * 408}
     _, store, (_, seq) = cold_pair(tmp_path, **full, hot_tokens=32, recent_tokens=64, staging_tokens=512)
     tiers = store.tiers
-    step, _, _ = decode(store, seq, 8, last_end=False, budget=512)  # 600 -> 608: the 8th token's end_token is the boundary
+    # 600 -> 608: the 8th token's end_token is the boundary
+    step, _, _ = decode(store, seq, 8, last_end=False, budget=512)
     tables = [store.table(seq, layer) for layer in range(SPEC.num_layers)]
     n = tables[0].num_blocks
     assert step.recent_tokens == 64
