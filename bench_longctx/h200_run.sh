@@ -50,6 +50,20 @@ if [ "$step" = contexts-background ]; then
   timeout 500 python3 -m bench_longctx.contexts_bench --preset h200 --open-tokens 128K --fork-tokens 0 \
     --background --out "$out/contexts_background_h200.json" 2>&1 | tail -6
 fi
+if [ "$step" = all ] || [ "$step" = eager ]; then
+  # the public eager API (store.append + store.attend per layer) against the captured step at 1M, then where the
+  # eager token's host time goes (cProfile, Triton launches) beside its kernels
+  timeout 300 python3 -c 'from bench_longctx.cli import main; raise SystemExit(main())' bench e2e --preset h200 \
+    --no-plots --set e2e.modes=topk,dense --set e2e.steps=64 --out "$out/e2e-eager" 2>&1 | tail -12
+  timeout 200 python3 -m bench_longctx.step_profile --eager --context 131072 --steps 8 --out "$out" 2>&1 | tail -40
+fi
+if [ "$step" = all ] || [ "$step" = saves ]; then
+  # a 512K context saved in the background while another sequence decodes, then the synchronous save
+  timeout 300 python3 -m bench_longctx.save_pauses --preset h200 --save-tokens 512K --runs background \
+    --out "$out/save_pauses_background.json" 2>&1 | tail -4
+  timeout 200 python3 -m bench_longctx.save_pauses --preset h200 --save-tokens 512K --runs sync \
+    --out "$out/save_pauses_sync.json" 2>&1 | tail -4
+fi
 if [ "$step" = all ] || [ "$step" = serve ]; then
   # row batches (joins and leaves without a capture), promotion on and off, all at once and Poisson arrivals
   bench() { timeout 300 python3 -c 'from bench_longctx.cli import main; raise SystemExit(main())' bench serve \
