@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from bench_longctx.contexts_store import BLOCK_TOKENS, VOCAB, bench_config, counting_reads, fill
+from bench_longctx.contexts_store import BLOCK_TOKENS, VOCAB, bench_config, counting_reads, fill, preset_defaults
 from bench_longctx.contexts_tokens import BUDGET, decode_while_loading, describe, first_token, next_tokens
 from bench_longctx.contexts_transfer import run_transfer, summary
 from bench_longctx.presets import parse_tokens
@@ -237,11 +237,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--background", action="store_true")  # a child that opens with background_load=True
     parser.add_argument("--background-tokens", type=int, default=2000)  # at most this many tokens while it loads
     parser.add_argument("--profile", type=int, default=0)  # N: each child prints cProfile's top N of its first token
-    args = parser.parse_args(argv)
-    for name, value in PRESETS[args.preset].items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    return args
+    return preset_defaults(parser.parse_args(argv), PRESETS)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,6 +18,14 @@ CHUNK = 8192
 VOCAB = 32000
 
 
+def preset_defaults(args: argparse.Namespace, presets: dict[str, dict]) -> argparse.Namespace:
+    """args with each option left unset (None) taken from presets[args.preset]."""
+    for name, value in presets[args.preset].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
 def bench_config(args: argparse.Namespace, path: str) -> Config:
     spec = ModelSpec.preset(args.geometry, num_layers=args.layers)
     return Config(model=spec, block_tokens=BLOCK_TOKENS, hot_tokens=1024, warm_tokens=args.warm_tokens,

@@ -13,11 +13,10 @@
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
-from bench_longctx.timing import timed
+from bench_longctx.timing import timed, timed_calls
 from engine_adapter.decoder import Decoder
 from kvstore.store import KVStore
 
@@ -51,15 +50,8 @@ def next_tokens(dec: Decoder, seq: int, logits: torch.Tensor, device: str) -> di
 def decode_while_loading(dec: Decoder, store: KVStore, seq: int, logits: torch.Tensor, device: str,
                          max_tokens: int) -> dict:
     """Greedy tokens after `logits` while the background load of `seq` runs (module docstring)."""
-    pauses, place = [], store.place_loaded
-
-    def timed_place() -> int:  # what the Decoder calls before every token
-        started = time.perf_counter()
-        moved = place()
-        pauses.append((time.perf_counter() - started, moved))
-        return moved
-
-    store.place_loaded = timed_place
+    pauses: list[tuple[float, int]] = []
+    store.place_loaded = timed_calls(store.place_loaded, pauses)  # what the Decoder calls before every token
     seconds, paths, token, after_load = [], [], int(logits.argmax()), 0
     try:
         while len(seconds) < max_tokens and after_load < NEXT_TOKENS:

@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 from bench_longctx.contexts_bench import decoder
-from bench_longctx.contexts_store import VOCAB, bench_config, fill
+from bench_longctx.contexts_store import VOCAB, bench_config, fill, preset_defaults
 from bench_longctx.presets import parse_tokens
-from bench_longctx.timing import environment, sync, timed
+from bench_longctx.timing import environment, sync, timed, timed_calls
 from kvstore.store import KVStore
 
 PRESETS = {
@@ -73,15 +73,8 @@ def _run(args: argparse.Namespace, directory: str, background: bool) -> dict:
         if not background:
             _, save_s = timed(lambda: store.save(saved, "ctx"), args.device)
             return {"save_s": save_s, "baseline_token_s": baseline, "written": store.saved.blocks.counts}
-        pumps, pump = [], store.pump_saves
-
-        def timed_pump() -> int:  # what the Decoder calls before every token
-            started = time.perf_counter()
-            moved = pump()
-            pumps.append((time.perf_counter() - started, moved))
-            return moved
-
-        store.pump_saves = timed_pump
+        pumps: list[tuple[float, int]] = []
+        store.pump_saves = timed_calls(store.pump_saves, pumps)  # what the Decoder calls before every token
         moves, leaving = [], store.saves._leaving
 
         def timed_leaving(ids: list[int], tier: int) -> None:  # the copies a tier move makes of the save's blocks
@@ -124,11 +117,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--runs", default="sync,background")  # one of them alone: two shorter commands
     parser.add_argument("--dir", default=None)  # where each run's ssd_path goes (default: the temporary directory)
     parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
-    for name, value in PRESETS[args.preset].items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    return args
+    return preset_defaults(parser.parse_args(argv), PRESETS)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -48,6 +48,16 @@ def timed(fn: Callable[[], T], device: torch.device | str | None = None) -> tupl
     return out, time.perf_counter() - start
 
 
+def timed_calls(fn: Callable[[], T], log: list[tuple[float, T]]) -> Callable[[], T]:
+    """fn, appending (wall seconds, result) of every call to `log` (no device sync: what the caller waits)."""
+    def wrapper() -> T:
+        started = time.perf_counter()
+        out = fn()
+        log.append((time.perf_counter() - started, out))
+        return out
+    return wrapper
+
+
 def time_ms(fn: Callable[[], object], device: torch.device | str, repeat: int = 5, warmup: int = 1) -> float:
     """Median milliseconds of fn(): do_bench on CUDA; on CPU `warmup` untimed runs, then `repeat` timed ones."""
     if torch.device(device).type == "cuda":
