@@ -111,6 +111,8 @@ class Config:
     redis_compression: str = "none"  # "none" or "zstd": 1.08x smaller values, slower gets (BENCHMARKS.md)
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     host_memory_reserve: int = 2 << 30  # never let host tiers push free RAM below this
+    eager_graphs: bool = True  # on CUDA, store.attend replays each layer of a decode token's step as a CUDA graph
+    # (kvstore/decode/layer_graphs.py; False: its kernels launched one by one)
     sketch_codes: bool = True  # 4-bit key codes per block for mode="sketch": device memory of 1/8 of the fp16 K/V
     # (1/4 of int8); False leaves them out (more sequences fit) and refuses mode="sketch"
     model_id: str = ""  # the weights' identity (e.g. a checkpoint name): blocks are content-keyed and saved
@@ -118,8 +120,9 @@ class Config:
     # Redis, where content-keyed blocks are shared between stores, needs one (kvstore/contexts/opening.py)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.sketch_codes, bool):
-            raise ValueError(f"Config.sketch_codes must be True or False, got {self.sketch_codes!r}")
+        for name in ("sketch_codes", "eager_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.model, ModelSpec):
             raise ValueError(f"Config.model must be a ModelSpec, got {type(self.model).__name__}")
         if self.recent_tokens is None:

@@ -4,7 +4,8 @@ An engine that decodes without a capture (transformers through KVTierCache, Deco
 calls per layer, layers in order, store.append(seq, layer, k, v) with one token and store.attend(seq, layer, q,
 mode, budget). Such a token runs through the sequence's DecodeStep of (mode, budget) (step.py; built on first use,
 again when its capacity is reached or its tables' tensors moved): the captured step's append, select, stage, attend
-and account, launched one by one without a host sync, so outputs and stored bytes are the step's, bit for bit.
+and account without a host sync (on CUDA each layer's as one graph replay: layer_graphs.py, Config.eager_graphs),
+so outputs and stored bytes are the step's, bit for bit.
 
     store.append(seq, 0, k, v)      one token: k, v kept (a copy); only the room for a new block is checked
     store.attend(seq, 0, q, ...)    the step's begin_token (host work: cooling, new tail blocks at a boundary), then
@@ -34,6 +35,7 @@ import torch
 
 from eviction import Policy
 from kvstore.blocks.table import LayerTable
+from kvstore.decode.layer_graphs import LayerGraphs
 from kvstore.decode.modes import reads_codes, resolve_policy
 from kvstore.decode.step import STEP_MODES, DecodeStep, StepNotReady
 from kvstore.decode.step_parts import StepParts
@@ -47,6 +49,7 @@ class OpenToken:
     kv: torch.Tensor | None  # [2, H, D]: k and v of layer `next`, appended, not yet attended
     next: int = 0  # the next layer to attend
     step: DecodeStep | None = None  # the step running the token (None: not begun, or the DecodePath's)
+    graphs: LayerGraphs | None = None  # the step's layers as CUDA graphs (None: launched one by one)
     moves: list[int] | None = None  # each table's moves when the step began
     reason: str | None = None  # why the DecodePath runs this token, for each of its layers
 
@@ -60,7 +63,8 @@ class EagerSteps:
         self.parts, self.sequences, self.policies = parts, sequences, policies
         self.load_codes, self.append, self.key_blocks = load_codes, append, key_blocks
         self.stats, self.block_tokens = parts.path.stats, parts.config.block_tokens
-        self.steps: dict[tuple[int, str, int], tuple[DecodeStep, tuple[int, ...]]] = {}  # -> (step, table addresses)
+        # (seq, mode, budget) -> (step, table addresses, its layers' graphs or None: Config.eager_graphs)
+        self.steps: dict[tuple[int, str, int], tuple[DecodeStep, tuple[int, ...], LayerGraphs | None]] = {}
         self.tokens: dict[int, OpenToken] = {}
 
     def build(self, seq: int, mode: str, budget: int, capacity_tokens: int | None = None) -> DecodeStep:
@@ -116,31 +120,33 @@ class EagerSteps:
         tables = self.sequences[seq]
         if any(t.num_dropped or t.num_tokens != tables[0].num_tokens for t in tables):
             return "not_ready"
-        step = self._step(seq, mode, budget, tables)
+        step, graphs = self._step(seq, mode, budget, tables)
         try:
             step.begin_token()
         except StepNotReady:  # nothing of the token happened (what it cooled stays cooled, as an append would)
             return "not_ready"
-        token.step, token.moves = step, [t.moves for t in tables]
+        token.step, token.graphs, token.moves = step, graphs, [t.moves for t in tables]
         return None
 
-    def _step(self, seq: int, mode: str, budget: int, tables: list[LayerTable]) -> DecodeStep:
+    def _step(self, seq: int, mode: str, budget: int,
+              tables: list[LayerTable]) -> tuple[DecodeStep, LayerGraphs | None]:
         """The kept step of (seq, mode, budget), or a new one when it reached its capacity or a table's tensors
         moved (another step grew them). A new step takes the room the tables have, so that building it moves no
         table under another step (a captured graph reads them where they are), or the default once that is full."""
-        step, addresses = self.steps.get((seq, mode, budget), (None, ()))
+        step, addresses, graphs = self.steps.get((seq, mode, budget), (None, (), None))
         if step is not None and addresses == _addresses(tables) and \
                 step.length + 1 <= step.capacity * self.block_tokens:
-            return step
+            return step, graphs
         room = min(0 if t.summaries is None else t.summaries.shape[0] for t in tables) * self.block_tokens
         step = self.build(seq, mode, budget, room if room > tables[0].num_tokens else None)
-        self.steps[(seq, mode, budget)] = (step, _addresses(tables))
-        return step
+        graphs = LayerGraphs(step) if self.parts.config.eager_graphs else None
+        self.steps[(seq, mode, budget)] = (step, _addresses(tables), graphs)
+        return step, graphs
 
     def _run(self, seq: int, token: OpenToken, layer: int, q: torch.Tensor) -> torch.Tensor:
         """The step's append + select + stage + attend + account of one layer; the last layer ends the token."""
-        step = token.step
-        out = step.attend(layer, q, token.kv[0], token.kv[1])
+        step, graphs = token.step, token.graphs
+        out = step.attend(layer, q, token.kv[0], token.kv[1]) if graphs is None else graphs.attend(layer, q, token.kv)
         token.kv, token.next = None, token.next + 1
         self.stats.step_calls += 1
         if token.next == len(step.tables):

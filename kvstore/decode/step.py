@@ -303,6 +303,11 @@ class DecodeStep:
             self.cold.stage(layer, table, selected, slots, is_int8)
         return Selection(selected, slots, is_int8, upper, new)
 
+    def expect_layer(self, layer: int) -> None:
+        """The next select is of `layer` (mod L): a layer replayed from a graph ran no select of its own, one
+        recorded into a graph passes through its select a second time (kvstore/decode/layer_graphs.py)."""
+        self._next_layer = layer % len(self.tables)
+
     def account(self, layer: int, picked: Selection, mass: torch.Tensor | None, lse: torch.Tensor) -> None:
         """A layer's second half: the kernel's block mass [H, k] into the table's H2O scores (None: the kernel
         added it), the sketch's certified omitted mass from the log-sum-exp [Hq]; after the last layer the

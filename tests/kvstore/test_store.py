@@ -121,6 +121,7 @@ def test_freed_sequence_is_unknown(tmp_path):
     (dict(block_tokens=12), "power of two"),
     (dict(hot_tokens=4), "hot_tokens"),
     (dict(cpu_dtype="fp8"), "cpu_dtype"),
+    (dict(eager_graphs=1), "eager_graphs must be True or False"),
     (dict(device="cuda:0") if not torch.cuda.is_available() else dict(block_tokens=0), "device|power"),
 ])
 def test_bad_config_is_a_clear_error(tmp_path, overrides, match):
