@@ -3,9 +3,9 @@
 The decode thread hands it Chunks: blocks copied out of the tiers (SaveBlocks.read's groups) or a layer's summary
 and sketch code rows, and at last an end marker. The writer encodes them (SaveBlocks.encode: content keys checked,
 zstd, checksums, saved-tier values read by key), writes them in batches (values.write_all: one LMDB transaction or
-pipelined Redis SETs a chunk), writes the token ids and syncs. It then asks the decode thread for the commit (which
-reads the live sequences' state: SavedContexts.commit) and waits for it; after the commit it deletes what the
-commit replaced (SavedContexts.finish). A failure, or a stop before the commit, deletes what it wrote
+pipelined Redis SETs a batch; the chunks waiting when one is taken go in the same batch), writes the token ids and
+syncs. It then asks the decode thread for the commit (which reads the live sequences' state: SavedContexts.commit)
+and waits for it; after the commit it deletes what the commit replaced (SavedContexts.finish). A failure, or a stop before the commit, deletes what it wrote
 (SavedContexts.abandon); the sweep of content-keyed blocks stays recorded for the store's next save, delete or
 collect_garbage, which run on its thread.
 """
@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 import torch
 
 from kvstore.blocks.table import LayerTable
-from kvstore.contexts.save_blocks import Group
+from kvstore.contexts.save_blocks import BATCH_BYTES, Group
 from kvstore.contexts.saved_format import DATA, layer_entry, own_keys, part_items, scores_item, token_bytes, \
     value_digest
 from kvstore.contexts.saving import Committed, SavedContexts
@@ -136,25 +136,38 @@ class SaveWriter:
             self.wakeup.set()
 
     def _batches(self, data: bytes, tokens: bytes | None) -> Iterator[list[Item]]:
-        while (chunk := self._take()).layer >= 0:
-            c = self.layers[chunk.layer]
-            if chunk.groups is not None:
-                items = self.saved.blocks.encode(chunk.layer, chunk.indices, chunk.groups, c.chain, c.own, c.formats,
-                                                 self.counts)
-            else:
-                items = self._meta(data, chunk, c)
-            if items:
-                yield items
+        """The write batches: a chunk's items, merged with those of the chunks already waiting behind it, up to
+        BATCH_BYTES (a synchronous save's batch): when the writes fall behind the pumps, the chunks that piled up go
+        in fewer, larger transactions (each LMDB commit syncs), and the token ids with the last."""
+        batch, size = [], 0
+        while (chunk := self._take(wait=not batch)) is None or chunk.layer >= 0:
+            if chunk is not None:
+                c = self.layers[chunk.layer]
+                if chunk.groups is not None:
+                    items = self.saved.blocks.encode(chunk.layer, chunk.indices, chunk.groups, c.chain, c.own,
+                                                     c.formats, self.counts)
+                else:
+                    items = self._meta(data, chunk, c)
+                batch += items
+                size += sum(len(v) for _, v, _ in items)
+            if chunk is None or size >= BATCH_BYTES:  # nothing waits (the batch goes now), or the batch is full
+                yield batch
+                batch, size = [], 0
         if tokens is not None:
-            yield [(data + b"t", tokens, False)]
+            batch.append((data + b"t", tokens, False))
+        if batch:
+            yield batch
 
-    def _take(self) -> Chunk:
+    def _take(self, wait: bool = True) -> Chunk | None:
+        """The next chunk; without `wait`, None if none is queued."""
         while True:
             if self.stop.is_set():
                 raise self.error
             try:
-                chunk = self._queue.get(timeout=0.05)
+                chunk = self._queue.get(timeout=0.05) if wait else self._queue.get_nowait()
             except queue.Empty:
+                if not wait:
+                    return None
                 continue
             if chunk.pumped:
                 with self._lock:
