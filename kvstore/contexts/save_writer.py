@@ -5,9 +5,9 @@ and sketch code rows, and at last an end marker. The writer encodes them (SaveBl
 zstd, checksums, saved-tier values read by key), writes them in batches (values.write_all: one LMDB transaction or
 pipelined Redis SETs a batch; the chunks waiting when one is taken go in the same batch), writes the token ids and
 syncs. It then asks the decode thread for the commit (which reads the live sequences' state: SavedContexts.commit)
-and waits for it; after the commit it deletes what the commit replaced (SavedContexts.finish). A failure, or a stop before the commit, deletes what it wrote
-(SavedContexts.abandon); the sweep of content-keyed blocks stays recorded for the store's next save, delete or
-collect_garbage, which run on its thread.
+and waits for it; after the commit it deletes what the commit replaced (SavedContexts.finish). A failure, or a stop
+before the commit, deletes what it wrote (SavedContexts.abandon); the sweep of content-keyed blocks stays recorded
+for the store's next save, delete or collect_garbage, which run on its thread.
 """
 
 from __future__ import annotations
