@@ -51,6 +51,16 @@ class AttendStats:
     fallback_calls: dict[str, int] = field(default_factory=dict)  # store.attend calls this DecodePath served, by why
     _certified: torch.Tensor | None = field(default=None, repr=False)  # device sum of bounds not yet read
 
+    def count_token(self, layers: int, num_tokens: int, selected_blocks: int, block_tokens: int,
+                    certified: torch.Tensor | None) -> None:
+        """A captured step's token over `layers` layers of a sequence of num_tokens (this token included) that
+        read selected_blocks blocks a layer, the last of them its tail; certified: its bounds [layers] or None."""
+        self.calls += layers
+        self.context_tokens += layers * num_tokens
+        self.attended_tokens += layers * ((selected_blocks - 1) * block_tokens + (num_tokens - 1) % block_tokens + 1)
+        if certified is not None:
+            self.add_certified(certified)
+
     def add_certified(self, bounds: torch.Tensor) -> None:
         """Count calls' certified omitted masses (bounds [calls], each a mean over kv heads, on the device)
         without a host sync: added into one device scalar, read when the stats are."""

@@ -25,11 +25,9 @@ token (tokens the kernel reads, the sketch's live/protected masks) are computed 
 token's layers run in order). Host work happens between tokens and only at block boundaries: the sketch codes of
 the tail block a token filled and promotion of cpu blocks the step keeps reading (`end_token`), a new tail block
 per layer and cooling of blocks the next token pushes out of their windows (`begin_token`).
-Cold blocks (kvstore/decode/cold_slices.py): in the topk phase, selected blocks in the cpu tier are read inside the
-step, one kv head's slice each, from the pinned slabs into k staging rows of the pool of the tier's format,
-and verified on the device against per-head block sums (tiers/slice_gather.py); a damaged slice is counted
-on the device and `verify()` (called wherever the host syncs anyway) raises IntegrityError; blocks read
-again and again move up to the warm tier at block boundaries (kvstore/decode/promotion.py). Whether a token
+Cold blocks: in the topk phase, selected cpu blocks are staged inside the step, one kv head's slice each, and
+verified on the device (cold_slices.py; `verify()` raises IntegrityError); blocks read again and again move up
+to the warm tier at block boundaries (promotion.py). Whether a token
 can run from device state at all, and what it cools first, is the step's StepReadiness (readiness.py):
 `ready()` says so, and callers use the DecodePath (eager.py) for a token it refuses.
 """
@@ -221,13 +219,9 @@ class DecodeStep:
             for table in ran:  # a step's tail is always hot: the pool row, queued (no gather, no sync)
                 keys = hot.pool[hot.slots.slot_of[table.block_ids[-1]], 0]  # [H, B, D]
                 self.tensors.encode_block(table, table.num_blocks - 1, keys.transpose(0, 1))
-        stats = self.path.stats
-        stats.calls += len(ran)
-        stats.context_tokens += len(ran) * (old + 1)
-        k = self._num_selected(old + 1)
-        stats.attended_tokens += len(ran) * ((k - 1) * self.block_tokens + (old % self.block_tokens) + 1)
-        if self.phase == "topk" and isinstance(self.policy, SketchTopK):  # a tensor of its own: the next replay
-            stats.add_certified(self.certified[:len(ran)].mean(1))  # rewrites the buffer
+        certified = self.certified[:len(ran)].mean(1) if self.phase == "topk" and \
+            isinstance(self.policy, SketchTopK) else None  # a tensor of its own: the next replay rewrites the buffer
+        self.path.stats.count_token(len(ran), old + 1, self._num_selected(old + 1), self.block_tokens, certified)
         self.cold.token_done(self.stages_cold)
         if filled and whole:  # cpu blocks this sequence keeps reading move up (a sync, if any)
             self.promotion.at_boundary(self.tables)
@@ -324,13 +318,5 @@ class DecodeStep:
             self.num_tokens += 1
 
     def count_tokens(self) -> None:
-        """This token's counts from the device's num_tokens: n (tokens once it is appended), the tokens the
-        kernel reads (dense: n; topk: k - 1 full blocks and the tail) and, for the sketch, the masks of
-        live and protected blocks."""
-        b = self.block_tokens
-        n = self.num_tokens + 1  # [1]
-        if self.phase == "dense":
-            self.kernel_tokens.copy_(n)
-            return
-        self.kernel_tokens.copy_((self.k - 1) * b + (n - 1) % b + 1)
-        self.selector.count(self.num_tokens)
+        """This token's counts from the device's num_tokens (StepSelect.count), once per token."""
+        self.selector.count(self.num_tokens, self.phase, self.kernel_tokens)

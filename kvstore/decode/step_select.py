@@ -37,12 +37,24 @@ class StepSelect:
         self.window = dict(block_tokens=block_tokens, sink_blocks=sink_blocks, recent_tokens=recent_tokens)
         self.all_blocks = torch.arange(capacity, device=device).expand(num_kv_heads, capacity)  # [H, N] dense
         self._scores = quest_scores_live if device.type == "cuda" else quest_scores_live_ref
-        self._valid = self._protected = None  # the sketch's masks of this token [N] (count)
+        # the sketch's masks of this token [N] (count): written in place, so that a graph of layer 0 alone
+        # (kvstore/decode/layer_graphs.py) and the layers after it read the same tensors
+        self._valid, self._protected = (torch.zeros(capacity, dtype=torch.bool, device=device) for _ in range(2))
 
-    def count(self, num_tokens: torch.Tensor) -> None:
-        """Once per topk token, from the device count int64 [1] (tokens before it): the sketch's masks."""
+    def count(self, num_tokens: torch.Tensor, phase: str, kernel_tokens: torch.Tensor) -> None:
+        """Once per token, from the device count int64 [1] (tokens before it): the tokens the kernel reads into
+        kernel_tokens [1] (dense: all n once the token is appended; topk: k - 1 full blocks and the tail) and
+        the sketch's masks of live and protected blocks."""
+        n = num_tokens + 1  # [1]
+        if phase == "dense":
+            kernel_tokens.copy_(n)
+            return
+        b = self.window["block_tokens"]
+        kernel_tokens.copy_((self.k - 1) * b + (n - 1) % b + 1)
         if isinstance(self.policy, SketchTopK):
-            self._valid, self._protected = live_and_protected(num_tokens, self.capacity, **self.window)
+            for mine, new in zip((self._valid, self._protected),
+                                 live_and_protected(num_tokens, self.capacity, **self.window)):
+                mine.copy_(new)
 
     def __call__(self, table: LayerTable, q: torch.Tensor, phase: str, dense_blocks: int,
                  num_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -225,7 +225,13 @@ def test_non_finite_kv_is_refused(tmp_path, bad):
     v2[3, 0, 0], k2[17, 1, 5] = bad, 0.0
     with pytest.raises(ValueError, match="finite"):
         store.append(seq, 0, k2, v2)
+    k2[0, 0, 0], v2[3, 0, 0] = float("inf"), float("-inf")  # one of each sign: still refused
+    with pytest.raises(ValueError, match="finite"):
+        store.append(seq, 0, k2, v2)
     assert_unchanged(store, seq, before)
+    big = torch.full_like(k2, 65504.0)  # the largest finite fp16 everywhere: its sum must not overflow the check
+    store.append(seq, 0, big, -big)
+    assert store.table(seq, 0).num_tokens == 104
 
 
 @pytest.mark.parametrize("field, value", [
