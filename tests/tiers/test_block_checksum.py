@@ -144,3 +144,19 @@ def test_bad_arguments_are_named():
     if CUDA:
         with pytest.raises(ValueError, match="pinned"):
             block_sums([x], device="cuda")
+
+
+def test_host_block_checksums_are_each_blocks_checksum():
+    """tiers.base.block_checksums (the cpu tier's xxh3 digests): per block, `checksum` of its fields in order,
+    for fp16 batches and quantized ones, strided views and an empty batch included."""
+    from tiers.base import block_checksums, checksum
+    from tiers.layout import QuantBlocks
+    g = torch.Generator().manual_seed(3)
+    fp16 = torch.randn(7, 2, 3, 16, 8, generator=g).half()
+    quant = QuantBlocks(torch.randint(-128, 128, (7, 2, 3, 16, 8), generator=g, dtype=torch.int8),
+                        torch.rand(7, 3, 8, generator=g).half(), torch.rand(7, 3, 16, generator=g).half())
+    for blocks in (fp16, fp16[::2], fp16[:, :, 1:]):
+        assert block_checksums(blocks) == [checksum([b]) for b in blocks]
+    for blocks in (quant, quant.index(slice(1, None, 3))):
+        assert block_checksums(blocks) == [checksum(blocks.index(i).tensors()) for i in range(len(blocks))]
+    assert len(set(block_checksums(fp16))) == 7 and block_checksums(fp16[:0]) == []
