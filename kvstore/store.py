@@ -159,8 +159,9 @@ class KVStore:
 
     def pump_saves(self) -> int:
         """Copy the next part of the background saves (save(..., background=True)) out of the tiers for their
-        writers, or commit one whose data is durable: between tokens, at most saves.pump_blocks blocks (or rows of
-        summaries and sketch codes). Returns how many were copied; never raises for a save (its wait() does)."""
+        writers, or commit one whose data is durable: between tokens, at most saves.pump_blocks blocks, rows of
+        summaries and sketch codes counted by their bytes (saves.rows_per_block rows a block). Returns how many
+        blocks' worth were copied; never raises for a save (its wait() does)."""
         return self.saves.pump()
 
     def saved_contexts(self) -> list[str]:

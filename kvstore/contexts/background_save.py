@@ -7,10 +7,12 @@ time; a writer thread does the rest (zstd and checksums, the exists checks of co
 - At the call: each layer's tail block (appends write it in place), its summary and sketch code rows, its H2O scores
   [H, n] and its block ids are copied, and the token ids; the writer's record (ctx/pending/<save id>) is written.
 - `pump` (KVStore.pump_saves; engine_adapter.Decoder calls it before every token) copies the next blocks of the
-  save, layer by layer, into host buffers, then the layer's summary and code rows: at most `pump_blocks` blocks or
-  rows a call (32 MiB of fp16 blocks by default), and none while QUEUED chunks wait for the writer. On CUDA a copy is
-  a gather queued before an asynchronous copy into pinned memory, which the writer waits for; saved-tier blocks are
-  not read at all (the writer reads their values by key, and the saved contexts keep those data while it may).
+  save, layer by layer, into host buffers, then the layer's summary and code rows: at most `pump_blocks` blocks a
+  call (32 MiB of fp16 blocks by default), or as many blocks' bytes of rows (`rows_per_block` rows a block, 6 at
+  llama3-8b's geometry, so a layer's rows take that many times fewer pumps than its blocks), and none while QUEUED
+  chunks wait for the writer. On CUDA a copy is a gather queued before an asynchronous copy into pinned memory,
+  which the writer waits for; saved-tier blocks are not read at all (the writer reads their values by key, and the
+  saved contexts keep those data while it may).
 - Full blocks never change, but their tier may, and with it their format (hot fp16 -> warm int8, cpu fp16 -> warm
   on promotion). So a block of the save that leaves its tier (a move, an H2O drop) before the pump reached it is
   copied as it was, in that move, on the decode thread (TierSet.leaving), unless the move keeps its format (warm
@@ -120,7 +122,8 @@ class SaveJob:
 
     # -- the decode thread ------------------------------------------------------------------
     def pump(self, budget: int) -> int:
-        """Copy up to `budget` blocks or rows for the writer (module docstring), or commit once it waits for that."""
+        """Copy up to `budget` blocks (rows by their bytes) for the writer (module docstring), or commit once it waits
+        for that."""
         writer, moved = self.writer, 0
         if writer.state == COMMIT:
             try:
@@ -154,14 +157,16 @@ class SaveJob:
             if indices:
                 self._hand(Chunk(layer, indices, self._saved.blocks.read(ids), pumped=True))
             return len(indices)
-        lo, hi = self._row, min(c.num_blocks - 1, self._row + limit)  # the tail's row was copied at the call
+        per_block = self._saves.rows_per_block  # rows count by their bytes: per_block rows a block of the limit
+        lo = self._row  # the tail's row was copied at the call
+        hi = min(c.num_blocks - 1, lo + limit * per_block)
         chunk = Chunk(layer, pumped=True, last=hi >= c.num_blocks - 1)
         if hi > lo:
             chunk.summaries, chunk.codes = _host(c.table.summaries[lo:hi]), self._codes(layer, lo, hi)
             chunk.ready = _event(c.table.summaries)
         self.writer.put(chunk)
         self._layer, self._pos, self._row = (layer + 1, 0, 0) if chunk.last else (layer, self._pos, hi)
-        return max(0, hi - lo)
+        return -(-max(0, hi - lo) // per_block)  # in blocks' bytes
 
     def _hand(self, chunk: Chunk) -> None:
         """Blocks read for the writer; the data of saved values it reads by key stay meanwhile (reads_under)."""
@@ -209,7 +214,11 @@ class BackgroundSaves:
 
     def __init__(self, tiers: TierSet) -> None:
         self.tiers = tiers
-        self.pump_blocks = max(1, PUMP_BYTES // tiers.layout.fp16_bytes)  # per pump call, at most
+        block_bytes, t = tiers.layout.fp16_bytes, tiers.holders.tensors
+        self.pump_blocks = max(1, PUMP_BYTES // block_bytes)  # per pump call, at most
+        # a block's rows (LayerTable): summaries fp16 [2, H, D], sketch codes uint8 [H, 2, B, code_bytes]
+        row_bytes = 2 * t.num_kv_heads * t.head_dim * 2 + t.num_kv_heads * 2 * t.block_tokens * t.code_bytes
+        self.rows_per_block = max(1, block_bytes // row_bytes)  # rows a pump copies per block of its budget
         self.formats = {HOT_TIER: "float16", WARM_TIER: tiers.warm.format, CPU_TIER: tiers.cpu.dtype}  # as they hold
         self.jobs: list[SaveJob] = []  # saves still reading the tiers or waiting for their commit
         self._started: list[SaveJob] = []  # every save not known to have ended: close() waits for its writer
@@ -227,8 +236,9 @@ class BackgroundSaves:
         return job
 
     def pump(self, max_blocks: int | None = None) -> int:
-        """SaveJob.pump of every save, `max_blocks` (default pump_blocks) shared among them; returns the blocks and
-        rows copied. A save whose writer failed is forgotten here (its wait() raises)."""
+        """SaveJob.pump of every save, `max_blocks` (default pump_blocks) shared among them; returns the blocks
+        copied, rows counted in blocks' bytes (rows_per_block a block). A save whose writer failed is forgotten
+        here (its wait() raises)."""
         budget, moved = self.pump_blocks if max_blocks is None else max_blocks, 0
         for job in list(self.jobs):
             if job.writer.error is not None:

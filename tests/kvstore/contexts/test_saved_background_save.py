@@ -22,7 +22,7 @@ from tests.kvstore.contexts.test_saved_resave import equal, grow, make_config, o
 from tests.tiers.redis_servers import redis_server  # noqa: F401  (fixture)
 from tiers.errors import CapacityError
 
-VOCAB, PUMP = 512, 4  # blocks or rows per pump: a 1203-token save (2 x 151 blocks) takes ~150 pumps
+VOCAB, PUMP = 512, 4  # blocks per pump (rows by their bytes): a 1203-token save (2 x 151 blocks) takes ~94 pumps
 
 
 def pumped(store: KVStore, blocks: int = PUMP) -> list[int]:
@@ -50,12 +50,12 @@ def test_a_save_while_it_and_another_sequence_decode_opens_as_a_save_at_the_call
     store = dec.store
     want = [reference.store.read(ref, layer) for layer in range(SPEC.num_layers)]
     reference.store.save(ref, "doc")
-    moved = pumped(store, 12)  # ~50 tokens: six block boundaries
+    moved = pumped(store, 6)  # ~64 tokens: eight block boundaries
     job = store.save(seq, "doc", background=True)
     while not job.done():
         tokens = dec.decode_batch([seq, other], tokens).argmax(dim=1).tolist()
     job.wait()
-    assert 0 < max(moved) <= 12 and len(moved) > 40  # a bounded part per token
+    assert 0 < max(moved) <= 6 and len(moved) > 40  # a bounded part per token
     assert dec.length(seq) >= NUM_TOKENS + 40 and job.progress["blocks_copied_by_moves"] > 0
     assert job.progress["blocks_read"] == job.progress["blocks"] == SPEC.num_layers * 151
     assert content_blocks(store) == content_blocks(reference.store)  # keys name the format: fp16 or int8
@@ -69,6 +69,33 @@ def test_a_save_while_it_and_another_sequence_decode_opens_as_a_save_at_the_call
     assert torch.equal(dec.decode_step(opened, prompt[-1]), reference.decode_step(ref, prompt[-1]))
     store.check_integrity()
     store.close(), reference.store.close()
+
+
+def test_a_pump_copies_rows_by_their_bytes(tmp_path):
+    """A pump's budget is in fp16 blocks' bytes: it copies rows_per_block summary and sketch code rows a block, so a
+    layer's rows take that many times fewer pumps than as many blocks, and no pump copies more than its budget."""
+    store = KVStore(config(tmp_path / "ssd"))
+    seq = filled(store, NUM_TOKENS, seed=8)
+    table = store.sequences[seq][0]
+    row_bytes = table.summaries[0].nbytes + table.sketch[0].nbytes  # one block's summary row and code row
+    per_block = store.saves.rows_per_block
+    assert per_block == store.layout.fp16_bytes // row_bytes == 4
+    blocks = rows = table.num_blocks - 1  # per layer; the tail's block and rows are copied at the call
+    for name, rows_per_block in (("a", per_block), ("b", 1)):  # "b": rows counted as blocks
+        store.saves.rows_per_block, store.saves.pump_blocks = rows_per_block, PUMP
+        job, moved = store.save(seq, name, background=True), []
+        while job.progress["state"] == "reading":
+            while job.writer.outstanding:  # the writer has taken every chunk: a pump is cut short by nothing else
+                time.sleep(0.001)
+            moved.append(store.pump_saves())
+        job.wait(timeout=60)
+        assert max(moved) <= PUMP
+        pumps = SPEC.num_layers * (blocks + rows / rows_per_block) / PUMP  # each full but a layer's last
+        assert pumps <= len([m for m in moved if m]) <= pumps + SPEC.num_layers
+    want = attend_all(store, seq, query(2))
+    for name in "ab":
+        assert all(torch.equal(x, y) for x, y in zip(attend_all(store, store.open(name), query(2)), want))
+    store.close()
 
 
 def content_blocks(store: KVStore) -> dict[bytes, bytes]:
