@@ -61,7 +61,8 @@ class GraphedSteps:
             out = self.forward().clone()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: a background save's or load's thread may call CUDA (events, pinned copies) meanwhile
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             recorded = self.forward()
         self.graphs[key] = (graph, recorded)
         return out

@@ -64,7 +64,8 @@ class LayerGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         step.expect_layer(layer)  # recording passes through the layer's select again
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: a background save's or load's thread may call CUDA (events, pinned copies) meanwhile
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             recorded = step.attend(layer, self.q, self.kv[0], self.kv[1])
         self.graphs[key] = (graph, recorded)
         return out
