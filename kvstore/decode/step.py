@@ -27,9 +27,9 @@ the tail block a token filled and promotion of cpu blocks the step keeps reading
 per layer and cooling of blocks the next token pushes out of their windows (`begin_token`).
 Cold blocks: in the topk phase, selected cpu blocks are staged inside the step, one kv head's slice each, and
 verified on the device (cold_slices.py; `verify()` raises IntegrityError); blocks read again and again move up
-to the warm tier at block boundaries (promotion.py). Whether a token
-can run from device state at all, and what it cools first, is the step's StepReadiness (readiness.py):
-`ready()` says so, and callers use the DecodePath (eager.py) for a token it refuses.
+to the warm tier at block boundaries (promotion.py). Whether a token can run from device state at all, and what
+it cools first, is the step's StepReadiness (readiness.py): `ready()` says so, and callers use the DecodePath
+(eager.py) for a token it refuses.
 """
 
 from __future__ import annotations

@@ -39,7 +39,8 @@ class StepSelect:
         self._scores = quest_scores_live if device.type == "cuda" else quest_scores_live_ref
         # the sketch's masks of this token [N] (count): written in place, so that a graph of layer 0 alone
         # (kvstore/decode/layer_graphs.py) and the layers after it read the same tensors
-        self._valid, self._protected = (torch.zeros(capacity, dtype=torch.bool, device=device) for _ in range(2))
+        self._valid, self._protected = (torch.zeros(capacity, dtype=torch.bool, device=device)
+                                        if isinstance(policy, SketchTopK) else None for _ in range(2))
 
     def count(self, num_tokens: torch.Tensor, phase: str, kernel_tokens: torch.Tensor) -> None:
         """Once per token, from the device count int64 [1] (tokens before it): the tokens the kernel reads into
