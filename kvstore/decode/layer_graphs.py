@@ -15,6 +15,8 @@ the same, so the bookkeeping is tested where no GPU is.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from kvstore.decode.step import DecodeStep
@@ -29,11 +31,14 @@ class LayerGraphs:
         # (layer, *graph_key) -> (graph, its output) on CUDA; elsewhere None (the keys a GPU would have recorded)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
         self.captures = 0
+        self.failed: RuntimeError | None = None  # a capture CUDA refused: every layer is launched from then on
         self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
 
     def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """step.attend(layer, q, k, v) of kv = [k, v] [2, H, D] -> [Hq, D] (a tensor of the caller's)."""
         step = self.step
+        if self.failed is not None:
+            return step.attend(layer, q, kv[0], kv[1])
         if step.device.type != "cuda":
             self._count((layer, *step.graph_key()))
             return step.attend(layer, q, kv[0], kv[1])
@@ -60,12 +65,23 @@ class LayerGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            out = step.attend(layer, self.q, self.kv[0], self.kv[1]).clone()
+            try:
+                out = step.attend(layer, self.q, self.kv[0], self.kv[1]).clone()
+            except BaseException:  # nothing recorded: the next token of this key tries again
+                del self.graphs[key]
+                raise
         torch.cuda.current_stream().wait_stream(stream)
         step.expect_layer(layer)  # recording passes through the layer's select again
         graph = torch.cuda.CUDAGraph()
-        # thread_local: a background save's or load's thread may call CUDA (events, pinned copies) meanwhile
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            recorded = step.attend(layer, self.q, self.kv[0], self.kv[1])
+        try:  # thread_local: a background save's or load's thread may call CUDA (events, pinned copies) meanwhile
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                recorded = step.attend(layer, self.q, self.kv[0], self.kv[1])
+        except RuntimeError as exc:  # CUDA refused the capture: the layer ran (out is right); launch from now on
+            del self.graphs[key]
+            step.expect_layer(layer + 1)
+            self.failed = exc
+            warnings.warn(f"kvtier: store.attend launches this sequence's step kernel by kernel, its layer could "
+                          f"not be captured: {exc}", RuntimeWarning, stacklevel=2)
+            return out
         self.graphs[key] = (graph, recorded)
         return out

@@ -71,3 +71,32 @@ def test_a_token_settled_part_way_leaves_the_graphs_usable(tmp_path):
             assert torch.equal(got, want), t
     assert_same_contents(graphed, launched, sa, sb)
     graphed.close(), launched.close()
+
+
+@pytest.mark.cuda
+def test_a_capture_cuda_refuses_leaves_the_sequence_launching_its_kernels(tmp_path, monkeypatch):
+    """A layer whose recording fails still ran (its output is returned); a warning says so and every later layer
+    of the sequence is launched kernel by kernel, equal to a store that never captures."""
+    import contextlib
+
+    from kvstore.decode import layer_graphs
+
+    @contextlib.contextmanager
+    def refused(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+        yield
+
+    monkeypatch.setattr(layer_graphs.torch.cuda, "graph", refused)
+    graphed, sa = prefilled(tmp_path, "g", 150)
+    launched, sb = prefilled(tmp_path, "l", 150, eager_graphs=False)
+    work = tokens(6, seed=11)
+    with pytest.warns(RuntimeWarning, match="could not be captured"):
+        for t in range(6):
+            token = work[t * L: (t + 1) * L]
+            for got, want in zip(api_token(graphed, sa, token, mode="topk", budget=128),
+                                 api_token(launched, sb, token, mode="topk", budget=128)):
+                assert torch.equal(got, want), t
+    (_, _, graphs), = graphed.steps.steps.values()
+    assert graphs.failed is not None and not graphs.graphs
+    assert_same_contents(graphed, launched, sa, sb)
+    graphed.close(), launched.close()
