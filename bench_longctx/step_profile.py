@@ -61,7 +61,8 @@ def host_syncs(run) -> dict[str, int]:
 
 
 def host_table(run, steps: int, limit: int = 25) -> tuple[list[dict], float]:
-    """(the functions of largest cumulative host time, ms per token, and Triton launches per token) of `run`."""
+    """`run` under cProfile: (the `limit` functions of largest cumulative host time, with their calls and ms per
+    token; Triton launches per token)."""
     profiler = cProfile.Profile()
     profiler.enable()
     run()

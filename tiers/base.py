@@ -59,7 +59,7 @@ def checksum(tensors: Sequence[torch.Tensor]) -> int:
 
 def block_checksums(blocks: Blocks) -> list[int]:
     """One checksum per block of a CPU batch: `checksum` of the block's fields in order. Each field is viewed
-    once as byte rows (one numpy view a field, not torch calls a block: 4x faster at 1,365 int8 blocks)."""
+    once as byte rows (one numpy view a field, not torch calls per block)."""
     fields = blocks.tensors() if isinstance(blocks, QuantBlocks) else (blocks,)
     if fields[0].shape[0] == 0:
         return []

@@ -82,7 +82,8 @@ class EagerSteps:
         token = self.tokens.get(seq)
         one = k.shape[0] == 1
         if one and token is not None and token.step is not None and token.kv is None and layer == token.next:
-            token.kv = torch.stack((k[0], v[0]))
+            # straight into the step's graph inputs where it has them: one copy, not a stack and a copy
+            token.kv = torch.stack((k[0], v[0]), out=None if token.graphs is None else token.graphs.kv)
             return True
         self.settle(seq)
         if not one:  # a prefill chunk: no decode token

@@ -50,19 +50,39 @@ class GraphedSteps:
         self.captures += 1
         if self.on_capture is not None:
             self.on_capture()
-        for stale in [k for k in self.graphs if k[:2] == key[:2]]:  # the cpu tier's slabs moved since, or the
-            del self.graphs[stale]  # dense table outgrew its bucket: never replayed again
+        drop_stale(self.graphs, key, 2)
         if self.step.device.type != "cuda":
             self.graphs[key] = None
             return self.forward()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            out = self.forward().clone()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: a background save's or load's thread may call CUDA (events, pinned copies) meanwhile
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            recorded = self.forward()
-        self.graphs[key] = (graph, recorded)
+        out = run_warm(self.forward)
+        self.graphs[key] = record(self.forward)
         return out
+
+
+def drop_stale(graphs: dict[tuple, object], key: tuple, fixed: int) -> None:
+    """Before recording `key`: the graphs whose key shares its first `fixed` parts (the phase and whether cpu
+    blocks are staged) and differs in the rest go (the cpu tier's slabs moved since, or the dense table outgrew
+    its bucket): they are never replayed again."""
+    for stale in [k for k in graphs if k[:fixed] == key[:fixed]]:
+        del graphs[stale]
+
+
+def run_warm(forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """forward() run for real on a side stream, where its kernels compile outside any capture; its output
+    cloned."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out = forward().clone()
+    torch.cuda.current_stream().wait_stream(stream)
+    return out
+
+
+def record(forward: Callable[[], torch.Tensor],
+           pool: tuple | None = None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """forward recorded into a new CUDA graph (recording runs nothing): (graph, the output its replays write).
+    thread_local: a background save's or load's thread may call CUDA (events, pinned copies) meanwhile."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        recorded = forward()
+    return graph, recorded

@@ -19,6 +19,7 @@ import warnings
 
 import torch
 
+from kvstore.decode.graphs import drop_stale, record, run_warm
 from kvstore.decode.step import DecodeStep
 
 
@@ -35,7 +36,8 @@ class LayerGraphs:
         self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
 
     def attend(self, layer: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """step.attend(layer, q, k, v) of kv = [k, v] [2, H, D] -> [Hq, D] (a tensor of the caller's)."""
+        """step.attend(layer, q, k, v) of kv = [k, v] [2, H, D] (self.kv itself: no copy) -> [Hq, D] (a tensor of
+        the caller's)."""
         step = self.step
         if self.failed is not None:
             return step.attend(layer, q, kv[0], kv[1])
@@ -44,7 +46,8 @@ class LayerGraphs:
             return step.attend(layer, q, kv[0], kv[1])
         key = (layer, *step.graph_key())
         self.q.copy_(q)
-        self.kv.copy_(kv)
+        if kv is not self.kv:  # layer 0's K/V were kept before the step (and its graphs) was known
+            self.kv.copy_(kv)
         if key not in self.graphs:
             return self._capture(key, layer)
         graph, out = self.graphs[key]
@@ -55,33 +58,27 @@ class LayerGraphs:
     def _count(self, key: tuple) -> None:
         if key not in self.graphs:
             self.captures += 1
-            for stale in [k for k in self.graphs if k[:3] == key[:3]]:  # the cpu tier's slabs moved since, or the
-                del self.graphs[stale]  # dense table outgrew its bucket: never replayed again
+            drop_stale(self.graphs, key, 3)  # (layer, phase, cpu blocks staged)
             self.graphs[key] = None
 
     def _capture(self, key: tuple, layer: int) -> torch.Tensor:
         self._count(key)
         step = self.step
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            try:
-                out = step.attend(layer, self.q, self.kv[0], self.kv[1]).clone()
-            except BaseException:  # nothing recorded: the next token of this key tries again
-                del self.graphs[key]
-                raise
-        torch.cuda.current_stream().wait_stream(stream)
+
+        def forward() -> torch.Tensor:
+            return step.attend(layer, self.q, self.kv[0], self.kv[1])
+        try:
+            out = run_warm(forward)
+        except BaseException:  # nothing recorded: the next token of this key tries again
+            del self.graphs[key]
+            raise
         step.expect_layer(layer)  # recording passes through the layer's select again
-        graph = torch.cuda.CUDAGraph()
-        try:  # thread_local: a background save's or load's thread may call CUDA (events, pinned copies) meanwhile
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                recorded = step.attend(layer, self.q, self.kv[0], self.kv[1])
+        try:
+            self.graphs[key] = record(forward, self.pool)
         except RuntimeError as exc:  # CUDA refused the capture: the layer ran (out is right); launch from now on
             del self.graphs[key]
             step.expect_layer(layer + 1)
             self.failed = exc
             warnings.warn(f"kvtier: store.attend launches this sequence's step kernel by kernel, its layer could "
                           f"not be captured: {exc}", RuntimeWarning, stacklevel=2)
-            return out
-        self.graphs[key] = (graph, recorded)
         return out
