@@ -98,7 +98,8 @@ class Config:
     cpu_checksums: str = "auto"  # "auto": block sums on the GPU beside pinned slabs (what a captured step verifies
     # cpu blocks with), else xxh3 on the host; "host"; or a device ("cpu": block sums in torch, slow: tests)
     promotions_per_boundary: int = 512  # cpu blocks a captured decode step reads again and again that move up to
-    # the warm tier at one block boundary, at most (kvstore/decode/promotion.py; 0: none): bounds that host work
+    # the warm tier at one block boundary, at most (kvstore/blocks/promotion.py; the eager path: this / num_layers
+    # a call; 0: none): bounds that host work
     ssd_path: str | None = None  # None: a temporary directory removed on close()
     ssd_bytes: int = 64 << 30
     ssd_compression: str = "zstd"  # "zstd", "zstd-split" (byte planes first) or "none"; BENCHMARKS.md: ratios

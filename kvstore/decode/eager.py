@@ -23,12 +23,12 @@ from eviction.certify import certified_omitted_mass
 from eviction.select import SeqWindow
 from eviction.sketch_topk import SketchTopK
 from kvstore.attention import kernel_for
+from kvstore.blocks.promotion import PROMOTE_AFTER, Promoter
 from kvstore.blocks.table import DROPPED, LayerTable
 from kvstore.blocks.tierset import CPU_TIER, WARM_TIER, TierSet
 from kvstore.config import Config
 from kvstore.decode.staging import stage
 
-PROMOTE_AFTER = 2  # cold fetches of one block before it moves to the warm tier
 
 
 @dataclass
@@ -39,7 +39,7 @@ class AttendStats:
     cold_blocks_fetched: int = 0
     cold_slices_staged: int = 0  # one kv head's slice of a cpu block, read by a captured step (DecodeStep.verify)
     promotions: int = 0
-    promotion_swaps: int = 0  # warm blocks a captured step's promotion moved down to the cpu tier to make room
+    promotion_swaps: int = 0  # warm blocks moved down to the cpu tier to make room for a promotion
     mass_measured: int = 0
     mass_captured: float = 0.0  # summed over measured calls
     certified_calls: int = 0  # calls whose policy certified its omitted mass (SketchTopK)
@@ -105,6 +105,9 @@ class DecodePath:
         self.device = tiers.device
         self.kernel = kernel_for(self.device)
         self.stats = AttendStats()
+        self.promoter = Promoter(tiers, config, config.recent_tokens)
+        limit = config.promotions_per_boundary  # a captured step's per boundary; here a share per layer and call
+        self.promote_limit = max(1, limit // config.model.num_layers) if limit else 0
 
     def recent_window(self, budget: int) -> int:
         """The recent window a budgeted step always keeps: Config.recent_tokens, at most budget / RECENT_SHARE,
@@ -225,15 +228,26 @@ class DecodePath:
         return (out[0], mass[0]) if lse is None else (out[0], mass[0], lse[0])
 
     def promote_if_needed(self, table: LayerTable) -> None:
-        """Blocks fetched cold PROMOTE_AFTER times move up to the warm tier. Runs after the step's kernel:
-        making room in the warm pool may move blocks this step's block table still points at."""
-        ready = [i for i, hits in table.cold_hits.items() if hits >= PROMOTE_AFTER]
+        """Cold blocks fetched PROMOTE_AFTER times move up to the warm tier by the rule both decode paths share
+        (kvstore/blocks/promotion.py), most fetched first, at most promote_limit a call; the counts of those that
+        stay halve. Runs after the step's kernel: making room in the warm pool may move blocks this step's block
+        table still points at."""
+        hits = table.cold_hits
+        ready = sorted((i for i, n in hits.items() if n >= PROMOTE_AFTER), key=lambda i: -hits[i])
+        if not ready or not self.promote_limit:
+            return
+        tier_of = self.tiers.blocks.tier_of
+        cold = {i for i in ready if table.block_ids[i] != DROPPED and tier_of[table.block_ids[i]] >= CPU_TIER}
+        wanted = [(0, i) for i in ready if i in cold][: self.promote_limit]
+        moving, moved, swaps = self.promoter.promote([table], wanted, table.num_blocks) if wanted else ([], 0, 0)
+        self.stats.promotions += moved
+        self.stats.promotion_swaps += swaps
+        restart = {i for _, i in moving} if moved else set()
         for i in ready:
-            del table.cold_hits[i]
-        ids = [b for b in (table.block_ids[i] for i in ready)
-               if b != DROPPED and self.tiers.blocks.tier_of[b] >= CPU_TIER]
-        if ids:
-            self.stats.promotions += self.tiers.promote(ids, WARM_TIER)
+            if i in restart or i not in cold:
+                del hits[i]
+            else:
+                hits[i] //= 2
 
 
 def _live_positions(table: LayerTable, selected: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ A block attends bit for bit the same whichever tier it is read from while it kee
 sequence decodes the same tokens whether its blocks sit in the GPU pools, were cooled to cpu or ssd, or
 were saved and opened in another process (kvstore/contexts/saving.py). Two moves change a block's format: a warm
 (quantized: Config.warm_format) block cooling into an fp16 cpu tier is dequantized, and an fp16 cold block fetched
-PROMOTE_AFTER times (eager.py) is quantized into the warm tier; with cpu_dtype = the warm format (the h200 preset's
+PROMOTE_AFTER times (kvstore/blocks/promotion.py) is quantized into the warm tier; with cpu_dtype = the warm format (the h200 preset's
 "int8") neither happens to a value the kernel reads, otherwise a reopened sequence, whose fetch counts start at
 zero, may promote at other steps than the writer would have.
   - an fp16 block (hot, or held fp16 by a cold tier) is read by the kernel's fp16 path, a block in the warm

@@ -94,6 +94,30 @@ def test_cold_blocks_are_staged_then_promoted(tmp_path):
     store.check_integrity()
 
 
+@pytest.mark.parametrize("limit", [512, 4])
+def test_dense_attends_over_a_full_warm_tier_trade_blocks_only_for_less_attended_ones(tmp_path, limit):
+    """Dense attention reads every block every call: a promotion may trade a cpu block for a warm block that
+    received less attention, at most the per-call limit, and the trading settles instead of moving the same
+    blocks up and down call after call (the fetches per call stay the same either way)."""
+    store = make_store(tmp_path, gpu_bytes=240 << 10, warm_tokens=4096, cpu_bytes=1 << 20,
+                       promotions_per_boundary=limit)
+    seq, _, _ = filled(store, 1500, seed=5)
+    cold = store.stats()["tiers"]["cpu"]["blocks"]
+    assert cold > 0 and store.tiers.warm.free_blocks() == 0  # the warm tier is full: promoting means swapping
+    q = torch.randn(6, 32, generator=torch.Generator().manual_seed(5)).half().to(DEVICE)
+    moved = []
+    for _ in range(12):
+        before = store.stats()["attend"]["promotions"]
+        out = store.attend(seq, 0, q, mode="dense")
+        moved.append(store.stats()["attend"]["promotions"] - before)
+    assert max(moved) <= store.decode.promote_limit == min(limit, 512) and sum(moved) > 0
+    assert sum(moved) <= cold and moved[-3:] == [0, 0, 0]
+    stats = store.stats()["attend"]
+    assert stats["promotion_swaps"] == stats["promotions"]
+    assert torch.allclose(out.float(), dense_reference(q, *store.read(seq, 0)), atol=2e-3, rtol=1e-2)
+    store.check_integrity()
+
+
 def test_h2o_drop_mode_frees_blocks_for_good(tmp_path):
     store = make_store(tmp_path)
     seq, _, _ = filled(store, 800, seed=4)
