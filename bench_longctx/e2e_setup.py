@@ -20,6 +20,7 @@ from eviction.cascade import CascadeTopK
 from kvstore.blocks.table import TableTensors
 from kvstore.blocks.tier_stack import staging_bytes
 from kvstore.config import ModelSpec
+from kvstore.decode.modes import reads_codes
 from kvstore.store import KVStore
 from tiers.layout import BlockLayout
 
@@ -76,15 +77,17 @@ def prefill_bytes(args: LlamaArgs, context: int) -> int:
 def e2e_store(spec: ModelSpec, p: E2EPreset, device: torch.device, reserve: int = 0) -> KVStore:
     """p.warm_format warm for as much of the context as the device holds (less `reserve` bytes and the block
     tables: summaries, maps, H2O scores and sketch codes of every block, GPU-held or not); the rest in that
-    format in host memory."""
+    format in host memory. Sketch codes (an eighth of the fp16 K/V: 16 GiB at 1M tokens of llama3-8b) only when
+    a timed mode reads them."""
     sink = 64
     hot = store_bytes(spec, 32, p.hot_tokens, 0, sink, p.warm_format)
     per_token = spec.num_layers * BlockLayout.of(spec, 32, p.warm_format).warm_bytes / 32
     staging_tokens = max(4096, p.budget)  # a staging row per selected block: the step reads cpu blocks itself
     staging = staging_bytes(BlockLayout.of(spec, p.block_tokens, p.warm_format), staging_tokens)
     blocks = -(-(p.context + p.context // 16) // p.block_tokens)  # a decode step's capacity: 1/16 to spare
+    codes = any(reads_codes(m.strip()) for m in p.modes.split(","))
     tables = spec.num_layers * blocks * TableTensors(spec.num_kv_heads, spec.head_dim, p.block_tokens,
-                                                     device).bytes_per_block()
+                                                     device, sketch_codes=codes).bytes_per_block()
     room = available_bytes(device) - reserve - 2 * hot - staging - tables
     warm_tokens = max(0, min(p.context + p.steps * 8, int(room / per_token) - 64)) // 32 * 32  # 4 paths append
     if p.warm_tokens:
@@ -94,7 +97,7 @@ def e2e_store(spec: ModelSpec, p: E2EPreset, device: torch.device, reserve: int 
     store = model_store(spec, device, hot_tokens=p.hot_tokens, warm_tokens=warm_tokens, sink_tokens=sink,
                         recent_tokens=p.recent_tokens, sequences=1, cpu_bytes=max(cpu_bytes, 64 << 20),
                         block_tokens=p.block_tokens, cpu_dtype=p.warm_format, warm_format=p.warm_format,
-                        staging_tokens=staging_tokens)
+                        staging_tokens=staging_tokens, sketch_codes=codes)
     store.policies["cascade"] = CascadeTopK(candidate_factor=p.cascade_candidates)
     return store
 

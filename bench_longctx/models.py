@@ -57,14 +57,16 @@ def store_bytes(spec: ModelSpec, block_tokens: int, hot_tokens: int, warm_tokens
 
 def model_store(spec: ModelSpec, device: torch.device, *, hot_tokens: int, warm_tokens: int, sink_tokens: int,
                 recent_tokens: int, sequences: int = 2, staging_tokens: int = 4096, block_tokens: int = 32,
-                cpu_bytes: int = 1 << 30, cpu_dtype: str = "float16", warm_format: str = "int8") -> KVStore:
+                cpu_bytes: int = 1 << 30, cpu_dtype: str = "float16", warm_format: str = "int8",
+                sketch_codes: bool = True) -> KVStore:
     """A store whose GPU pools hold `sequences` sequences' full windows (a prefill and its fork)."""
     windows = sequences * store_bytes(spec, block_tokens, hot_tokens, warm_tokens, sink_tokens, warm_format)
     staging = staging_bytes(BlockLayout.of(spec, block_tokens, warm_format), staging_tokens)
     return KVStore(Config(model=spec, block_tokens=block_tokens, sink_tokens=sink_tokens, hot_tokens=hot_tokens,
                           warm_tokens=warm_tokens, recent_tokens=recent_tokens, gpu_bytes=windows + staging,
                           staging_tokens=staging_tokens, cpu_bytes=cpu_bytes, cpu_dtype=cpu_dtype, ssd_bytes=1 << 30,
-                          device=str(device), host_memory_reserve=0, warm_format=warm_format))
+                          device=str(device), host_memory_reserve=0, warm_format=warm_format,
+                          sketch_codes=sketch_codes))
 
 
 def copy_sequence(src: KVStore, seq: int, dst: KVStore) -> int:

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eager", action="store_true", help="the eager path (no graphs), with its host profile")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
-    p = dataclasses.replace(get_preset("h200").e2e, context=args.context, steps=3 * args.steps + 8)
+    p = dataclasses.replace(get_preset("h200").e2e, context=args.context, steps=3 * args.steps + 8, modes=args.mode)
     model = random_model(model_args(p.geometry, p.layers), device, torch.float16)
     store = e2e_store(model.args.spec, p, device)
     decoder = Decoder(model, store, graphs=not args.eager)
