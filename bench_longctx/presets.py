@@ -132,7 +132,7 @@ class E2EPreset:
     # many tokens there, the rest warm_format in pinned host memory (the cpu tier, which the captured step reads itself)
     modes: str = "topk,sketch,dense"  # the decode modes timed (and cascade), each on the graph and eager paths
     warm_format: str = "int8"  # the store's warm and cpu format: "int8", "fp8" or "int4" (docs/tiers.md, Formats)
-    cascade_candidates: int = 4  # mode cascade: candidate blocks per kv head, as a multiple of k
+    cascade_candidates: int = 16  # mode cascade: candidate blocks per kv head, as a multiple of k (CascadeTopK's)
 
     def __post_init__(self) -> None:
         check_warm_format("e2e", self.warm_format)
