@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 
 from bench_longctx.timing import environment, write_json
-from kvstore.attention.paged_decode import LOG2E, paged_decode, split_partials
+from kvstore.attention.paged_decode import LOG2E, paged_decode
+from kvstore.attention.split_walk import split_partials
 from kvstore.attention.plan import DecodeGeometry, check_decode_inputs, decode_config
 from kvstore.attention.reference import paged_decode_ref
 

@@ -1,8 +1,9 @@
 """The paged decode attention kernel the store's decode path runs.
 
-    paged_decode.py  Triton split-K kernel over fp16 (hot) and int8 (warm) blocks, GQA; the launcher of every walk
+    paged_decode.py  the entry of every walk: checks, picks the walk (plan.py), merges (merge.py)
+    split_walk.py    long tables: Triton split-K (flash-decoding) over fp16 (hot) and warm blocks, GQA
     one_tile.py      short tables (a top-k budget): one program per tile, each in its own pool's format, one launch
-    tiles.py         one tile of K/V: table entries -> slots, fp16 rows, int8 rows dequantized in registers
+    tiles.py         one tile of K/V: table entries -> slots, fp16 rows, warm rows dequantized in registers
     partition.py     a mixed long table reordered per row on the device, fp16 entries then int8 ones (one launch each)
     int8_mma.cu/.py  the split walk's int8 launches as a CUDA kernel (NVRTC at run time): bytes decoded straight into
                      tensor-core operand registers; Triton's loop where it cannot run (CPU, no NVRTC, other shapes)

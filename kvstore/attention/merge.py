@@ -1,6 +1,6 @@
 """The merge step of flash-decoding for kvstore.attention.paged_decode: splits -> output and block mass, one launch.
 
-The split kernels (paged_decode.py, one_tile.py) leave, per (row, q head, split), the split's normalized
+The split kernels (split_walk.py, one_tile.py) leave, per (row, q head, split), the split's normalized
 output and its log2-sum-exp2, and per (row, q head, block) the block's log2-sum-exp2. `_merge_kernel`
 runs a program per (row, kv head, p): each finds its group's log-sum-exp over the splits (a few hundred
 floats), program p < GROUP also weights q head p's splits by exp2(lse_split - lse) into the output, and

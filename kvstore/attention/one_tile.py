@@ -4,11 +4,11 @@ Grid (batch, kv heads, tiles): program t reads entries [t * BLOCKS_PER_ITER, ...
 table. A short table is latency bound, not bandwidth bound (64 entries of 64 tokens per kv head: ~14 MB,
 ~3 us of HBM), so each program waits on memory only twice: once for its entries, pool flags, token count
 and q together (no load waits on the token count), once for its K/V. The loops of the split walk
-(paged_decode.py) wait twice per iteration and their table partition (partition.py) is a launch of its
+(split_walk.py) wait twice per iteration and their table partition (partition.py) is a launch of its
 own. Each tile is read in the format its flags name, whatever the mix: all fp16, all int8, or, for a
 tile astride the two, both under masks. merge.py merges the tiles as it merges splits.
 
-Math as in paged_decode._attend, over one tile: base-2 scores, p * v_scale * V_BOOST for int8 V.
+Math as in split_walk._attend, over one tile: base-2 scores, p * v_scale * V_BOOST for int8 V.
 Config (tile size, warps): plan.decode_config. Reference: reference.py.
 """
 
@@ -44,7 +44,7 @@ def _one_tile_kernel(
     split `tile` of o_part / lse_part, and (RETURN_MASS) each block's log2-sum-exp2 in lse_block.
     APPEND (batch 1): the row's last token is the new one (k, v at new_k / new_v): the program whose tile holds
     it writes it to its hot tail slot and widens the block's summary (append.py) before it loads the tile."""
-    V_BOOST: tl.constexpr = 256.0  # as in paged_decode._attend
+    V_BOOST: tl.constexpr = 256.0  # as in split_walk._attend
     N: tl.constexpr = BLOCKS_PER_ITER * BLOCK_TOKENS
     b = tl.program_id(0)
     head = tl.program_id(1)

@@ -1,6 +1,6 @@
 """Plan for the paged decode kernel: argument checks, geometry, and the split/tile config.
 
-Kept apart from the kernels (paged_decode.py) so the reference and the
+Kept apart from the kernels (split_walk.py, one_tile.py) so the reference and the
 benchmark can share the checks and read the chosen config without launching anything.
 """
 
@@ -64,7 +64,7 @@ class DecodeConfig:
     """How the kernel walks the table; every field can be forced through paged_decode's kwargs.
 
     one_tile: one program per tile of blocks_per_iter entries (one_tile.py; num_splits = the tiles of a row,
-    blocks_per_split = blocks_per_iter), else the split kernel's loops (paged_decode.py).
+    blocks_per_split = blocks_per_iter), else the split kernel's loops (split_walk.py).
     """
 
     blocks_per_iter: int
