@@ -1,8 +1,8 @@
 """Passkey retrieval with SmolLM2-135M at ~2K tokens (budget 1/8 of the context) and 8K (1/16): top-K (Quest's
 bound) and the sketch selector find every passkey dense attention finds; window and H2O are recorded as controls
 (window misses them all; H2O, which keeps the needle's heavy hitters, finds them too). At 8K a second, tighter
-budget (192 tokens, ~1/42: 64 sinks + 64 recent + 2 selected blocks): the sketch must still find every passkey
-dense finds; top-K and H2O are recorded beside it."""
+budget (160 tokens, 1/50) separates the selectors: the sketch and the cascade must still find every passkey dense
+finds; top-K and H2O are recorded beside them (both miss the 0.1-deep one)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from tests.engine_adapter import smollm2
 DEPTHS = {2000: (0.1, 0.5, 0.9), 8000: (0.1, 0.6)}
 FRACTION = {2000: 8, 8000: 16}  # budget = this fraction of the context
 MODES = ("dense", "topk", "sketch", "window", "h2o")
-TIGHT = {8000: 192}  # prompt tokens -> a second, tighter budget for the selectors
-TIGHT_MODES = ("topk", "sketch", "h2o")
+TIGHT = {8000: 160}  # prompt tokens -> a second, tighter budget for the selectors
+TIGHT_MODES = ("topk", "sketch", "cascade", "h2o")
 
 
 def passkey_for(tokens: int, depth: float) -> str:
@@ -37,10 +37,10 @@ def config() -> Config:
 
 def report(request: pytest.FixtureRequest, rows: list[dict]) -> None:
     labels = MODES + tuple(f"{m}@tight" for m in TIGHT_MODES if any(f"{m}@tight" in r["answers"] for r in rows))
-    lines = [f"{'tokens':>7}{'depth':>7}{'budget':>8}{'passkey':>9}" + "".join(f"{m:>13}" for m in labels)
+    lines = [f"{'tokens':>7}{'depth':>7}{'budget':>8}{'passkey':>9}" + "".join(f"{m:>15}" for m in labels)
              + "   (* = missed)"]
     for r in rows:
-        cells = "".join(f"{(r['answers'][m] or '-') + ('' if r['answers'][m] == r['key'] else '*'):>13}"
+        cells = "".join(f"{(r['answers'][m] or '-') + ('' if r['answers'][m] == r['key'] else '*'):>15}"
                         for m in labels)
         lines.append(f"{r['tokens']:>7}{r['depth']:>7}{r['budget']:>8}{r['key']:>9}{cells}")
     if any(r["tokens"] in TIGHT for r in rows):
@@ -90,7 +90,7 @@ def test_dense_finds_the_passkey_at_most_depths(results: list[dict]) -> None:
     assert len(found) >= len(results) - 1, results  # otherwise the comparison below says little
 
 
-@pytest.mark.parametrize("mode", ["topk", "sketch", "sketch@tight"])
+@pytest.mark.parametrize("mode", ["topk", "sketch", "sketch@tight", "cascade@tight"])
 def test_sparse_modes_find_every_passkey_dense_finds(results: list[dict], mode: str) -> None:
     misses = [r for r in results if mode in r["answers"] and r["answers"]["dense"] == r["key"] != r["answers"][mode]]
     assert not misses, misses
@@ -102,3 +102,11 @@ def test_window_and_h2o_controls_are_recorded(results: list[dict]) -> None:
         for mode in ("window", "h2o"):
             answer = r["answers"][mode]
             assert answer is None or answer.isdigit(), (mode, r)
+
+
+def test_the_tight_budget_separates_the_selectors(results: list[dict]) -> None:
+    """The tight budget is a graded case only while Quest's bound misses a passkey there that dense finds (if it
+    stops missing, tighten the budget: a case every method passes says nothing about the sketch or the cascade)."""
+    tight = [r for r in results if "topk@tight" in r["answers"] and r["answers"]["dense"] == r["key"]]
+    if tight:
+        assert any(r["answers"]["topk@tight"] != r["key"] for r in tight), tight
