@@ -16,7 +16,7 @@ and the scraping thread only reads the last one:
     kvtier_store_context_tokens_total, kvtier_store_attended_tokens_total   tokens held vs tokens read
     kvtier_store_cold_blocks_fetched_total, kvtier_store_cold_slices_staged_total
     kvtier_store_promotions_total, kvtier_store_promotion_swaps_total   blocks moved up to the warm tier; warm
-        blocks a captured step's promotion moved down to the cpu tier to make room for them
+        blocks a promotion moved down to the cpu tier to make room for them
     kvtier_store_certified_calls_total, kvtier_store_certified_omitted_mass_total
         steps whose selection certified an upper bound on the softmax mass it left out (the sketch
         policy), and the sum of those bounds (rate(sum) / rate(calls): the mean certified omitted mass)

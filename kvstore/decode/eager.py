@@ -229,25 +229,23 @@ class DecodePath:
 
     def promote_if_needed(self, table: LayerTable) -> None:
         """Cold blocks fetched PROMOTE_AFTER times move up to the warm tier by the rule both decode paths share
-        (kvstore/blocks/promotion.py), most fetched first, at most promote_limit a call; the counts of those that
-        stay halve. Runs after the step's kernel: making room in the warm pool may move blocks this step's block
-        table still points at."""
+        (kvstore/blocks/promotion.py), most fetched first, at most promote_limit a call. Those weighed here count
+        from zero again, moved or not (a block the rule keeps down is weighed again after PROMOTE_AFTER more
+        fetches, not every call); those past the limit keep their counts for the next call. Runs after the
+        step's kernel: making room in the warm pool may move blocks this step's block table still points at."""
         hits = table.cold_hits
         ready = sorted((i for i, n in hits.items() if n >= PROMOTE_AFTER), key=lambda i: -hits[i])
         if not ready or not self.promote_limit:
             return
         tier_of = self.tiers.blocks.tier_of
-        cold = {i for i in ready if table.block_ids[i] != DROPPED and tier_of[table.block_ids[i]] >= CPU_TIER}
-        wanted = [(0, i) for i in ready if i in cold][: self.promote_limit]
-        moving, moved, swaps = self.promoter.promote([table], wanted, table.num_blocks) if wanted else ([], 0, 0)
+        cold = [i for i in ready if table.block_ids[i] != DROPPED and tier_of[table.block_ids[i]] >= CPU_TIER]
+        weighed = cold[: self.promote_limit]
+        _, moved, swaps = self.promoter.promote([table], [(0, i) for i in weighed], table.num_blocks) \
+            if weighed else ([], 0, 0)
         self.stats.promotions += moved
         self.stats.promotion_swaps += swaps
-        restart = {i for _, i in moving} if moved else set()
-        for i in ready:
-            if i in restart or i not in cold:
-                del hits[i]
-            else:
-                hits[i] //= 2
+        for i in set(ready) - set(cold[self.promote_limit:]):
+            del hits[i]
 
 
 def _live_positions(table: LayerTable, selected: torch.Tensor) -> torch.Tensor:

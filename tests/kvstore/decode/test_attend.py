@@ -106,7 +106,7 @@ def test_dense_attends_over_a_full_warm_tier_trade_blocks_only_for_less_attended
     assert cold > 0 and store.tiers.warm.free_blocks() == 0  # the warm tier is full: promoting means swapping
     q = torch.randn(6, 32, generator=torch.Generator().manual_seed(5)).half().to(DEVICE)
     moved = []
-    for _ in range(12):
+    for _ in range(20):
         before = store.stats()["attend"]["promotions"]
         out = store.attend(seq, 0, q, mode="dense")
         moved.append(store.stats()["attend"]["promotions"] - before)
