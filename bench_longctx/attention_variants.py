@@ -12,7 +12,7 @@ the captured decode step passes) unless the case says warm-only. Cases:
 Short cases capture 32 layers (distinct tables and slots, 0.8-3 GB of pools, so KV comes from HBM as
 in the step) and report us per layer; the 1M cases capture one. Variants:
     old        the baseline launch sequence without the one-tile walk: partition_table, one split launch per
-               pool, separate combine and block-mass kernels (below; the split kernel is paged_decode's)
+               pool, separate combine and block-mass kernels (below; the split kernel is split_walk.py's)
     auto       paged_decode as the step calls it (walk chosen by plan.decode_config)
     one_tile_tTOKENS_wWARPS   the one-tile walk at a forced tile size and warp count
     partition  the split walk with the one-launch merge (kvstore/attention/merge.py)

@@ -7,8 +7,8 @@ The haystacks of bench_longctx/needle.py (SmolLM2-distributed background keys, n
 margins, smollm2-135m geometry, 32-token blocks, 64 sink + 128 recent tokens); per needle query each selector
 picks blocks at each budget. A (needle, q head) holding >= 5% of the dense weight is a trial; it is found when
 its block is selected for its kv head. Also the share of the needles' dense weight the selections hold.
-Selectors: quest (TopK), sketch (SketchTopK), cascade (CascadeTopK in the haystack's PCA basis, and with
-16 x k candidates), cascade_raw (CascadeTopK on raw channels: the store's mode="cascade"; also with 16 x k).
+Selectors: quest (TopK), sketch (SketchTopK), cascade (CascadeTopK in the haystack's PCA basis, 4 x k candidates;
+_c16: 16 x k), cascade_raw (CascadeTopK on raw channels, 4 x k; cascade_raw_c16: the store's mode="cascade").
 Numbers: BENCHMARKS.md, Selection quality.
 """
 
@@ -40,9 +40,9 @@ def selectors(keys: torch.Tensor, window: SeqWindow, block_tokens: int) -> dict[
     turned = lambda q: ScoreContext(*rotated[:1], window, q=q, sketch=rotated[1])  # noqa: E731
     return {"quest": lambda q, b: TopK().select(raw(q), b),
             "sketch": lambda q, b: SketchTopK().select(raw(q), b),
-            "cascade": lambda q, b: CascadeTopK(basis=basis).select(turned(q), b),
+            "cascade": lambda q, b: CascadeTopK(basis=basis, candidate_factor=4).select(turned(q), b),
             "cascade_c16": lambda q, b: CascadeTopK(basis=basis, candidate_factor=16).select(turned(q), b),
-            "cascade_raw": lambda q, b: CascadeTopK().select(raw(q), b),
+            "cascade_raw": lambda q, b: CascadeTopK(candidate_factor=4).select(raw(q), b),
             "cascade_raw_c16": lambda q, b: CascadeTopK(candidate_factor=16).select(raw(q), b)}
 
 

@@ -65,7 +65,7 @@ class CascadeTopK(Policy):
     # q is rotated here. None: the raw channels (plain Quest boxes)
     basis: torch.Tensor | None = None
     candidate_factor: int = 16  # candidates per kv head = candidate_factor * k (16 finds 41 of 41 needles at 256K
-    # where 4 finds 30, for ~9% more time a token at 1M: BENCHMARKS.md, Cascade) ...
+    # where 4 finds 30, for ~10% more time a token at 1M: BENCHMARKS.md, Cascade) ...
     min_candidates: int = 0  # ... and at least this many
     tau: float = 0.05  # the threshold's token weight
     z_blocks: int = 4  # best-bound blocks per kv head whose 4-bit lower bound joins log_z

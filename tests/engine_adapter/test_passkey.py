@@ -2,7 +2,7 @@
 bound) and the sketch selector find every passkey dense attention finds; window and H2O are recorded as controls
 (window misses them all; H2O, which keeps the needle's heavy hitters, finds them too). At 8K a second, tighter
 budget (160 tokens, 1/50) separates the selectors: the sketch and the cascade must still find every passkey dense
-finds; top-K and H2O are recorded beside them (both miss the 0.1-deep one)."""
+finds; top-K must miss one there (else the budget no longer grades them), H2O is recorded (it misses too)."""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from eviction import CascadeTopK
 from kvstore import Config, KVStore, ModelSpec
 from tests.eviction.test_cascade import needle_haystack
 from tests.kvstore.decode.test_step import SPEC, eager_path, tokens, twin_stores
@@ -35,7 +36,8 @@ def test_cascade_step_equals_the_eager_cascade(tmp_path):
 
 def test_cascade_step_reads_the_needles(tmp_path):
     """A haystack whose decoys outrank the needles in Quest's bound: the step's cascade output matches dense
-    attention, the topk step's does not."""
+    attention, the topk step's does not. 4 x k candidates (64 of the 256 blocks: at the default 16 x k every block
+    would be one, and Quest's candidate stage would go untested)."""
     spec = ModelSpec(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=32)
     keys, q, _ = needle_haystack(seed=3)
     values = torch.randn(keys.shape, generator=torch.Generator().manual_seed(4)).half()
@@ -43,6 +45,7 @@ def test_cascade_step_reads_the_needles(tmp_path):
     for mode in ("cascade", "topk", "dense"):
         store = KVStore(Config(model=spec, block_tokens=16, sink_tokens=16, hot_tokens=8192, warm_tokens=0,
                                recent_tokens=32, gpu_bytes=32 << 20, device=DEVICE, host_memory_reserve=0))
+        store.policies["cascade"] = CascadeTopK(candidate_factor=4)
         seq = store.create_sequence()
         store.append(seq, 0, keys[:-1].to(DEVICE), values[:-1].to(DEVICE))
         step = store.decode_step(seq, mode=mode, budget=256)
