@@ -110,7 +110,7 @@ def test_dense_attends_over_a_full_warm_tier_trade_blocks_only_for_less_attended
         before = store.stats()["attend"]["promotions"]
         out = store.attend(seq, 0, q, mode="dense")
         moved.append(store.stats()["attend"]["promotions"] - before)
-    assert max(moved) <= store.decode.promote_limit == min(limit, 512) and sum(moved) > 0
+    assert max(moved) <= store.decode.promote_limit == limit and sum(moved) > 0  # one layer: the whole limit a call
     assert sum(moved) <= cold and moved[-3:] == [0, 0, 0]
     stats = store.stats()["attend"]
     assert stats["promotion_swaps"] == stats["promotions"]
