@@ -18,17 +18,18 @@ import torch
 
 from kvstore.blocks.table import LayerTable
 from kvstore.blocks.tier_stack import CPU_TIER, WARM_TIER
+from kvstore.blocks.tierset import TierSet
 from kvstore.config import Config
 from tiers.base import device_ints
 from tiers.errors import CapacityError
 
-PROMOTE_AFTER = 2  # whole-block reads of a cpu block (since its count last halved) before it moves up
+PROMOTE_AFTER = 2  # whole-block reads of a cpu block (since its count last halved or restarted) before it moves up
 Entry = tuple[int, int]  # (index of the table in the caller's list, block index in that table)
 
 
 class Promoter:
-    def __init__(self, tiers, config: Config, recent_tokens: int) -> None:
-        """tiers: the store's TierSet; recent_tokens: the window the caller always attends (kept on the GPU, as
+    def __init__(self, tiers: TierSet, config: Config, recent_tokens: int) -> None:
+        """recent_tokens: the window the caller always attends (kept on the GPU, as
         the sinks and the hot window are)."""
         self.tiers = tiers
         self.ranking = tiers.demotion.ranking  # H2O: a block's worth is the attention mass it received
