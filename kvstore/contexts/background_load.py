@@ -8,8 +8,8 @@ at most QUEUED deep. It touches nothing of the store but the values store and th
 read per block). `place` runs on the decode thread (KVStore.place_loaded; engine_adapter.Decoder calls it
 before every token) and puts the batches read so far into the tiers their positions belong in (the hot and
 warm windows, else cpu), into free room only, as store.load does; where a window's GPU tier has no room (the
-eager path promoted blocks into it), into the cpu tier, as cooling would. A block that left the save
-meanwhile (promoted by the eager path, moved by store.load) is skipped. No lock is shared with the decode
+eager path promoted blocks into it), into the cpu tier, as cooling would (kvstore/blocks/from_saved.py). A
+block that left the save meanwhile (kept by the eager path, moved by store.load) is skipped. No lock is shared with the decode
 path, and one call places at most QUEUED batches: a bounded pause between two tokens, also for the other
 sequences of a batch. Once every block of the sequence is on the GPU or in the cpu tier, the captured decode
 step serves it (kvstore/decode/step.py); until then its tokens take the eager path.
@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstore.blocks.from_saved import keep_read
 from kvstore.blocks.table import LayerTable
-from kvstore.blocks.tierset import CPU_TIER, LOAD_BATCH, SAVED_TIER, TierSet
-from tiers.errors import CapacityError
-from tiers.layout import Blocks, QuantBlocks
+from kvstore.blocks.tierset import LOAD_BATCH, SAVED_TIER, TierSet
+from tiers.layout import Blocks
 
 QUEUED = 4  # batches read ahead of `place`: host memory (~0.5 GiB of llama3-8b int8 blocks) and the most one
 # place call puts in
@@ -106,23 +106,7 @@ class SequenceLoad:
 
     def _put(self, batch: Batch, blocks: Blocks) -> int:
         """The blocks of `batch` still in the save into the tier of their position now, as far as it has room."""
-        tiers, tier_of, num_tokens = self.tiers, self.tiers.blocks.tier_of, batch.table.num_tokens
-        wanted: dict[int, list[int]] = {}  # tier -> rows of `blocks`
-        for row, (index, block_id) in enumerate(zip(batch.indices, batch.ids)):
-            if tier_of.get(block_id) == SAVED_TIER:
-                wanted.setdefault(tiers.first_tier(index, num_tokens), []).append(row)
-        moved = 0
-        for dst, rows in sorted(wanted.items()):
-            for tier in dict.fromkeys((dst, CPU_TIER)):  # no room in a GPU window's tier: the cpu tier, as cooling
-                fit = rows[:tiers.stack[tier].free_blocks()]  # would (the pools filled with promoted blocks)
-                if not fit:
-                    continue
-                try:
-                    tiers.put_moved([batch.ids[r] for r in fit], _rows(blocks, fit), SAVED_TIER, tier, coldest=tier)
-                except CapacityError:  # the tier's own budget (bytes, host memory) refused: they stay saved
-                    continue
-                moved, rows = moved + len(fit), rows[len(fit):]
-        return moved
+        return keep_read(self.tiers, batch.table, batch.indices, batch.ids, blocks)
 
     def stop(self) -> None:
         """End the thread (waits for a read in progress: the values store stays open until it returns)."""
@@ -182,9 +166,3 @@ class BackgroundLoads:
         for seq in list(self.loads):
             self.stop(seq)
 
-
-def _rows(blocks: Blocks, rows: list[int]) -> Blocks:
-    if len(rows) == len(blocks):
-        return blocks
-    index = torch.tensor(rows, dtype=torch.long)
-    return blocks.index(index) if isinstance(blocks, QuantBlocks) else blocks[index]

@@ -6,7 +6,8 @@
                 rows of the hot (fp16) and warm (int8) pools (staging.py)
     3. attend   one paged decode kernel over hot fp16, warm int8 and staged blocks
     4. account  the kernel's per-block attention mass feeds the H2O scores; blocks fetched
-                cold again and again are promoted to the warm tier
+                cold again and again are promoted to the warm tier, and blocks read from an opened
+                context's save are kept in the tier of their position (kvstore/blocks/from_saved.py)
 On CUDA the Triton kernel runs; on CPU its torch reference (same contract). The eager
 step, the captured step (step.py) and the benchmarks build block tables with the
 one `block_table` below.
@@ -23,11 +24,13 @@ from eviction.certify import certified_omitted_mass
 from eviction.select import SeqWindow
 from eviction.sketch_topk import SketchTopK
 from kvstore.attention import kernel_for
+from kvstore.blocks.from_saved import keep_read
 from kvstore.blocks.promotion import PROMOTE_AFTER, Promoter
 from kvstore.blocks.table import DROPPED, LayerTable
 from kvstore.blocks.tierset import CPU_TIER, WARM_TIER, TierSet
 from kvstore.config import Config
 from kvstore.decode.staging import stage
+from tiers.stored import StoredBlocks
 
 
 
@@ -40,6 +43,7 @@ class AttendStats:
     cold_slices_staged: int = 0  # one kv head's slice of a cpu block, read by a captured step (DecodeStep.verify)
     promotions: int = 0
     promotion_swaps: int = 0  # warm blocks moved down to the cpu tier to make room for a promotion
+    kept_from_saved: int = 0  # blocks read from an opened context's save and kept in a tier (keep_saved)
     mass_measured: int = 0
     mass_captured: float = 0.0  # summed over measured calls
     certified_calls: int = 0  # calls whose policy certified its omitted mass (SketchTopK)
@@ -225,7 +229,19 @@ class DecodePath:
         lse = torch.empty((1, q.shape[0]), dtype=torch.float32, device=self.device) if return_lse else None
         out, mass = self.kernel(q[None], got.hot_pool, warm.data, warm.k_scale, warm.v_scale, got.slots[None],
                                 got.is_int8[None], num_tokens.to(self.device), return_block_mass=True, lse_out=lse)
+        if got.read is not None:
+            self.keep_saved(table, got.read, got.read_at)
         return (out[0], mass[0]) if lse is None else (out[0], mass[0], lse[0])
+
+    def keep_saved(self, table: LayerTable, read: StoredBlocks, read_at: list[int]) -> None:
+        """Blocks this step read from the saved tier (an opened context's) stay out of it: into the tier of their
+        position, as far as it has free room (kvstore/blocks/from_saved.py), so the next token reads only the
+        blocks it selects anew. After the kernel: the blocks move, the rows it read stay where they were."""
+        for at, blocks in ((read.fp16_at, read.fp16), (read.quant_at, read.quant)):
+            indices = [read_at[a] for a in at]
+            if indices:
+                self.stats.kept_from_saved += keep_read(self.tiers, table, indices,
+                                                        [table.block_ids[i] for i in indices], blocks)
 
     def promote_if_needed(self, table: LayerTable) -> None:
         """Cold blocks fetched PROMOTE_AFTER times move up to the warm tier by the rule both decode paths share

@@ -45,6 +45,8 @@ class Staged:
     slots: torch.Tensor
     is_int8: torch.Tensor
     fetched: list[int]  # indices (in the table) of the cold blocks fetched; [] when none were selected
+    read: StoredBlocks | None = None  # what was fetched, as stored; its fp16_at / quant_at index `read_at`
+    read_at: list[int] | None = None  # indices (in the table) of the blocks `read` holds
 
 
 def gather_as_stored(tiers: TierSet, ids: Sequence[int], device: torch.device) -> StoredBlocks:
@@ -100,11 +102,11 @@ def stage(tiers: TierSet, table: LayerTable, selected: torch.Tensor, slots: torc
         new_slot[fp16_at] = hot.stage(got.fp16)
         new_slot[quant_at] = warm.stage(got.quant)
         return Staged(hot.pool, warm.pool, torch.where(cold, new_slot[selected], slots),
-                      torch.where(cold, new_int8[selected], is_int8), cold_indices)
+                      torch.where(cold, new_int8[selected], is_int8), cold_indices, got, indices)
     new_slot[fp16_at] = torch.arange(len(got.fp16_at), dtype=torch.int32, device=device)
     new_slot[quant_at] = torch.arange(len(got.quant_at), dtype=torch.int32, device=device)
     # an empty temporary pool is replaced by the tier's (never read: no entry points at it), so the kernel's
     # build (which pools are non-empty) stays what the config makes it
     hot_pool = got.fp16 if got.fp16_at else hot.pool
     warm_pool = got.quant if got.quant_at else warm.pool
-    return Staged(hot_pool, warm_pool, new_slot[selected], new_int8[selected], cold_indices)
+    return Staged(hot_pool, warm_pool, new_slot[selected], new_int8[selected], cold_indices, got, indices)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kvstore import KVStore
-from kvstore.blocks.tierset import SAVED_TIER, WARM_TIER
+from kvstore.blocks.tierset import CPU_TIER, WARM_TIER
 from kvstore.contexts.background_load import QUEUED
-from tests.kvstore.contexts.test_saved import attend_all, query
+from tests.kvstore.contexts.test_saved import NUM_TOKENS, attend_all, filled, query
 from tests.kvstore.contexts.test_saved_integrity import flip_byte
 from tests.kvstore.contexts.test_saved_load import opened, saved_blocks
 from tiers.errors import BlockMissingError, IntegrityError
@@ -56,20 +56,24 @@ def test_a_background_load_places_every_block_where_store_load_would_and_outputs
 
 
 def test_blocks_that_left_the_save_meanwhile_are_skipped_and_full_gpu_windows_spill_into_cpu(tmp_path):
-    """Attends while loading read selected blocks from the save and promote those read again into the warm
-    pool, which fills: the warm window's blocks then go to the cpu tier (int8 both: the same values)."""
+    """An attend while loading reads its selected blocks from the save and keeps them (kvstore/blocks/from_saved.py):
+    the load skips those. With the warm pool full (sequences written into the store first), the warm window's
+    blocks go to the cpu tier instead (int8 both: the same values)."""
     store, seq, want = opened(tmp_path, cpu_bytes=4 << 20)
     store.free(seq)
+    tiers, seed = store.tiers, 1
+    while tiers.warm.free_blocks():  # sequences written into the store fill the warm pool
+        filled(store, NUM_TOKENS, seed)
+        seed += 1
     seq = background(store)
-    assert all(a.equal(b) for a, b in zip(attend_all(store, seq, query(3)), want))
-    assert store.stats()["attend"]["promotions"] > 0
-    tiers = store.tiers
-    warm_window = sum(tiers.first_tier(i, t.num_tokens) == WARM_TIER and tiers.blocks.tier_of[b] == SAVED_TIER
-                      for t in store.sequences[seq] for i, b in enumerate(t.block_ids))
-    assert tiers.warm.free_blocks() < warm_window  # the warm pool cannot take its window's blocks
-    store.load(seq, max_blocks=30)  # and store.load moves some itself
-    left = saved_blocks(store, seq)
-    assert sum(place_all(store, seq)) == left and saved_blocks(store, seq) == 0
+    before = saved_blocks(store, seq)
+    store.attend(seq, 0, query(3), "topk", budget=64)
+    kept = store.stats()["attend"]["kept_from_saved"]
+    assert 0 < kept and saved_blocks(store, seq) == before - kept
+    assert sum(place_all(store, seq)) == before - kept and saved_blocks(store, seq) == 0
+    warm_window = [tiers.blocks.tier_of[b] for t in store.sequences[seq] for i, b in enumerate(t.block_ids)
+                   if tiers.first_tier(i, t.num_tokens) == WARM_TIER]
+    assert warm_window and set(warm_window) == {CPU_TIER}
     store.check_integrity()
     assert all(a.equal(b) for a, b in zip(attend_all(store, seq, query(3)), want))
     store.close()
