@@ -7,11 +7,10 @@ host batch of LOAD_BATCH blocks), newest blocks first, the layers in turn, and h
 at most QUEUED deep. It touches nothing of the store but the values store and the saved tier's keys (one dict
 read per block). `place` runs on the decode thread (KVStore.place_loaded; engine_adapter.Decoder calls it
 before every token) and puts the batches read so far into the tiers their positions belong in (the hot and
-warm windows, else cpu), into free room only, as store.load does; where a window's GPU tier has no room (the
-eager path promoted blocks into it), into the cpu tier, as cooling would (kvstore/blocks/from_saved.py). A
-block that left the save meanwhile (kept by the eager path, moved by store.load) is skipped. No lock is shared with the decode
-path, and one call places at most QUEUED batches: a bounded pause between two tokens, also for the other
-sequences of a batch. Once every block of the sequence is on the GPU or in the cpu tier, the captured decode
+warm windows, else cpu), into free room only, as store.load does; where a window's GPU tier has no room, into
+the cpu tier, as cooling would (kvstore/blocks/from_saved.py). A block that left the save meanwhile (kept by
+the eager path, moved by store.load) is skipped. No lock is shared with the decode path, and one call places
+at most QUEUED batches: a bounded pause between two tokens, also for the other sequences of a batch. Once every block of the sequence is on the GPU or in the cpu tier, the captured decode
 step serves it (kvstore/decode/step.py); until then its tokens take the eager path.
 
 A read that fails (a damaged or deleted saved value) ends the load and raises from the next `place` (nothing

@@ -7,7 +7,8 @@ table's own tensors: every value is checked against its xxh3 where it lies (LMDB
 pages, no copy) and copied once, straight in for a CPU store, else into pinned memory and on with
 one host-to-device copy. Sketch codes load on first use (`SavedLayer.sketch` reads a range of rows;
 kvstore/contexts/unread_codes.py tracks the rows not read yet, which a save of the opened sequence copies
-from here) and blocks stay where they are until selected (tiers/saved.py reads them in place).
+from here) and blocks stay in the save until a step selects them (tiers/saved.py reads them in place; the
+decode path then keeps them in a tier: kvstore/blocks/from_saved.py).
 Deleting a saved context while a store has it open, or replacing it from another process, makes
 that store's later reads of its blocks and codes fail (BlockMissingError). Redis shares content-keyed
 blocks between stores: saving or opening there needs Config.model_id (ValueError without).
