@@ -12,12 +12,15 @@ token at a time, until the save is durable. Reported: the synchronous save's sec
 sequence waits for it); the background call's own seconds, then the decoded tokens' seconds during the save
 (longest, median) beside the same tokens before it (baseline), the tokens decoded and the save's seconds from call
 to durable; each pump's seconds and what it copied; the blocks copied by tier moves and the seconds each move
-spent on them.
+spent on them; the garbage collections meanwhile (any thread's: a collection holds the GIL) and which of the
+tokens over 100 ms overlapped one. Before the save the heap is frozen as a serving process does once loaded
+(kvstore/heap.py); --no-freeze-heap leaves it as it is (the baseline).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shutil
 import statistics
@@ -30,9 +33,11 @@ import torch
 from bench_longctx.contexts_bench import decoder
 from bench_longctx.contexts_store import VOCAB, bench_config, fill, preset_defaults
 from bench_longctx.presets import parse_tokens
-from bench_longctx.timing import environment, sync, timed, timed_calls
+from bench_longctx.timing import GcPauses, environment, sync, timed, timed_calls
+from kvstore.heap import freeze_heap
 from kvstore.store import KVStore
 
+LONG_TOKEN_S = 0.1  # a token this long is reported with the collections it overlapped
 PRESETS = {
     "cpu": dict(geometry="smollm2-135m", layers=4, save_tokens="128K", prompt_tokens="256", device="cpu",
                 gpu_bytes=256 << 20, cpu_bytes=256 << 20, ssd_bytes=16 << 30, warm_tokens=2048, baseline_tokens=20),
@@ -63,8 +68,11 @@ def _run(args: argparse.Namespace, directory: str, background: bool) -> dict:
         token = int(dec.prefill(seq, prompt).argmax())
         seqs, tokens = ([seq, saved], [token, 0]) if args.decode_saved else ([seq], [token])
 
+        starts: list[float] = []
+
         def step() -> float:  # one token of every decoding sequence, synchronized: its seconds
             nonlocal tokens
+            starts.append(time.perf_counter())
             logits, seconds = timed(lambda: dec.decode_batch(seqs, tokens, "topk", 4096), args.device)
             tokens = logits.argmax(dim=1).tolist()
             return seconds
@@ -83,28 +91,41 @@ def _run(args: argparse.Namespace, directory: str, background: bool) -> dict:
             moves.append(time.perf_counter() - started)
 
         store.saves._leaving = timed_leaving  # registered with the tier set by the save below
+        if not args.no_freeze_heap:  # as a serving process does once loaded (kvstore/heap.py)
+            freeze_heap()
         sync(args.device)
-        started = time.perf_counter()
-        job = store.save(saved, "ctx", background=True)
-        call_s, during = time.perf_counter() - started, []
-        while not job.done():
-            during.append(step())
-        job.wait()
-        return {"call_s": call_s, "save_s": time.perf_counter() - started, "baseline_token_s": baseline,
+        del starts[:]
+        with GcPauses() as collections:
+            started = time.perf_counter()
+            job = store.save(saved, "ctx", background=True)
+            call_s, during = time.perf_counter() - started, []
+            while not job.done():
+                during.append(step())
+            job.wait()
+            save_s = time.perf_counter() - started
+        gc.unfreeze()  # the next run starts from the same heap
+        long = [i for i, s in enumerate(during) if s > LONG_TOKEN_S]
+        return {"call_s": call_s, "save_s": save_s, "baseline_token_s": baseline,
                 "token_s": during, "pump_s": [s for s, _ in pumps], "pump_blocks": [n for _, n in pumps],
-                "pump_limit": store.saves.pump_blocks, "moves_s": moves, "progress": job.progress}
+                "pump_limit": store.saves.pump_blocks, "moves_s": moves, "progress": job.progress,
+                "gc": {**collections.summary(), "freeze_heap": not args.no_freeze_heap, "long_tokens": len(long),
+                       "long_token_gc_s": [collections.within(starts[i], starts[i] + during[i]) for i in long]}}
 
 
 def summary(bg: dict) -> str:
     ms = lambda s: f"{1e3 * s:.1f} ms"  # noqa: E731
-    during, base = bg["token_s"], bg["baseline_token_s"]
+    during, base, g = bg["token_s"], bg["baseline_token_s"], bg["gc"]
     return (f"background save: call {ms(bg['call_s'])}; {len(during)} tokens decoded meanwhile, longest "
             f"{ms(max(during))}, median {ms(statistics.median(during))} (before the save: longest {ms(max(base))}, "
             f"median {ms(statistics.median(base))}); durable after {bg['save_s']:.2f} s\n"
             f"  pumps: longest {ms(max(bg['pump_s']))}, at most {max(bg['pump_blocks'])} of {bg['pump_limit']} "
             f"blocks a call; {bg['progress']['blocks_copied_by_moves']} blocks copied by moves (longest "
             f"{ms(max(bg['moves_s'], default=0))} a move); "
-            f"{bg['progress']['blocks_written']} blocks, {bg['progress']['bytes_written'] / 2**30:.2f} GiB written")
+            f"{bg['progress']['blocks_written']} blocks, {bg['progress']['bytes_written'] / 2**30:.2f} GiB written\n"
+            f"  garbage collections{'' if g['freeze_heap'] else ' (heap not frozen)'}: {g['collections']} "
+            f"({g['full_collections']} full, longest {ms(g['longest_full_s'])}), longest {ms(g['longest_s'])}, "
+            f"total {ms(g['total_s'])}; {g['long_tokens']} tokens over {ms(LONG_TOKEN_S)}, "
+            f"{sum(s > 0 for s in g['long_token_gc_s'])} of them with a collection ({ms(sum(g['long_token_gc_s']))})")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -115,6 +136,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode-saved", action="store_true")  # the saved sequence decodes too (its blocks move)
     parser.add_argument("--pump-bytes", type=int, default=0)  # 0: the store's default (background_save.PUMP_BYTES)
     parser.add_argument("--runs", default="sync,background")  # one of them alone: two shorter commands
+    parser.add_argument("--no-freeze-heap", action="store_true")  # the baseline: the heap not frozen before the save
     parser.add_argument("--dir", default=None)  # where each run's ssd_path goes (default: the temporary directory)
     parser.add_argument("--out", default=None)
     return preset_defaults(parser.parse_args(argv), PRESETS)
@@ -131,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         print(summary(bg))
     if args.out:
         result = {**{k: getattr(args, k) for k in PRESETS["cpu"]}, "preset": args.preset, "pump_bytes": args.pump_bytes,
-                  "decode_saved": args.decode_saved,
+                  "decode_saved": args.decode_saved, "freeze_heap": not args.no_freeze_heap,
                   "environment": environment(torch.device(args.device)), "synchronous": sync_run, "background": bg}
         Path(args.out).write_text(json.dumps(result, indent=1))
 

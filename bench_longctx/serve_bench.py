@@ -19,7 +19,8 @@ once, as engines capture at start-up; dense batches capture per membership), que
 captures, the most requests running at once, blocks per tier at that peak, the cpu tier's reads (head slices the
 captured steps staged, in all and per output token; blocks fetched eagerly; blocks promoted to the warm tier
 and warm blocks swapped down for them: serve.promotions_per_boundary, 0 for none) and the fraction of each
-request's appended K/V found intact. serve.batch_sizes adds a sweep: a fixed batch of that many requests of
+request's appended K/V found intact, and the garbage collections during the run (the heap frozen before it, as a
+serving process does once loaded: kvstore/heap.py). serve.batch_sizes adds a sweep: a fixed batch of that many requests of
 the first context, kvtier only, for the throughput / p99 vs batch size plot.
 """
 
@@ -35,12 +36,13 @@ import torch
 from bench_longctx.e2e import appended_kv_matches
 from bench_longctx.e2e_setup import CHUNK, available_bytes, model_args, random_model
 from bench_longctx.presets import ServePreset
-from bench_longctx.timing import Deadline, release
+from bench_longctx.timing import Deadline, GcPauses, release
 from engine_adapter.decoder import Decoder
 from engine_adapter.serving import Request, Scheduler
 from kvstore.blocks.table import TableTensors
 from kvstore.blocks.tier_stack import staging_bytes
 from kvstore.config import Config
+from kvstore.heap import freeze_heap
 from kvstore.store import KVStore
 from tiers.layout import BlockLayout
 
@@ -141,12 +143,14 @@ def run_trace(kind: str, model, p: ServePreset, requests: list[Request], device:
             torch.cuda.synchronize()
         fill_s[0] += time.perf_counter() - began
 
+    collections = GcPauses()  # the collector's pauses during the run
     try:
         scheduler = Scheduler(decoder, mode, p.budget, p.max_batch, fill=fill, on_finish=check)
         for r in requests:
             scheduler.submit(r)
         most, peak_tiers, admit_steps, step_s, step_end, step_tokens = 0, None, set(), [], [], []
         admitted = lambda: sum(r.admitted_s is not None for r in requests) + scheduler.preemptions  # noqa: E731
+        collections.start()
         began = time.perf_counter()
         while scheduler.pending:
             before, captured, t0 = admitted(), decoder.graph_decoders.captures, time.perf_counter()
@@ -166,6 +170,7 @@ def run_trace(kind: str, model, p: ServePreset, requests: list[Request], device:
         attend = store.stats()["attend"]  # cpu reads: slices the captured steps staged, blocks moved up and down
         cold = {k: attend[k] for k in ("cold_slices_staged", "cold_blocks_fetched", "promotions", "promotion_swaps")}
     finally:
+        collections.stop()
         store.close()
         del decoder, store
         scheduler = None  # the last reference to the store's pools and captured graphs (run_serve then gives
@@ -190,7 +195,7 @@ def run_trace(kind: str, model, p: ServePreset, requests: list[Request], device:
             "queue_s_max": max(r.admitted_s - r.arrival_s for r in done), "preemptions": preemptions,
             "most_running": most, "peak_blocks_per_tier": peak_tiers,
             "cold": cold, "cold_slices_per_output_token": cold["cold_slices_staged"] / max(tokens, 1),
-            "appended_verified": f"{sum(intact)}/{len(intact)}"}
+            "appended_verified": f"{sum(intact)}/{len(intact)}", "gc": collections.summary()}
 
 
 def guarded(run) -> dict:
@@ -219,6 +224,7 @@ def run_serve(p: ServePreset, device: torch.device, deadline: Deadline, progress
             guarded(lambda: run_trace(kind, model, warm, trace(warm, 2, p.contexts[:1]), device))
             release(device)
             result["warmup_s"][kind] = time.perf_counter() - began
+        freeze_heap()  # as a serving process does once loaded (kvstore/heap.py)
         result["runs"][kind] = guarded(lambda: run_trace(kind, model, p, requests(p.requests, p.contexts), device))
         release(device)  # the next store sizes its pools from the memory the driver reports free
     for size in progress(p.batch_sizes, "serve batch sizes"):

@@ -8,6 +8,7 @@
                host <-> device copy, disk write+fsync / read, host memcpy in given pieces,
                host copy into fresh memory, loopback TCP socket
     rate       one case's time read against the copy ceiling and a baseline
+    GcPauses   the garbage collector's pauses while a block runs (what a long token may have waited for)
     Deadline, release, environment   a run's time budget, memory between cases, provenance
     write_json     a standalone script's result file
 """
@@ -56,6 +57,47 @@ def timed_calls(fn: Callable[[], T], log: list[tuple[float, T]]) -> Callable[[],
         log.append((time.perf_counter() - started, out))
         return out
     return wrapper
+
+
+class GcPauses:
+    """Records every garbage collection between start() and stop() (or in a `with` block), on any thread (a
+    collection holds the GIL: every thread waits for it): `pauses` holds (generation, perf_counter at its start,
+    seconds)."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float, float]] = []
+        self._started: float | None = None
+
+    def start(self) -> GcPauses:
+        gc.callbacks.append(self._observe)
+        return self
+
+    def stop(self) -> None:
+        if self._observe in gc.callbacks:
+            gc.callbacks.remove(self._observe)
+
+    def __enter__(self) -> GcPauses:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _observe(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            self.pauses.append((info["generation"], self._started, time.perf_counter() - self._started))
+            self._started = None
+
+    def within(self, start: float, end: float) -> float:
+        """Seconds of collections that overlapped [start, end] (perf_counter)."""
+        return sum(min(end, t + s) - max(start, t) for _, t, s in self.pauses if t < end and t + s > start)
+
+    def summary(self) -> dict:
+        full = [s for g, _, s in self.pauses if g == 2]
+        return {"collections": len(self.pauses), "full_collections": len(full),
+                "longest_s": max((s for _, _, s in self.pauses), default=0.0), "longest_full_s": max(full, default=0.0),
+                "total_s": sum(s for _, _, s in self.pauses)}
 
 
 def time_ms(fn: Callable[[], object], device: torch.device | str, repeat: int = 5, warmup: int = 1) -> float:
