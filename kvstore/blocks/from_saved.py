@@ -3,10 +3,11 @@ into the tier its position belongs in instead of being read from the save again.
 
 Two readers hand blocks here: the background load (kvstore/contexts/background_load.py), batch after batch, and the
 eager decode path (kvstore/decode/eager.py), which reads the blocks a token selected from the save and keeps them,
-so the next token, whose selection mostly overlaps, reads only what is new and the sequence reaches the captured
-step (every block on the GPU or in the cpu tier) sooner. Both put blocks as they were read, in their stored format,
-into free room only: no block cools to make room, and a block that does not fit stays saved (read again when
-selected; store.load moves it once there is room). A block that left the save meanwhile is skipped.
+once it reads a block the second time (KEEP_AFTER), so later tokens, whose selections mostly overlap, read only
+what is new and the sequence reaches the captured step (every block on the GPU or in the cpu tier) sooner.
+Both put blocks as they were read, in their stored format, into free room only: no block cools to make room,
+and a block that does not fit stays saved (read again when selected; store.load moves it once there is room).
+A block that left the save meanwhile is skipped.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from kvstore.blocks.table import LayerTable
 from kvstore.blocks.tierset import CPU_TIER, SAVED_TIER, TierSet
 from tiers.errors import CapacityError
 from tiers.layout import Blocks, QuantBlocks
+
+# Reads of a saved block before the eager path keeps it. Keeping costs a copy into the tier; a block read once may
+# never be selected again: kept at its first read, the first token of a 128K context opened on an H100 took 4.6 s
+# against 2.9 (BENCHMARKS.md, Opening with a background load).
+KEEP_AFTER = 2
 
 
 def keep_read(tiers: TierSet, table: LayerTable, indices: Sequence[int], ids: Sequence[int], blocks: Blocks) -> int:

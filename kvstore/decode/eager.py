@@ -6,8 +6,8 @@
                 rows of the hot (fp16) and warm (int8) pools (staging.py)
     3. attend   one paged decode kernel over hot fp16, warm int8 and staged blocks
     4. account  the kernel's per-block attention mass feeds the H2O scores; blocks fetched
-                cold again and again are promoted to the warm tier, and blocks read from an opened
-                context's save are kept in the tier of their position (kvstore/blocks/from_saved.py)
+                cold again and again are promoted to the warm tier, and blocks read again from an
+                opened context's save are kept in the tier of their position (kvstore/blocks/from_saved.py)
 On CUDA the Triton kernel runs; on CPU its torch reference (same contract). The eager
 step, the captured step (step.py) and the benchmarks build block tables with the
 one `block_table` below.
@@ -24,7 +24,7 @@ from eviction.certify import certified_omitted_mass
 from eviction.select import SeqWindow
 from eviction.sketch_topk import SketchTopK
 from kvstore.attention import kernel_for
-from kvstore.blocks.from_saved import keep_read
+from kvstore.blocks.from_saved import KEEP_AFTER, keep_read, take_rows
 from kvstore.blocks.promotion import PROMOTE_AFTER, Promoter
 from kvstore.blocks.table import DROPPED, LayerTable
 from kvstore.blocks.tierset import CPU_TIER, WARM_TIER, TierSet
@@ -234,14 +234,17 @@ class DecodePath:
         return (out[0], mass[0]) if lse is None else (out[0], mass[0], lse[0])
 
     def keep_saved(self, table: LayerTable, read: StoredBlocks, read_at: list[int]) -> None:
-        """Blocks this step read from the saved tier (an opened context's) stay out of it: into the tier of their
-        position, as far as it has free room (kvstore/blocks/from_saved.py), so the next token reads only the
-        blocks it selects anew. After the kernel: the blocks move, the rows it read stay where they were."""
+        """Blocks this step read from the saved tier (an opened context's) for at least the KEEP_AFTER-th time
+        stay out of it: into the tier of their position, as far as it has free room (kvstore/blocks/from_saved.py),
+        so later tokens read only what they select anew. After the kernel: the blocks move, the rows it read stay
+        where they were."""
+        hits = table.cold_hits
         for at, blocks in ((read.fp16_at, read.fp16), (read.quant_at, read.quant)):
-            indices = [read_at[a] for a in at]
-            if indices:
-                self.stats.kept_from_saved += keep_read(self.tiers, table, indices,
-                                                        [table.block_ids[i] for i in indices], blocks)
+            rows = [r for r, a in enumerate(at) if hits.get(read_at[a], 0) >= KEEP_AFTER]
+            if rows:
+                indices = [read_at[at[r]] for r in rows]
+                ids = [table.block_ids[i] for i in indices]
+                self.stats.kept_from_saved += keep_read(self.tiers, table, indices, ids, take_rows(blocks, rows))
 
     def promote_if_needed(self, table: LayerTable) -> None:
         """Cold blocks fetched PROMOTE_AFTER times move up to the warm tier by the rule both decode paths share

@@ -59,17 +59,21 @@ class StepPromotion:
 
     def _wanted(self, tables: list[LayerTable]) -> tuple[list[Entry], list[Entry]]:
         """(cpu blocks read at least the threshold, most read first, at most the limit; counted entries whose
-        blocks left the cpu tier meanwhile). One host sync, two when any entry counts."""
-        reads = self.cold.reads
-        at = torch.nonzero(reads >= self.threshold)  # [m, 2] (layer, index)
-        if not len(at):
-            return [], []
-        order = torch.argsort(reads[at[:, 0], at[:, 1]], descending=True, stable=True)
-        tier_of, wanted, gone = self.tiers.blocks.tier_of, [], []
-        for layer, index in at[order].tolist():
-            in_cpu = tier_of.get(tables[layer].block_ids[index]) == CPU_TIER
-            (wanted if in_cpu else gone).append((layer, index))
-        return wanted[: self.limit], gone  # those past the limit keep their counts for the next boundary
+        blocks left the cpu tier meanwhile). Decided on the device from the counts and the tables' tier maps (in
+        step with the registry: kvstore/blocks/holders.py), so the host handles only the entries it returns, not
+        every counted one; two host syncs, three when entries left the cpu tier."""
+        reads = self.cold.reads  # [L, capacity]
+        capacity = reads.shape[1]
+        counted = reads >= self.threshold
+        in_cpu = torch.stack([t.tier_map[:capacity] for t in tables]) == CPU_TIER  # [L, capacity]
+        wanted, gone = counted & in_cpu, counted & ~in_cpu
+        num_wanted, num_gone = torch.stack((wanted.sum(), gone.sum())).tolist()
+        first = []
+        if num_wanted:  # most read first; ties in (layer, index) order
+            order = torch.argsort(torch.where(wanted, reads, -1).flatten(), descending=True, stable=True)
+            first = [divmod(f, capacity) for f in order[:min(num_wanted, self.limit)].tolist()]
+        # those past the limit keep their counts for the next boundary
+        return first, [tuple(e) for e in torch.nonzero(gone).tolist()] if num_gone else []
 
     def _recount(self, restart: list[Entry]) -> None:
         """Counts halve; those of `restart` (promoted, or no longer in the cpu tier) start again from zero."""
