@@ -60,9 +60,8 @@ class Holders:
         """`ids` entered (+1) or left (-1) `tier`: every holder's warm or cold count follows."""
         if tier == HOT_TIER:
             return
-        for block_id in ids:
-            for table, _ in self.tables_of(block_id):
-                count_in(table, tier, sign)
+        for (seq, layer), n in self.blocks.entries_per_table(ids).items():
+            count_in(self.tables[seq][layer], tier, sign * n)
 
     # -- sharing ---------------------------------------------------------------------------
     def share(self, seq: int, layer: int, table: LayerTable, indices: list[int]) -> None:

@@ -58,7 +58,17 @@ class BlockRegistry:
         return not rest
 
     def refcount(self, block_id: int) -> int:
-        return len(self.holders_of(block_id))
+        held = self.holders.get(block_id, ())
+        return len(held) if type(held) is frozenset else 1 if held else 0
+
+    def entries_per_table(self, ids: Sequence[int]) -> dict[tuple[int, int], int]:
+        """(sequence, layer) -> how many of its table's entries hold one of `ids` (one dict read per block: a
+        sequence's blocks counted at once when it is freed)."""
+        tally: dict[tuple[int, int], int] = {}
+        for held in map(self.holders.get, ids):
+            for seq, layer, _ in held if type(held) is frozenset else (held,) if held else ():
+                tally[seq, layer] = tally.get((seq, layer), 0) + 1
+        return tally
 
     def any_holder(self, block_id: int) -> Holder:
         """One table entry holding the block (each holds the same content)."""
