@@ -20,8 +20,8 @@ captures, the most requests running at once, blocks per tier at that peak, the c
 captured steps staged, in all and per output token; blocks fetched eagerly; blocks promoted to the warm tier
 and warm blocks swapped down for them: serve.promotions_per_boundary, 0 for none) and the fraction of each
 request's appended K/V found intact, and the garbage collections during the run (the heap frozen before it, as a
-serving process does once loaded: kvstore/heap.py). serve.batch_sizes adds a sweep: a fixed batch of that many requests of
-the first context, kvtier only, for the throughput / p99 vs batch size plot.
+serving process does once loaded: kvstore/heap.py). serve.batch_sizes adds a sweep: a fixed batch of that many
+requests of the first context, kvtier only, for the throughput / p99 vs batch size plot.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ before every token) and puts the batches read so far into the tiers their positi
 warm windows, else cpu), into free room only, as store.load does; where a window's GPU tier has no room, into
 the cpu tier, as cooling would (kvstore/blocks/from_saved.py). A block that left the save meanwhile (kept by
 the eager path, moved by store.load) is skipped. No lock is shared with the decode path, and one call places
-at most QUEUED batches: a bounded pause between two tokens, also for the other sequences of a batch. Once every block of the sequence is on the GPU or in the cpu tier, the captured decode
-step serves it (kvstore/decode/step.py); until then its tokens take the eager path.
+at most QUEUED batches: a bounded pause between two tokens, also for the other sequences of a batch. Once every
+block of the sequence is on the GPU or in the cpu tier, the captured decode step serves it
+(kvstore/decode/step.py); until then its tokens take the eager path.
 
 A read that fails (a damaged or deleted saved value) ends the load and raises from the next `place` (nothing
 of that batch moved); what does not fit stays in the save (read when selected; store.load moves it once there
