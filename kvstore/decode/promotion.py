@@ -54,31 +54,32 @@ class StepPromotion:
         moving, moved, swaps = self.rule.promote(tables, wanted, self.cold.reads.shape[1]) if wanted else ([], 0, 0)
         self.stats.promotions += moved
         self.stats.promotion_swaps += swaps
-        self._recount((moving if moved else []) + gone)
+        self._recount(moving if moved else [], gone)
         return moved
 
-    def _wanted(self, tables: list[LayerTable]) -> tuple[list[Entry], list[Entry]]:
-        """(cpu blocks read at least the threshold, most read first, at most the limit; counted entries whose
-        blocks left the cpu tier meanwhile). Decided on the device from the counts and the tables' tier maps (in
-        step with the registry: kvstore/blocks/holders.py), so the host handles only the entries it returns, not
-        every counted one; two host syncs, three when entries left the cpu tier."""
+    def _wanted(self, tables: list[LayerTable]) -> tuple[list[Entry], torch.Tensor]:
+        """(cpu blocks read at least the threshold, most read first, at most the limit; bool [L, capacity]: the
+        counted entries whose blocks left the cpu tier meanwhile). Decided on the device from the counts and the
+        tables' tier maps (in step with the registry: kvstore/blocks/holders.py), so the host handles only the
+        entries it promotes, not every counted one; two host syncs, one when none is wanted."""
         reads = self.cold.reads  # [L, capacity]
         capacity = reads.shape[1]
         counted = reads >= self.threshold
         in_cpu = torch.stack([t.tier_map[:capacity] for t in tables]) == CPU_TIER  # [L, capacity]
         wanted, gone = counted & in_cpu, counted & ~in_cpu
-        num_wanted, num_gone = torch.stack((wanted.sum(), gone.sum())).tolist()
-        first = []
-        if num_wanted:  # most read first; ties in (layer, index) order
-            order = torch.argsort(torch.where(wanted, reads, -1).flatten(), descending=True, stable=True)
-            first = [divmod(f, capacity) for f in order[:min(num_wanted, self.limit)].tolist()]
-        # those past the limit keep their counts for the next boundary
-        return first, [tuple(e) for e in torch.nonzero(gone).tolist()] if num_gone else []
+        num_wanted = int(wanted.sum())
+        if not num_wanted:
+            return [], gone
+        # most read first, ties in (layer, index) order; those past the limit keep their counts for the next boundary
+        order = torch.argsort(torch.where(wanted, reads, -1).flatten(), descending=True, stable=True)
+        return [divmod(f, capacity) for f in order[:min(num_wanted, self.limit)].tolist()], gone
 
-    def _recount(self, restart: list[Entry]) -> None:
-        """Counts halve; those of `restart` (promoted, or no longer in the cpu tier) start again from zero."""
+    def _recount(self, restart: list[Entry], gone: torch.Tensor) -> None:
+        """Counts halve; those of `restart` (promoted) and of `gone` (bool [L, capacity]: no longer in the cpu
+        tier) start again from zero."""
         reads = self.cold.reads
         reads.bitwise_right_shift_(1)
+        reads.masked_fill_(gone, 0)
         if restart:
             layers, indices = (device_ints([e[i] for e in restart], reads.device) for i in (0, 1))
             reads[layers, indices] = 0
