@@ -7,6 +7,8 @@ import gc
 import threading
 import weakref
 
+import pytest
+
 from bench_longctx.timing import GcPauses
 from kvstore.heap import freeze_heap
 
@@ -45,7 +47,8 @@ def test_collections_on_another_thread_are_recorded_and_placed_in_time():
         worker = threading.Thread(target=gc.collect)
         worker.start()
         worker.join()
-    assert [g for g, _, _ in seen.pauses] == [2]
-    (_, start, seconds), = seen.pauses
-    assert seen.within(start - 1, start + seconds + 1) == seconds
+    full = [p for p in seen.pauses if p[0] == 2]  # (starting a thread may also trigger a young collection)
+    assert len(full) == 1
+    (_, start, seconds), = full
+    assert seen.within(start, start + seconds) == pytest.approx(seconds)
     assert seen.within(start + seconds + 1, start + seconds + 2) == 0
