@@ -3,16 +3,16 @@
 Each token the step selects a cpu block it stages the block's kv-head slices over PCIe again (cold_slices.py);
 the staging launch also adds 1 per slice to `reads` [L, capacity] (device work, no host sync). At a block
 boundary, where the step does host work anyway (DecodeStep.end_token of the token that filled the tails),
-the host reads the counts once and moves the cpu blocks read at least PROMOTE_AFTER whole blocks' worth of
-slices, most read first and at most Config.promotions_per_boundary, into the warm tier by the rule both decode
-paths share (kvstore/blocks/promotion.py: free warm slots, else a swap with a warm block of the sequence worth
-less).
+the device picks the cpu blocks read at least PROMOTE_AFTER whole blocks' worth of slices, most read first
+and at most Config.promotions_per_boundary (the host reads only those), and they move into the warm tier by
+the rule both decode paths share (kvstore/blocks/promotion.py: free warm slots, else a swap with a warm block
+of the sequence worth less).
 Only while the cpu tier holds the warm format: a block keeps its bytes both ways (the cpu tier's int8 is the
 warm pool's int8; its sums are taken again from the same bytes when it comes back down), so the step attends
 the same values, bit for bit, from another pool. The moves are TierSet.move's (put, then delete; the tables'
 slot and tier maps written in place), so captured graphs stay valid; a sequence left with no cpu block
 stops staging at its next token (a graph key of its own). Then the counts halve, so reads long past fade;
-a promoted block's count restarts from zero.
+a promoted block's count restarts from zero, as does one whose block left the cpu tier meanwhile.
 """
 
 from __future__ import annotations
