@@ -4,10 +4,13 @@ fewer slices are staged per token afterwards, and the outputs are bit-equal to t
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from kvstore.blocks.tierset import CPU_TIER, WARM_TIER
+from kvstore.decode.promotion import StepPromotion
 from tests.kvstore.decode.test_step import SPEC, cold_pair, tokens
 
 # the warm pool full of the sequence's warm window (free slots: none), most of the 600 tokens in the cpu tier
@@ -132,3 +135,24 @@ def test_an_fp16_cpu_tier_is_never_promoted_by_the_step(tmp_path):
     assert sum(staged) > 0 and store.stats()["attend"]["promotions"] == 0
     assert before < in_cpu()
     store.close()
+
+
+@pytest.mark.parametrize("layers,capacity,limit", [(3, 37, 5), (5, 130, 1000)])
+def test_the_device_picks_what_the_registry_says_most_read_first(layers, capacity, limit):
+    """StepPromotion._wanted against its reference: the counted entries whose block the registry has in the cpu
+    tier, most read first (ties in (layer, index) order), at most the limit; the other counted ones restart."""
+    g = torch.Generator().manual_seed(capacity)
+    reads = torch.randint(0, 3 * THRESHOLD, (layers, capacity), generator=g, dtype=torch.int32)
+    tiers = torch.randint(0, 4, (layers, capacity), generator=g).to(torch.int8)  # hot, warm, cpu, cold
+    tables = [SimpleNamespace(block_ids=list(range(l * capacity, (l + 1) * capacity)), tier_map=tiers[l])
+              for l in range(layers)]
+    tier_of = {l * capacity + i: int(tiers[l, i]) for l in range(layers) for i in range(capacity)}
+    pick = StepPromotion.__new__(StepPromotion)
+    pick.cold, pick.threshold, pick.limit = SimpleNamespace(reads=reads), THRESHOLD, limit
+    wanted, gone = pick._wanted(tables)
+    counted = sorted(((int(reads[l, i]), l, i) for l in range(layers) for i in range(capacity)
+                      if reads[l, i] >= THRESHOLD), key=lambda e: -e[0])  # stable: (layer, index) order kept
+    in_cpu = [(l, i) for _, l, i in counted if tier_of[tables[l].block_ids[i]] == CPU_TIER]
+    assert wanted == in_cpu[:limit] and len(in_cpu) > 0
+    assert sorted(map(tuple, gone.nonzero().tolist())) == sorted((l, i) for _, l, i in counted
+                                                                 if tier_of[l * capacity + i] != CPU_TIER)
