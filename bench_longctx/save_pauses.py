@@ -20,7 +20,7 @@ tokens over 100 ms overlapped one. Before the save the heap is frozen as a servi
 from __future__ import annotations
 
 import argparse
-import gc
+import contextlib
 import json
 import shutil
 import statistics
@@ -34,7 +34,7 @@ from bench_longctx.contexts_bench import decoder
 from bench_longctx.contexts_store import VOCAB, bench_config, fill, preset_defaults
 from bench_longctx.presets import parse_tokens
 from bench_longctx.timing import GcPauses, environment, sync, timed, timed_calls
-from kvstore.heap import freeze_heap
+from kvstore.heap import frozen_heap
 from kvstore.store import KVStore
 
 LONG_TOKEN_S = 0.1  # a token this long is reported with the collections it overlapped
@@ -91,11 +91,10 @@ def _run(args: argparse.Namespace, directory: str, background: bool) -> dict:
             moves.append(time.perf_counter() - started)
 
         store.saves._leaving = timed_leaving  # registered with the tier set by the save below
-        if not args.no_freeze_heap:  # as a serving process does once loaded (kvstore/heap.py)
-            freeze_heap()
         sync(args.device)
         del starts[:]
-        with GcPauses() as collections:
+        # the heap frozen as a serving process does once loaded (kvstore/heap.py), unfrozen after
+        with contextlib.nullcontext() if args.no_freeze_heap else frozen_heap(), GcPauses() as collections:
             started = time.perf_counter()
             job = store.save(saved, "ctx", background=True)
             call_s, during = time.perf_counter() - started, []
@@ -103,7 +102,6 @@ def _run(args: argparse.Namespace, directory: str, background: bool) -> dict:
                 during.append(step())
             job.wait()
             save_s = time.perf_counter() - started
-        gc.unfreeze()  # the next run starts from the same heap
         long = [i for i, s in enumerate(during) if s > LONG_TOKEN_S]
         return {"call_s": call_s, "save_s": save_s, "baseline_token_s": baseline,
                 "token_s": during, "pump_s": [s for s, _ in pumps], "pump_blocks": [n for _, n in pumps],

@@ -42,7 +42,7 @@ from engine_adapter.serving import Request, Scheduler
 from kvstore.blocks.table import TableTensors
 from kvstore.blocks.tier_stack import staging_bytes
 from kvstore.config import Config
-from kvstore.heap import freeze_heap
+from kvstore.heap import frozen_heap
 from kvstore.store import KVStore
 from tiers.layout import BlockLayout
 
@@ -224,8 +224,9 @@ def run_serve(p: ServePreset, device: torch.device, deadline: Deadline, progress
             guarded(lambda: run_trace(kind, model, warm, trace(warm, 2, p.contexts[:1]), device))
             release(device)
             result["warmup_s"][kind] = time.perf_counter() - began
-        freeze_heap()  # as a serving process does once loaded (kvstore/heap.py)
-        result["runs"][kind] = guarded(lambda: run_trace(kind, model, p, requests(p.requests, p.contexts), device))
+        with frozen_heap():  # as a serving process does once loaded (kvstore/heap.py)
+            result["runs"][kind] = guarded(lambda: run_trace(kind, model, p, requests(p.requests, p.contexts),
+                                                             device))
         release(device)  # the next store sizes its pools from the memory the driver reports free
     for size in progress(p.batch_sizes, "serve batch sizes"):
         if deadline.expired():

@@ -24,7 +24,7 @@ import torch
 from engine_adapter.decoder import Decoder
 from engine_adapter.weights import PACKAGED_MODELS, load_model
 from kvstore.config import Config, ModelSpec
-from kvstore.heap import freeze_heap
+from kvstore.heap import frozen_heap
 from kvstore.store import MODES
 from kvstore.store import KVStore
 
@@ -139,12 +139,12 @@ def run(args: argparse.Namespace) -> int:
     eos = getattr(tokenizer, "eos_token_id", None)
     with KVStore(config) as store:
         decoder, seq = Decoder(model, store), store.create_sequence()
-        freeze_heap()  # model and store loaded: later collections skip them (kvstore/heap.py)
-        start = time.perf_counter()
-        logits = decoder.prefill(seq, prompt_ids, args.chunk_tokens)
-        prefill_s, start = time.perf_counter() - start, time.perf_counter()
-        out = decoder.continue_greedy(seq, logits, args.max_new_tokens, args.mode, args.budget, eos)
-        decode_s = time.perf_counter() - start
+        with frozen_heap():  # model and store loaded: collections meanwhile skip them (kvstore/heap.py)
+            start = time.perf_counter()
+            logits = decoder.prefill(seq, prompt_ids, args.chunk_tokens)
+            prefill_s, start = time.perf_counter() - start, time.perf_counter()
+            out = decoder.continue_greedy(seq, logits, args.max_new_tokens, args.mode, args.budget, eos)
+            decode_s = time.perf_counter() - start
         print(tokenizer.decode(out) if tokenizer is not None else " ".join(map(str, out)))
         _print_usage(store, prefill_s, decode_s, len(prompt_ids), len(out))
         decoder.free(seq)

@@ -17,6 +17,8 @@ and the scraping thread only reads the last one:
     kvtier_store_cold_blocks_fetched_total, kvtier_store_cold_slices_staged_total
     kvtier_store_promotions_total, kvtier_store_promotion_swaps_total   blocks moved up to the warm tier; warm
         blocks a promotion moved down to the cpu tier to make room for them
+    kvtier_store_kept_from_saved_total                              blocks the decode path read again from an
+        opened context's save and kept in a tier (kvstore/blocks/from_saved.py)
     kvtier_store_certified_calls_total, kvtier_store_certified_omitted_mass_total
         steps whose selection certified an upper bound on the softmax mass it left out (the sketch
         policy), and the sum of those bounds (rate(sum) / rate(calls): the mean certified omitted mass)
@@ -40,6 +42,7 @@ ATTEND_COUNTERS = (  # stats()["attend"] key -> (metric name, help)
     ("cold_slices_staged", "cold_slices_staged", "Head slices of cpu blocks a captured step read (verified)"),
     ("promotions", "promotions", "Blocks promoted to the warm tier after repeated cold fetches"),
     ("promotion_swaps", "promotion_swaps", "Warm blocks moved down to the cpu tier to make room for promoted ones"),
+    ("kept_from_saved", "kept_from_saved", "Blocks read again from an opened context's save and kept in a tier"),
     ("certified_calls", "certified_calls", "Steps whose selection certified its omitted softmax mass"),
     ("certified_omitted", "certified_omitted_mass", "Sum of certified upper bounds on the omitted softmax mass"),
     ("certified_measured", "measured_calls", "Certified steps also measured with a dense pass"),

@@ -27,7 +27,7 @@ from kvstore.attention import kernel_for
 from kvstore.blocks.from_saved import KEEP_AFTER, keep_read, take_rows
 from kvstore.blocks.promotion import PROMOTE_AFTER, Promoter
 from kvstore.blocks.table import DROPPED, LayerTable
-from kvstore.blocks.tierset import CPU_TIER, WARM_TIER, TierSet
+from kvstore.blocks.tierset import CPU_TIER, SAVED_TIER, WARM_TIER, TierSet
 from kvstore.config import Config
 from kvstore.decode.staging import stage
 from tiers.stored import StoredBlocks
@@ -235,12 +235,16 @@ class DecodePath:
 
     def keep_saved(self, table: LayerTable, read: StoredBlocks, read_at: list[int]) -> None:
         """Blocks this step read from the saved tier (an opened context's) for at least the KEEP_AFTER-th time
-        stay out of it: into the tier of their position, as far as it has free room (kvstore/blocks/from_saved.py),
+        (reads are counted per attend, so two tries within one token count twice: the sketch's epsilon sizes, H2O's
+        seeding pass) stay out of it: into the tier of their position, as far as it has free room (kvstore/blocks/from_saved.py),
         so later tokens read only what they select anew. After the kernel: the blocks move, the rows it read stay
         where they were."""
-        hits = table.cold_hits
+        if not self.tiers.saved.num_blocks:  # no opened context left in its save
+            return
+        hits, tier_of, ids_of = table.cold_hits, self.tiers.blocks.tier_of, table.block_ids
         for at, blocks in ((read.fp16_at, read.fp16), (read.quant_at, read.quant)):
-            rows = [r for r, a in enumerate(at) if hits.get(read_at[a], 0) >= KEEP_AFTER]
+            rows = [r for r, a in enumerate(at) if hits.get(read_at[a], 0) >= KEEP_AFTER
+                    and tier_of.get(ids_of[read_at[a]]) == SAVED_TIER]
             if rows:
                 indices = [read_at[at[r]] for r in rows]
                 ids = [table.block_ids[i] for i in indices]

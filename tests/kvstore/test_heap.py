@@ -1,5 +1,6 @@
-"""freeze_heap: what the process holds leaves the collector's walks; what is allocated later is still collected,
-and the collector's pauses (bench_longctx.timing.GcPauses) are seen from any thread."""
+"""freeze_heap: what the process holds leaves the collector's walks; what is allocated later is still collected;
+frozen_heap undoes it when its block ends; and the collector's pauses (bench_longctx.timing.GcPauses) are seen
+from any thread."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import weakref
 import pytest
 
 from bench_longctx.timing import GcPauses
-from kvstore.heap import freeze_heap
+from kvstore.heap import freeze_heap, frozen_heap
 
 
 class Node:
@@ -40,6 +41,22 @@ def test_frozen_objects_leave_the_walks_and_later_cycles_are_still_collected():
     finally:
         gc.unfreeze()  # the rest of the test process as it was
     assert gc.get_freeze_count() == 0
+
+
+def test_frozen_heap_unfreezes_so_what_died_meanwhile_is_collected():
+    """A cycle alive at the freeze and dropped inside the block (a store closed) outlives collections there, and
+    is collected once the block has ended: the process is left as it was."""
+    held = [Node()]
+    held[0].other = held[0]
+    ref = weakref.ref(held[0])
+    with frozen_heap() as count:
+        assert count > 1000 and gc.get_freeze_count() > 1000
+        held.clear()
+        gc.collect()
+        assert ref() is not None  # frozen: no collection walks it
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert ref() is None
 
 
 def test_collections_on_another_thread_are_recorded_and_placed_in_time():

@@ -57,8 +57,8 @@ def test_a_background_load_places_every_block_where_store_load_would_and_outputs
 
 def test_blocks_that_left_the_save_meanwhile_are_skipped_and_full_gpu_windows_spill_into_cpu(tmp_path):
     """Attends while loading read their selected blocks from the save and keep those read twice
-    (kvstore/blocks/from_saved.py): the load skips those. With the warm pool full (sequences written into the store first), the warm window's
-    blocks go to the cpu tier instead (int8 both: the same values)."""
+    (kvstore/blocks/from_saved.py): the load skips those. With the warm pool full (sequences written into the
+    store first), the warm window's blocks go to the cpu tier instead (int8 both: the same values)."""
     store, seq, want = opened(tmp_path, cpu_bytes=4 << 20)
     store.free(seq)
     tiers, seed = store.tiers, 1
