@@ -17,6 +17,7 @@ import torch
 
 from eviction import POLICIES, Policy
 from kvstore.blocks.append_path import AppendPath
+from kvstore.blocks.from_saved import load_saved
 from kvstore.blocks.table import DROPPED, LayerTable, TableTensors
 from kvstore.blocks.tierset import HOT_TIER, TierSet
 from kvstore.config import Config
@@ -148,7 +149,7 @@ class KVStore:
         for table in self.sequences[seq]:
             if moved >= left:
                 break
-            moved += self.tiers.load_saved(table, int(min(left - moved, table.num_blocks)))
+            moved += load_saved(self.tiers, table, int(min(left - moved, table.num_blocks)))
         return moved
 
     def place_loaded(self) -> int:

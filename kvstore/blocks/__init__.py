@@ -7,6 +7,6 @@
     demotion.py      which blocks cool first (H2O demote mode)
     tier_stack.py    TierStack: the tiers a Config describes, their sizes and lifetime
     tierset.py       TierSet: place, cool, move (put-then-delete), promote, gather, drop, free
-    from_saved.py    blocks read out of an opened context's save, kept in the tier of their position
+    from_saved.py    blocks out of an opened context's save into the tier of their position (load, keep)
     append_path.py   AppendPath: the eager write path (fill the tail, place new blocks all or nothing, cool)
 """

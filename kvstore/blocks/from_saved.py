@@ -1,13 +1,14 @@
-"""Blocks read out of the saved tier, kept: once a value of an opened context has been read and verified, it goes
-into the tier its position belongs in instead of being read from the save again.
+"""Blocks out of the saved tier: an opened context's values, once read and verified, go into the tier their
+position belongs in instead of being read from the save again.
 
-Two readers hand blocks here: the background load (kvstore/contexts/background_load.py), batch after batch, and the
-eager decode path (kvstore/decode/eager.py), which reads the blocks a token selected from the save and keeps them,
-once it reads a block the second time (KEEP_AFTER), so later tokens, whose selections mostly overlap, read only
-what is new and the sequence reaches the captured step (every block on the GPU or in the cpu tier) sooner.
-Both put blocks as they were read, in their stored format, into free room only: no block cools to make room,
-and a block that does not fit stays saved (read again when selected; store.load moves it once there is room).
-A block that left the save meanwhile is skipped.
+`load_saved` (store.load) reads them itself, batch after batch. Two readers hand what they read to `keep_read`:
+the background load (kvstore/contexts/background_load.py), batch after batch, and the eager decode path
+(kvstore/decode/eager.py), which reads the blocks a token selected from the save and keeps a block once it reads
+it the second time (KEEP_AFTER), so later tokens, whose selections mostly overlap, read only what is new and the
+sequence reaches the captured step (every block on the GPU or in the cpu tier) sooner.
+All of them put blocks as they were read, in their stored format, into free room only: no block cools to make
+room, and a block that does not fit stays saved (read again when selected; store.load moves it once there is
+room). A block that left the save meanwhile is skipped.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvstore.blocks.tierset import CPU_TIER, SAVED_TIER, TierSet
 from tiers.errors import CapacityError
 from tiers.layout import Blocks, QuantBlocks
 
+LOAD_BATCH = 2048  # blocks a load_saved move reads at once (128 MiB of llama3-8b int8 blocks at 32 tokens)
 # Reads of a saved block before the eager path keeps it. Keeping costs a copy into the tier; a block read once may
 # never be selected again: kept at its first read, the first token of a 128K context opened on an H100 took 4.6 s
 # against 2.9 (BENCHMARKS.md, Opening with a background load).
@@ -47,6 +49,32 @@ def keep_read(tiers: TierSet, table: LayerTable, indices: Sequence[int], ids: Se
             except CapacityError:  # the tier's own budget (bytes, host memory) refused: they stay saved
                 continue
             moved, rows = moved + len(fit), rows[len(fit):]
+    return moved
+
+
+def load_saved(tiers: TierSet, table: LayerTable, limit: int) -> int:
+    """Move up to `limit` of `table`'s blocks that an opened context left in the saved tier into the tier their
+    position belongs in (hot or warm window, else cpu), newest first and into free room only: no block cools to
+    make room, and what does not fit stays saved (still read when selected). Returns how many moved. A damaged or
+    missing saved block raises (IntegrityError, BlockMissingError) and its batch stays where it was."""
+    n = table.num_blocks
+    if limit <= 0 or not n:
+        return 0
+    saved = torch.nonzero(table.tier_map[:n] == SAVED_TIER).flatten().tolist()  # one sync
+    wanted: dict[int, list[int]] = {}
+    for index in reversed(saved[-limit:]):
+        wanted.setdefault(tiers.first_tier(index, table.num_tokens), []).append(table.block_ids[index])
+    moved = 0
+    for dst, ids in sorted(wanted.items()):
+        group = ids[:min(limit - moved, tiers.stack[dst].free_blocks())]
+        for lo in range(0, len(group), LOAD_BATCH):  # bounded (pinned) buffers, reused batch after batch
+            batch = group[lo: lo + LOAD_BATCH]
+            tiers.saved.read_ahead(group[lo + LOAD_BATCH: lo + 2 * LOAD_BATCH])  # read while this one moves
+            try:
+                tiers.move(batch, SAVED_TIER, dst, coldest=dst)
+            except CapacityError:  # the tier's own budget (bytes, host memory) refused: they stay saved
+                break
+            moved += len(batch)
     return moved
 
 

@@ -32,7 +32,6 @@ from tiers.quant import dequantize
 
 __all__ = ["COLD_TIER", "CPU_TIER", "HOT_TIER", "SAVED_TIER", "WARM_TIER", "TierSet"]  # indices: tier_stack.py
 _FIRST_TIER = {HOT: HOT_TIER, WARM: WARM_TIER, COLD: CPU_TIER}
-LOAD_BATCH = 2048  # blocks a load_saved move reads at once (128 MiB of llama3-8b int8 blocks at 32 tokens)
 
 
 class TierSet:
@@ -154,33 +153,6 @@ class TierSet:
                     except CapacityError:
                         continue
                     moved += len(group)
-        return moved
-
-    def load_saved(self, table: LayerTable, limit: int) -> int:
-        """Move up to `limit` of `table`'s blocks that an opened context left in the saved tier into the tier
-        their position belongs in (hot or warm window, else cpu), newest first and into free room only: no
-        block cools to make room, and what does not fit stays saved (still read when selected). Returns how
-        many moved. A damaged or missing saved block raises (IntegrityError, BlockMissingError) and its group
-        stays where it was."""
-        n = table.num_blocks
-        if limit <= 0 or not n:
-            return 0
-        saved = torch.nonzero(table.tier_map[:n] == SAVED_TIER).flatten().tolist()  # one sync
-        wanted: dict[int, list[int]] = {}
-        for index in reversed(saved[-limit:]):
-            wanted.setdefault(self.first_tier(index, table.num_tokens), []).append(table.block_ids[index])
-        moved = 0
-        for dst, ids in sorted(wanted.items()):
-            group = ids[:min(limit - moved, self.stack[dst].free_blocks())]
-            for lo in range(0, len(group), LOAD_BATCH):  # bounded (pinned) buffers, reused batch after batch
-                batch = group[lo: lo + LOAD_BATCH]
-                self.saved.read_ahead(group[lo + LOAD_BATCH: lo + 2 * LOAD_BATCH])  # read while this one moves
-                with self._moving(batch):
-                    try:
-                        self.move(batch, SAVED_TIER, dst, coldest=dst)
-                    except CapacityError:  # the tier's own budget (bytes, host memory) refused: they stay saved
-                        break
-                moved += len(batch)
         return moved
 
     def cool(self, table: LayerTable, old_tokens: int, new_tokens: int | None = None) -> None:

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore.blocks.from_saved import keep_read
+from kvstore.blocks.from_saved import LOAD_BATCH, keep_read
 from kvstore.blocks.table import LayerTable
-from kvstore.blocks.tierset import LOAD_BATCH, SAVED_TIER, TierSet
+from kvstore.blocks.tierset import SAVED_TIER, TierSet
 from tiers.layout import Blocks
 
 QUEUED = 4  # batches read ahead of `place`: host memory (~0.5 GiB of llama3-8b int8 blocks) and the most one
