@@ -139,8 +139,7 @@ class Decoder:
                              f"{token_ids}")
         for seq in seqs:
             self.store.table(seq, 0)  # KeyError for an unknown sequence, before any token is recorded
-        self.store.place_loaded()  # opened contexts' blocks read in the background (a sequence may run captured now)
-        self.store.pump_saves()  # background saves: the next bounded part copied out for their writers
+        self._between_tokens()
         rows = len(seqs) > 1 if rows is None else rows
         logits, recorded = self._replay(seqs, token_ids, mode, budget, recorded=False, rows=rows)
         if logits is not None:
@@ -240,8 +239,7 @@ class Decoder:
             recorded = max(recorded, upto)
 
         for i in range(num_new):  # token i appends ids[i] and writes ids[i + 1]
-            self.store.place_loaded()
-            self.store.pump_saves()
+            self._between_tokens()
             graph, logits = self._graph_decoder([seq], mode, budget), None
             if graph is not None:  # begin_token checks readiness again and refuses with StepNotReady
                 try:
@@ -271,9 +269,19 @@ class Decoder:
         if self.store.tracks_tokens(seq):
             self.store.extend_tokens(seq, ids)
 
-    def free(self, seq: int) -> None:
-        self.store.free(seq)
+    def free(self, seq: int, background: bool = False) -> None:
+        """store.free(seq, background): background, its blocks return to the tiers a bounded batch before each
+        later token."""
+        self.store.free(seq, background)
         self.graph_decoders.drop(seq)
+
+    def _between_tokens(self) -> None:
+        """The store's bounded host work before a token: blocks read by background loads placed (a sequence may
+        run captured now), the next part of background saves copied out for their writers, the next batch of
+        background-freed blocks returned."""
+        self.store.place_loaded()
+        self.store.pump_saves()
+        self.store.release_freed()
 
 
 def _token_id(token: object, vocab_size: int) -> int:

@@ -12,7 +12,9 @@ Each `step()`:
              in a later step, where it stopped, with the tokens it would have produced had it stayed.
   3. decode  one token of every running request in one Decoder.decode_batch (one captured step for all of
              them on CUDA; in topk, rows that requests join and leave without a new capture); a request that
-             reaches max_new_tokens (or eos_id) leaves and frees its blocks.
+             reaches max_new_tokens (or eos_id) leaves; its blocks return to the tiers a bounded batch
+             before each later token (store.free(..., background=True)), or at once when a waiting
+             request needs their room.
 A request that could never fit, even in an empty store, is refused at submit (ValueError) and changes nothing.
 """
 
@@ -119,7 +121,7 @@ class Scheduler:
         for request in self._arrived():
             if len(self.running) >= self.max_batch:
                 break
-            if self.store.blocks_for(request.length) > self._room():
+            if self.store.blocks_for(request.length) > self._room() and not self._room_from_freeing(request):
                 break  # the first in line waits: later, smaller requests do not overtake it
             self.waiting.remove(request)
             if request.saved_as is not None:
@@ -132,6 +134,14 @@ class Scheduler:
                 self.fill(self.store, request.seq, request.context_tokens - 1)
             self.running.append(request)
         return produced
+
+    def _room_from_freeing(self, request: Request) -> bool:
+        """Whether `request` fits once the finished requests' blocks still being returned (freed in the background,
+        a bounded batch a token) are all back: they are returned now, as admitting it stalls the batch anyway."""
+        if not self.store.freeing_blocks():
+            return False
+        self.store.release_freed(None)
+        return self.store.blocks_for(request.length) <= self._room()
 
     def _prefill(self, request: Request) -> int:
         request.seq = self.store.create_sequence()
@@ -156,7 +166,8 @@ class Scheduler:
             return
         first = arrived[0]
         victim = min(self.running, key=lambda r: (r.priority, -(r.admitted_s or 0.0)))
-        if first.priority <= victim.priority or self.store.blocks_for(first.length) <= self._room():
+        if (first.priority <= victim.priority or self.store.blocks_for(first.length) <= self._room()
+                or self._room_from_freeing(first)):
             return
         name = f"kvtier-preempted-{self.preemptions}"  # a saved context of this store only
         self.store.save(victim.seq, name)
@@ -180,7 +191,7 @@ class Scheduler:
         for request in [r for r in self.running if r.done]:
             if self.on_finish is not None:
                 self.on_finish(request)
-            self.decoder.free(request.seq)
+            self.decoder.free(request.seq, background=True)  # its blocks return a batch per token
             if request.request_id in self._read_from_saves:
                 self.store.delete_saved(self._read_from_saves.pop(request.request_id))
             request.seq = None
@@ -200,4 +211,5 @@ class Scheduler:
         while self.pending:
             if not self.step() and not self.running:
                 time.sleep(idle_sleep_s)  # nothing has arrived yet
+        self.store.release_freed(None)  # the last requests' blocks: nothing decodes now
         return self.finished

@@ -18,11 +18,12 @@ import torch
 from eviction import POLICIES, Policy
 from kvstore.blocks.append_path import AppendPath
 from kvstore.blocks.from_saved import load_saved
-from kvstore.blocks.table import DROPPED, LayerTable, TableTensors
+from kvstore.blocks.table import DROPPED, LayerTable, TableTensors, droppable
 from kvstore.blocks.tierset import HOT_TIER, TierSet
 from kvstore.config import Config
 from kvstore.contexts.background_load import BackgroundLoads
 from kvstore.contexts.background_save import BackgroundSaves, SaveJob
+from kvstore.contexts.freeing import RELEASE_BATCH
 from kvstore.contexts.saving import SavedContexts, values_store
 from kvstore.contexts.sequences import Contexts, PrefixMatch, check_token_ids
 from kvstore.contexts.unread_codes import UnreadCodes
@@ -145,12 +146,7 @@ class KVStore:
         if max_blocks is not None and (isinstance(max_blocks, bool) or not isinstance(max_blocks, int)
                                        or max_blocks < 0):
             raise ValueError(f"max_blocks must be an int >= 0 or None, got {max_blocks!r}")
-        moved, left = 0, float("inf") if max_blocks is None else max_blocks
-        for table in self.sequences[seq]:
-            if moved >= left:
-                break
-            moved += load_saved(self.tiers, table, int(min(left - moved, table.num_blocks)))
-        return moved
+        return load_saved(self.tiers, self.sequences[seq], max_blocks)
 
     def place_loaded(self) -> int:
         """Put the blocks that background loads (open(..., background_load=True)) have read since the last call
@@ -191,7 +187,7 @@ class KVStore:
         return table
 
     def _table(self, seq: int, layer: int) -> LayerTable:
-        if seq not in self.sequences:
+        if seq not in self.sequences or seq in self.contexts.freeing:
             raise KeyError(f"unknown sequence {seq!r} (never created or already freed)")
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.spec.num_layers:
             raise ValueError(f"layer must be an int in [0, {self.spec.num_layers}), got {layer!r}")
@@ -208,29 +204,34 @@ class KVStore:
         tiers = self.tiers
         return tiers.hot.free_blocks() + tiers.warm.free_blocks() + tiers.cpu.free_blocks()
 
-    def free(self, seq: int) -> None:
-        """Let go of every block of `seq`: blocks no other sequence shares return to their tiers."""
+    def free(self, seq: int, background: bool = False) -> None:
+        """Let go of every block of `seq`: blocks no other sequence shares return to their tiers. background=True:
+        `seq` is gone at once (later calls naming it raise KeyError) and its blocks return a bounded batch per
+        release_freed (engine_adapter.Decoder calls it before every token), so freeing a long context does not
+        stall the others' next token; free_blocks() counts them once returned."""
+        if not isinstance(background, bool):
+            raise ValueError(f"background must be True or False, got {background!r}")
         self._table(seq, 0)
         self.steps.forget(seq)
         self.loads.stop(seq)
         self.saves.stop(seq)  # a background save still reading seq ends (SaveAborted), leaving nothing
-        self.contexts.free(seq)
+        self.contexts.free(seq, background)
+
+    def release_freed(self, max_blocks: int | None = RELEASE_BATCH) -> int:
+        """Return up to `max_blocks` (None: all) table entries of sequences freed with background=True to their
+        tiers; returns how many went (0: none left)."""
+        if max_blocks is not None and (not _is_int(max_blocks) or max_blocks < 0):
+            raise ValueError(f"max_blocks must be an int >= 0 or None, got {max_blocks!r}")
+        return self.contexts.freeing.release(max_blocks)
+
+    def freeing_blocks(self) -> int:
+        """Table entries of sequences freed with background=True not yet returned (release_freed)."""
+        return self.contexts.freeing.entries()
 
     def drop(self, seq: int, layer: int, indices: Sequence[int]) -> None:
         """Free blocks for good (H2O drop mode): they are never attended or read again."""
         table = self.table(seq, layer)
-        indices = list(indices) if isinstance(indices, (list, tuple, range)) else indices
-        n = table.num_blocks
-        if not isinstance(indices, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
-            raise ValueError(f"drop: indices must be a list of ints, got {indices!r}")
-        bad = [i for i in indices if not 0 <= i < n - 1]
-        if bad:
-            raise ValueError(f"drop: block indices must be in [0, {n - 1}) (the tail block {n - 1} stays), got {bad[:8]}")
-        if len(set(indices)) != len(indices):
-            raise ValueError(f"drop: duplicate block indices in {indices[:16]}")
-        if any(table.block_ids[i] == DROPPED for i in indices):
-            raise ValueError("drop: a block was already dropped")
-        self.tiers.drop(table, indices)
+        self.tiers.drop(table, droppable(table, indices))
 
     # -- append ------------------------------------------------------------------------------
     def append(self, seq: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -304,17 +305,18 @@ class KVStore:
     # -- introspection -----------------------------------------------------------------------
     def stats(self) -> dict:
         self.steps.settle_all()
-        tokens = sum(tables[0].num_tokens for tables in self.sequences.values())
+        live = [tables for seq, tables in self.sequences.items() if seq not in self.contexts.freeing]
+        tokens = sum(tables[0].num_tokens for tables in live)
         tiers = self.tiers.stats()  # its tiers, then integrity_errors, missing_blocks, cooling_failures
         return {"tiers": tiers.pop("tiers"), "blocks": self.tiers.blocks.sharing(),
-                "sequences": {"count": len(self.sequences), "tokens": tokens}, **tiers,
+                "sequences": {"count": len(live), "tokens": tokens, "freeing_blocks": self.freeing_blocks()}, **tiers,
                 "attend": self.decode.stats.as_dict()}
 
     def check_integrity(self) -> None:
         """Raise AssertionError if any invariant is broken."""
         self.steps.settle_all()
         self.tiers.check_integrity()
-        self.tiers.blocks.check_tables(self.sequences, self.config.block_tokens, HOT_TIER)
+        self.tiers.blocks.check_tables(self.sequences, self.config.block_tokens, HOT_TIER, self.contexts.freeing)
 
     def close(self) -> None:
         self.saves.close()  # aborts saves before their commit, waits for their writers

@@ -74,6 +74,8 @@ class StoreCollector:
         yield GaugeMetricFamily(f"{PREFIX}_sequences", "Live sequences", value=stats["sequences"]["count"])
         yield GaugeMetricFamily(f"{PREFIX}_sequence_tokens", "Tokens the live sequences hold",
                                 value=stats["sequences"]["tokens"])
+        yield GaugeMetricFamily(f"{PREFIX}_freeing_blocks", "Table entries of freed sequences not yet returned "
+                                "to their tiers (free(..., background=True))", value=stats["sequences"]["freeing_blocks"])
         yield CounterMetricFamily(f"{PREFIX}_integrity_errors", "Blocks that failed a checksum",
                                   value=stats["integrity_errors"])
         yield GaugeMetricFamily(f"{PREFIX}_missing_blocks", "Blocks a shared tier no longer holds",

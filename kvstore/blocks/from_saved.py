@@ -52,11 +52,21 @@ def keep_read(tiers: TierSet, table: LayerTable, indices: Sequence[int], ids: Se
     return moved
 
 
-def load_saved(tiers: TierSet, table: LayerTable, limit: int) -> int:
-    """Move up to `limit` of `table`'s blocks that an opened context left in the saved tier into the tier their
-    position belongs in (hot or warm window, else cpu), newest first and into free room only: no block cools to
-    make room, and what does not fit stays saved (still read when selected). Returns how many moved. A damaged or
-    missing saved block raises (IntegrityError, BlockMissingError) and its batch stays where it was."""
+def load_saved(tiers: TierSet, tables: Sequence[LayerTable], max_blocks: int | None) -> int:
+    """Move up to `max_blocks` (None: all) of the blocks an opened context left in the saved tier, table after
+    table, into the tier their position belongs in (hot or warm window, else cpu), newest first and into free
+    room only: no block cools to make room, and what does not fit stays saved (still read when selected).
+    Returns how many moved. A damaged or missing saved block raises (IntegrityError, BlockMissingError) and its
+    batch stays where it was."""
+    moved, left = 0, float("inf") if max_blocks is None else max_blocks
+    for table in tables:
+        if moved >= left:
+            break
+        moved += _load_table(tiers, table, int(min(left - moved, table.num_blocks)))
+    return moved
+
+
+def _load_table(tiers: TierSet, table: LayerTable, limit: int) -> int:
     n = table.num_blocks
     if limit <= 0 or not n:
         return 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from itertools import repeat
-from typing import Iterator, Sequence
+from typing import Container, Iterator, Sequence
 
 from kvstore.blocks.table import DROPPED, LayerTable
 
@@ -159,9 +159,11 @@ class BlockRegistry:
             raise AssertionError("content keys disagree with the blocks that carry them")
 
     # -- invariants ------------------------------------------------------------------------
-    def check_tables(self, tables: dict[int, list[LayerTable]], block_tokens: int, hot_tier: int) -> None:
+    def check_tables(self, tables: dict[int, list[LayerTable]], block_tokens: int, hot_tier: int,
+                     freeing: Container[int] = ()) -> None:
         """Raise AssertionError unless the registry and the block tables agree: every holder's table points
-        back at the block, and every table's blocks, counts and device tier map match what is recorded."""
+        back at the block, and every table's blocks, counts and device tier map match what is recorded.
+        `freeing`: sequences being let go of from their tail (their tail block need not be hot)."""
         for block_id in self.holders:
             for seq, layer, i in self.holders_of(block_id):
                 layers = tables.get(seq)
@@ -169,10 +171,11 @@ class BlockRegistry:
                     raise AssertionError(f"block {block_id}: holder {(seq, layer, i)} does not point at it")
         for seq, layers in tables.items():
             for layer, table in enumerate(layers):
-                self._check_table(f"seq {seq} layer {layer}", (seq, layer), table, block_tokens, hot_tier)
+                self._check_table(f"seq {seq} layer {layer}", (seq, layer), table, block_tokens,
+                                  None if seq in freeing else hot_tier)
 
     def _check_table(self, where: str, owner: tuple[int, int], table: LayerTable, block_tokens: int,
-                     hot_tier: int) -> None:
+                     hot_tier: int | None) -> None:
         if table.num_blocks != -(-table.num_tokens // block_tokens):
             raise AssertionError(f"{where}: {table.num_blocks} blocks for {table.num_tokens} tokens")
         live = [(i, b) for i, b in enumerate(table.block_ids) if b != DROPPED]
@@ -185,7 +188,7 @@ class BlockRegistry:
                   table.block_ids.count(DROPPED))
         if counts != (table.num_warm, table.num_cold, table.num_far, table.num_dropped):  # 1 warm, 2 cpu, 3+ beyond
             raise AssertionError(f"{where}: warm/cold/far/dropped counts {counts} are stale")
-        if table.block_ids and tiers and self.tier_of.get(table.block_ids[-1]) != hot_tier:
+        if hot_tier is not None and table.block_ids and tiers and self.tier_of.get(table.block_ids[-1]) != hot_tier:
             raise AssertionError(f"{where}: the tail block left the hot tier")
         if table.num_blocks:
             want = [-1] * table.num_blocks

@@ -47,6 +47,23 @@ class LayerTable:
         return len(self.block_ids)
 
 
+def droppable(table: LayerTable, indices: object) -> list[int]:
+    """`indices` as a list of distinct entries of `table` that H2O drop mode may free (held, not the tail block),
+    else ValueError saying what was wrong."""
+    indices = list(indices) if isinstance(indices, (list, tuple, range)) else indices
+    n = table.num_blocks
+    if not isinstance(indices, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
+        raise ValueError(f"drop: indices must be a list of ints, got {indices!r}")
+    bad = [i for i in indices if not 0 <= i < n - 1]
+    if bad:
+        raise ValueError(f"drop: block indices must be in [0, {n - 1}) (the tail block {n - 1} stays), got {bad[:8]}")
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"drop: duplicate block indices in {indices[:16]}")
+    if any(table.block_ids[i] == DROPPED for i in indices):
+        raise ValueError("drop: a block was already dropped")
+    return indices
+
+
 class TableTensors:
     """Grows and writes the device tensors of LayerTables (capacity doubles; a new table has 1/16 to spare)."""
 

@@ -20,6 +20,7 @@ from typing import Sequence
 from kvstore.blocks.table import DROPPED, LayerTable, TableTensors
 from kvstore.blocks.tierset import HOT_TIER, TierSet
 from kvstore.config import Config, ModelSpec
+from kvstore.contexts.freeing import PendingFrees
 from kvstore.contexts.opening import SavedContext, SavedLayer
 from kvstore.contexts.unread_codes import UnreadCodes
 from tiers import keys
@@ -89,6 +90,7 @@ class Contexts:
         self.root = chain_root(config.model_id, config.model, config.block_tokens)
         self.tables, self.tiers, self.tensors, self.unread = tables, tiers, tensors, unread
         self.records: dict[int, TokenRecord] = {}  # sequences whose token ids are known from position 0
+        self.freeing = PendingFrees(tables, tiers, config.block_tokens)  # freed sequences' blocks still held
         self._next_sequence = 0
 
     def new_record(self) -> TokenRecord:
@@ -288,10 +290,11 @@ class Contexts:
             table.num_tokens = table.num_warm = table.num_cold = table.num_far = table.num_dropped = 0
             raise
 
-    def free(self, seq: int) -> None:
-        """Let go of every block of `seq`; blocks no other sequence holds return to their tiers."""
-        for layer, table in enumerate(self.tables[seq]):
-            self.tiers.release(seq, layer, [i for i, b in enumerate(table.block_ids) if b != DROPPED])
-        del self.tables[seq]
+    def free(self, seq: int, background: bool = False) -> None:
+        """Let go of every block of `seq`; blocks no other sequence holds return to their tiers, now or (background)
+        in bounded batches between tokens (freeing.py)."""
         self.records.pop(seq, None)
         self.unread.forget(seq)
+        self.freeing.add(seq)
+        if not background:
+            self.freeing.release(seq=seq)

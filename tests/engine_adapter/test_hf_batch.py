@@ -92,7 +92,7 @@ def test_right_padding_and_zeros_inside_a_row_are_refused_with_the_store_unchang
     with kvtier_attention(hf_model), KVStore(config()) as store, KVTierCache(store) as cache:
         with pytest.raises(ValueError, match=refusal):
             generate_batch(hf_model, ids, mask, cache)
-        assert cache.get_seq_length() == 0 and store.stats()["sequences"] == {"count": 1, "tokens": 0}
+        assert cache.get_seq_length() == 0 and store.stats()["sequences"] == {"count": 1, "tokens": 0, "freeing_blocks": 0}
         assert all(layer.staged is None for layer in cache.layers)
         store.check_integrity()
 

@@ -94,6 +94,37 @@ def test_a_higher_priority_request_preempts_and_the_preempted_one_resumes_unchan
     assert {r.request_id: r.output for r in scheduler.finished} == want
 
 
+def test_finished_requests_return_their_blocks_between_tokens_and_at_once_when_a_request_waits(monkeypatch):
+    """Freed in small batches before each token, a finished request's blocks still make room for the next one
+    exactly when an immediate free would: the same admissions, the same outputs."""
+    monkeypatch.setattr(Decoder, "_captures", lambda self: True)
+    requests = [Request(f"r{i}", max_new_tokens=6 + 5 * i, prompt=prompt(250 + 40 * i, 30 + i), arrival_s=i)
+                for i in range(4)]
+    runs = {}
+    for background in (True, False):
+        if not background:  # the reference: every finished request freed at once
+            monkeypatch.setattr(Decoder, "free", lambda self, seq, background=False: self.store.free(seq))
+        trace = [Request(r.request_id, r.max_new_tokens, list(r.prompt), arrival_s=r.arrival_s) for r in requests]
+        model, clock, pending = random_llama(TINY, seed=5, vocab_size=VOCAB), Steps(), []
+        with store_for(TINY, **SMALL) as store:
+            release = store.release_freed
+            monkeypatch.setattr(store, "release_freed", lambda max_blocks=3: release(max_blocks))
+            scheduler = Scheduler(Decoder(model, store), "topk", 48, clock=clock)
+            for r in trace:
+                scheduler.submit(r)
+            for _ in range(500):
+                if not scheduler.pending:
+                    break
+                scheduler.step()
+                pending.append(store.freeing_blocks())
+                clock.t += 1
+                store.check_integrity()
+            assert store.stats()["sequences"]["count"] == 0
+        runs[background] = ({r.request_id: (r.admitted_s, r.output) for r in trace}, pending)
+    assert runs[True][0] == runs[False][0]
+    assert any(runs[True][1]) and not any(runs[False][1])  # blocks were still being returned between tokens
+
+
 def test_requests_that_cannot_be_served_are_refused_and_change_nothing():
     model = random_llama(TINY, seed=5, vocab_size=VOCAB)
     with store_for(TINY, **SMALL) as store:

@@ -45,3 +45,7 @@ def test_scrape_follows_the_store(tmp_path):
         for tier, held in stats["tiers"].items():
             assert got[("kvtier_store_tier_bytes", (("tier", tier),))] == held["bytes"]
         assert got[("kvtier_store_sequence_tokens", ())] == 400
+        assert got[("kvtier_store_freeing_blocks", ())] == 0
+        store.free(seq, background=True)
+        collector.refresh()
+        assert scrape(collector)[("kvtier_store_freeing_blocks", ())] == 400 // 16 > 0  # blocks of 16 tokens
