@@ -45,12 +45,22 @@ def int32_words(t: torch.Tensor) -> torch.Tensor:
 
 
 def copy_rows(src: Blocks, src_rows: torch.Tensor, dst: Blocks, dst_rows: torch.Tensor) -> None:
-    """dst[dst_rows] = src[src_rows] for either block format. Row copies through numpy: torch's
-    5-D indexing on CPU is ~50x slower and its thread pool stalls when cores are contended."""
+    """dst[dst_rows] = src[src_rows] for either block format, on the host. Row copies through numpy (torch's
+    5-D indexing on CPU is ~50x slower and its thread pool stalls when cores are contended): one slice copy per
+    run of rows consecutive on both sides, no temporary (a fancy-indexed gather would allocate and fault in a
+    batch-sized buffer first); scattered rows (runs shorter than 8 on average) go by fancy indexing."""
     s_idx, d_idx = src_rows.numpy(), dst_rows.numpy()
+    n = len(s_idx)
+    breaks = np.flatnonzero((np.diff(s_idx) != 1) | (np.diff(d_idx) != 1)) + 1 if n > 1 else np.zeros(0, np.int64)
+    runs = None if len(breaks) + 1 > n // 8 else \
+        list(zip(np.concatenate(([0], breaks)).tolist(), np.concatenate((breaks, [n])).tolist()))
     for d, s in zip(fields(dst), fields(src)):
         d2, s2 = byte_rows(d), byte_rows(s)
-        d2[d_idx] = s2[s_idx]
+        if runs is None:
+            d2[d_idx] = s2[s_idx]
+            continue
+        for lo, hi in runs:
+            d2[d_idx[lo]: d_idx[lo] + hi - lo] = s2[s_idx[lo]: s_idx[lo] + hi - lo]
 
 
 def copy_row_runs(src: Blocks, src_rows: torch.Tensor, dst: Blocks, dst_rows: torch.Tensor) -> None:

@@ -181,6 +181,33 @@ def test_fetch_sums_while_it_gathers_across_slabs(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "int8"])
+@pytest.mark.parametrize("seed", range(4))
+def test_row_copies_write_what_indexing_writes(dtype, seed):
+    """copy_rows (slices per run of rows consecutive on both sides, or fancy indexing when runs are short) against
+    torch's indexing: long runs broken on one side only, single rows, scattered rows, every field of the format."""
+    from tiers.block_rows import copy_rows, fields
+
+    g = torch.Generator().manual_seed(seed)
+    n = 40
+    x = blocks(n, seed)
+    src = x if dtype == "float16" else quantize(x)
+    runs = [(0, 100, 17), (17, 50, 5), (22, 117, 18)] if seed % 2 else [(0, 3, n)]  # (src start, dst start, length)
+    src_rows = torch.cat([torch.arange(s, s + k) for s, _, k in runs])
+    dst_rows = torch.cat([torch.arange(d, d + k) for _, d, k in runs])
+    if seed >= 2:  # scattered: every run a single row
+        order = torch.randperm(n, generator=g)
+        src_rows, dst_rows = src_rows[order], dst_rows[order]
+    got = LAYOUT.empty(dtype, 140, "cpu")
+    for f in fields(got):
+        f.view(torch.uint8).fill_(0x5A)
+    want = [f.clone() for f in fields(got)]
+    copy_rows(src, src_rows, got, dst_rows)
+    for w, f in zip(want, fields(src)):
+        w[dst_rows] = f[src_rows]
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(fields(got), want))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
 def test_row_runs_copy_what_row_copies_copy(dtype):
     """copy_row_runs (put's path from a GPU into pinned slabs: one copy per run of rows consecutive on both sides)
     writes what copy_rows writes: runs, single rows, descending rows, a run broken on one side only."""
