@@ -19,6 +19,7 @@ kernel reads [block_tokens, head_dim] per (block, head) in one sweep.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -134,7 +135,7 @@ class BlockLayout:
 
     def bytes_for(self, fmt: str) -> int:
         """Bytes of one block in `fmt` ("float16" or one of QUANT_FORMATS), data and scales."""
-        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.field_specs(fmt))
+        return _block_bytes(self, fmt)
 
     def empty_fp16(self, n: int, device: torch.device | str, pin: bool = False) -> torch.Tensor:
         return torch.empty((n, *self.shape), dtype=torch.float16, device=device, pin_memory=pin)
@@ -183,3 +184,9 @@ def concat(parts: list[Blocks]) -> Blocks:
             out.numpy()[row:row + size] = t.numpy()
         row += size
     return QuantBlocks(*outs) if isinstance(parts[0], QuantBlocks) else outs[0]
+
+
+@functools.cache
+def _block_bytes(layout: BlockLayout, fmt: str) -> int:
+    """BlockLayout.bytes_for, computed once per layout and format (a load checks every value's length against it)."""
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout.field_specs(fmt))
