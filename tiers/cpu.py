@@ -31,7 +31,7 @@ from tiers.block_checksum import block_sums, head_sums, sum_device
 from tiers.block_rows import (byte_rows, copy_row_runs, copy_rows, device_of, fields, host_int64, int32_words,
                                normal_device, row_slice, to_device)
 from tiers.cpu_host import HostRows
-from tiers.fetch_kernel import SlabTable, gather_slab_rows, slab_table
+from tiers.fetch_kernel import SlabTable, add_slab, gather_slab_rows, slab_table
 from tiers.layout import BlockLayout, Blocks
 from tiers.quant import to_format
 
@@ -63,7 +63,7 @@ class CpuTier(HostRows, PooledTier):
         # with block sums, also per kv head (summing to sums): a captured decode step reads and verifies one
         # head's slice of a block (tiers/slice_gather.py)
         self.head_sums = torch.zeros((0, layout.num_kv_heads, 2), dtype=torch.int64, device=self.sums.device)
-        self.generation = 0  # bumped whenever the slab table or the sums move: captured graphs are then stale
+        self.generation = 0  # bumped whenever the checksum tables move (or the tier closes): captured graphs are stale
         self.integrity_errors = 0  # blocks found damaged by reads
         self._device_reads: torch.cuda.Event | None = None  # queued device reads of slab rows (a captured step)
         self._executor: ThreadPoolExecutor | None = None
@@ -91,11 +91,14 @@ class CpuTier(HostRows, PooledTier):
         return min(self.slots.num_free, in_slabs + spare * self.slab_blocks)
 
     def _grow_to(self, slot: int) -> None:
+        """Slabs (and checksum rows) up to `slot`. A new slab joins the slab tables in place (room for every slab
+        the tier may hold), so graphs captured over them stay valid; only the checksum tables, when they must
+        reallocate (doubling: a few times in a tier's life), bump `generation`."""
         while len(self.slabs) <= slot // self.slab_blocks:
             self.slabs.append(self._empty(self.slab_blocks))
             self._byte_views.append([byte_rows(t) for t in fields(self.slabs[-1])])  # [rows, bytes] numpy views
-            self._tables.clear()
-            self.generation += 1
+            self._tables = {device: add_slab(table, [int32_words(f) for f in fields(self.slabs[-1])])
+                            for device, table in self._tables.items()}
         if len(self.sums) < len(self.slabs) * self.slab_blocks:  # doubling: a huge tier copies it O(n) in all
             rows = max(len(self.slabs) * self.slab_blocks, 2 * len(self.sums))
             self.sums, self.head_sums = (torch.cat([t, t.new_zeros((rows - len(t), *t.shape[1:]))])
@@ -156,10 +159,11 @@ class CpuTier(HostRows, PooledTier):
         self._device_reads = event
 
     def slab_table(self, device: torch.device) -> SlabTable:
-        """The slabs as `device` reads them (built at its first use; rebuilt after the slabs grow)."""
+        """The slabs as `device` reads them (built at its first use; extended in place as the slabs grow)."""
         device = normal_device(device)
         if device not in self._tables:
-            self._tables[device] = slab_table([[int32_words(f) for f in fields(s)] for s in self.slabs], device)
+            self._tables[device] = slab_table([[int32_words(f) for f in fields(s)] for s in self.slabs], device,
+                                              capacity=-(-self.slots.num_slots // self.slab_blocks))
         return self._tables[device]
 
     def get(self, ids: Sequence[int]) -> Blocks:

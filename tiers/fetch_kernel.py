@@ -133,7 +133,7 @@ def _gather_slab_rows_kernel(addresses_ptr, num_fields, slots_ptr, slab_rows, ds
 @dataclass(frozen=True, slots=True)
 class SlabTable:
     """Equal slabs of block rows and where `device` reads them. slabs: per slab its 1 to 3 fields, each int32
-    [slab_rows, words] in pinned host memory (or on `device`); addresses: int64 [num_slabs, num_fields] on
+    [slab_rows, words] in pinned host memory (or on `device`); addresses: int64 [>= num_slabs, num_fields] on
     `device`, each field's address as the device's loads see it (held here with the slabs it points into)."""
 
     slabs: tuple[tuple[torch.Tensor, ...], ...]
@@ -150,9 +150,10 @@ class SlabTable:
         return [f.shape[1] for f in self.slabs[0]]
 
 
-def slab_table(slabs: Sequence[Sequence[torch.Tensor]], device: torch.device | str) -> SlabTable:
+def slab_table(slabs: Sequence[Sequence[torch.Tensor]], device: torch.device | str, capacity: int = 0) -> SlabTable:
     """The SlabTable of `slabs` (at least one; each 1 to 3 contiguous int32 [slab_rows, words] fields, the
-    same shapes in every slab, 16-byte aligned) for `device`; one tiny launch per field."""
+    same shapes in every slab, 16-byte aligned) for `device`; one tiny launch per field. capacity: rows of the
+    address table (at least len(slabs)), so that add_slab can extend it in place up to that many slabs."""
     device = normal_device(device)
     if not slabs or not 1 <= len(slabs[0]) <= 3:
         raise ValueError(f"slabs: expected at least one slab of 1 to 3 fields, got {len(slabs)} slabs")
@@ -160,24 +161,38 @@ def slab_table(slabs: Sequence[Sequence[torch.Tensor]], device: torch.device | s
     if any(len(shape) != 2 for shape in shapes) or sum(shape[1] for shape in shapes) > 65535 * _BLOCK:
         raise ValueError(f"slabs[0]: expected [slab_rows, words] fields, at most {65535 * _BLOCK} words a block "
                          f"(the grid's second dimension), got {[list(shape) for shape in shapes]}")
-    for s, slab in enumerate(slabs):
-        if len(slab) != len(shapes):
-            raise ValueError(f"slabs[{s}]: expected {len(shapes)} fields like slabs[0], got {len(slab)}")
-        for f, field in enumerate(slab):
-            if tuple(field.shape) != shapes[f] or field.dtype != torch.int32 or not field.is_contiguous() \
-                    or field.data_ptr() % 16:
-                raise ValueError(f"slabs[{s}][{f}]: expected contiguous 16-byte aligned int32 {list(shapes[f])}, "
-                                 f"got {field.dtype} {list(field.shape)}")
-            if field.device != device and not (field.device.type == "cpu" and device.type == "cuda"
-                                                and field.is_pinned()):
-                raise ValueError(f"slabs[{s}][{f}]: expected on {device} or pinned host memory, got {field.device}"
-                                 f"{' (pageable)' if field.device.type == 'cpu' else ''}")
-    addresses = torch.zeros((len(slabs), len(shapes)), dtype=torch.int64, device=device)
+    table = SlabTable((), torch.zeros((max(capacity, len(slabs)), len(shapes)), dtype=torch.int64, device=device),
+                      device)
+    for slab in slabs:
+        table = add_slab(table, slab, shapes)
+    return table
+
+
+def add_slab(table: SlabTable, slab: Sequence[torch.Tensor],
+             shapes: Sequence[tuple[int, ...]] | None = None) -> SlabTable:
+    """`table` with `slab` (fields shaped like the table's) after its slabs, its addresses written into the next
+    row of the same address tensor: a captured graph that reads the table's addresses stays valid (the rows it
+    reads are unchanged). ValueError when the address tensor is full or the slab does not fit the table."""
+    s = len(table.slabs)
+    shapes = shapes or [tuple(f.shape) for f in table.slabs[0]]
+    if s >= table.addresses.shape[0]:
+        raise ValueError(f"slab table: room for {table.addresses.shape[0]} slabs, all taken")
+    if len(slab) != len(shapes):
+        raise ValueError(f"slabs[{s}]: expected {len(shapes)} fields like slabs[0], got {len(slab)}")
+    device = table.device
+    for f, field in enumerate(slab):
+        if tuple(field.shape) != shapes[f] or field.dtype != torch.int32 or not field.is_contiguous() \
+                or field.data_ptr() % 16:
+            raise ValueError(f"slabs[{s}][{f}]: expected contiguous 16-byte aligned int32 {list(shapes[f])}, "
+                             f"got {field.dtype} {list(field.shape)}")
+        if field.device != device and not (field.device.type == "cpu" and device.type == "cuda"
+                                            and field.is_pinned()):
+            raise ValueError(f"slabs[{s}][{f}]: expected on {device} or pinned host memory, got {field.device}"
+                             f"{' (pageable)' if field.device.type == 'cpu' else ''}")
     if _triton_runs_on(device):
-        for s, slab in enumerate(slabs):
-            for f, field in enumerate(slab):
-                _address_kernel[(1,)](field, addresses[s, f:])
-    return SlabTable(tuple(tuple(slab) for slab in slabs), addresses, device)
+        for f, field in enumerate(slab):
+            _address_kernel[(1,)](field, table.addresses[s, f:])
+    return SlabTable((*table.slabs, tuple(slab)), table.addresses, device)
 
 
 def gather_slab_rows(table: SlabTable, slots: torch.Tensor, dsts: Sequence[torch.Tensor],

@@ -226,3 +226,22 @@ def test_row_runs_copy_what_row_copies_copy(dtype):
     copy_rows(src, src_rows, want, dst_rows)
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(fields(got), fields(want)))
     assert bool((fields(got)[0][[4, 5, 6, 9, 13]].view(torch.uint8) == 0x5A).all())  # rows not written stay
+
+
+def test_slabs_join_the_slab_table_in_place_and_only_checksum_growth_makes_graphs_stale(monkeypatch):
+    """A captured step reads the cpu tier through its slab table and per-head sums (graph key: `generation`). A new
+    slab is written into the same address table, so the key changes only when the checksum tables reallocate
+    (doubling: room for 1, 2, 4, 8, 16 slabs), not at every slab; every block put before or after reads back intact."""
+    monkeypatch.setattr(tiers.cpu, "_SLAB_BYTES", 2 * LAYOUT.fp16_bytes)  # 2 blocks a slab
+    tier = CpuTier(LAYOUT, 24 * LAYOUT.fp16_bytes, memory_reserve=0, checksums="cpu")
+    x = blocks(24, 3)
+    tier.put([0, 1], x[:2])
+    table = tier.slab_table(torch.device("cpu"))
+    generations = [tier.generation]
+    for i in range(2, 24, 2):  # one slab at a time
+        tier.put([i, i + 1], x[i: i + 2])
+        generations.append(tier.generation)
+        assert tier.slab_table(torch.device("cpu")).addresses is table.addresses
+    assert len(tier.slabs) == 12 and len(set(generations)) == 5  # sums for 1, 2, 4, 8, 16 slabs: 5 keys, not 12
+    assert torch.equal(tier.get(list(range(24))), x)
+    tier.check_integrity()

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tiers.block_checksum import block_sums_ref
-from tiers.fetch_kernel import gather_rows, gather_rows_ref, gather_slab_rows, gather_slab_rows_ref, slab_table
+from tiers.fetch_kernel import (add_slab, gather_rows, gather_rows_ref, gather_slab_rows, gather_slab_rows_ref,
+                                slab_table)
 
 CUDA = torch.cuda.is_available()
 
@@ -87,6 +88,26 @@ def test_slab_gather_without_sums_and_empty_batches():
     empty = [torch.zeros((0, w), dtype=torch.int32, device=DEVICE) for w in (9, 2)]
     sums = torch.zeros((0, 2), dtype=torch.int64, device=DEVICE)
     gather_slab_rows(table, torch.zeros(0, dtype=torch.int64, device=DEVICE), empty, sums)
+
+
+def test_a_slab_added_in_place_is_read_and_the_address_table_stays():
+    """add_slab extends a table with room: the same address tensor (a captured graph's reads stay valid), the rows
+    of earlier slabs untouched, and a gather over every slab reads the new one's rows."""
+    slabs = make_slabs(3, 4, [6, 3], seed=11)
+    table = slab_table(slabs[:1], DEVICE, capacity=3)
+    addresses, before = table.addresses, table.addresses.clone()
+    for slab in slabs[1:]:
+        table = add_slab(table, slab)
+    assert table.addresses is addresses and torch.equal(table.addresses[:1], before[:1]) and len(table.slabs) == 3
+    slots = [11, 0, 5, 8]  # rows of slabs 2, 0, 1 and 2
+    dsts = [torch.zeros((len(slots), w), dtype=torch.int32, device=DEVICE) for w in (6, 3)]
+    gather_slab_rows(table, torch.tensor(slots, device=DEVICE), dsts)
+    for f, dst in enumerate(dsts):
+        assert torch.equal(dst.cpu(), torch.stack([slabs[s // 4][f][s % 4] for s in slots]))
+    with pytest.raises(ValueError, match="room for 3 slabs"):
+        add_slab(table, slabs[0])
+    with pytest.raises(ValueError, match=r"slabs\[1\]\[0\]"):
+        add_slab(slab_table(slabs[:1], DEVICE, capacity=2), [slabs[0][0][:, :5].contiguous(), slabs[0][1]])
 
 
 def test_bad_slab_arguments_are_named():
