@@ -21,8 +21,9 @@ and rows whose tables hold no cpu block stage nothing); one paged-kernel launch 
 adds the block mass to the H2O scores; the last layer moves the counts of live rows on. None of it depends on
 which sequence sits in which row: a join or a leave writes one row's state and addresses between tokens and
 the captured graph replays as it is, whether the member holds cpu blocks or not. The graph key holds only what
-the launches depend on: R, W and the cpu tier's slab generation (the slab table and the per-head sums are
-tier-wide tensors that the tier reallocates as it grows: a graph over the old ones would read freed memory).
+the launches depend on: R, W and the cpu tier's generation (its per-head sums are a tier-wide tensor that the
+tier reallocates, doubling, as it grows: a graph over the old one would read freed memory; a new slab joins the
+slab table in place).
 
 An empty row reads and writes nothing of any sequence: kernel token count 0, count 0, its tail slot the hot
 tier's scratch row and its tables the batch's scratch table (one summary entry, as a count of 0 reads block 0
@@ -221,7 +222,7 @@ class SlotBatch:
 
     def graph_key(self) -> tuple:
         """What a captured token depends on beyond the rows' device state: R, W and the cpu tier's slab
-        generation (module docstring), in that order, so GraphedSteps drops a graph over an older slab table.
+        generation (module docstring), in that order, so GraphedSteps drops a graph over older per-head sums.
         Members, and whether they hold cpu blocks, are device state."""
         return self.num_rows, self.width, self.tiers.cpu.generation if self.can_stage else 0
 
