@@ -100,10 +100,10 @@ def test_finished_requests_return_their_blocks_between_tokens_and_at_once_when_a
     monkeypatch.setattr(Decoder, "_captures", lambda self: True)
     requests = [Request(f"r{i}", max_new_tokens=6 + 5 * i, prompt=prompt(250 + 40 * i, 30 + i), arrival_s=i)
                 for i in range(4)]
-    runs = {}
+    runs, free = {}, Decoder.free
     for background in (True, False):
         if not background:  # the reference: every finished request freed at once
-            monkeypatch.setattr(Decoder, "free", lambda self, seq, background=False: self.store.free(seq))
+            monkeypatch.setattr(Decoder, "free", lambda self, seq, background=False: free(self, seq))
         trace = [Request(r.request_id, r.max_new_tokens, list(r.prompt), arrival_s=r.arrival_s) for r in requests]
         model, clock, pending = random_llama(TINY, seed=5, vocab_size=VOCAB), Steps(), []
         with store_for(TINY, **SMALL) as store:
