@@ -44,37 +44,41 @@ def int32_words(t: torch.Tensor) -> torch.Tensor:
     return t.view(t.shape[0], -1).view(torch.int32)
 
 
+def row_runs(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) of each run of positions whose rows are consecutive on both sides, in order
+    (host int64 rows)."""
+    s, d = src_rows.numpy(), dst_rows.numpy()
+    n = len(s)
+    if n == 0:
+        return []
+    starts = np.concatenate(([0], np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1))
+    lengths = np.diff(np.concatenate((starts, [n])))
+    return list(zip(s[starts].tolist(), d[starts].tolist(), lengths.tolist()))
+
+
 def copy_rows(src: Blocks, src_rows: torch.Tensor, dst: Blocks, dst_rows: torch.Tensor) -> None:
     """dst[dst_rows] = src[src_rows] for either block format, on the host. Row copies through numpy (torch's
     5-D indexing on CPU is ~50x slower and its thread pool stalls when cores are contended): one slice copy per
     run of rows consecutive on both sides, no temporary (a fancy-indexed gather would allocate and fault in a
     batch-sized buffer first); scattered rows (runs shorter than 8 on average) go by fancy indexing."""
-    s_idx, d_idx = src_rows.numpy(), dst_rows.numpy()
-    n = len(s_idx)
-    breaks = np.flatnonzero((np.diff(s_idx) != 1) | (np.diff(d_idx) != 1)) + 1 if n > 1 else np.zeros(0, np.int64)
-    runs = None if len(breaks) + 1 > n // 8 else \
-        list(zip(np.concatenate(([0], breaks)).tolist(), np.concatenate((breaks, [n])).tolist()))
+    runs = row_runs(src_rows, dst_rows)
+    scattered = len(runs) > len(src_rows) // 8
     for d, s in zip(fields(dst), fields(src)):
         d2, s2 = byte_rows(d), byte_rows(s)
-        if runs is None:
-            d2[d_idx] = s2[s_idx]
+        if scattered:
+            d2[dst_rows.numpy()] = s2[src_rows.numpy()]
             continue
-        for lo, hi in runs:
-            d2[d_idx[lo]: d_idx[lo] + hi - lo] = s2[s_idx[lo]: s_idx[lo] + hi - lo]
+        for s0, d0, n in runs:
+            d2[d0: d0 + n] = s2[s0: s0 + n]
 
 
 def copy_row_runs(src: Blocks, src_rows: torch.Tensor, dst: Blocks, dst_rows: torch.Tensor) -> None:
     """dst[dst_rows] = src[src_rows] with one copy per run of rows consecutive on both sides, for a source on
     any device and a host destination: from a GPU into pinned rows each run is one DMA, queued (non_blocking;
     the caller synchronizes before the host reads the rows). Rows as host int64 tensors."""
-    s, d = src_rows.tolist(), dst_rows.tolist()
-    start = 0
-    for i in range(1, len(s) + 1):
-        if i < len(s) and s[i] == s[i - 1] + 1 and d[i] == d[i - 1] + 1:
-            continue
+    for s0, d0, n in row_runs(src_rows, dst_rows):
         for df, sf in zip(fields(dst), fields(src)):
-            df[d[start]: d[i - 1] + 1].copy_(sf[s[start]: s[i - 1] + 1], non_blocking=True)
-        start = i
+            df[d0: d0 + n].copy_(sf[s0: s0 + n], non_blocking=True)
 
 
 def byte_rows(t: torch.Tensor):
