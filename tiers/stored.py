@@ -91,8 +91,8 @@ def decode_as_stored(codec: Codec, layout: BlockLayout, ids: Sequence[int], valu
     starts = [sum(-(-s // _ALIGN) * _ALIGN for s in sizes[:i]) for i in range(4)]
     device = torch.device(device)
     # pinned wherever CUDA is (also for a host batch): torch caches pinned buffers, so a load's batch after batch
-    # reuses memory instead of faulting in fresh pages (~70 ms per 64 MiB), and the cpu tier's copy of the batch
-    # to the GPU for its sums is a DMA
+    # reuses memory instead of faulting in fresh pages, and the cpu tier's copy of the batch to the GPU for its
+    # sums is a DMA (BENCHMARKS.md, Save and load against the disk)
     host = torch.empty(starts[-1] + sizes[-1], dtype=torch.uint8, pin_memory=torch.cuda.is_available())
     sections = [host.numpy()[o: o + s].reshape(n, size) for o, s, n, size in zip(starts, sizes, rows, row_bytes)]
     for row, r in enumerate(fp16_at):

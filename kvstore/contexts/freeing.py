@@ -17,7 +17,7 @@ from __future__ import annotations
 from kvstore.blocks.table import DROPPED, LayerTable
 from kvstore.blocks.tierset import TierSet
 
-RELEASE_BATCH = 1024  # table entries let go of per call before a token: ~1-4 ms of host work
+RELEASE_BATCH = 1024  # table entries let go of per call before a token (BENCHMARKS.md, Serving many sequences)
 
 
 class PendingFrees:
