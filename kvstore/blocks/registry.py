@@ -32,9 +32,13 @@ class BlockRegistry:
 
     def new_ids(self, n: int, seq: int, layer: int, first_index: int) -> list[int]:
         """n new block ids, held by entries first_index, first_index + 1, ... of table (seq, layer)."""
-        ids = list(range(self._next, self._next + n))
-        self._next += n
-        self.holders.update(zip(ids, zip(repeat(seq), repeat(layer), range(first_index, first_index + n))))
+        return self.new_ids_for(list(zip(repeat(seq), repeat(layer), range(first_index, first_index + n))))
+
+    def new_ids_for(self, holders: Sequence[Holder]) -> list[int]:
+        """A new block id for each table entry of `holders`, held by it (a step's new tail in every layer)."""
+        ids = list(range(self._next, self._next + len(holders)))
+        self._next += len(holders)
+        self.holders.update(zip(ids, holders))
         return ids
 
     def holders_of(self, block_id: int) -> tuple[Holder] | frozenset[Holder]:

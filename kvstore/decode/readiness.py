@@ -7,7 +7,10 @@ with room). Blocks beyond the cpu tier (ssd, remote, saved), a dense phase over 
 rows (staging_tokens < budget) or a cpu tier checksummed on the host (xxh3) cannot be served from device
 state: `ready()` says so and callers use the eager path for that token (store.load brings saved blocks into
 the cpu tier and the GPU pools). A token that moves blocks out of the hot or warm window cools them before
-it runs (`cooling`, as store.append does); the step refuses it if that left a block it cannot serve.
+it runs (`cooling`, as store.append does); the step refuses it if that left a block it cannot serve. A step
+cools ahead, right after the previous token's launch (DecodeStep.cool_ahead): the moves queue behind that
+token on the GPU, so it reads every block where it was, while the host work overlaps it; `cooling` is then
+empty until the length or a table's device maps change.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class StepReadiness:
         self.tables, self.tiers, self.cold, self.config = tables, tiers, cold, config
         self.block_tokens = config.block_tokens
         self.capacity, self.k, self.mode = capacity, k, mode
+        self._cooled: tuple[int, int] | None = None  # (length, table moves) when cooled ahead (mark_cooled)
 
     @property
     def length(self) -> int:
@@ -69,7 +73,17 @@ class StepReadiness:
         """What the next token cools (TierSet.cool_tables): every layer's table growing by one token, when that
         moves some block out of the hot or warm window; else nothing."""
         n = self.length
-        return [(table, n, n + 1) for table in self.tables] if self._crosses_window(n) else []
+        if not self._crosses_window(n) or self._cooled == (n, self._moves()):
+            return []
+        return [(table, n, n + 1) for table in self.tables]
+
+    def mark_cooled(self) -> None:
+        """What the next token cools has just been cooled (module docstring): `cooling` is empty until the length
+        or a table's device maps change (a block moved meanwhile is weighed again)."""
+        self._cooled = (self.length, self._moves())
+
+    def _moves(self) -> int:
+        return sum(t.moves for t in self.tables)
 
     def _crosses_window(self, old: int) -> bool:
         """Whether growing from old to old + 1 tokens moves some block out of the hot or warm window."""

@@ -23,8 +23,9 @@ A batch of sequences (batch.py) runs 1-2 (`select`) and 4 (`account`) per sequen
 (or, all in Quest's topk phase, one launch each for all of them: batch_rows.py). Counts that depend only on the
 token (tokens the kernel reads, the sketch's live/protected masks) are computed once per token, in layer 0 (so a
 token's layers run in order). Host work happens between tokens and only at block boundaries: the sketch codes of
-the tail block a token filled and promotion of cpu blocks the step keeps reading (`end_token`), a new tail block
-per layer and cooling of blocks the next token pushes out of their windows (`begin_token`).
+the tail block a token filled, promotion of cpu blocks the step keeps reading and cooling of blocks the next
+token pushes out of their windows (`end_token`, while the token runs on the GPU), and a new tail block per layer
+(`begin_token`).
 Cold blocks: in the topk phase, selected cpu blocks are staged inside the step, one kv head's slice each, and
 verified on the device (cold_slices.py; `verify()` raises IntegrityError); blocks read again and again move up
 to the warm tier at block boundaries (promotion.py). Whether a token can run from device state at all, and what
@@ -200,16 +201,15 @@ class DecodeStep:
     def new_tails(self) -> list[int]:
         """At a block boundary: a new block id at the end of every layer's table (the tail from now on, so
         never chosen to cool), not yet stored anywhere: place_tails puts them into the hot tier."""
-        ids = []
-        for layer, table in enumerate(self.tables):
-            (block_id,) = self.tiers.blocks.new_ids(1, self.seq, layer, table.num_blocks)
+        ids = self.tiers.blocks.new_ids_for([(self.seq, layer, t.num_blocks) for layer, t in enumerate(self.tables)])
+        for table, block_id in zip(self.tables, ids):
             table.block_ids.append(block_id)
-            ids.append(block_id)
         return ids
 
-    def end_token(self, num_layers: int | None = None) -> None:
-        """Host bookkeeping after a token ran: lengths and stats. num_layers: it ran in the first num_layers layers
-        only (store.attend's token settled part way: eager_step.py); the others keep their length."""
+    def end_token(self, num_layers: int | None = None, cool_ahead: bool = True) -> None:
+        """Host bookkeeping after a token was launched: lengths and stats, then (cool_ahead; a batch cools its
+        sequences together) what the next token cools. num_layers: it ran in the first num_layers layers only
+        (store.attend's token settled part way: eager_step.py); the others keep their length."""
         old, ran = self.length, self.tables[:num_layers]
         whole, filled = len(ran) == len(self.tables), (old + 1) % self.block_tokens == 0
         for table in ran:
@@ -226,6 +226,16 @@ class DecodeStep:
         if filled and whole:  # cpu blocks this sequence keeps reading move up (a sync, if any)
             self.promotion.at_boundary(self.tables)
         self._synced_length = old + 1 if whole else old  # the step advanced the device count after its last layer
+        if whole and cool_ahead:
+            self.cool_ahead()
+
+    def cool_ahead(self) -> None:
+        """Cool now what the next token would cool before it runs: queued behind this token's launch, the moves
+        change nothing it reads, and their host work overlaps it on the GPU (readiness.py)."""
+        grown = self.cooling()
+        if grown:
+            self.tiers.cool_tables(grown)
+            self.readiness.mark_cooled()
 
     def bind_state(self, num_tokens: torch.Tensor, tail_slot: torch.Tensor, kernel_tokens: torch.Tensor) -> None:
         """Keep the device count [1], tail slots [L] and kernel token count [1] in these tensors from now on

@@ -96,6 +96,44 @@ def test_step_equals_append_plus_attend(tmp_path, mode, budget):
     eager.close(), stepped.close()
 
 
+def test_what_the_next_token_cools_moves_right_after_this_token(tmp_path):
+    """end_token cools what the next token pushes out of its window (queued behind the token on the GPU, its host
+    work overlapping it); the next begin_token then moves nothing, unless a block moved back meanwhile."""
+    store = make_store(tmp_path, "e")
+    seq = store.create_sequence()
+    g = torch.Generator().manual_seed(4)
+    k, v = (torch.randn(200, 2, 32, generator=g).half().to(DEVICE) for _ in range(2))
+    for layer in range(SPEC.num_layers):
+        store.append(seq, layer, k, v)
+    step = store.decode_step(seq, mode="topk", budget=128)
+    tier_of, tables = store.tiers.blocks.tier_of, [store.table(seq, layer) for layer in range(SPEC.num_layers)]
+    leaving = [t.block_ids[4] for t in tables]  # tokens [64, 80): in the 128-token hot window until 207 tokens
+    work = tokens(8, seed=5)
+
+    def decode(t: int) -> None:
+        step.begin_token()
+        for layer in range(SPEC.num_layers):
+            step.attend(layer, *work[t * SPEC.num_layers + layer])
+
+    for t in range(6):  # 200 -> 206 tokens
+        decode(t)
+        step.end_token()
+    assert {tier_of[b] for b in leaving} == {0}
+    decode(6)  # the token that makes 207 runs with them hot ...
+    assert {tier_of[b] for b in leaving} == {0}
+    step.end_token()  # ... and after it they cool, before the token that needs them warm
+    assert {tier_of[b] for b in leaving} == {1}
+    moves = [t.moves for t in tables]
+    assert step.cooling() == []
+    store.tiers.move(leaving[:1], 1, 0)  # moved back up meanwhile: the next token weighs its blocks again
+    assert len(step.cooling()) == SPEC.num_layers
+    decode(7)
+    assert {tier_of[b] for b in leaving} == {1} and [t.moves for t in tables] > moves
+    step.end_token()
+    store.check_integrity()
+    store.close()
+
+
 def test_step_hands_over_to_the_eager_path_when_blocks_go_cold(tmp_path):
     store = make_store(tmp_path, "c", gpu_bytes=200 << 10, warm_tokens=64, hot_tokens=64)
     seq = store.create_sequence()
