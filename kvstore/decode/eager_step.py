@@ -8,9 +8,10 @@ and account without a host sync (on CUDA each layer's as one graph replay: layer
 so outputs and stored bytes are the step's, bit for bit.
 
     store.append(seq, 0, k, v)      one token: k, v kept (a copy); only the room for a new block is checked
-    store.attend(seq, 0, q, ...)    the step's begin_token (host work: cooling, new tail blocks at a boundary), then
+    store.attend(seq, 0, q, ...)    the step's begin_token (host work: new tail blocks at a boundary), then
                                     its attend of layer 0, which appends k, v inside the attention launch
-    layers 1 .. L-1                 the same append + attend; the last layer's attend ends the token (end_token)
+    layers 1 .. L-1                 the same append + attend; the last layer's attend ends the token (end_token:
+                                    it cools what the next token pushes out of its windows)
 A token the step cannot serve runs through the DecodePath (eager.py), layer by layer, and stats()["attend"] counts
 it in fallback_calls by reason (step_calls: the calls the step served):
     mode          modes h2o and window, policy instances (their settings are theirs)
