@@ -41,6 +41,16 @@ def eager_path(store: KVStore, seq: int, layer: int, q: torch.Tensor, mode: str,
     return store.decode.attend(store.table(seq, layer), q, store.policies.get(mode), budget)
 
 
+def filled(store: KVStore, length: int, seed: int) -> int:
+    """A new sequence of `length` random tokens in every layer."""
+    seq = store.create_sequence()
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(length, 2, 32, generator=g).half().to(DEVICE) for _ in range(2))
+    for layer in range(SPEC.num_layers):
+        store.append(seq, layer, k, v)
+    return seq
+
+
 def twin_stores(tmp_path, length: int, seed: int, **overrides) -> tuple[KVStore, KVStore, int, int]:
     """Two stores holding the same `length` prefill tokens in every layer: (eager, stepped, their sequences)."""
     eager, stepped = make_store(tmp_path, "a", **overrides), make_store(tmp_path, "b", **overrides)
@@ -100,11 +110,7 @@ def test_what_the_next_token_cools_moves_right_after_this_token(tmp_path):
     """end_token cools what the next token pushes out of its window (queued behind the token on the GPU, its host
     work overlapping it); the next begin_token then moves nothing, unless a block moved back meanwhile."""
     store = make_store(tmp_path, "e")
-    seq = store.create_sequence()
-    g = torch.Generator().manual_seed(4)
-    k, v = (torch.randn(200, 2, 32, generator=g).half().to(DEVICE) for _ in range(2))
-    for layer in range(SPEC.num_layers):
-        store.append(seq, layer, k, v)
+    seq = filled(store, 200, seed=4)
     step = store.decode_step(seq, mode="topk", budget=128)
     tier_of, tables = store.tiers.blocks.tier_of, [store.table(seq, layer) for layer in range(SPEC.num_layers)]
     leaving = [t.block_ids[4] for t in tables]  # tokens [64, 80): in the 128-token hot window until 207 tokens
@@ -136,11 +142,7 @@ def test_what_the_next_token_cools_moves_right_after_this_token(tmp_path):
 
 def test_step_hands_over_to_the_eager_path_when_blocks_go_cold(tmp_path):
     store = make_store(tmp_path, "c", gpu_bytes=200 << 10, warm_tokens=64, hot_tokens=64)
-    seq = store.create_sequence()
-    g = torch.Generator().manual_seed(2)
-    k, v = (torch.randn(600, 2, 32, generator=g).half().to(DEVICE) for _ in range(2))
-    for layer in range(SPEC.num_layers):
-        store.append(seq, layer, k, v)
+    seq = filled(store, 600, seed=2)
     step = store.decode_step(seq, mode="topk", budget=128)
     assert not step.ready()  # 1 MiB of cpu tier: most blocks beyond the GPU pools spill to ssd, out of its reach
     with pytest.raises(ValueError, match="cold blocks"):
