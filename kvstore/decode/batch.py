@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from kvstore.decode.batch_rows import BatchRows
+from kvstore.decode.readiness import cool_ahead
 from kvstore.decode.step import DecodeStep, StepNotReady
 from kvstore.decode.step_parts import Selection, place_tails
 
@@ -62,8 +63,8 @@ class BatchStep:
 
     def end_token(self) -> None:
         for s in self.steps:
-            s.end_token(cool_ahead=False)
-        cool_ahead(self.steps)
+            s.end_token(cool=False)
+        cool_ahead([s.readiness for s in self.steps])
 
     def graph_key(self) -> tuple:
         """The membership, then each sequence's phase and staging (a change makes older graphs stale, as in
@@ -137,15 +138,6 @@ def steps_ready(steps: list[DecodeStep]) -> bool:
     gpu = tiers.hot.free_blocks() + tiers.warm.free_blocks()
     # cooling to make room may take any sequence's blocks: every one of them must serve its cpu blocks
     return gpu >= opening or (all(s.can_spill() for s in steps) and gpu + tiers.cpu.free_blocks() >= opening)
-
-
-def cool_ahead(steps: list[DecodeStep]) -> None:
-    """DecodeStep.cool_ahead for several sequences after their token's launch: one move per pair of tiers."""
-    cooling = [s for s in steps if s.cooling()]
-    if cooling:
-        steps[0].tiers.cool_tables([grown for s in cooling for grown in s.cooling()])
-        for s in cooling:
-            s.readiness.mark_cooled()
 
 
 def begin_steps(steps: list[DecodeStep]) -> tuple[str, ...]:

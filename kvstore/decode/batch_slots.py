@@ -46,7 +46,8 @@ from eviction.topk_kernel import can_select
 from kvstore.attention.append import append_tokens, append_tokens_ref
 from kvstore.blocks.table import LayerTable
 from kvstore.blocks.tierset import CPU_TIER, HOT_TIER, WARM_TIER
-from kvstore.decode.batch import begin_steps, cool_ahead, steps_ready
+from kvstore.decode.batch import begin_steps, steps_ready
+from kvstore.decode.readiness import cool_ahead
 from kvstore.decode.step import DecodeStep, StepNotReady
 from tiers.base import IntegrityError, device_ints
 from tiers.block_rows import fields, normal_device
@@ -229,9 +230,9 @@ class SlotBatch:
     def end_token(self) -> None:
         """Every member's host work after the token (at a block boundary a member verifies its cpu slices
         first: IntegrityError as `verify` raises it, once every member's work is done), then what the next
-        token cools, for all of them at once (batch.cool_ahead)."""
-        self._each_member(lambda m: m.end_token(cool_ahead=False))
-        cool_ahead([m for m in self.members if m is not None])
+        token cools, for all of them at once (readiness.cool_ahead)."""
+        self._each_member(lambda m: m.end_token(cool=False))
+        cool_ahead([m.readiness for m in self.members if m is not None])
 
     def verify(self) -> None:
         """IntegrityError naming each member (sequence and row) for which a cpu slice staged since the last call

@@ -8,12 +8,14 @@ rows (staging_tokens < budget) or a cpu tier checksummed on the host (xxh3) cann
 state: `ready()` says so and callers use the eager path for that token (store.load brings saved blocks into
 the cpu tier and the GPU pools). A token that moves blocks out of the hot or warm window cools them before
 it runs (`cooling`, as store.append does); the step refuses it if that left a block it cannot serve. A step
-cools ahead, right after the previous token's launch (DecodeStep.cool_ahead): the moves queue behind that
-token on the GPU, so it reads every block where it was, while the host work overlaps it; `cooling` is then
-empty until the length or a table's device maps change.
+cools ahead, right after the previous token's launch (`cool_ahead`, from DecodeStep.end_token): the moves queue
+behind that token on the GPU, so it reads every block where it was, while the host work overlaps it; `cooling`
+is then empty until the length or a table's device maps change.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 from kvstore.blocks.table import LayerTable
 from kvstore.blocks.tierset import TierSet
@@ -89,3 +91,13 @@ class StepReadiness:
         """Whether growing from old to old + 1 tokens moves some block out of the hot or warm window."""
         c, b = self.config, self.block_tokens
         return any((old + 1 - w) // b != (old - w) // b for w in (c.hot_tokens, c.hot_tokens + c.warm_tokens))
+
+
+def cool_ahead(steps: Sequence[StepReadiness]) -> None:
+    """Cool now what the next token of each sequence would cool before it runs (module docstring), in one move per
+    pair of tiers for all of them (the sequences of a batch)."""
+    cooling = [r for r in steps if r.cooling()]
+    if cooling:
+        cooling[0].tiers.cool_tables([grown for r in cooling for grown in r.cooling()])
+        for r in cooling:
+            r.mark_cooled()

@@ -46,7 +46,7 @@ from kvstore.blocks.tierset import HOT_TIER, WARM_TIER
 from kvstore.decode.cold_slices import StepColdBlocks
 from kvstore.decode.dense_tables import StepPartitions, dense_bucket
 from kvstore.decode.promotion import StepPromotion
-from kvstore.decode.readiness import StepReadiness
+from kvstore.decode.readiness import StepReadiness, cool_ahead
 from kvstore.decode.step_parts import Selection, StepParts, place_tails, topk_blocks
 from kvstore.decode.step_select import StepSelect
 from tiers.base import device_ints
@@ -206,10 +206,11 @@ class DecodeStep:
             table.block_ids.append(block_id)
         return ids
 
-    def end_token(self, num_layers: int | None = None, cool_ahead: bool = True) -> None:
-        """Host bookkeeping after a token was launched: lengths and stats, then (cool_ahead; a batch cools its
-        sequences together) what the next token cools. num_layers: it ran in the first num_layers layers only
-        (store.attend's token settled part way: eager_step.py); the others keep their length."""
+    def end_token(self, num_layers: int | None = None, cool: bool = True) -> None:
+        """Host bookkeeping after a token was launched: lengths and stats, then (cool; a batch cools its sequences
+        together) what the next token cools, while this one runs on the GPU (readiness.cool_ahead). num_layers: it
+        ran in the first num_layers layers only (store.attend's token settled part way: eager_step.py); the others
+        keep their length."""
         old, ran = self.length, self.tables[:num_layers]
         whole, filled = len(ran) == len(self.tables), (old + 1) % self.block_tokens == 0
         for table in ran:
@@ -226,16 +227,8 @@ class DecodeStep:
         if filled and whole:  # cpu blocks this sequence keeps reading move up (a sync, if any)
             self.promotion.at_boundary(self.tables)
         self._synced_length = old + 1 if whole else old  # the step advanced the device count after its last layer
-        if whole and cool_ahead:
-            self.cool_ahead()
-
-    def cool_ahead(self) -> None:
-        """Cool now what the next token would cool before it runs: queued behind this token's launch, the moves
-        change nothing it reads, and their host work overlaps it on the GPU (readiness.py)."""
-        grown = self.cooling()
-        if grown:
-            self.tiers.cool_tables(grown)
-            self.readiness.mark_cooled()
+        if whole and cool:
+            cool_ahead([self.readiness])
 
     def bind_state(self, num_tokens: torch.Tensor, tail_slot: torch.Tensor, kernel_tokens: torch.Tensor) -> None:
         """Keep the device count [1], tail slots [L] and kernel token count [1] in these tensors from now on
