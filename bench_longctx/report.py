@@ -132,15 +132,23 @@ def e2e_table(r: dict) -> str:
         md_table(["memory", "blocks", "GiB", "capacity GiB"], tiers + extra), *[f"- {n}" for n in r["notes"]]])
 
 
+def _boundary_steps(x: dict) -> str | None:
+    """Steady steps' p50 where a sequence opens new tail blocks / elsewhere (serve_bench.run_trace)."""
+    steps = x.get("steady_step_ms")
+    if not steps or not steps["opening_tails"]["steps"]:
+        return None
+    return f"{steps['opening_tails']['p50']:.3g} / {steps['other']['p50']:.3g}"
+
+
 def serve_table(r: dict) -> str:
     head = ["store", "warm format", "mode", "requests", "tokens/s", "steady tokens/s", "TPOT p50 ms", "TPOT p99 ms",
-            "steady TPOT p99 ms", "captures", "queue mean s", "preemptions", "most running", "longest GC ms",
+            "steady TPOT p99 ms", "boundary / other step p50 ms", "captures", "queue mean s", "preemptions", "most running", "longest GC ms",
             "appends verified"]
     def row(name: str, x: dict) -> list:
         if "error" in x:
             return [name, f"failed: {x['error'][:160]}"] + [None] * (len(head) - 2)
         return [name, x.get("warm_format", "int8"), x["mode"], x["requests"], x["tokens_per_s"], x["steady_tokens_per_s"], x["tpot_ms_p50"],
-                x["tpot_ms_p99"], x["steady_tpot_ms_p99"], x["graph_captures"], x["queue_s_mean"], x["preemptions"],
+                x["tpot_ms_p99"], x["steady_tpot_ms_p99"], _boundary_steps(x), x["graph_captures"], x["queue_s_mean"], x["preemptions"],
                 x["most_running"], 1e3 * x["gc"]["longest_s"] if "gc" in x else None, x["appended_verified"]]
     parts = [f"Continuous batching, {r['geometry']} geometry ({r['layers']} layers, random weights), "
              f"{r['requests']} requests of contexts {[fmt(c) for c in r['contexts']]}, {r['output_tokens']} output "

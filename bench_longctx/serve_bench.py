@@ -16,7 +16,8 @@ not in its numbers. Each reports aggregate output tokens/s over the run (fills e
 token p50 / p99, and the same over steady steps (neither a fill nor a CUDA graph capture in them: kvtier's
 topk requests decode in rows that they join and leave without a capture, a new row or width bucket captures
 once, as engines capture at start-up; dense batches capture per membership), queueing, preemptions, graph
-captures, the most requests running at once, blocks per tier at that peak, the cpu tier's reads (head slices the
+captures, steady steps' time where a running sequence opens new tail blocks (a block boundary) and elsewhere,
+the most requests running at once, blocks per tier at that peak, the cpu tier's reads (head slices the
 captured steps staged, in all and per output token; blocks fetched eagerly; blocks promoted to the warm tier
 and warm blocks swapped down for them: serve.promotions_per_boundary, 0 for none) and the fraction of each
 request's appended K/V found intact, and the garbage collections during the run (the heap frozen before it, as a
@@ -148,11 +149,13 @@ def run_trace(kind: str, model, p: ServePreset, requests: list[Request], device:
         scheduler = Scheduler(decoder, mode, p.budget, p.max_batch, fill=fill, on_finish=check)
         for r in requests:
             scheduler.submit(r)
-        most, peak_tiers, admit_steps, step_s, step_end, step_tokens = 0, None, set(), [], [], []
+        most, peak_tiers, admit_steps, step_s, step_end, step_tokens, opening = 0, None, set(), [], [], [], []
         admitted = lambda: sum(r.admitted_s is not None for r in requests) + scheduler.preemptions  # noqa: E731
         collections.start()
         began = time.perf_counter()
         while scheduler.pending:
+            # whether a running sequence opens new tail blocks in this step (a block boundary)
+            opening.append(any(decoder.length(r.seq) % p.block_tokens == 0 for r in scheduler.running))
             before, captured, t0 = admitted(), decoder.graph_decoders.captures, time.perf_counter()
             produced = scheduler.step()
             step_s.append(time.perf_counter() - t0)
@@ -178,6 +181,8 @@ def run_trace(kind: str, model, p: ServePreset, requests: list[Request], device:
     tokens = sum(len(r.output) for r in done)
     gaps = [b - a for r in done for a, b in zip(r.token_s, r.token_s[1:])]
     steady = [s for i, s in enumerate(step_s) if i not in admit_steps]
+    by_kind = {kind: [s for i, s in enumerate(step_s) if i not in admit_steps and opening[i] == at]
+               for kind, at in (("opening_tails", True), ("other", False))}
     # steady: output tokens of steps with neither a fill nor a capture, over those steps' time
     unsteady_ends = [step_end[i] for i in admit_steps]
     steady_gaps = [b - a for r in done for a, b in zip(r.token_s, r.token_s[1:])
@@ -192,6 +197,8 @@ def run_trace(kind: str, model, p: ServePreset, requests: list[Request], device:
             "steady_tokens_per_s": sum(n for i, n in enumerate(step_tokens) if i not in admit_steps)
             / max(sum(steady), 1e-9), "graph_captures": captures, "steps": len(step_s),
             "steps_with_fill_or_capture": len(admit_steps),
+            "steady_step_ms": {kind: {"steps": len(x), "p50": 1e3 * (percentile(x, 50) or 0), "max": 1e3 * max(x, default=0)}
+                               for kind, x in by_kind.items()},
             "queue_s_mean": statistics.mean(r.admitted_s - r.arrival_s for r in done),
             "queue_s_max": max(r.admitted_s - r.arrival_s for r in done), "preemptions": preemptions,
             "most_running": most, "peak_blocks_per_tier": peak_tiers,

@@ -4,7 +4,6 @@ eager one, the needle construction, the skip paths, and bad input."""
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -113,6 +112,9 @@ def test_serve_trace_finishes_every_request_on_every_store():
     for run in runs.values():
         assert "error" not in run, run
         assert run["requests"] == 4 and run["output_tokens"] == 16 and run["appended_verified"] == "4/4"
+        split = run["steady_step_ms"]  # steady steps, split by whether a sequence opened new tail blocks in them
+        assert split["opening_tails"]["steps"] + split["other"]["steps"] == run["steps"] - run["steps_with_fill_or_capture"]
+        assert all(x["max"] >= x["p50"] >= 0 for x in split.values())
 
 
 def test_the_warm_format_setting_reaches_the_stores():
