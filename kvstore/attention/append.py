@@ -14,7 +14,7 @@ BENCHMARKS.md, Decode step); the split walk runs `append_token` first.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 import triton
@@ -63,11 +63,12 @@ def _append_rows_kernel(pool_ptr, sum_addrs, like_sum, k_ptr, v_ptr, tail_slot_p
 
 
 @triton.jit
-def _open_tails_kernel(sum_addrs, like_sum, h2o_addrs, like_h2o, h2o_strides, index, s_sum_blk, s_sum_kind,
+def _open_tails_kernel(sum_addrs, like_sum, h2o_addrs, like_h2o, h2o_strides, index_ptr, s_sum_blk, s_sum_kind,
                        num_heads, head_elems, BLOCK: tl.constexpr, HEADS: tl.constexpr):
-    """Program per layer: the tail entry `index` of that layer's table opened (summary min +inf, max -inf,
-    H2O scores 0 for every head)."""
+    """Program per table: its tail entry index_ptr[table] opened (summary min +inf, max -inf, H2O scores 0 for
+    every head)."""
     layer = tl.program_id(0)
+    index = tl.load(index_ptr + layer)
     summary = tl.load(sum_addrs + layer).to(like_sum.dtype) + index * s_sum_blk
     offs = tl.arange(0, BLOCK)
     tl.store(summary + offs, tl.full((BLOCK,), float("inf"), tl.float32), mask=offs < head_elems)
@@ -142,26 +143,28 @@ def append_tokens_ref(pool: torch.Tensor, summaries: list[torch.Tensor], k: torc
 
 
 def open_tails(summaries: list[torch.Tensor], h2o_scores: list[torch.Tensor], addresses: tuple[torch.Tensor, ...],
-               index: int) -> None:
-    """Open entry `index` of every layer's table in one launch: summaries[l][index] min +inf, max -inf (fp16
-    [N, 2, H, D]; the step's append widens them), h2o_scores[l][:, index] = 0 (fp32 [H, N]). addresses:
-    int64 [L] of the summaries' and H2O scores' addresses and the H2O row strides."""
+               indices: torch.Tensor, checked: Sequence[int]) -> None:
+    """Open entry indices[i] of table i in one launch (the layers of a sequence, of a batch's sequences):
+    summaries[i][indices[i]] min +inf, max -inf (fp16 [N, 2, H, D]; the step's append widens them),
+    h2o_scores[i][:, indices[i]] = 0 (fp32 [H, N]). addresses: int64 [n] of the summaries' and H2O scores'
+    addresses and the H2O row strides; indices: int64 [n] on the device, `checked` the same on the host (the
+    bounds are checked there)."""
     first, h2o = summaries[0], h2o_scores[0]
     _, _, heads, dim = first.shape
-    if first.stride(2) != dim or first.stride(3) != 1 or h2o.dtype != torch.float32 or \
-            not all(index < min(s.shape[0], h.shape[1]) for s, h in zip(summaries, h2o_scores)):
+    if first.stride(2) != dim or first.stride(3) != 1 or h2o.dtype != torch.float32 or len(checked) != len(summaries) \
+            or not all(0 <= i < min(s.shape[0], h.shape[1]) for s, h, i in zip(summaries, h2o_scores, checked)):
         raise ValueError(f"open_tails: summaries [N, 2, H, D] contiguous in H, D and fp32 H2O scores holding "
-                         f"entry {index} expected")
+                         f"entries {list(checked)[:8]} expected")
     sum_addrs, h2o_addrs, h2o_strides = addresses
-    _open_tails_kernel[(len(summaries),)](sum_addrs, first, h2o_addrs, h2o, h2o_strides, index, first.stride(0),
+    _open_tails_kernel[(len(summaries),)](sum_addrs, first, h2o_addrs, h2o, h2o_strides, indices, first.stride(0),
                                           first.stride(1), heads, heads * dim,
                                           BLOCK=triton.next_power_of_2(heads * dim),
                                           HEADS=triton.next_power_of_2(heads), num_warps=4)
 
 
-def open_tails_ref(summaries: list[torch.Tensor], h2o_scores: list[torch.Tensor], index: int) -> None:
-    """`open_tails` in torch, layer by layer."""
-    for s, h in zip(summaries, h2o_scores):
+def open_tails_ref(summaries: list[torch.Tensor], h2o_scores: list[torch.Tensor], indices: Sequence[int]) -> None:
+    """`open_tails` in torch, table by table."""
+    for s, h, index in zip(summaries, h2o_scores, indices, strict=True):
         s[index, 0] = float("inf")
         s[index, 1] = float("-inf")
         h[:, index] = 0.0

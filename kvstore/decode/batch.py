@@ -23,7 +23,7 @@ import torch
 from kvstore.decode.batch_rows import BatchRows
 from kvstore.decode.readiness import cool_ahead
 from kvstore.decode.step import DecodeStep, StepNotReady
-from kvstore.decode.step_parts import Selection, place_tails
+from kvstore.decode.step_parts import Selection, open_tail_entries, place_tails
 
 
 class BatchStep:
@@ -161,6 +161,7 @@ def begin_steps(steps: list[DecodeStep]) -> tuple[str, ...]:
         tiers.check_room(sum(len(s.tables) for s in opening))
         place_tails(tiers, [i for s in opening for i in s.new_tails()], first.spec, first.block_tokens,
                     first.device)
+        open_tail_entries(opening)
     phases = tuple(s.open_token(placed=True) for s in steps)
     for s in steps:  # a later sequence's new tails may have cooled an earlier one's blocks into cpu
         s.note_cold()

@@ -40,14 +40,14 @@ import torch
 from eviction import Policy
 from eviction.certify import omitted_mass_bounds
 from eviction.sketch_topk import SketchTopK
-from kvstore.attention.append import NewToken, append_token, append_token_ref, open_tails, open_tails_ref
+from kvstore.attention.append import NewToken, append_token, append_token_ref
 from kvstore.blocks.table import DROPPED, LayerTable
 from kvstore.blocks.tierset import HOT_TIER, WARM_TIER
 from kvstore.decode.cold_slices import StepColdBlocks
 from kvstore.decode.dense_tables import StepPartitions, dense_bucket
 from kvstore.decode.promotion import StepPromotion
 from kvstore.decode.readiness import StepReadiness, cool_ahead
-from kvstore.decode.step_parts import Selection, StepParts, place_tails, topk_blocks
+from kvstore.decode.step_parts import Selection, StepParts, open_tail_entries, place_tails, topk_blocks
 from kvstore.decode.step_select import StepSelect
 from tiers.base import device_ints
 
@@ -81,7 +81,7 @@ class DecodeStep:
         self.capacity = -(-capacity_tokens // b)  # blocks every table is preallocated for
         for t in self.tables:
             self.tensors.reserve(t, self.capacity, exact=True)  # fixed addresses from here on: what a graph needs
-        self._table_addresses = tuple(  # int64 [L] each: summaries, H2O scores, H2O row strides (open_tails)
+        self.table_addresses = tuple(  # int64 [L] each: summaries, H2O scores, H2O row strides (open_tails)
             device_ints(v, dev) for v in ([t.summaries.data_ptr() for t in tables],
                                           [t.h2o_scores.data_ptr() for t in tables],
                                           [t.h2o_scores.stride(0) for t in tables]))
@@ -176,18 +176,14 @@ class DecodeStep:
 
     def open_token(self, placed: bool = False) -> str:
         """The second half: at a block boundary, open the next tail block in every layer (the caller checked
-        the GPU pools have room: ready()). placed: the caller has added them (new_tails) and put them into the
-        hot tier already, a batch's in one call. Returns the token's phase."""
+        the GPU pools have room: ready()). placed: the caller has added them (new_tails), put them into the
+        hot tier and opened their entries already (open_tail_entries), a batch's in one call. Returns the
+        token's phase."""
         if self.at_boundary():
             if not placed:
                 self.tiers.check_room(len(self.tables))
                 place_tails(self.tiers, self.new_tails(), self.spec, self.block_tokens, self.device)
-            summaries, h2o = [t.summaries for t in self.tables], [t.h2o_scores for t in self.tables]
-            index = self.tables[0].num_blocks - 1  # min/max of no keys (the step widens them), no H2O mass yet
-            if self.device.type == "cuda":  # one launch for every layer
-                open_tails(summaries, h2o, self._table_addresses, index)
-            else:
-                open_tails_ref(summaries, h2o, index)
+                open_tail_entries([self])  # min/max of no keys (the step widens them), no H2O mass yet
             self._sync_tail_slots()
         self.note_cold()
         self.partitions.update(self.tables, self.dense_blocks, self.length + 1, self.phase == "dense" and

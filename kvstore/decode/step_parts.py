@@ -1,19 +1,20 @@
 """What a DecodeStep is built from and hands on: its parts from the store (StepParts), one layer's selection
-(Selection, from DecodeStep.select to the attention launch and DecodeStep.account), and the placement of new
-tail blocks (place_tails: a step's, or a batch's in one call)."""
+(Selection, from DecodeStep.select to the attention launch and DecodeStep.account), and new tail blocks: their
+placement (place_tails) and their table entries opened (open_tail_entries), a step's or a batch's in one call."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, Sequence
 
 import torch
 
-from kvstore.attention.append import NewToken
-from kvstore.blocks.table import TableTensors
+from kvstore.attention.append import NewToken, open_tails, open_tails_ref
+from kvstore.blocks.table import LayerTable, TableTensors
 from kvstore.blocks.tierset import HOT_TIER, TierSet
 from kvstore.config import Config, ModelSpec
 from kvstore.decode.eager import DecodePath
+from tiers.base import device_ints
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,27 @@ def place_tails(tiers: TierSet, ids: list[int], spec: ModelSpec, block_tokens: i
     empty = torch.zeros((len(ids), 2, spec.num_kv_heads, block_tokens, spec.head_dim), dtype=torch.float16,
                         device=device)
     tiers.place(ids, empty, HOT_TIER, coldest=HOT_TIER)  # a tail lives in the hot tier, or CapacityError
+
+
+class HasTails(Protocol):
+    """A DecodeStep, as open_tail_entries sees it."""
+    tables: list[LayerTable]
+    table_addresses: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    device: torch.device
+
+
+def open_tail_entries(steps: Sequence[HasTails], kernel: bool | None = None) -> None:
+    """The last entry of every layer's table of each step (its new tail) opened: summary min +inf, max -inf (the
+    step's append widens them), H2O scores 0. kernel (default: on CUDA): one launch for all of them."""
+    tables = [t for s in steps for t in s.tables]
+    summaries, h2o, indices = [t.summaries for t in tables], [t.h2o_scores for t in tables], \
+        [t.num_blocks - 1 for t in tables]
+    if not (steps[0].device.type == "cuda" if kernel is None else kernel):
+        open_tails_ref(summaries, h2o, indices)
+        return
+    addresses = steps[0].table_addresses if len(steps) == 1 else \
+        tuple(torch.cat(parts) for parts in zip(*(s.table_addresses for s in steps)))
+    open_tails(summaries, h2o, addresses, device_ints(indices, steps[0].device), indices)
 
 
 def topk_blocks(budget: int, block_tokens: int, sink_blocks: int, recent_tokens: int) -> int:

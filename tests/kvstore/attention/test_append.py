@@ -50,19 +50,23 @@ def test_batch_append_matches_reference():
 
 
 def test_open_tails_matches_reference():
+    """One launch opens an entry of each table: the layers of two sequences, tables of different capacities, each
+    at its own entry (a batch's new tails)."""
     g = torch.Generator().manual_seed(8)
-    capacities = [5, 9, 5]  # one entry per layer, tables of different capacities
+    capacities, entries = [5, 9, 5, 12, 7], [4, 4, 4, 11, 0]
     summaries = [torch.randn((n, 2, 3, 16), generator=g).half().to(DEVICE) for n in capacities]
     h2o = [torch.rand((3, n), generator=g).to(DEVICE) for n in capacities]
     want_s, want_h = [s.clone() for s in summaries], [h.clone() for h in h2o]
     addresses = tuple(torch.tensor(v, dtype=torch.int64, device=DEVICE) for v in
                       ([s.data_ptr() for s in summaries], [h.data_ptr() for h in h2o], [h.stride(0) for h in h2o]))
-    open_tails(summaries, h2o, addresses, 4)
-    open_tails_ref(want_s, want_h, 4)
+    indices = torch.tensor(entries, dtype=torch.int64, device=DEVICE)
+    open_tails(summaries, h2o, addresses, indices, entries)
+    open_tails_ref(want_s, want_h, entries)
     assert all(torch.equal(a, b) for a, b in zip(summaries + h2o, want_s + want_h))
-    assert (summaries[1][4, 0] == float("inf")).all() and not h2o[2][:, 4].any() and h2o[2][:, 3].all()
-    with pytest.raises(ValueError, match="holding entry 5"):
-        open_tails(summaries, h2o, addresses, 5)
+    assert (summaries[1][4, 0] == float("inf")).all() and (summaries[3][11, 1] == float("-inf")).all()
+    assert not h2o[2][:, 4].any() and h2o[2][:, 3].all() and not h2o[4][:, 0].any() and h2o[4][:, 1].all()
+    with pytest.raises(ValueError, match="holding entries"):
+        open_tails(summaries, h2o, addresses, indices, [4, 4, 5, 11, 0])
 
 
 def test_append_checks_its_inputs():

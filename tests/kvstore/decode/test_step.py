@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvstore import Config, KVStore, ModelSpec
+from kvstore.attention.append import open_tails_ref
 from kvstore.decode.step import StepNotReady
 from tiers.errors import IntegrityError
 
@@ -137,6 +138,28 @@ def test_what_the_next_token_cools_moves_right_after_this_token(tmp_path):
     assert {tier_of[b] for b in leaving} == {1} and [t.moves for t in tables] > moves
     step.end_token()
     store.check_integrity()
+    store.close()
+
+
+def test_a_batch_opens_its_sequences_new_tails_in_one_launch(tmp_path):
+    """open_tail_entries over two sequences of different lengths (each table's new tail at its own entry): the
+    kernel's one launch, run by the interpreter off CUDA, opens what the reference opens, and nothing else."""
+    from kvstore.decode.step_parts import open_tail_entries
+
+    store = make_store(tmp_path, "f")
+    steps = [store.decode_step(filled(store, n, seed=n), mode="topk", budget=128) for n in (96, 160)]
+    for step in steps:
+        for t in step.tables:
+            t.h2o_scores.uniform_(1, 2)
+    want = [[(t.summaries.clone(), t.h2o_scores.clone()) for t in s.tables] for s in steps]
+    for s, tables in zip(steps, want):
+        open_tails_ref([w[0] for w in tables], [w[1] for w in tables], [t.num_blocks - 1 for t in s.tables])
+    open_tail_entries(steps, kernel=True)
+    for s, tables in zip(steps, want):
+        for t, (summaries, h2o) in zip(s.tables, tables):
+            for got, expected in ((t.summaries, summaries), (t.h2o_scores, h2o)):  # capacity past the table: as left
+                torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+    assert not steps[1].tables[0].h2o_scores[:, 9].any() and steps[1].tables[0].h2o_scores[:, 8].all()
     store.close()
 
 
