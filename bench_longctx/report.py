@@ -142,14 +142,14 @@ def _boundary_steps(x: dict) -> str | None:
 
 def serve_table(r: dict) -> str:
     head = ["store", "warm format", "mode", "requests", "tokens/s", "steady tokens/s", "TPOT p50 ms", "TPOT p99 ms",
-            "steady TPOT p99 ms", "boundary / other step p50 ms", "captures", "queue mean s", "preemptions", "most running", "longest GC ms",
-            "appends verified"]
+            "steady TPOT p99 ms", "boundary / other step p50 ms", "captures", "queue mean s", "preemptions",
+            "most running", "longest GC ms", "appends verified"]
     def row(name: str, x: dict) -> list:
         if "error" in x:
             return [name, f"failed: {x['error'][:160]}"] + [None] * (len(head) - 2)
         return [name, x.get("warm_format", "int8"), x["mode"], x["requests"], x["tokens_per_s"], x["steady_tokens_per_s"], x["tpot_ms_p50"],
-                x["tpot_ms_p99"], x["steady_tpot_ms_p99"], _boundary_steps(x), x["graph_captures"], x["queue_s_mean"], x["preemptions"],
-                x["most_running"], 1e3 * x["gc"]["longest_s"] if "gc" in x else None, x["appended_verified"]]
+                x["tpot_ms_p99"], x["steady_tpot_ms_p99"], _boundary_steps(x), x["graph_captures"], x["queue_s_mean"],
+                x["preemptions"], x["most_running"], 1e3 * x["gc"]["longest_s"] if "gc" in x else None, x["appended_verified"]]
     parts = [f"Continuous batching, {r['geometry']} geometry ({r['layers']} layers, random weights), "
              f"{r['requests']} requests of contexts {[fmt(c) for c in r['contexts']]}, {r['output_tokens']} output "
              f"tokens each, arrival rate {r['arrival_rate'] or 'all at once'}, budget {r['budget']}",

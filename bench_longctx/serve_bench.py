@@ -197,8 +197,8 @@ def run_trace(kind: str, model, p: ServePreset, requests: list[Request], device:
             "steady_tokens_per_s": sum(n for i, n in enumerate(step_tokens) if i not in admit_steps)
             / max(sum(steady), 1e-9), "graph_captures": captures, "steps": len(step_s),
             "steps_with_fill_or_capture": len(admit_steps),
-            "steady_step_ms": {kind: {"steps": len(x), "p50": 1e3 * (percentile(x, 50) or 0), "max": 1e3 * max(x, default=0)}
-                               for kind, x in by_kind.items()},
+            "steady_step_ms": {kind: {"steps": len(x), "p50": 1e3 * (percentile(x, 50) or 0),
+                                      "max": 1e3 * max(x, default=0)} for kind, x in by_kind.items()},
             "queue_s_mean": statistics.mean(r.admitted_s - r.arrival_s for r in done),
             "queue_s_max": max(r.admitted_s - r.arrival_s for r in done), "preemptions": preemptions,
             "most_running": most, "peak_blocks_per_tier": peak_tiers,

@@ -67,15 +67,15 @@ def _open_tails_kernel(sum_addrs, like_sum, h2o_addrs, like_h2o, h2o_strides, in
                        num_heads, head_elems, BLOCK: tl.constexpr, HEADS: tl.constexpr):
     """Program per table: its tail entry index_ptr[table] opened (summary min +inf, max -inf, H2O scores 0 for
     every head)."""
-    layer = tl.program_id(0)
-    index = tl.load(index_ptr + layer)
-    summary = tl.load(sum_addrs + layer).to(like_sum.dtype) + index * s_sum_blk
+    table = tl.program_id(0)
+    index = tl.load(index_ptr + table)
+    summary = tl.load(sum_addrs + table).to(like_sum.dtype) + index * s_sum_blk
     offs = tl.arange(0, BLOCK)
     tl.store(summary + offs, tl.full((BLOCK,), float("inf"), tl.float32), mask=offs < head_elems)
     tl.store(summary + s_sum_kind + offs, tl.full((BLOCK,), float("-inf"), tl.float32), mask=offs < head_elems)
-    h2o = tl.load(h2o_addrs + layer).to(like_h2o.dtype)
+    h2o = tl.load(h2o_addrs + table).to(like_h2o.dtype)
     heads = tl.arange(0, HEADS)
-    tl.store(h2o + heads * tl.load(h2o_strides + layer) + index, tl.zeros((HEADS,), tl.float32),
+    tl.store(h2o + heads * tl.load(h2o_strides + table) + index, tl.zeros((HEADS,), tl.float32),
              mask=heads < num_heads)
 
 

@@ -113,7 +113,8 @@ def test_serve_trace_finishes_every_request_on_every_store():
         assert "error" not in run, run
         assert run["requests"] == 4 and run["output_tokens"] == 16 and run["appended_verified"] == "4/4"
         split = run["steady_step_ms"]  # steady steps, split by whether a sequence opened new tail blocks in them
-        assert split["opening_tails"]["steps"] + split["other"]["steps"] == run["steps"] - run["steps_with_fill_or_capture"]
+        steady = run["steps"] - run["steps_with_fill_or_capture"]
+        assert split["opening_tails"]["steps"] + split["other"]["steps"] == steady
         assert all(x["max"] >= x["p50"] >= 0 for x in split.values())
 
 
