@@ -9,6 +9,8 @@ sinks and the recent window are protected, cooled only when nothing else is left
 
 from __future__ import annotations
 
+import torch
+
 from eviction.h2o import H2O
 from kvstore.blocks.holders import Holders
 from kvstore.blocks.placement import Placement
@@ -28,11 +30,22 @@ class Demotion:
                                             self.is_protected)
         if len(candidates) <= n:
             return candidates
-        return sorted(candidates, key=self.worth)[:n]
+        worth = self.worths(candidates)
+        return [candidates[i] for i in sorted(range(len(candidates)), key=worth.__getitem__)[:n]]
 
-    def worth(self, block_id: int) -> float:
-        return max(float(self.ranking.block_worth(table.h2o_scores[:, index: index + 1])[0])
-                   for table, index in self.holders.tables_of(block_id))
+    def worths(self, ids: list[int]) -> list[float]:
+        """Each block's H2O worth, the most its holders give it: every holder's scores gathered into one
+        [kv_heads, M] tensor and read back once (one host sync for all, not one per block)."""
+        columns, owner = [], []
+        for i, block_id in enumerate(ids):
+            for table, index in self.holders.tables_of(block_id):
+                columns.append(table.h2o_scores[:, index])
+                owner.append(i)
+        out = [float("-inf")] * len(ids)
+        if columns:
+            for i, value in zip(owner, self.ranking.block_worth(torch.stack(columns, dim=1)).tolist()):
+                out[i] = max(out[i], value)
+        return out
 
     def is_pinned(self, block_id: int) -> bool:
         """Tail blocks are written in place, so they never leave the hot tier; moving blocks stay put."""
