@@ -96,8 +96,8 @@ class StepReadiness:
 def cool_ahead(steps: Sequence[StepReadiness]) -> None:
     """Cool now what the next token of each sequence would cool before it runs (module docstring), in one move per
     pair of tiers for all of them (the sequences of a batch)."""
-    cooling = [r for r in steps if r.cooling()]
+    cooling = [(r, grown) for r in steps if (grown := r.cooling())]
     if cooling:
-        cooling[0].tiers.cool_tables([grown for r in cooling for grown in r.cooling()])
-        for r in cooling:
+        cooling[0][0].tiers.cool_tables([g for _, grown in cooling for g in grown])
+        for r, _ in cooling:
             r.mark_cooled()
