@@ -6,7 +6,8 @@ the background load (kvstore/contexts/background_load.py), batch after batch, an
 (kvstore/decode/eager.py), which reads the blocks a token selected from the save and keeps a block once it reads
 it the second time (KEEP_AFTER), so later tokens, whose selections mostly overlap, read only what is new and the
 sequence reaches the captured step (every block on the GPU or in the cpu tier) sooner.
-All of them put blocks as they were read, in their stored format, into free room only: no block cools to make
+All of them put blocks as they were read, in their stored format (a quantized one into the warm tier, not the hot
+one: TierSet.home_tier), into free room only: no block cools to make
 room, and a block that does not fit stays saved (read again when selected; store.load moves it once there is
 room). A block that left the save meanwhile is skipped.
 """
@@ -21,6 +22,7 @@ from kvstore.blocks.table import LayerTable
 from kvstore.blocks.tierset import CPU_TIER, SAVED_TIER, TierSet
 from tiers.errors import CapacityError
 from tiers.layout import Blocks, QuantBlocks
+from tiers.stored import StoredBlocks
 
 LOAD_BATCH = 2048  # blocks a load_saved move reads at once (128 MiB of llama3-8b int8 blocks at 32 tokens)
 # Reads of a saved block before the eager path keeps it. Keeping costs a copy into the tier; a block read once may
@@ -29,15 +31,20 @@ LOAD_BATCH = 2048  # blocks a load_saved move reads at once (128 MiB of llama3-8
 KEEP_AFTER = 2
 
 
-def keep_read(tiers: TierSet, table: LayerTable, indices: Sequence[int], ids: Sequence[int], blocks: Blocks) -> int:
-    """Blocks `blocks` (one format, any device), read from the saved tier for entries `indices` (block `ids`) of
-    `table`: those still saved go into the tier of their position now (hot or warm window, else cpu) as far as it
-    has free room; where a window's GPU tier has none, into the cpu tier, as cooling would. Returns how many moved."""
+def keep_read(tiers: TierSet, table: LayerTable, indices: Sequence[int], ids: Sequence[int],
+              blocks: Blocks | StoredBlocks) -> int:
+    """Blocks `blocks` (any device; StoredBlocks: each format on its own), read from the saved tier for entries
+    `indices` (block `ids`) of `table`: those still saved go into the tier of their position now (hot or warm
+    window, else cpu; a block in the warm format no higher than warm: TierSet.home_tier) as far as it has free
+    room; where a window's GPU tier has none, into the cpu tier, as cooling would. Returns how many moved."""
+    if isinstance(blocks, StoredBlocks):
+        return sum(keep_read(tiers, table, [indices[a] for a in at], [ids[a] for a in at], part)
+                   for at, part in ((blocks.quant_at, blocks.quant), (blocks.fp16_at, blocks.fp16)) if at)
     tier_of, num_tokens = tiers.blocks.tier_of, table.num_tokens
     wanted: dict[int, list[int]] = {}  # tier -> rows of `blocks`
     for row, (index, block_id) in enumerate(zip(indices, ids)):
         if tier_of.get(block_id) == SAVED_TIER:
-            wanted.setdefault(tiers.first_tier(index, num_tokens), []).append(row)
+            wanted.setdefault(tiers.home_tier(blocks, tiers.first_tier(index, num_tokens)), []).append(row)
     moved = 0
     for dst, rows in sorted(wanted.items()):
         for tier in dict.fromkeys((dst, CPU_TIER)):

@@ -29,6 +29,7 @@ from tiers.base import device_ints
 from tiers.errors import CapacityError
 from tiers.layout import BlockLayout, Blocks, QuantBlocks
 from tiers.quant import dequantize
+from tiers.stored import MixedFormatTier
 
 __all__ = ["COLD_TIER", "CPU_TIER", "HOT_TIER", "SAVED_TIER", "WARM_TIER", "TierSet"]  # indices: tier_stack.py
 _FIRST_TIER = {HOT: HOT_TIER, WARM: WARM_TIER, COLD: CPU_TIER}
@@ -114,18 +115,31 @@ class TierSet:
             plan = self._plan(spill, tier + 1, coldest)
         return plan + ([(tier, spill, n)] if room else [])
 
-    def move(self, ids: list[int], src: int, dst: int, coldest: int | None = None) -> None:
+    def move(self, ids: list[int], src: int, dst: int, coldest: int | None = None, keep_format: bool = True) -> None:
         """Move blocks between tiers: put in `dst` (or colder, down to `coldest`, but never back into `src`),
         then delete from `src`. Into a GPU pool from a host-side tier, the source delivers on the device itself
-        (pinned buffers, the cpu tier's gather kernel) rather than through pageable host memory."""
-        into_gpu = dst < CPU_TIER <= src
-        blocks = self.stack[src].fetch(ids, self.device) if into_gpu else self.stack[src].get(ids)  # verified: a
-        # damaged block raises here, before anything moved
-        self.put_moved(ids, blocks, src, dst, coldest)
+        (pinned buffers, the cpu tier's gather kernel) rather than through pageable host memory. From a tier
+        holding both formats (ssd, saved) each block moves in the format it was stored in, one put per format
+        (an error in the second leaves the first moved); keep_format: put_moved's."""
+        into_gpu, source = dst < CPU_TIER <= src, self.stack[src]
+        if keep_format and isinstance(source, MixedFormatTier):  # verified: a damaged block raises here, before
+            stored = source.fetch_as_stored(ids, self.device if into_gpu else "cpu")  # anything moved
+            parts = [(at, blocks) for at, blocks in ((stored.quant_at, stored.quant), (stored.fp16_at, stored.fp16))
+                     if at]
+        else:
+            parts = [(range(len(ids)), source.fetch(ids, self.device) if into_gpu else source.get(ids))]
+        for at, blocks in parts:
+            self.put_moved([ids[i] for i in at], blocks, src, dst, coldest, keep_format)
 
-    def put_moved(self, ids: list[int], blocks: Blocks, src: int, dst: int, coldest: int | None = None) -> None:
+    def put_moved(self, ids: list[int], blocks: Blocks, src: int, dst: int, coldest: int | None = None,
+                  keep_format: bool = True) -> None:
         """The second half of `move`: blocks the caller read from `src` (verified) go into `dst` (or colder), then
-        leave `src`."""
+        leave `src`. keep_format: blocks already in the warm format go no higher than the warm tier (home_tier;
+        those in it already stay)."""
+        if keep_format and (home := self.home_tier(blocks, dst)) != dst:
+            if home == src:
+                return
+            dst, coldest = home, None if coldest is None else max(coldest, home)
         with self._moving(ids):
             self.place(ids, blocks, dst, coldest=coldest if coldest is not None else src - 1 if dst < src else None)
         for told in self.leaving:
@@ -188,6 +202,14 @@ class TierSet:
         """The tier block `index` of a `num_tokens`-token sequence belongs in (cold blocks start in cpu)."""
         return _FIRST_TIER[self.placement.level(index, num_tokens)]
 
+    def home_tier(self, blocks: Blocks, tier: int) -> int:
+        """Where `blocks` bound for `tier` go: the warm tier in place of the hot one for blocks already in the warm
+        format. fp16 would add no precision, and cooled again their values would be quantized a second time,
+        which gives back the same codes for int8 and fp8 but not always for int4: a loaded block would drift
+        from the one saved."""
+        quantized = isinstance(blocks, QuantBlocks) and blocks.fmt == self.warm.format
+        return WARM_TIER if tier == HOT_TIER and quantized else tier
+
     def _record(self, ids: Sequence[int], tier: int) -> None:
         """Book `ids` into `tier`; their holders' device maps and counts follow."""
         self.blocks.record(ids, tier)
@@ -236,7 +258,8 @@ class TierSet:
         """Bring the table's tail block into the hot tier, where tails live (a full one too: DecodeStep
         addresses the tail by its hot slot); CapacityError if the hot pool cannot take it."""
         if table.block_ids and self.blocks.tier_of[table.block_ids[-1]] != HOT_TIER:
-            self.move([table.block_ids[-1]], self.blocks.tier_of[table.block_ids[-1]], HOT_TIER, coldest=HOT_TIER)
+            self.move([table.block_ids[-1]], self.blocks.tier_of[table.block_ids[-1]], HOT_TIER, coldest=HOT_TIER,
+                      keep_format=False)
 
     def adopt_saved(self, tables: list[LayerTable], keys: list[bytes]) -> None:
         """The blocks of `tables` (new ids, each held by its entry alone; DROPPED aside) are the saved values under

@@ -30,7 +30,7 @@ import torch
 from kvstore.blocks.from_saved import LOAD_BATCH, keep_read
 from kvstore.blocks.table import LayerTable
 from kvstore.blocks.tierset import SAVED_TIER, TierSet
-from tiers.layout import Blocks
+from tiers.stored import StoredBlocks
 
 QUEUED = 4  # batches read ahead of `place`: host memory (~0.5 GiB of llama3-8b int8 blocks) and the most one
 # place call puts in
@@ -52,7 +52,7 @@ class SequenceLoad:
         self.tiers = tiers
         self.batches = plan_batches(tables, batch_blocks)
         self.done = not self.batches  # every batch handed over and placed, or the load failed
-        self._ready: queue.Queue = queue.Queue(maxsize=QUEUED)  # (Batch, Blocks), then None; or an exception
+        self._ready: queue.Queue = queue.Queue(maxsize=QUEUED)  # (Batch, StoredBlocks), then None; or an exception
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._read, name="kvtier-saved-load", daemon=True)
         if self.batches:
@@ -66,7 +66,7 @@ class SequenceLoad:
             rows = [r for r, k in enumerate(keys) if k is not None]
             batch = Batch(batch.table, [batch.indices[r] for r in rows], [batch.ids[r] for r in rows])
             try:
-                blocks = saved.read_as_stored(batch.ids, [keys[r] for r in rows], "cpu").one_format()
+                blocks = saved.read_as_stored(batch.ids, [keys[r] for r in rows], "cpu")
             except Exception as exc:  # noqa: BLE001 -- raised on the decode thread by `place`
                 self._hand(exc)
                 return
@@ -104,7 +104,7 @@ class SequenceLoad:
             moved += self._put(*item)
         return moved
 
-    def _put(self, batch: Batch, blocks: Blocks) -> int:
+    def _put(self, batch: Batch, blocks: StoredBlocks) -> int:
         """The blocks of `batch` still in the save into the tier of their position now, as far as it has room."""
         return keep_read(self.tiers, batch.table, batch.indices, batch.ids, blocks)
 

@@ -105,14 +105,17 @@ def test_a_background_load_switches_an_opened_context_to_the_captured_step(tmp_p
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-def test_a_context_saved_right_after_the_step_cooled_ahead_decodes_as_never_saved(tmp_path, captures):
+@pytest.mark.parametrize("warm_format", ["int8", "int4"])
+def test_a_context_saved_right_after_the_step_cooled_ahead_decodes_as_never_saved(tmp_path, captures, warm_format):
     """A captured token cools what the next token pushes out of the hot window once it has run (step.py): a save
-    then holds that block int8 though its position is still in the window. Opened and loaded (the block back in
-    the hot tier as fp16), the context's next dense tokens, which read every block, equal the writer's bit for bit."""
+    then holds that block in the warm format though its position is still in the window. Opened and loaded, the
+    block stays in the warm tier with the writer's bytes (as fp16 in the hot tier it would be quantized a second
+    time by the next token, not exact for int4), and the context's next dense tokens, which read every block, equal
+    the writer's bit for bit."""
     def cfg() -> Config:
         return Config(model=TINY, block_tokens=16, sink_tokens=16, hot_tokens=32, warm_tokens=1 << 20,
                       gpu_bytes=8 << 20, cpu_bytes=8 << 20, ssd_path=str(tmp_path), device="cpu",
-                      host_memory_reserve=0, model_id="tiny")
+                      host_memory_reserve=0, model_id="tiny", warm_format=warm_format)
 
     model = random_llama(TINY, seed=5, vocab_size=VOCAB)
     ids = torch.randint(0, VOCAB, (200,), generator=torch.Generator().manual_seed(0))
@@ -126,11 +129,15 @@ def test_a_context_saved_right_after_the_step_cooled_ahead_decodes_as_never_save
         leaving = writer.table(seq, 0).block_ids[10]
         assert writer.tiers.blocks.tier_of[leaving] == 1 and decoder.paths["eager"] == 0  # cooled ahead
         writer.save(seq, "doc")
+        saved_bytes = writer.tiers.warm.get([leaving]).tensors()
         want = [decoder.decode_step(seq, t, "dense", 4096) for t in tokens[:3]]
     with KVStore(cfg()) as reader:
         decoder = Decoder(model, reader)
         opened = reader.open("doc")
         reader.load(opened)
+        block = reader.table(opened, 0).block_ids[10]
+        assert reader.tiers.blocks.tier_of[block] == 1
+        assert all(torch.equal(a, b) for a, b in zip(reader.tiers.warm.get([block]).tensors(), saved_bytes))
         got = [decoder.decode_step(opened, t, "dense", 4096) for t in tokens[:3]]
         assert decoder.paths == {"captured": 3, "eager": 0}
     assert all(torch.equal(a, b) for a, b in zip(want, got))
