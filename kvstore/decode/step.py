@@ -19,18 +19,12 @@ per layer, inside the step (no host sync):
                  is made at begin_token when the tables changed, not in every token (dense_tables.py)
     4. account   the kernel's block mass into the table's H2O scores (added by the kernel's merge); sketch:
                  the certified omitted mass per q head from the merge's log-sum-exp (one launch)
-A batch of sequences (batch.py) runs 1-2 (`select`) and 4 (`account`) per sequence around one launch of 3
-(or, all in Quest's topk phase, one launch each for all of them: batch_rows.py). Counts that depend only on the
-token (tokens the kernel reads, the sketch's live/protected masks) are computed once per token, in layer 0 (so a
-token's layers run in order). Host work happens between tokens and only at block boundaries: the sketch codes of
-the tail block a token filled, promotion of cpu blocks the step keeps reading and cooling of blocks the next
-token pushes out of their windows (`end_token`, while the token runs on the GPU), and a new tail block per layer
-(`begin_token`).
-Cold blocks: in the topk phase, selected cpu blocks are staged inside the step, one kv head's slice each, and
-verified on the device (cold_slices.py; `verify()` raises IntegrityError); blocks read again and again move up
-to the warm tier at block boundaries (promotion.py). Whether a token can run from device state at all, and what
-it cools first, is the step's StepReadiness (readiness.py): `ready()` says so, and callers use the DecodePath
-(eager.py) for a token it refuses.
+A batch of sequences runs 1-2 and 4 per sequence around one launch of 3 (batch.py, batch_rows.py). Host work
+happens only between tokens (begin_token / end_token), at block boundaries: the filled tail's sketch codes,
+promotion of cpu blocks the step keeps reading (promotion.py), cooling ahead of the next token (readiness.py,
+which also says whether a token can run from device state at all: callers use the DecodePath, eager.py, for a
+token it refuses) and a new tail block per layer. Selected cpu blocks are staged inside the step and verified on
+the device (cold_slices.py). docs/decode.md, The captured step, tells the whole story.
 """
 
 from __future__ import annotations
