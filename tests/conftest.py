@@ -1,5 +1,5 @@
 """Without a GPU, Triton kernels run under the interpreter (set before triton is imported), and tests
-marked `cuda` are skipped."""
+marked `cuda` are skipped. Under pytest-xdist each worker runs torch on one thread."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `-n 2` (the README's command): one worker per core; a worker's torch
+    torch.set_num_threads(1)  # threads would spin against the other's (most tests are single-threaded Python)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
