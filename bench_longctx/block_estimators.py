@@ -1,6 +1,6 @@
 """The block estimators bench_longctx/selection_quality.py compares beside the policies: Quest's bound, 4-bit and
-2-bit key codes (largest logit or softmax mass per block), SparQ, Loki and block centroids (BENCHMARKS.md,
-Estimators).
+2-bit key codes (largest logit or softmax mass per block), 1-bit codes of rotated keys (RaBitQ's estimator, raw or
+centred on each block's mean key), SparQ, Loki and block centroids (BENCHMARKS.md, Estimators).
 """
 
 from __future__ import annotations
@@ -69,7 +69,38 @@ def scorers(rank: int = RANK) -> dict[str, Callable]:
         counts = blocks_of(torch.ones(keys.shape[0], device=keys.device), b, 0.0).sum(-1)  # [N]
         return torch.bmm(q.float().view(h, -1, q.shape[-1]), mean / counts).amax(1)
 
+    def signs(centered):
+        def f(q, keys, b, scale):
+            return estimate_to_blocks(sign_estimates(q, keys, b, centered) * scale, keys.shape[1], b, "mass")
+        return f
+
     return {"quest": quest, "sketch4": sketch(2, "max"), "sketch4_mass": sketch(2, "mass"),
             "sketch2": sketch(1, "max"), "sketch2_mass": sketch(1, "mass"), "sparq16": exact_subset(sparq),
-            "loki16": exact_subset(loki),
-            "centroid": centroid}
+            "loki16": exact_subset(loki), "centroid": centroid, "sign1_mass": signs(False),
+            "sign1_centered_mass": signs(True)}
+
+
+def sign_estimates(q: torch.Tensor, keys: torch.Tensor, block_tokens: int, centered: bool) -> torch.Tensor:
+    """Estimated logits q . k [Hq, T] (unscaled) from 1-bit codes of randomly rotated keys and RaBitQ's unbiased
+    estimator (Gao & Long, 2024): per token the signs of R (k - c) / |k - c| (D bits), |k - c| and <x_bar, x>
+    (fp16 each; x the rotated unit residual, x_bar its signs / sqrt(D)); q . k ~ q . c + |k - c| <R q, x_bar> /
+    <x_bar, x>. centered: c is the token's block's mean key (fp16 per block), else 0. R: one seeded random
+    orthogonal matrix per kv head."""
+    t, h, d = keys.shape
+    k = keys.float()
+    center = torch.zeros_like(k)
+    if centered:
+        sums = blocks_of(k.permute(1, 2, 0), block_tokens, 0.0).sum(-1)  # [H, D, N]
+        counts = blocks_of(torch.ones(t, device=k.device), block_tokens, 0.0).sum(-1)  # [N]
+        center = (sums / counts).half().float().repeat_interleave(block_tokens, dim=2)[..., :t].permute(2, 0, 1)
+    r = k - center  # [T, H, D]
+    norm = r.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+    rot = torch.linalg.qr(torch.randn(h, d, d, generator=torch.Generator().manual_seed(0)))[0].to(k.device)
+    x = torch.einsum("thd,hed->the", r / norm, rot)  # unit residuals, rotated
+    bits = torch.where(x >= 0, 1.0, -1.0) / d ** 0.5
+    inner = (bits * x).sum(-1, keepdim=True).half().float()  # sum |x| / sqrt(D): 0 only for no residual
+    factor = torch.where(inner > 0, norm.half().float() / inner, 0.0).squeeze(-1).T  # [H, T]
+    qg = q.float().view(h, -1, d)  # [H, G, D]
+    est = torch.einsum("hgd,thd->hgt", qg, center) + \
+        torch.einsum("hge,the->hgt", torch.einsum("hgd,hed->hge", qg, rot), bits) * factor[:, None]
+    return est.flatten(0, 1)
