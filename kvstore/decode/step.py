@@ -12,7 +12,7 @@ per layer, inside the step (no host sync):
                  sketch, whose first level reads the tail's summary, appends first)
     2. select    dense: the table itself, viewed up to a bucket of blocks (ceil(n / B) rounded up by at most
                  1.25x, so a short sequence in a long capacity gets a short table's kernel; one graph per bucket);
-                 topk (Quest's min/max bound) or sketch: k blocks per kv head, ascending (step_select.py)
+                 topk (Quest's min/max bound), sketch, cascade or window: k blocks per kv head, ascending
     3. attend    the paged kernel over that block table, token count computed on the device; a dense phase
                  with no warm block in any layer passes no warm pool, so a long table takes the hot-only
                  walk (host-known; a graph per case); with warm blocks, a long table's partition by pool
@@ -45,7 +45,7 @@ from kvstore.decode.step_parts import Selection, StepParts, open_tail_entries, p
 from kvstore.decode.step_select import StepSelect
 from tiers.base import device_ints
 
-STEP_MODES = ("dense", "topk", "sketch", "cascade")
+STEP_MODES = ("dense", "topk", "sketch", "cascade", "window")
 assert (HOT_TIER, WARM_TIER) == (0, 1), "the dense step passes tier codes as the kernel's int8 flags"
 
 
@@ -90,7 +90,7 @@ class DecodeStep:
         self.certified = torch.zeros(spec.num_layers, spec.num_q_heads, dtype=torch.float32, device=dev)
         self._lse = torch.zeros((1, spec.num_q_heads), dtype=torch.float32, device=dev)  # the kernel's, per layer
         self.selector = StepSelect(self.policy, self.capacity, self.k, b, self.sink_blocks, self.recent_tokens, h,
-                                   dev)
+                                   dev, positional=mode == "window")
         self._append_token = append_token if dev.type == "cuda" else append_token_ref  # one launch on the GPU
         self.cold = StepColdBlocks(self.tiers, self.path.stats, dev, spec, self.capacity)  # staging, verifying
         self.readiness = StepReadiness(tables, self.tiers, self.cold, c, self.capacity, self.k, mode)

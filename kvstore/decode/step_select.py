@@ -10,6 +10,8 @@
             (`count`, once per token), whose final top-k writes the block table too
     cascade Quest's bound as in topk picks candidate_factor x k candidates, their 4-bit codes rank them by
             estimated softmax mass, the k best are read (eviction/cascade.py CascadeTopK.select_scored)
+    window  the sinks, the recent window, then the newest other blocks (eviction/window.py): the same blocks in
+            every layer and kv head, chosen once per token (`count`) from the device count
 A batch of sequences in the topk phase selects for all of them at once instead (batch_rows.py).
 """
 
@@ -30,8 +32,9 @@ from kvstore.decode.eager import block_table
 
 class StepSelect:
     def __init__(self, policy: Policy | None, capacity: int, k: int, block_tokens: int, sink_blocks: int,
-                 recent_tokens: int, num_kv_heads: int, device: torch.device) -> None:
-        """policy: the SketchTopK for mode "sketch", the CascadeTopK for "cascade", else None (Quest's bound)."""
+                 recent_tokens: int, num_kv_heads: int, device: torch.device, positional: bool = False) -> None:
+        """policy: the SketchTopK for mode "sketch", the CascadeTopK for "cascade", else None (Quest's bound, or
+        with positional the window's choice by position)."""
         self.policy, self.capacity, self.k = policy, capacity, k
         self.protected_max = sink_blocks + -(-recent_tokens // block_tokens) + 1  # blocks the window can protect
         self.window = dict(block_tokens=block_tokens, sink_blocks=sink_blocks, recent_tokens=recent_tokens)
@@ -41,6 +44,9 @@ class StepSelect:
         # (kvstore/decode/layer_graphs.py) and the layers after it read the same tensors
         self._valid, self._protected = (torch.zeros(capacity, dtype=torch.bool, device=device)
                                         if isinstance(policy, SketchTopK) else None for _ in range(2))
+        # the window's blocks of this token [H, k] (count), every layer's; their positions as scores [N]
+        self._positions = torch.arange(capacity, dtype=torch.float32, device=device) if positional else None
+        self._newest = torch.zeros((num_kv_heads, k), dtype=torch.int64, device=device) if positional else None
 
     def count(self, num_tokens: torch.Tensor, phase: str, kernel_tokens: torch.Tensor) -> None:
         """Once per token, from the device count int64 [1] (tokens before it): the tokens the kernel reads into
@@ -56,6 +62,10 @@ class StepSelect:
             for mine, new in zip((self._valid, self._protected),
                                  live_and_protected(num_tokens, self.capacity, **self.window)):
                 mine.copy_(new)
+        elif self._positions is not None:  # a protected block scores +inf, one past the count -inf
+            live, protected = live_and_protected(num_tokens, self.capacity, **self.window)
+            scores = torch.where(protected, float("inf"), torch.where(live, self._positions, float("-inf")))
+            self._newest.copy_(top_blocks(scores[None], self.k).expand_as(self._newest))  # one row, every head
 
     def __call__(self, table: LayerTable, q: torch.Tensor, phase: str, dense_blocks: int,
                  num_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -65,6 +75,8 @@ class StepSelect:
             flags = table.tier_map[None, :m].expand(h, m)
             return self.all_blocks[:, :m], table.slot_map[None, :m].expand(h, m), flags, None
         n, k = self.capacity, self.k
+        if self._newest is not None:
+            return (self._newest, *block_table(table, self._newest), None)
         if isinstance(self.policy, SketchTopK):
             selected, upper, gathered = self.policy.select_masked_table(
                 q, table.summaries[:n], table.sketch[:n], self._valid, self._protected, k, table.slot_map,

@@ -67,7 +67,7 @@ def step_alongside(api, stepped, sa, sb, mode: str, budget: int, num_tokens: int
 
 
 @pytest.mark.parametrize("mode, budget, num_tokens", [("dense", 4096, 170), ("topk", 128, 300), ("sketch", 128, 100),
-                                                      ("cascade", 128, 100)])
+                                                      ("cascade", 128, 100), ("window", 128, 100)])
 def test_store_attend_runs_the_decode_step(tmp_path, mode, budget, num_tokens):
     """From 100 tokens: block boundaries, hot -> warm cooling (past 128), the topk phase (from 128 tokens); topk to
     400, past the tables' room (368 tokens), where the step is built again with more capacity."""
@@ -106,14 +106,13 @@ def old_path_token(store, seq, q_k_v, mode, budget=4096, measure_mass=False, eps
 
 FALLBACKS = [  # (store.attend arguments, the reason counted)
     (dict(mode="h2o", budget=64), "mode"),
-    (dict(mode="window", budget=64), "mode"),
     (dict(mode=TopK(), budget=64), "mode"),
     (dict(mode="sketch", budget=128, epsilon=0.5), "epsilon"),
     (dict(mode="topk", budget=64, measure_mass=True), "measure_mass"),
 ]
 
 
-@pytest.mark.parametrize("attend, reason", FALLBACKS, ids=["h2o", "window", "instance", "epsilon", "measure_mass"])
+@pytest.mark.parametrize("attend, reason", FALLBACKS, ids=["h2o", "instance", "epsilon", "measure_mass"])
 def test_what_the_step_cannot_serve_runs_the_eager_path_as_before(tmp_path, attend, reason):
     api, old, sa, sb = twin_stores(tmp_path, 150, seed=2)
     work = tokens(20, seed=3)

@@ -63,7 +63,7 @@ def twin_stores(tmp_path, length: int, seed: int, **overrides) -> tuple[KVStore,
     return eager, stepped, sa, sb
 
 
-@pytest.mark.parametrize("mode, budget", [("dense", 4096), ("topk", 128)])
+@pytest.mark.parametrize("mode, budget", [("dense", 4096), ("topk", 128), ("window", 128)])
 def test_step_equals_append_plus_attend(tmp_path, mode, budget):
     eager, stepped, sa, sb = twin_stores(tmp_path, 100, seed=0)
     step = stepped.decode_step(sb, mode=mode, budget=budget, capacity_tokens=1024)
