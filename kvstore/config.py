@@ -22,7 +22,8 @@ _INT_FIELDS = (  # (field, lowest, highest) of every integer knob of Config
 )
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """An int, not a bool (which Python counts as one)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -48,7 +49,7 @@ class ModelSpec:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_q_heads", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
-            if not _is_int(value) or not 0 < value <= 1 << 20:
+            if not is_int(value) or not 0 < value <= 1 << 20:
                 raise ValueError(f"ModelSpec.{name} must be an int in [1, {1 << 20}], got {value!r}")
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(
@@ -127,12 +128,12 @@ class Config:
         if not isinstance(self.model, ModelSpec):
             raise ValueError(f"Config.model must be a ModelSpec, got {type(self.model).__name__}")
         if self.recent_tokens is None:
-            self.recent_tokens = min(1024, self.hot_tokens) if _is_int(self.hot_tokens) else self.hot_tokens
+            self.recent_tokens = min(1024, self.hot_tokens) if is_int(self.hot_tokens) else self.hot_tokens
         if self.staging_tokens is None:
             self.staging_tokens = self.hot_tokens
         for name, low, high in _INT_FIELDS:
             value = getattr(self, name)
-            if not _is_int(value) or not low <= value <= high:
+            if not is_int(value) or not low <= value <= high:
                 raise ValueError(f"Config.{name} must be an int in [{low}, {high}], got {value!r}")
         if self.block_tokens & (self.block_tokens - 1):
             raise ValueError(f"Config.block_tokens must be a power of two, got {self.block_tokens}")
@@ -156,7 +157,7 @@ class Config:
     def _check_formats(self) -> None:
         if self.warm_format not in QUANT_FORMATS:
             raise ValueError(f"Config.warm_format must be one of {QUANT_FORMATS}, got {self.warm_format!r}")
-        if not _is_int(self.int4_group) or self.int4_group < 2 or self.int4_group & (self.int4_group - 1):
+        if not is_int(self.int4_group) or self.int4_group < 2 or self.int4_group & (self.int4_group - 1):
             raise ValueError(f"Config.int4_group must be a power of two >= 2, got {self.int4_group!r}")
         head_dim = self.model.head_dim
         if self.warm_format == "int4" and (head_dim % 2 or head_dim % min(self.int4_group, head_dim)):

@@ -20,7 +20,7 @@ from kvstore.blocks.append_path import AppendPath
 from kvstore.blocks.from_saved import load_saved
 from kvstore.blocks.table import DROPPED, LayerTable, TableTensors, droppable
 from kvstore.blocks.tierset import HOT_TIER, TierSet
-from kvstore.config import Config
+from kvstore.config import Config, is_int
 from kvstore.contexts.background_load import BackgroundLoads
 from kvstore.contexts.background_save import BackgroundSaves, SaveJob
 from kvstore.contexts.freeing import RELEASE_BATCH
@@ -143,10 +143,7 @@ class KVStore:
         (open(name, background_load=True) loads on a thread instead). Returns how many blocks moved (0: nothing
         left to load, or no room)."""
         self.table(seq, 0)
-        if max_blocks is not None and (isinstance(max_blocks, bool) or not isinstance(max_blocks, int)
-                                       or max_blocks < 0):
-            raise ValueError(f"max_blocks must be an int >= 0 or None, got {max_blocks!r}")
-        return load_saved(self.tiers, self.sequences[seq], max_blocks)
+        return load_saved(self.tiers, self.sequences[seq], _check_max_blocks(max_blocks))
 
     def place_loaded(self) -> int:
         """Put the blocks that background loads (open(..., background_load=True)) have read since the last call
@@ -220,9 +217,7 @@ class KVStore:
     def release_freed(self, max_blocks: int | None = RELEASE_BATCH) -> int:
         """Return up to `max_blocks` (None: all) table entries of sequences freed with background=True to their
         tiers; returns how many went (0: none left)."""
-        if max_blocks is not None and (not _is_int(max_blocks) or max_blocks < 0):
-            raise ValueError(f"max_blocks must be an int >= 0 or None, got {max_blocks!r}")
-        return self.contexts.freeing.release(max_blocks)
+        return self.contexts.freeing.release(_check_max_blocks(max_blocks))
 
     def freeing_blocks(self) -> int:
         """Table entries of sequences freed with background=True not yet returned (release_freed)."""
@@ -252,7 +247,7 @@ class KVStore:
         """Dense K, V [end - start, kv_heads, head_dim] fp16 on the store's device."""
         table = self.table(seq, layer)
         end = table.num_tokens if end is None else end
-        if not (_is_int(start) and _is_int(end) and 0 <= start <= end <= table.num_tokens):
+        if not (is_int(start) and is_int(end) and 0 <= start <= end <= table.num_tokens):
             raise ValueError(f"need 0 <= start <= end <= {table.num_tokens}, got start={start!r} end={end!r}")
         b = self.config.block_tokens
         first, last = start // b, -(-end // b)
@@ -330,8 +325,10 @@ class KVStore:
         self.close()
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _check_max_blocks(max_blocks: int | None) -> int | None:
+    if max_blocks is not None and (not is_int(max_blocks) or max_blocks < 0):
+        raise ValueError(f"max_blocks must be an int >= 0 or None, got {max_blocks!r}")
+    return max_blocks
 
 
 __all__ = ["CapacityError", "KVStore", "MODES"]
