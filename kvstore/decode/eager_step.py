@@ -14,7 +14,7 @@ so outputs and stored bytes are the step's, bit for bit.
                                     it cools what the next token pushes out of its windows)
 A token the step cannot serve runs through the DecodePath (eager.py), layer by layer, and stats()["attend"] counts
 it in fallback_calls by reason (step_calls: the calls the step served):
-    mode          modes h2o and window, policy instances (their settings are theirs)
+    mode          mode h2o (it drops blocks for good), policy instances (their settings are theirs)
     epsilon, measure_mass
     not_ready     blocks beyond the cpu tier, capacity or GPU pools (StepNotReady), H2O-dropped blocks, layers of
                   unequal length
