@@ -7,9 +7,9 @@ the background load (kvstore/contexts/background_load.py), batch after batch, an
 it the second time (KEEP_AFTER), so later tokens, whose selections mostly overlap, read only what is new and the
 sequence reaches the captured step (every block on the GPU or in the cpu tier) sooner.
 All of them put blocks as they were read, in their stored format (a quantized one into the warm tier, not the hot
-one: TierSet.home_tier), into free room only: no block cools to make
-room, and a block that does not fit stays saved (read again when selected; store.load moves it once there is
-room). A block that left the save meanwhile is skipped.
+one: TierSet.home_tier), into free room only: no block cools to make room, and a block that does not fit stays
+saved (read again when selected; store.load moves it once there is room). A block that left the save meanwhile
+is skipped.
 """
 
 from __future__ import annotations
