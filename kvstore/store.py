@@ -284,10 +284,11 @@ class KVStore:
             self.unread.load_if_needed(seq)  # an opened sequence reads its sketch codes now
         return self.decode.attend(table, q, policy, budget, measure_mass, epsilon)
 
-    def decode_step(self, seq: int, mode: str = "topk", budget: int = 4096,
+    def decode_step(self, seq: int, mode: str | Policy = "topk", budget: int = 4096,
                     capacity_tokens: int | None = None) -> DecodeStep:
         """A DecodeStep for `seq`: append + select + attend for every layer of a token from device state,
-        capturable in one CUDA graph (kvstore/decode/step.py). Capacity: the length + max(16K, 1/16 of it)."""
+        capturable in one CUDA graph (kvstore/decode/step.py); mode: one of its modes or a policy instance of
+        settings it implements (eager_step.step_mode). Capacity: the length + max(16K, 1/16 of it)."""
         self.table(seq, 0)
         return self.steps.build(seq, mode, budget, capacity_tokens)
 

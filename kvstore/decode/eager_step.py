@@ -14,7 +14,8 @@ so outputs and stored bytes are the step's, bit for bit.
                                     it cools what the next token pushes out of its windows)
 A token the step cannot serve runs through the DecodePath (eager.py), layer by layer, and stats()["attend"] counts
 it in fallback_calls by reason (step_calls: the calls the step served):
-    mode          mode h2o (it drops blocks for good), policy instances (their settings are theirs)
+    mode          mode h2o (it drops blocks for good), policy instances with settings the step does not implement
+                  (step_mode: TopK(group_reduce="sum"), a CascadeTopK with a basis, H2O, others' own policies)
     epsilon, measure_mass
     not_ready     blocks beyond the cpu tier, capacity or GPU pools (StepNotReady), H2O-dropped blocks, layers of
                   unequal length
@@ -34,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from eviction import Policy
+from eviction import CascadeTopK, Policy, SketchTopK, TopK, Window
 from kvstore.blocks.table import LayerTable
 from kvstore.decode.layer_graphs import LayerGraphs
 from kvstore.decode.modes import reads_codes, resolve_policy
@@ -53,6 +54,7 @@ class OpenToken:
     graphs: LayerGraphs | None = None  # the step's layers as CUDA graphs (None: launched one by one)
     moves: list[int] | None = None  # each table's moves when the step began
     reason: str | None = None  # why the DecodePath runs this token, for each of its layers
+    key: str | None = None  # mode_key of the mode the token began with
 
 
 class EagerSteps:
@@ -64,17 +66,22 @@ class EagerSteps:
         self.parts, self.sequences, self.policies = parts, sequences, policies
         self.load_codes, self.append, self.key_blocks = load_codes, append, key_blocks
         self.stats, self.block_tokens = parts.path.stats, parts.config.block_tokens
-        # (seq, mode, budget) -> (step, table addresses, its layers' graphs or None: Config.eager_graphs)
+        # (seq, mode_key, budget) -> (step, table addresses, its layers' graphs or None: Config.eager_graphs)
         self.steps: dict[tuple[int, str, int], tuple[DecodeStep, tuple[int, ...], LayerGraphs | None]] = {}
         self.tokens: dict[int, OpenToken] = {}
 
-    def build(self, seq: int, mode: str, budget: int, capacity_tokens: int | None = None) -> DecodeStep:
-        """A DecodeStep for `seq` (KVStore.decode_step); ValueError for a mode it or the store cannot serve."""
+    def build(self, seq: int, mode: str | Policy, budget: int, capacity_tokens: int | None = None) -> DecodeStep:
+        """A DecodeStep for `seq` (KVStore.decode_step) of a mode or a policy instance the step implements
+        (step_mode); ValueError for one it or the store cannot serve."""
         resolve_policy(mode, self.policies, self.parts.config.sketch_codes)
+        name = step_mode(mode)
+        if name is None:
+            raise ValueError(f"the decode step serves modes {STEP_MODES} and policy instances of their settings, "
+                             f"got {mode!r}")
         if reads_codes(mode):
             self.load_codes(seq)  # an opened sequence reads its sketch codes now
-        policy = self.policies.get(mode) if isinstance(mode, str) else None
-        return DecodeStep(self.parts, seq, self.sequences[seq], mode, budget, policy, capacity_tokens)
+        policy = self.policies.get(mode) if isinstance(mode, str) else mode
+        return DecodeStep(self.parts, seq, self.sequences[seq], name, budget, policy, capacity_tokens)
 
     # -- store.append and store.attend --------------------------------------------------------
     def hold(self, seq: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -105,7 +112,7 @@ class EagerSteps:
         if why is None and token is not None and token.kv is not None and layer == token.next:
             if token.step is None:  # layer 0: the token begins
                 why = self._begin(seq, token, mode, budget)
-            elif (token.step.mode, token.step.budget) != (mode, budget) or \
+            elif (token.key, token.step.budget) != (mode_key(mode), budget) or \
                     token.step.tables[layer].moves != token.moves[layer]:
                 why = "unpaired"
             if why is None:
@@ -117,7 +124,7 @@ class EagerSteps:
         self.stats.fallback_calls[why] = self.stats.fallback_calls.get(why, 0) + 1
         return None
 
-    def _begin(self, seq: int, token: OpenToken, mode: str, budget: int) -> str | None:
+    def _begin(self, seq: int, token: OpenToken, mode: str | Policy, budget: int) -> str | None:
         """Begin the token on the step of (seq, mode, budget); None, or why it cannot ("not_ready")."""
         tables = self.sequences[seq]
         if any(t.num_dropped or t.num_tokens != tables[0].num_tokens for t in tables):
@@ -127,22 +134,23 @@ class EagerSteps:
             step.begin_token()
         except StepNotReady:  # nothing of the token happened (what it cooled stays cooled, as an append would)
             return "not_ready"
-        token.step, token.graphs, token.moves = step, graphs, [t.moves for t in tables]
+        token.step, token.graphs, token.moves, token.key = step, graphs, [t.moves for t in tables], mode_key(mode)
         return None
 
-    def _step(self, seq: int, mode: str, budget: int,
+    def _step(self, seq: int, mode: str | Policy, budget: int,
               tables: list[LayerTable]) -> tuple[DecodeStep, LayerGraphs | None]:
         """The kept step of (seq, mode, budget), or a new one when it reached its capacity or a table's tensors
         moved (another step grew them). A new step takes the room the tables have, so that building it moves no
         table under another step (a captured graph reads them where they are), or the default once that is full."""
-        step, addresses, graphs = self.steps.get((seq, mode, budget), (None, (), None))
+        key = (seq, mode_key(mode), budget)
+        step, addresses, graphs = self.steps.get(key, (None, (), None))
         if step is not None and addresses == _addresses(tables) and \
                 step.length + 1 <= step.capacity * self.block_tokens:
             return step, graphs
         room = min(0 if t.summaries is None else t.summaries.shape[0] for t in tables) * self.block_tokens
         step = self.build(seq, mode, budget, room if room > tables[0].num_tokens else None)
         graphs = LayerGraphs(step) if self.parts.config.eager_graphs else None
-        self.steps[(seq, mode, budget)] = (step, _addresses(tables), graphs)
+        self.steps[key] = (step, _addresses(tables), graphs)
         return step, graphs
 
     def _run(self, seq: int, token: OpenToken, layer: int, q: torch.Tensor) -> torch.Tensor:
@@ -192,9 +200,30 @@ class EagerSteps:
             del self.steps[key]
 
 
+def step_mode(mode: str | Policy) -> str | None:
+    """The step mode serving `mode`: a mode name, or a policy instance whose settings the step implements (TopK
+    bounding every q head, Window, SketchTopK, CascadeTopK on raw channels); None: the DecodePath's."""
+    if isinstance(mode, str):
+        return mode if mode in STEP_MODES else None
+    if type(mode) is TopK:
+        return "topk" if mode.group_reduce == "max" else None
+    if type(mode) is Window:
+        return "window"
+    if type(mode) is SketchTopK:
+        return "sketch"
+    if type(mode) is CascadeTopK:
+        return "cascade" if mode.basis is None else None
+    return None
+
+
+def mode_key(mode: str | Policy) -> str:
+    """What tells modes apart for the kept steps: the name, or an instance's settings (its repr)."""
+    return mode if isinstance(mode, str) else repr(mode)
+
+
 def refusal(mode: str | Policy, measure_mass: bool, epsilon: float | None) -> str | None:
     """Why the step cannot serve a store.attend with these arguments, or None."""
-    if not isinstance(mode, str) or mode not in STEP_MODES:
+    if step_mode(mode) is None:
         return "mode"
     return "epsilon" if epsilon is not None else "measure_mass" if measure_mass else None
 

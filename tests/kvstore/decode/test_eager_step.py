@@ -12,7 +12,7 @@ import torch
 
 from engine_adapter.decoder import Decoder
 from engine_adapter.weights import random_llama
-from eviction import TopK
+from eviction import CascadeTopK, SketchTopK, TopK, Window
 from tests.engine_adapter.test_llama import TINY, store_for
 from tests.kvstore.decode.test_step import DEVICE, SPEC, cold_pair, make_store, tokens, twin_stores
 
@@ -66,11 +66,14 @@ def step_alongside(api, stepped, sa, sb, mode: str, budget: int, num_tokens: int
     step.verify()
 
 
-@pytest.mark.parametrize("mode, budget, num_tokens", [("dense", 4096, 170), ("topk", 128, 300), ("sketch", 128, 100),
-                                                      ("cascade", 128, 100), ("window", 128, 100)])
+@pytest.mark.parametrize("mode, budget, num_tokens", [
+    ("dense", 4096, 170), ("topk", 128, 300), ("sketch", 128, 100), ("cascade", 128, 100), ("window", 128, 100),
+    (SketchTopK(coarse_factor=2, min_candidates=8), 128, 60), (CascadeTopK(candidate_factor=2), 128, 60),
+    (TopK(), 128, 60), (Window(), 128, 60)], ids=lambda x: x if isinstance(x, (str, int)) else type(x).__name__)
 def test_store_attend_runs_the_decode_step(tmp_path, mode, budget, num_tokens):
     """From 100 tokens: block boundaries, hot -> warm cooling (past 128), the topk phase (from 128 tokens); topk to
-    400, past the tables' room (368 tokens), where the step is built again with more capacity."""
+    400, past the tables' room (368 tokens), where the step is built again with more capacity. A policy instance
+    whose settings the step implements runs through a step of its own settings."""
     api, stepped, sa, sb = twin_stores(tmp_path, 100, seed=0)
     step_alongside(api, stepped, sa, sb, mode, budget, num_tokens, seed=1)
     attend = api.stats()["attend"]
@@ -106,7 +109,7 @@ def old_path_token(store, seq, q_k_v, mode, budget=4096, measure_mass=False, eps
 
 FALLBACKS = [  # (store.attend arguments, the reason counted)
     (dict(mode="h2o", budget=64), "mode"),
-    (dict(mode=TopK(), budget=64), "mode"),
+    (dict(mode=TopK(group_reduce="sum"), budget=64), "mode"),
     (dict(mode="sketch", budget=128, epsilon=0.5), "epsilon"),
     (dict(mode="topk", budget=64, measure_mass=True), "measure_mass"),
 ]
@@ -244,3 +247,12 @@ def test_decoder_without_graphs_decodes_what_its_graph_decoder_does(mode):
             runs.append((out, store.read(seq, 1)))
     (out_a, (k_a, v_a)), (out_b, (k_b, v_b)) = runs
     assert out_a == out_b and torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
+
+
+def test_a_step_of_settings_it_does_not_implement_is_refused_clearly(tmp_path):
+    store = make_store(tmp_path, "refused")
+    seq = store.create_sequence()
+    for mode in ("h2o", TopK(group_reduce="sum"), CascadeTopK(basis=torch.eye(SPEC.head_dim).expand(SPEC.num_kv_heads, -1, -1))):
+        with pytest.raises(ValueError, match="the decode step serves modes"):
+            store.decode_step(seq, mode=mode)
+    store.close()
