@@ -32,6 +32,11 @@ def captures(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Decoder, "_captures", lambda self: self.graphs)  # graphs=False: the eager path
 
 
+class PathTopK(TopK):
+    """Quest's bound as the DecodePath runs it: the step serves TopK itself, not a subclass (eager_step.step_mode),
+    so the never-saved sequence's eager tokens take the path an opened sequence's take."""
+
+
 def forced(n: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(3)).tolist()
 
@@ -47,8 +52,8 @@ def never_saved(path, paths: list[str]) -> list[torch.Tensor]:
         store.save(seq, "doc")
         out = []
         for token, path in zip(forced(len(paths)), paths):
-            decoder.graphs = path == "captured"  # eager: the store's topk policy as an instance runs the DecodePath
-            out.append(decoder.decode_step(seq, token, "topk" if decoder.graphs else TopK(), BUDGET))
+            decoder.graphs = path == "captured"
+            out.append(decoder.decode_step(seq, token, "topk" if decoder.graphs else PathTopK(), BUDGET))
         assert decoder.paths["captured"] == paths.count("captured")
         return out
 
