@@ -5,15 +5,20 @@ Nothing here downloads: Hugging Face offline mode is forced before transformers 
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import re
+import shutil
+import tempfile
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine_adapter.llama import Llama, LlamaArgs
+from kvcuda.nvrtc import cache_dir
 from kvstore.config import ModelSpec
 
 if TYPE_CHECKING:
@@ -50,15 +55,44 @@ def force_offline() -> None:
 
 
 def load_hf(name: str = "smollm2-135m") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """(transformers model in eval mode, tokenizer) for a packaged model, loaded offline (~15 s: the GGUF
-    is dequantized to fp32)."""
+    """(transformers model in eval mode, tokenizer) for a packaged model, loaded offline. The first load reads
+    the GGUF (~30 s on 2 cores: transformers parses the file three times and dequantizes it to fp32) and keeps
+    the converted model and tokenizer in the kvtier cache (~/.cache/kvtier/models, or $KVTIER_CACHE_DIR/models;
+    keyed by the file and the transformers version), which later loads read in about a second."""
     path = find_gguf(name)
     force_offline()
+    import transformers
+    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    stat = path.stat()
+    kept = cache_dir("models") / f"{name}-{stat.st_size}-{stat.st_mtime_ns}-transformers-{transformers.__version__}"
+    if (kept / "config.json").is_file():
+        return AutoModelForCausalLM.from_pretrained(kept).eval(), AutoTokenizer.from_pretrained(kept)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    _keep(model, tokenizer, kept, save_model)
     return model.eval(), tokenizer
+
+
+def _keep(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, kept: Path, save_model) -> None:
+    """Write the converted model to a folder of its own, then rename it into place (two processes converting
+    at once: the first rename wins); a read-only cache only costs the next load the conversion again."""
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=kept.parent, prefix=f".{kept.name}."))
+        config = copy.deepcopy(model.config)  # the weights are dequantized fp32: no GGUF quantization left
+        config.__dict__.pop("quantization_config", None)
+        config.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"))  # tied embeddings stored once
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(kept)
+        except OSError:  # another process kept it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as err:
+        warnings.warn(f"kvtier: cannot keep the converted model in {kept.parent} ({err}); set KVTIER_CACHE_DIR to "
+                      "a writable folder to convert it once", RuntimeWarning, stacklevel=3)
 
 
 def args_from_hf_config(cfg: PretrainedConfig) -> LlamaArgs:
