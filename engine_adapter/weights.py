@@ -58,11 +58,10 @@ def load_hf(name: str = "smollm2-135m") -> tuple[PreTrainedModel, PreTrainedToke
     """(transformers model in eval mode, tokenizer) for a packaged model, loaded offline. The first load reads
     the GGUF (~30 s on 2 cores: transformers parses the file three times and dequantizes it to fp32) and keeps
     the converted model and tokenizer in the kvtier cache (~/.cache/kvtier/models, or $KVTIER_CACHE_DIR/models;
-    keyed by the file and the transformers version), which later loads read in about a second."""
+    keyed by the file and the transformers version), which later loads read in a few seconds."""
     path = find_gguf(name)
     force_offline()
     import transformers
-    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     stat = path.stat()
@@ -71,13 +70,15 @@ def load_hf(name: str = "smollm2-135m") -> tuple[PreTrainedModel, PreTrainedToke
         return AutoModelForCausalLM.from_pretrained(kept).eval(), AutoTokenizer.from_pretrained(kept)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    _keep(model, tokenizer, kept, save_model)
+    _keep(model, tokenizer, kept)
     return model.eval(), tokenizer
 
 
-def _keep(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, kept: Path, save_model) -> None:
+def _keep(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, kept: Path) -> None:
     """Write the converted model to a folder of its own, then rename it into place (two processes converting
     at once: the first rename wins); a read-only cache only costs the next load the conversion again."""
+    from safetensors.torch import save_model
+
     try:
         kept.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=kept.parent, prefix=f".{kept.name}."))
