@@ -39,6 +39,10 @@ class StoredBlocks:
     quant_at: list[int]
     quant: QuantBlocks  # len(quant_at) blocks, in the warm tier's format
 
+    def parts(self) -> list[tuple[list[int], torch.Tensor | QuantBlocks]]:
+        """(positions, blocks) of each format present, the quantized ones first."""
+        return [(at, blocks) for at, blocks in ((self.quant_at, self.quant), (self.fp16_at, self.fp16)) if at]
+
     def one_format(self) -> torch.Tensor | QuantBlocks:
         """All blocks in order in one batch: quantized when all are, else fp16 (quantized ones dequantized)."""
         if not self.fp16_at and self.quant_at:

@@ -39,7 +39,7 @@ def keep_read(tiers: TierSet, table: LayerTable, indices: Sequence[int], ids: Se
     room; where a window's GPU tier has none, into the cpu tier, as cooling would. Returns how many moved."""
     if isinstance(blocks, StoredBlocks):
         return sum(keep_read(tiers, table, [indices[a] for a in at], [ids[a] for a in at], part)
-                   for at, part in ((blocks.quant_at, blocks.quant), (blocks.fp16_at, blocks.fp16)) if at)
+                   for at, part in blocks.parts())
     tier_of, num_tokens = tiers.blocks.tier_of, table.num_tokens
     wanted: dict[int, list[int]] = {}  # tier -> rows of `blocks`
     for row, (index, block_id) in enumerate(zip(indices, ids)):

@@ -123,9 +123,7 @@ class TierSet:
         (an error in the second leaves the first moved); keep_format: put_moved's."""
         into_gpu, source = dst < CPU_TIER <= src, self.stack[src]
         if keep_format and isinstance(source, MixedFormatTier):  # verified: a damaged block raises here, before
-            stored = source.fetch_as_stored(ids, self.device if into_gpu else "cpu")  # anything moved
-            parts = [(at, blocks) for at, blocks in ((stored.quant_at, stored.quant), (stored.fp16_at, stored.fp16))
-                     if at]
+            parts = source.fetch_as_stored(ids, self.device if into_gpu else "cpu").parts()  # anything moved
         else:
             parts = [(range(len(ids)), source.fetch(ids, self.device) if into_gpu else source.get(ids))]
         for at, blocks in parts:
@@ -204,9 +202,8 @@ class TierSet:
 
     def home_tier(self, blocks: Blocks, tier: int) -> int:
         """Where `blocks` bound for `tier` go: the warm tier in place of the hot one for blocks already in the warm
-        format. fp16 would add no precision, and cooled again their values would be quantized a second time,
-        which gives back the same codes for int8 and fp8 but not always for int4: a loaded block would drift
-        from the one saved."""
+        format (fp16 adds no precision; cooled again, an int4 block's values would be quantized a second time,
+        which does not always give back its codes: docs/tiers.md)."""
         quantized = isinstance(blocks, QuantBlocks) and blocks.fmt == self.warm.format
         return WARM_TIER if tier == HOT_TIER and quantized else tier
 

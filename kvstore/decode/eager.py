@@ -242,7 +242,7 @@ class DecodePath:
         if not self.tiers.saved.num_blocks:  # no opened context left in its save
             return
         hits, tier_of, ids_of = table.cold_hits, self.tiers.blocks.tier_of, table.block_ids
-        for at, blocks in ((read.fp16_at, read.fp16), (read.quant_at, read.quant)):
+        for at, blocks in read.parts():
             rows = [r for r, a in enumerate(at) if hits.get(read_at[a], 0) >= KEEP_AFTER
                     and tier_of.get(ids_of[read_at[a]]) == SAVED_TIER]
             if rows:

@@ -60,13 +60,10 @@ def gather_as_stored(tiers: TierSet, ids: Sequence[int], device: torch.device) -
         source = tiers.stack[tier]
         at = [position[i] for i in group]
         if isinstance(source, MixedFormatTier):  # a tier holding blocks of several formats (ssd, saved)
-            got = source.fetch_as_stored(group, device)
-            parts = [(got.fp16_at, got.fp16), (got.quant_at, got.quant)]
+            parts = source.fetch_as_stored(group, device).parts()
         else:
             parts = [(list(range(len(group))), source.fetch(group, device))]
         for rows, blocks in parts:
-            if not rows:
-                continue
             if format_of(blocks) not in ("float16", layout.warm_format):  # held by a store of another format
                 blocks = dequantize(blocks)
             (quant if isinstance(blocks, QuantBlocks) else fp16).append(([at[r] for r in rows], blocks))
