@@ -65,9 +65,7 @@ def scorers(rank: int = RANK) -> dict[str, Callable]:
 
     def centroid(q, keys, b, scale):
         h = keys.shape[1]
-        mean = blocks_of(keys.float().permute(1, 2, 0), b, 0.0).sum(-1)  # [H, D, N]
-        counts = blocks_of(torch.ones(keys.shape[0], device=keys.device), b, 0.0).sum(-1)  # [N]
-        return torch.bmm(q.float().view(h, -1, q.shape[-1]), mean / counts).amax(1)
+        return torch.bmm(q.float().view(h, -1, q.shape[-1]), block_means(keys, b)).amax(1)
 
     def signs(centered):
         def f(q, keys, b, scale):
@@ -80,6 +78,12 @@ def scorers(rank: int = RANK) -> dict[str, Callable]:
             "sign1_centered_mass": signs(True)}
 
 
+def block_means(keys: torch.Tensor, block_tokens: int) -> torch.Tensor:
+    """Each block's mean key, float32 [H, D, N], from keys [T, H, D] (a partial last block over its own tokens)."""
+    sums = blocks_of(keys.float().permute(1, 2, 0), block_tokens, 0.0).sum(-1)  # [H, D, N]
+    return sums / blocks_of(torch.ones(keys.shape[0], device=keys.device), block_tokens, 0.0).sum(-1)
+
+
 def sign_estimates(q: torch.Tensor, keys: torch.Tensor, block_tokens: int, centered: bool) -> torch.Tensor:
     """Estimated logits q . k [Hq, T] (unscaled) from 1-bit codes of randomly rotated keys and RaBitQ's unbiased
     estimator (Gao & Long, 2024): per token the signs of R (k - c) / |k - c| (D bits), |k - c| and <x_bar, x>
@@ -90,9 +94,8 @@ def sign_estimates(q: torch.Tensor, keys: torch.Tensor, block_tokens: int, cente
     k = keys.float()
     center = torch.zeros_like(k)
     if centered:
-        sums = blocks_of(k.permute(1, 2, 0), block_tokens, 0.0).sum(-1)  # [H, D, N]
-        counts = blocks_of(torch.ones(t, device=k.device), block_tokens, 0.0).sum(-1)  # [N]
-        center = (sums / counts).half().float().repeat_interleave(block_tokens, dim=2)[..., :t].permute(2, 0, 1)
+        means = block_means(keys, block_tokens).half().float()  # [H, D, N], kept fp16
+        center = means.repeat_interleave(block_tokens, dim=2)[..., :t].permute(2, 0, 1)
     r = k - center  # [T, H, D]
     norm = r.norm(dim=-1, keepdim=True).clamp_min(1e-6)
     rot = torch.linalg.qr(torch.randn(h, d, d, generator=torch.Generator().manual_seed(0)))[0].to(k.device)

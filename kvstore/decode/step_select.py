@@ -44,8 +44,7 @@ class StepSelect:
         # (kvstore/decode/layer_graphs.py) and the layers after it read the same tensors
         self._valid, self._protected = (torch.zeros(capacity, dtype=torch.bool, device=device)
                                         if isinstance(policy, SketchTopK) else None for _ in range(2))
-        # the window's blocks of this token [H, k] (count), every layer's; their positions as scores [N]
-        self._positions = torch.arange(capacity, dtype=torch.float32, device=device) if positional else None
+        # the window's blocks of this token [H, k] (count), every layer's
         self._newest = torch.zeros((num_kv_heads, k), dtype=torch.int64, device=device) if positional else None
 
     def count(self, num_tokens: torch.Tensor, phase: str, kernel_tokens: torch.Tensor) -> None:
@@ -62,9 +61,10 @@ class StepSelect:
             for mine, new in zip((self._valid, self._protected),
                                  live_and_protected(num_tokens, self.capacity, **self.window)):
                 mine.copy_(new)
-        elif self._positions is not None:  # a protected block scores +inf, one past the count -inf
+        elif self._newest is not None:  # by position; a protected block scores +inf, one past the count -inf
             live, protected = live_and_protected(num_tokens, self.capacity, **self.window)
-            scores = torch.where(protected, float("inf"), torch.where(live, self._positions, float("-inf")))
+            position = self.all_blocks[0].float()  # [N]
+            scores = torch.where(protected, float("inf"), torch.where(live, position, float("-inf")))
             self._newest.copy_(top_blocks(scores[None], self.k).expand_as(self._newest))  # one row, every head
 
     def __call__(self, table: LayerTable, q: torch.Tensor, phase: str, dense_blocks: int,
