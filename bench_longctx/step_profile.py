@@ -2,6 +2,7 @@
 path's host time goes (Decoder(graphs=False): store.append + store.attend per layer, as an eager engine runs).
 
     python -m bench_longctx.step_profile --out DIR [--context 1048576] [--mode topk] [--steps 16] [--eager]
+    python -m bench_longctx.step_profile --out DIR --batch 12 --context 131072 [--steps 16]
 
 The e2e benchmark's model and store (llama3-8b geometry, random weights, random K/V fill, every
 token appended): a few tokens to compile and capture, `steps` timed tokens through
@@ -11,6 +12,10 @@ under torch.profiler. Kernels are grouped by name and
 reported per token: launches, microseconds, share of the token's GPU time. Launch-bound steps show
 up as many short kernels whose count, not their bytes, sets the time. --eager adds the host side: the
 functions of largest cumulative time per token (cProfile) and the Triton launches per token.
+--batch B profiles the batched step instead: `kvtier bench serve`'s kvtier store holding B sequences of
+--context tokens, one Decoder.decode_batch per step (the rows the Scheduler decodes in); its kernels per
+step, then every step's wall time over two blocks' worth of steps, split into the steps where the sequences
+open new tail blocks (a block boundary: they cross it together here) and the rest.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import collections
 import cProfile
 import dataclasses
 import pstats
+import time
 import warnings
 
 import torch
@@ -27,6 +33,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench_longctx.e2e_setup import e2e_store, fill_random, model_args, random_model
 from bench_longctx.presets import get_preset
+from bench_longctx.serve_bench import fill_random as fill_serve
+from bench_longctx.serve_bench import serve_store, trace
 from bench_longctx.timing import environment, timed, write_json
 from engine_adapter.decoder import Decoder
 
@@ -78,6 +86,51 @@ def host_table(run, steps: int, limit: int = 25) -> tuple[list[dict], float]:
     return sorted(rows, key=lambda r: -r["ms_per_token"])[:limit], launches / steps
 
 
+def profile_batch(args) -> dict:
+    """The batched step of `args.batch` sequences of `args.context` tokens: kernels per step, step wall times."""
+    device = torch.device(args.device)
+    p = dataclasses.replace(get_preset("h200").serve, requests=args.batch, contexts=(args.context,),
+                            geometry=args.geometry, layers=args.layers)
+    model = random_model(model_args(p.geometry, p.layers), device, torch.float16)
+    store = serve_store("kvtier", p, model.args.spec, device, trace(p, args.batch, p.contexts))
+    decoder = Decoder(model, store)
+    seqs = [store.create_sequence() for _ in range(args.batch)]
+    for seq in seqs:
+        fill_serve(store, seq, args.context)
+    tokens = [1] * args.batch
+
+    def run(n: int) -> list[float]:
+        took = []
+        for _ in range(n):
+            began = time.perf_counter()
+            tokens[:] = decoder.decode_batch(seqs, tokens, args.mode, p.budget).argmax(-1).tolist()
+            took.append(time.perf_counter() - began)
+        return took
+
+    run(4)  # compile, capture
+    _, seconds = timed(lambda: run(args.steps), device)
+    walk = 2 * p.block_tokens
+    opening = [(decoder.length(seqs[0]) + i) % p.block_tokens == 0 for i in range(walk)]
+    took = run(walk)
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        run(args.steps)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    rows = kernel_table(prof, args.steps)
+    other = sorted(t for t, o in zip(took, opening) if not o)
+    result = {"path": f"batch{args.batch}", "environment": environment(device), "context": args.context,
+              "batch": args.batch, "mode": args.mode, "budget": p.budget, "block_tokens": p.block_tokens,
+              "layers": model.args.num_layers, "steps": args.steps,
+              "ms_per_token_unprofiled": 1e3 * seconds / args.steps,
+              "step_ms": [1e3 * t for t in took], "step_opens_tails": opening,
+              "boundary_step_ms": [1e3 * t for t, o in zip(took, opening) if o],
+              "other_step_ms_p50": 1e3 * other[len(other) // 2], "other_step_ms_max": 1e3 * other[-1],
+              "gpu_us_per_token": sum(r["us_per_token"] for r in rows),
+              "launches_per_token": sum(r["launches_per_token"] for r in rows), "kernels": rows}
+    store.close()
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
@@ -85,7 +138,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", default="topk", choices=("topk", "dense", "sketch"))
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--eager", action="store_true", help="the eager path (no graphs), with its host profile")
+    parser.add_argument("--batch", type=int, default=0, help="profile the batched step of this many sequences")
+    parser.add_argument("--geometry", default="llama3-8b", help="--batch: the model geometry")
+    parser.add_argument("--layers", type=int, default=0, help="--batch: layers (0: the geometry's)")
+    parser.add_argument("--device", default="cuda", help="--batch: cpu checks the script, it times nothing useful")
     args = parser.parse_args(argv)
+    if args.batch:
+        result = profile_batch(args)
+        write_json(args.out, f"step_profile_{result['path']}_{args.mode}_{args.context}.json", result)
+        print(f"{args.batch} x {args.context} {args.mode}: {result['ms_per_token_unprofiled']:.2f} ms/step wall, "
+              f"{result['gpu_us_per_token'] / 1e3:.2f} ms GPU, {result['launches_per_token']:.0f} launches/step; "
+              f"steps opening tails: {', '.join(f'{t:.1f}' for t in result['boundary_step_ms'])} ms; other "
+              f"p50 {result['other_step_ms_p50']:.2f} max {result['other_step_ms_max']:.2f} ms")
+        for r in result["kernels"][:25]:
+            print(f"{r['us_per_token']:9.1f} us {r['launches_per_token']:6.1f}x {100 * r['share']:5.1f}%  {r['kernel']}")
+        return 0
     device = torch.device("cuda")
     p = dataclasses.replace(get_preset("h200").e2e, context=args.context, steps=3 * args.steps + 8, modes=args.mode)
     model = random_model(model_args(p.geometry, p.layers), device, torch.float16)
