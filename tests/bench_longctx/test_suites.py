@@ -136,3 +136,19 @@ def test_the_warm_format_setting_reaches_the_stores():
     store = e2e_store(model_args("smollm2-135m", layers=1).spec, preset.e2e, torch.device("cpu"))
     assert (store.config.warm_format, store.config.cpu_dtype) == ("fp8", "fp8")
     store.close()
+
+
+def test_batch_step_profile_splits_boundary_steps(tmp_path):
+    """step_profile --batch: one wall time per step over two blocks' worth of steps, the steps where the
+    sequences open new tail blocks told apart (exactly one per block), written to the result JSON."""
+    from bench_longctx.step_profile import main as profile
+
+    assert profile(["--out", str(tmp_path), "--batch", "2", "--context", "700", "--steps", "2", "--geometry",
+                 "smollm2-135m", "--layers", "2", "--device", "cpu"]) == 0
+    result = json.loads((tmp_path / "step_profile_batch2_topk_700.json").read_text())
+    b = result["block_tokens"]
+    assert len(result["step_ms"]) == len(result["step_opens_tails"]) == 2 * b
+    assert sum(result["step_opens_tails"]) == 2 == len(result["boundary_step_ms"])
+    first = 700 + 4 + 2  # the context, the compile steps and the timed steps before the walk
+    assert [i for i, o in enumerate(result["step_opens_tails"]) if o] == [i for i in range(2 * b)
+                                                                          if (first + i) % b == 0]
