@@ -14,11 +14,11 @@ so outputs and stored bytes are the step's, bit for bit.
                                     it cools what the next token pushes out of its windows)
 A token the step cannot serve runs through the DecodePath (eager.py), layer by layer, and stats()["attend"] counts
 it in fallback_calls by reason (step_calls: the calls the step served):
-    mode          mode h2o (it drops blocks for good), policy instances with settings the step does not implement
-                  (step_mode: TopK(group_reduce="sum"), a CascadeTopK with a basis, H2O, others' own policies)
+    mode          policy instances with settings the step does not implement (step_mode: TopK(group_reduce="sum"),
+                  a CascadeTopK with a basis, others' own policies)
     epsilon, measure_mass
-    not_ready     blocks beyond the cpu tier, capacity or GPU pools (StepNotReady), H2O-dropped blocks, layers of
-                  unequal length
+    not_ready     blocks beyond the cpu tier, capacity or GPU pools (StepNotReady), H2O-dropped blocks outside mode
+                  h2o, h2o's first token over all-zero scores (the DecodePath seeds them), layers of unequal length
     unpaired      an attend that no one-token append of layer 0 began: an attend without an append, layers out of
                   order, a layer attended twice, a mode or budget changed inside the token, the sequence's blocks
                   moved by another sequence's work part way through the token
@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from eviction import CascadeTopK, Policy, SketchTopK, TopK, Window
+from eviction import H2O, CascadeTopK, Policy, SketchTopK, TopK, Window
 from kvstore.blocks.table import LayerTable
 from kvstore.decode.layer_graphs import LayerGraphs
 from kvstore.decode.modes import reads_codes, resolve_policy
@@ -127,7 +127,7 @@ class EagerSteps:
     def _begin(self, seq: int, token: OpenToken, mode: str | Policy, budget: int) -> str | None:
         """Begin the token on the step of (seq, mode, budget); None, or why it cannot ("not_ready")."""
         tables = self.sequences[seq]
-        if any(t.num_dropped or t.num_tokens != tables[0].num_tokens for t in tables):
+        if any((t.num_dropped and step_mode(mode) != "h2o") or t.num_tokens != tables[0].num_tokens for t in tables):
             return "not_ready"
         step, graphs = self._step(seq, mode, budget, tables)
         try:
@@ -202,7 +202,7 @@ class EagerSteps:
 
 def step_mode(mode: str | Policy) -> str | None:
     """The step mode serving `mode`: a mode name, or a policy instance whose settings the step implements (TopK
-    bounding every q head, Window, SketchTopK, CascadeTopK on raw channels); None: the DecodePath's."""
+    bounding every q head, Window, H2O, SketchTopK, CascadeTopK on raw channels); None: the DecodePath's."""
     if isinstance(mode, str):
         return mode if mode in STEP_MODES else None
     if type(mode) is TopK:
@@ -213,6 +213,8 @@ def step_mode(mode: str | Policy) -> str | None:
         return "sketch"
     if type(mode) is CascadeTopK:
         return "cascade" if mode.basis is None else None
+    if type(mode) is H2O:
+        return "h2o"
     return None
 
 

@@ -40,7 +40,10 @@ class StepReadiness:
 
     def phase(self, num_tokens: int) -> str:
         """The phase at num_tokens tokens: "dense" while the tables hold at most k blocks (or in mode dense),
-        then "topk" for good."""
+        then "topk" (a selection of k blocks per kv head) for good; h2o reads its live blocks as a selection from
+        the first token on."""
+        if self.mode == "h2o":
+            return "topk"
         return "dense" if self.mode == "dense" or -(-num_tokens // self.block_tokens) <= self.k else "topk"
 
     def ready(self) -> bool:
@@ -50,7 +53,7 @@ class StepReadiness:
         if at_boundary and not self.has_room(len(self.tables)):
             return False
         return self.length + 1 <= self.capacity * self.block_tokens and self.cold_servable(self.length + 1) and \
-            not any(t.num_dropped for t in self.tables)
+            (self.mode == "h2o" or not any(t.num_dropped for t in self.tables))
 
     def has_room(self, num_blocks: int) -> bool:
         """Whether num_blocks new tail blocks fit: in free GPU pool rows, or, when this step serves cpu blocks

@@ -12,7 +12,8 @@ per layer, inside the step (no host sync):
                  sketch, whose first level reads the tail's summary, appends first)
     2. select    dense: the table itself, viewed up to a bucket of blocks (ceil(n / B) rounded up by at most
                  1.25x, so a short sequence in a long capacity gets a short table's kernel; one graph per bucket);
-                 topk (Quest's min/max bound), sketch, cascade or window: k blocks per kv head, ascending
+                 topk (Quest's min/max bound), sketch, cascade or window: k blocks per kv head, ascending;
+                 h2o: each layer's live blocks, which the host drops between tokens (step_h2o.py)
     3. attend    the paged kernel over that block table, token count computed on the device; a dense phase
                  with no warm block in any layer passes no warm pool, so a long table takes the hot-only
                  walk (host-known; a graph per case); with warm blocks, a long table's partition by pool
@@ -41,11 +42,12 @@ from kvstore.decode.cold_slices import StepColdBlocks
 from kvstore.decode.dense_tables import StepPartitions, dense_bucket
 from kvstore.decode.promotion import StepPromotion
 from kvstore.decode.readiness import StepReadiness, cool_ahead
+from kvstore.decode.step_h2o import StepEviction
 from kvstore.decode.step_parts import Selection, StepParts, open_tail_entries, place_tails, topk_blocks
 from kvstore.decode.step_select import StepSelect
 from tiers.base import device_ints
 
-STEP_MODES = ("dense", "topk", "sketch", "cascade", "window")
+STEP_MODES = ("dense", "topk", "sketch", "cascade", "window", "h2o")
 assert (HOT_TIER, WARM_TIER) == (0, 1), "the dense step passes tier codes as the kernel's int8 flags"
 
 
@@ -57,18 +59,18 @@ class StepNotReady(ValueError):
 class DecodeStep:
     def __init__(self, parts: StepParts, seq: int, tables: list[LayerTable], mode: str = "topk",
                  budget: int = 4096, policy: Policy | None = None, capacity_tokens: int | None = None) -> None:
-        """`tables`: the sequence's block table of every layer; `policy`: the SketchTopK or CascadeTopK of mode
-        "sketch" or "cascade"."""
+        """`tables`: the sequence's block table of every layer; `policy`: the SketchTopK, CascadeTopK or H2O of
+        mode "sketch", "cascade" or "h2o"."""
         if mode not in STEP_MODES:
             raise ValueError(f"DecodeStep mode must be one of {STEP_MODES}, got {mode!r}")
         c = self.config = parts.config
         spec, dev = self.spec, self.device = c.model, parts.device
         self.tiers, self.tensors, self.path = parts.tiers, parts.tensors, parts.path
         self.seq, self.mode, self.budget = seq, mode, budget
-        self.policy = policy if mode in ("sketch", "cascade") else None  # topk scores with Quest alone
+        self.policy = policy if mode in ("sketch", "cascade", "h2o") else None  # topk scores with Quest alone
         self.tables = tables
-        if any(DROPPED in t.block_ids for t in self.tables):
-            raise ValueError("DecodeStep serves dense and topk sequences; this one has blocks H2O dropped")
+        if mode != "h2o" and any(DROPPED in t.block_ids for t in self.tables):
+            raise ValueError("this sequence has blocks H2O dropped: only mode h2o can attend it")
         self.block_tokens = b = c.block_tokens
         length = self.tables[0].num_tokens
         capacity_tokens = capacity_tokens or length + max(16384, length // 16)  # selection scans all of it
@@ -89,8 +91,13 @@ class DecodeStep:
         # [L, Hq] this token's bounds per layer and q head (one launch per layer writes its row)
         self.certified = torch.zeros(spec.num_layers, spec.num_q_heads, dtype=torch.float32, device=dev)
         self._lse = torch.zeros((1, spec.num_q_heads), dtype=torch.float32, device=dev)  # the kernel's, per layer
+        self.eviction = StepEviction(  # h2o: the live blocks of every layer, dropped by the same rule as eager
+            self.policy, tables, self.tiers, self.k, budget,
+            dict(block_tokens=b, sink_tokens=c.sink_tokens, recent_tokens=self.recent_tokens), dev) \
+            if mode == "h2o" else None
         self.selector = StepSelect(self.policy, self.capacity, self.k, b, self.sink_blocks, self.recent_tokens, h,
-                                   dev, positional=mode == "window")
+                                   dev, positional=mode == "window",
+                                   live=None if self.eviction is None else (self.eviction.rows, self.eviction.count))
         self._append_token = append_token if dev.type == "cuda" else append_token_ref  # one launch on the GPU
         self.cold = StepColdBlocks(self.tiers, self.path.stats, dev, spec, self.capacity)  # staging, verifying
         self.readiness = StepReadiness(tables, self.tiers, self.cold, c, self.capacity, self.k, mode)
@@ -108,8 +115,8 @@ class DecodeStep:
         return self.tables[0].num_tokens
 
     def ready(self) -> bool:
-        """Whether the next token can run from device state (StepReadiness.ready)."""
-        return self.readiness.ready()
+        """Whether the next token can run from device state (StepReadiness.ready; h2o: StepEviction.ready)."""
+        return self.readiness.ready() and (self.eviction is None or self.eviction.ready())
 
     def can_spill(self) -> bool:
         """Whether the next token is served whichever of its blocks cool into the cpu tier (StepReadiness)."""
@@ -179,6 +186,8 @@ class DecodeStep:
                 place_tails(self.tiers, self.new_tails(), self.spec, self.block_tokens, self.device)
                 open_tail_entries([self])  # min/max of no keys (the step widens them), no H2O mass yet
             self._sync_tail_slots()
+        if self.eviction is not None:  # h2o: what exceeds the budget dropped, before anything reads the tiers
+            self.eviction.update(self.length + 1)
         self.note_cold()
         self.partitions.update(self.tables, self.dense_blocks, self.length + 1, self.phase == "dense" and
                                not self.hot_only)
@@ -236,6 +245,8 @@ class DecodeStep:
         return self.phase == "dense" and not any(t.num_warm for t in self.tables)
 
     def _num_selected(self, num_tokens: int) -> int:
+        if self.eviction is not None:
+            return self.eviction.num_live
         return -(-num_tokens // self.block_tokens) if self.readiness.phase(num_tokens) == "dense" else self.k
 
     def _sync_tail_slots(self) -> None:
@@ -285,7 +296,7 @@ class DecodeStep:
             new = NewToken(k, v, table.summaries, tail, self.num_tokens)
         else:
             self._append_token(self.tiers.hot.pool, table.summaries, k, v, tail, self.num_tokens)
-        selected, slots, is_int8, upper = self.selector(table, q, self.phase, self.dense_blocks, self.num_tokens)
+        selected, slots, is_int8, upper = self.selector(layer, table, q, self.phase, self.dense_blocks, self.num_tokens)
         if self.stages_cold:  # selected cpu blocks: one head's slice each into the staging rows, verified
             self.cold.stage(layer, table, selected, slots, is_int8)
         return Selection(selected, slots, is_int8, upper, new)

@@ -12,6 +12,7 @@
             estimated softmax mass, the k best are read (eviction/cascade.py CascadeTopK.select_scored)
     window  the sinks, the recent window, then the newest other blocks (eviction/window.py): the same blocks in
             every layer and kv head, chosen once per token (`count`) from the device count
+    h2o     the layer's live blocks, kept on the device by the host's drop decisions (step_h2o.py), every kv head
 A batch of sequences in the topk phase selects for all of them at once instead (batch_rows.py).
 """
 
@@ -32,10 +33,12 @@ from kvstore.decode.eager import block_table
 
 class StepSelect:
     def __init__(self, policy: Policy | None, capacity: int, k: int, block_tokens: int, sink_blocks: int,
-                 recent_tokens: int, num_kv_heads: int, device: torch.device, positional: bool = False) -> None:
+                 recent_tokens: int, num_kv_heads: int, device: torch.device, positional: bool = False,
+                 live: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """policy: the SketchTopK for mode "sketch", the CascadeTopK for "cascade", else None (Quest's bound, or
-        with positional the window's choice by position)."""
-        self.policy, self.capacity, self.k = policy, capacity, k
+        with positional the window's choice by position); live: h2o's live rows [L, k] and count [1]
+        (StepEviction)."""
+        self.policy, self.capacity, self.k, self.live = policy, capacity, k, live
         self.protected_max = sink_blocks + -(-recent_tokens // block_tokens) + 1  # blocks the window can protect
         self.window = dict(block_tokens=block_tokens, sink_blocks=sink_blocks, recent_tokens=recent_tokens)
         self.all_blocks = torch.arange(capacity, device=device).expand(num_kv_heads, capacity)  # [H, N] dense
@@ -56,7 +59,8 @@ class StepSelect:
             kernel_tokens.copy_(n)
             return
         b = self.window["block_tokens"]
-        kernel_tokens.copy_((self.k - 1) * b + (n - 1) % b + 1)
+        selected = self.k if self.live is None else self.live[1]  # blocks read, the partial tail the last
+        kernel_tokens.copy_((selected - 1) * b + (n - 1) % b + 1)
         if isinstance(self.policy, SketchTopK):
             for mine, new in zip((self._valid, self._protected),
                                  live_and_protected(num_tokens, self.capacity, **self.window)):
@@ -67,7 +71,7 @@ class StepSelect:
             scores = torch.where(protected, float("inf"), torch.where(live, position, float("-inf")))
             self._newest.copy_(top_blocks(scores[None], self.k).expand_as(self._newest))  # one row, every head
 
-    def __call__(self, table: LayerTable, q: torch.Tensor, phase: str, dense_blocks: int,
+    def __call__(self, layer: int, table: LayerTable, q: torch.Tensor, phase: str, dense_blocks: int,
                  num_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(selected [H, k], slots int32 [H, k], is_int8 [H, k], the sketch's block upper bounds [Hq, N] or None)."""
         if phase == "dense":
@@ -77,6 +81,9 @@ class StepSelect:
         n, k = self.capacity, self.k
         if self._newest is not None:
             return (self._newest, *block_table(table, self._newest), None)
+        if self.live is not None:
+            selected = self.live[0][layer].expand(self.all_blocks.shape[0], k)
+            return (selected, *block_table(table, selected), None)
         if isinstance(self.policy, SketchTopK):
             selected, upper, gathered = self.policy.select_masked_table(
                 q, table.summaries[:n], table.sketch[:n], self._valid, self._protected, k, table.slot_map,

@@ -45,7 +45,7 @@ def work(num_seqs: int, num_tokens: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("mode, gpu_bytes", [("dense", 16 << 20), ("topk", 16 << 20), ("sketch", 16 << 20),
-                                             ("window", 16 << 20), ("topk", 320 << 10)])
+                                             ("window", 16 << 20), ("h2o", 16 << 20), ("topk", 320 << 10)])
 def test_a_batch_equals_each_sequence_alone(tmp_path, mode, gpu_bytes):
     """gpu_bytes 320K: the GPU pools are full, and new tail blocks make room by cooling blocks into cpu (every
     sequence past its dense phase: a dense step serves GPU-held blocks only). Which blocks cool then depends
@@ -59,6 +59,13 @@ def test_a_batch_equals_each_sequence_alone(tmp_path, mode, gpu_bytes):
     tiers = batched.tiers
     assert full == (tiers.hot.free_blocks() + tiers.warm.free_blocks() < SPEC.num_layers * len(lengths))
     assert (batched.table(bseqs[2], 0).num_cold > 10) == (mode != "dense")
+    if mode == "h2o":  # the first token seeds the prefill's all-zero H2O scores through the DecodePath
+        seed = work(len(seqs), 1, seed=2)[0]
+        for store, ss in ((alone, seqs), (batched, bseqs)):
+            for i, s in enumerate(ss):
+                for layer in range(SPEC.num_layers):
+                    store.append(s, layer, seed[layer, i, 1, :2][None], seed[layer, i, 2, :2][None])
+                    store.attend(s, layer, seed[layer, i, 0], mode=mode, budget=budget)
     singles = [alone.decode_step(s, mode=mode, budget=budget) for s in seqs]
     batch = BatchStep([batched.decode_step(s, mode=mode, budget=budget) for s in bseqs])
     # 110 -> 140: the first sequence turns topk at 128; full: boundaries at 160, 304 and 704 in 12 tokens
@@ -81,18 +88,21 @@ def test_a_batch_equals_each_sequence_alone(tmp_path, mode, gpu_bytes):
         for s in singles:
             s.end_token()
     batch.verify()
-    if mode != "dense" and not full:  # the short sequence changed phase in the batch while the others stayed topk
+    if mode not in ("dense", "h2o") and not full:  # the short sequence changed phase in the batch while the others stayed topk
         assert ("dense", "topk", "topk") in phases and ("topk", "topk", "topk") in phases
-    # the window reads the sinks and the newest blocks, none of them in the cpu tier
-    assert (batched.stats()["attend"]["cold_slices_staged"] > 0) == (mode not in ("dense", "window"))
+    # the window reads the sinks and the newest blocks, none of them in the cpu tier; h2o's seeding token (the
+    # DecodePath) left its 8 live blocks on the GPU
+    assert (batched.stats()["attend"]["cold_slices_staged"] > 0) == (mode not in ("dense", "window", "h2o"))
     for a, b in zip(seqs, bseqs):
         for layer in range(SPEC.num_layers):
             ta, tb = alone.table(a, layer), batched.table(b, layer)
             assert ta.num_tokens == tb.num_tokens
-            for x, y in zip(alone.read(a, layer), batched.read(b, layer)):
+            start = (ta.num_blocks - 1) * 16 if mode == "h2o" else 0  # h2o: the tail block is never dropped
+            for x, y in zip(alone.read(a, layer, start), batched.read(b, layer, start)):
                 assert torch.equal(x, y) if not full else (x.float() - y.float()).abs().max() < 0.2
             n = ta.num_blocks
             assert torch.equal(ta.summaries[:n], tb.summaries[:n])
+            assert ta.block_ids.count(-1) == tb.block_ids.count(-1) == (mode == "h2o") * (n - 8)  # h2o keeps 8
             exact = DEVICE == "cpu" and not full
             torch.testing.assert_close(ta.h2o_scores[:, :n], tb.h2o_scores[:, :n], atol=0 if exact else 2e-2,
                                        rtol=0 if exact else 1e-2)

@@ -12,7 +12,7 @@ import torch
 
 from engine_adapter.decoder import Decoder
 from engine_adapter.weights import random_llama
-from eviction import CascadeTopK, SketchTopK, TopK, Window
+from eviction import H2O, CascadeTopK, SketchTopK, TopK, Window
 from tests.engine_adapter.test_llama import TINY, store_for
 from tests.kvstore.decode.test_step import DEVICE, SPEC, cold_pair, make_store, tokens, twin_stores
 
@@ -97,6 +97,41 @@ def test_store_attend_serves_cpu_blocks_through_the_step(tmp_path, mode):
     api.close(), stepped.close()
 
 
+@pytest.mark.parametrize("mode, budget", [("h2o", 64), ("h2o", 128), (H2O(head_reduce="sum"), 64)],
+                         ids=["h2o-64", "h2o-128", "instance-sum"])
+def test_h2o_runs_through_the_step_and_drops_what_the_eager_path_drops(tmp_path, mode, budget):
+    """H2O drop mode through store.attend: its first token seeds the all-zero scores of the prefill through the
+    DecodePath (counted not_ready), every later one runs through the step, which drops the same blocks at the
+    same tokens as the DecodePath (the old path, in the twin store) and gives the same outputs bit for bit; from
+    150 tokens, 130 tokens: 8 block boundaries, each dropping a block in every layer, hot -> warm cooling."""
+    api, old, sa, sb = twin_stores(tmp_path, 150, seed=2)
+    work = tokens(130, seed=3)
+    drops = []
+    for t in range(130):
+        token = work[t * L: (t + 1) * L]
+        for got, want in zip(api_token(api, sa, token, mode=mode, budget=budget),
+                             old_path_token(old, sb, token, mode=mode, budget=budget)):
+            assert torch.equal(got, want), t
+        for layer in range(L):
+            assert api.table(sa, layer).block_ids.count(-1) == old.table(sb, layer).block_ids.count(-1), (t, layer)
+        drops.append(old.table(sb, 0).num_dropped)
+    stats = api.stats()["attend"]
+    assert stats["step_calls"] == 129 * L and stats["fallback_calls"] == {"not_ready": L}
+    assert drops[-1] >= 8 and len(set(drops)) > 8  # blocks dropped at many tokens, not once
+    for layer in range(L):
+        ta, tb = api.table(sa, layer), old.table(sb, layer)
+        assert [b == -1 for b in ta.block_ids] == [b == -1 for b in tb.block_ids]
+        n = ta.num_blocks
+        assert torch.equal(ta.summaries[:n], tb.summaries[:n])
+        assert torch.equal(ta.h2o_scores[:, :n], tb.h2o_scores[:, :n])
+        for x, y in zip(api.read(sa, layer, ta.num_tokens - 8), old.read(sb, layer, tb.num_tokens - 8)):
+            assert torch.equal(x, y)  # the recent window: never dropped
+    for key in ("calls", "context_tokens", "attended_tokens"):
+        assert stats[key] == old.stats()["attend"][key], key
+    api.check_integrity(), old.check_integrity()
+    api.close(), old.close()
+
+
 def old_path_token(store, seq, q_k_v, mode, budget=4096, measure_mass=False, epsilon=None) -> list[torch.Tensor]:
     """What store.append + store.attend ran before: the AppendPath, then the DecodePath, per layer."""
     outs = []
@@ -108,14 +143,13 @@ def old_path_token(store, seq, q_k_v, mode, budget=4096, measure_mass=False, eps
 
 
 FALLBACKS = [  # (store.attend arguments, the reason counted)
-    (dict(mode="h2o", budget=64), "mode"),
     (dict(mode=TopK(group_reduce="sum"), budget=64), "mode"),
     (dict(mode="sketch", budget=128, epsilon=0.5), "epsilon"),
     (dict(mode="topk", budget=64, measure_mass=True), "measure_mass"),
 ]
 
 
-@pytest.mark.parametrize("attend, reason", FALLBACKS, ids=["h2o", "instance", "epsilon", "measure_mass"])
+@pytest.mark.parametrize("attend, reason", FALLBACKS, ids=["instance", "epsilon", "measure_mass"])
 def test_what_the_step_cannot_serve_runs_the_eager_path_as_before(tmp_path, attend, reason):
     api, old, sa, sb = twin_stores(tmp_path, 150, seed=2)
     work = tokens(20, seed=3)
@@ -252,7 +286,27 @@ def test_decoder_without_graphs_decodes_what_its_graph_decoder_does(mode):
 def test_a_step_of_settings_it_does_not_implement_is_refused_clearly(tmp_path):
     store = make_store(tmp_path, "refused")
     seq = store.create_sequence()
-    for mode in ("h2o", TopK(group_reduce="sum"), CascadeTopK(basis=torch.eye(SPEC.head_dim).expand(SPEC.num_kv_heads, -1, -1))):
+    for mode in (TopK(group_reduce="sum"), CascadeTopK(basis=torch.eye(SPEC.head_dim).expand(SPEC.num_kv_heads, -1, -1))):
         with pytest.raises(ValueError, match="the decode step serves modes"):
             store.decode_step(seq, mode=mode)
     store.close()
+
+
+def test_h2o_through_the_step_stages_its_live_cpu_blocks(tmp_path):
+    """H2O drop mode over a 600-token prefill mostly in an int8 cpu tier (no promotion, so its live blocks stay
+    there): the step stages their head slices and gives the DecodePath's outputs and drops."""
+    api, old, (sa, sb) = cold_pair(tmp_path, "h2o", promotions_per_boundary=0)
+    work = tokens(40, seed=7)
+    for t in range(40):
+        token = work[t * L: (t + 1) * L]
+        for got, want in zip(api_token(api, sa, token, mode="h2o", budget=128),
+                             old_path_token(old, sb, token, mode="h2o", budget=128)):
+            assert torch.equal(got, want), t
+    stats = api.stats()["attend"]
+    assert stats["step_calls"] == 39 * L and stats["cold_slices_staged"] > 0
+    assert api.table(sa, 0).num_cold > 0
+    for layer in range(L):
+        ta, tb = api.table(sa, layer), old.table(sb, layer)
+        assert [b == -1 for b in ta.block_ids] == [b == -1 for b in tb.block_ids]
+    api.check_integrity(), old.check_integrity()
+    api.close(), old.close()

@@ -114,7 +114,7 @@ def test_step_hands_over_to_the_eager_path_when_blocks_go_cold(tmp_path):
     with pytest.raises(ValueError, match="cold blocks"):
         step.begin_token()
     with pytest.raises(ValueError, match="mode"):
-        store.decode_step(seq, mode="h2o")
+        store.decode_step(seq, mode="no such mode")
 
 
 def test_a_token_that_cools_a_block_to_cpu_goes_the_eager_way_and_nothing_half_happens(tmp_path):
