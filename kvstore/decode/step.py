@@ -43,7 +43,8 @@ from kvstore.decode.dense_tables import StepPartitions, dense_bucket
 from kvstore.decode.promotion import StepPromotion
 from kvstore.decode.readiness import StepReadiness, cool_ahead
 from kvstore.decode.step_h2o import StepEviction
-from kvstore.decode.step_parts import Selection, StepParts, open_tail_entries, place_tails, topk_blocks
+from kvstore.decode.step_parts import Selection, StepParts, encode_filled_tails, open_tail_entries, place_tails, \
+    topk_blocks
 from kvstore.decode.step_select import StepSelect
 from tiers.base import device_ints
 
@@ -215,10 +216,7 @@ class DecodeStep:
         for table in ran:
             table.num_tokens = old + 1
         if filled:  # the token filled every tail: its codes on their final grid now,
-            hot = self.tiers.hot  # not at the next begin_token (the next token may go the eager way)
-            for table in ran:  # a step's tail is always hot: the pool row, queued (no gather, no sync)
-                keys = hot.pool[hot.slots.slot_of[table.block_ids[-1]], 0]  # [H, B, D]
-                self.tensors.encode_block(table, table.num_blocks - 1, keys.transpose(0, 1))
+            encode_filled_tails(ran, self.tiers, self.tensors)  # not at the next begin_token (it may go eager)
         certified = self.certified[:len(ran)].mean(1) if self.phase == "topk" and \
             isinstance(self.policy, SketchTopK) else None  # a tensor of its own: the next replay rewrites the buffer
         self.path.stats.count_token(len(ran), old + 1, self._num_selected(old + 1), self.block_tokens, certified)

@@ -1,6 +1,7 @@
 """What a DecodeStep is built from and hands on: its parts from the store (StepParts), one layer's selection
-(Selection, from DecodeStep.select to the attention launch and DecodeStep.account), and new tail blocks: their
-placement (place_tails) and their table entries opened (open_tail_entries), a step's or a batch's in one call."""
+(Selection, from DecodeStep.select to the attention launch and DecodeStep.account), and tail blocks: new ones
+placed (place_tails) and their table entries opened (open_tail_entries), a step's or a batch's in one call, and
+filled ones encoded (encode_filled_tails)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,15 @@ def open_tail_entries(steps: Sequence[HasTails], kernel: bool | None = None) -> 
     addresses = steps[0].table_addresses if len(steps) == 1 else \
         tuple(torch.cat(parts) for parts in zip(*(s.table_addresses for s in steps)))
     open_tails(summaries, h2o, addresses, device_ints(indices, steps[0].device), indices)
+
+
+def encode_filled_tails(tables: Sequence[LayerTable], tiers: TierSet, tensors: TableTensors) -> None:
+    """The sketch codes of the tail block of each of `tables`, which a token just filled, from the hot pool's row
+    (a step's tail is always hot): queued, no gather, no host sync."""
+    hot = tiers.hot
+    for table in tables:
+        keys = hot.pool[hot.slots.slot_of[table.block_ids[-1]], 0]  # [H, B, D]
+        tensors.encode_block(table, table.num_blocks - 1, keys.transpose(0, 1))
 
 
 def topk_blocks(budget: int, block_tokens: int, sink_blocks: int, recent_tokens: int) -> int:
