@@ -75,13 +75,14 @@ def h2o_evict(
     window: SeqWindow,
     *,
     keep_tokens: int,
-    dropped: Sequence[int] = (),
+    dropped: Sequence[int] | torch.Tensor = (),
     head_reduce: str = "max",
 ) -> list[int]:
     """Drop mode: block indices to free now, ascending, so that at most k blocks stay live.
 
     k = max(protected, keep_tokens // block_tokens) as in `select`. `dropped` lists the
-    blocks freed by earlier calls (they are neither live nor candidates); the lowest
+    blocks freed by earlier calls (they are neither live nor candidates; ints, or an int64
+    host tensor, which a long sequence's caller keeps instead of a list); the lowest
     scoring live, unprotected blocks go first.
     """
     num_blocks = check_window(window).num_blocks
@@ -92,11 +93,12 @@ def h2o_evict(
         )
     keep = window.num_selected(keep_tokens)
     sink_blocks, recent_start = window.protected_range()
-    dropped = sorted(set(dropped))
-    bad = [b for b in dropped if not sink_blocks <= b < recent_start]
-    if bad:
-        raise ValueError(f"dropped: expected unprotected blocks in [{sink_blocks}, {recent_start}), got {bad[:8]}")
-    num_drop = num_blocks - len(dropped) - keep
+    dropped = torch.unique(torch.as_tensor(dropped, dtype=torch.int64).cpu())  # distinct, ascending (host)
+    bad = dropped[(dropped < sink_blocks) | (dropped >= recent_start)]
+    if bad.numel():
+        raise ValueError(f"dropped: expected unprotected blocks in [{sink_blocks}, {recent_start}), "
+                         f"got {bad[:8].tolist()}")
+    num_drop = num_blocks - dropped.numel() - keep
     if num_drop <= 0:
         return []
     excluded = torch.ones(num_blocks, dtype=torch.bool)  # [N], built on the host: one copy to the device
