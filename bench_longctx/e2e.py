@@ -144,24 +144,25 @@ def timed_paths(decoder: Decoder, seq: int, p: E2EPreset, deadline: Deadline) ->
     store, paths, notes = decoder.store, {}, []
     eager = Decoder(decoder.model, store, graphs=False)
     kinds = (("graph", decoder), ("eager", eager)) if store.device.type == "cuda" else (("eager", eager),)
-    for kind, dec in kinds:
-        modes = [m for m in ("topk", "cascade", "sketch", "dense") if m in p.modes.split(",")
-                 and (kind == "graph" or m not in ("sketch", "cascade"))]  # the eager code modes: too slow at 1M
-        for mode in modes:
-            if deadline.expired():
-                notes.append(f"{kind}_{mode} skipped: time budget")
-                continue
-            steps = p.steps if kind == "graph" else max(2, p.steps // 4)
-            runs = [(f"{kind}_{mode}", False)] + ([("graph_topk_per_token", True)] if f"{kind}_{mode}" ==
-                                                  "graph_topk" else [])
-            for name, per_token in runs:
-                try:
-                    paths[name] = decode_path(dec, seq, mode, p, steps, per_token=per_token)
-                except Exception as e:  # noqa: BLE001 -- recorded; the paths measured so far stand
-                    paths[name] = {"error": f"{type(e).__name__}: {e}"[:400]}
-                    notes.append(f"{name} failed; later paths not run (the sequence may be part way through a "
-                                 "token)")
-                    return paths, notes
+    # h2o drops blocks for good, so it runs last, on both paths, after every other mode
+    runs = [(kind, dec, m) for kind, dec in kinds for m in ("topk", "cascade", "sketch", "dense")
+            if m in p.modes.split(",") and (kind == "graph" or m not in ("sketch", "cascade"))]  # eager: too slow
+    runs += [(kind, dec, "h2o") for kind, dec in kinds if "h2o" in p.modes.split(",")]
+    for kind, dec, mode in runs:
+        if deadline.expired():
+            notes.append(f"{kind}_{mode} skipped: time budget")
+            continue
+        steps = p.steps if kind == "graph" else max(2, p.steps // 4)
+        loops = [(f"{kind}_{mode}", False)] + ([("graph_topk_per_token", True)] if f"{kind}_{mode}" ==
+                                               "graph_topk" else [])
+        for name, per_token in loops:
+            try:
+                paths[name] = decode_path(dec, seq, mode, p, steps, per_token=per_token)
+            except Exception as e:  # noqa: BLE001 -- recorded; the paths measured so far stand
+                paths[name] = {"error": f"{type(e).__name__}: {e}"[:400]}
+                notes.append(f"{name} failed; later paths not run (the sequence may be part way through a "
+                             "token)")
+                return paths, notes
     if store.device.type != "cuda":
         notes.append("graph paths need CUDA: on CPU Decoder.decode_step is the eager path")
     return paths, notes

@@ -130,7 +130,8 @@ class E2EPreset:
     max_prefill: int = 16384  # auto: prefill up to this context, random beyond
     warm_tokens: int = 0  # 0: warm_format on the GPU for as much of the context as it holds; else at most this
     # many tokens there, the rest warm_format in pinned host memory (the cpu tier, which the captured step reads itself)
-    modes: str = "topk,sketch,dense"  # the decode modes timed (and cascade), each on the graph and eager paths
+    modes: str = "topk,sketch,dense"  # the decode modes timed (also cascade, h2o: last, it drops blocks for good),
+    # each on the graph and eager paths
     warm_format: str = "int8"  # the store's warm and cpu format: "int8", "fp8" or "int4" (docs/tiers.md, Formats)
     cascade_candidates: int = 16  # mode cascade: candidate blocks per kv head, as a multiple of k (CascadeTopK's)
 
