@@ -310,3 +310,24 @@ def test_h2o_through_the_step_stages_its_live_cpu_blocks(tmp_path):
         assert [b == -1 for b in ta.block_ids] == [b == -1 for b in tb.block_ids]
     api.check_integrity(), old.check_integrity()
     api.close(), old.close()
+
+
+def test_h2o_through_the_step_on_a_fork_leaves_the_parent_whole(tmp_path):
+    """A fork decodes in h2o mode through the step and drops blocks it shares with its parent: the parent keeps
+    every token, and the fork's outputs and drops equal the DecodePath's on a twin fork."""
+    api, old, pa, pb = twin_stores(tmp_path, 150, seed=4)
+    before = [api.read(pa, layer) for layer in range(L)]
+    sa, sb = api.fork(pa), old.fork(pb)
+    work = tokens(60, seed=5)
+    for t in range(60):
+        token = work[t * L: (t + 1) * L]
+        for got, want in zip(api_token(api, sa, token, mode="h2o", budget=64),
+                             old_path_token(old, sb, token, mode="h2o", budget=64)):
+            assert torch.equal(got, want), t
+    assert api.stats()["attend"]["step_calls"] == 59 * L
+    for layer in range(L):
+        assert api.table(sa, layer).num_dropped == old.table(sb, layer).num_dropped > 0
+        for x, y in zip(api.read(pa, layer), before[layer]):
+            assert torch.equal(x, y)
+    api.check_integrity(), old.check_integrity()
+    api.close(), old.close()
