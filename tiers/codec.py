@@ -9,7 +9,10 @@
             name), covered by the checksum; the ssd tier stores none
 
 A payload that zstd does not shrink is stored raw (compression 0), so a value never outgrows
-its block plus header and prefix.
+its block plus header and prefix. Quantized payloads (int8, fp8, int4) are always stored raw, as a
+save stores them (tiers/sealed_rows.py): zstd level 1 takes int8 K/V of the llama3-8b geometry from
+70,692 to 68,024 bytes a 32-token block (3.8%) for ~90 us more to encode and ~65 us more to read back a
+block on a CPU core (BENCHMARKS.md, Tiers), a cost the disk's bandwidth never repays.
 
 The byte-plane split stores the low bytes of every fp16 value, then the high bytes. On
 real SmolLM2 KV, one 12 KiB block per value, it gains nothing over plain zstd (1.074x vs
@@ -61,9 +64,9 @@ class Codec:
             payload = b"".join(t[row].contiguous().view(torch.uint8).numpy() for t in blocks.tensors())
         else:
             fmt, payload = FORMAT_CODES["float16"], memoryview(blocks[row].contiguous().view(torch.uint8).numpy().reshape(-1))
-        body, compression = payload, self.compression
+        body, compression = payload, self.compression if fmt == FORMAT_CODES["float16"] else 0
         if compression:
-            body = self.compressor.compress(_split_planes(payload) if compression == 2 and fmt == 0 else payload)
+            body = self.compressor.compress(_split_planes(payload) if compression == 2 else payload)
             if len(body) >= len(payload):  # incompressible: stored raw, so a value never outgrows its block
                 body, compression = payload, 0
         header = _HEADER.pack(_MAGIC, LAYOUT_VERSION, fmt, compression, layout.num_kv_heads,

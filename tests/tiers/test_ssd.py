@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tiers.base import IntegrityError
+from tiers.codec import Codec
 from tiers.layout import BlockLayout
 from tiers.quant import quantize
 from tiers.ssd import SsdTier
@@ -105,4 +106,20 @@ def test_writer_batches_concurrent_puts(tmp_path):
         list(pool.map(lambda i: tier.put([i], x[i:i + 1]), range(32)))
     assert torch.equal(tier.get(list(range(32))), x)
     tier.check_integrity()
+    tier.close()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
+def test_quantized_blocks_are_stored_raw_and_read_back_exactly(tmp_path, fmt):
+    """zstd would shrink these (constant keys: one code repeated) but quantized payloads are stored raw; fp16
+    ones still compress."""
+    x = torch.zeros_like(kv_like(4, seed=4))
+    tier = SsdTier(LAYOUT, str(tmp_path / fmt), 1 << 26, compression="zstd")
+    raw = Codec("none").encode(LAYOUT, quantize(x[:1], fmt), 0)
+    tier.put([0, 1, 2, 3], quantize(x, fmt))
+    assert tier.used_bytes == 4 * len(raw)
+    got, want = tier.get([0, 1, 2, 3]), quantize(x, fmt)
+    assert all(torch.equal(a, b) for a, b in zip(got.tensors(), want.tensors()))
+    tier.put([4], x[:1])
+    assert tier.used_bytes < 4 * len(raw) + LAYOUT.fp16_bytes
     tier.close()
