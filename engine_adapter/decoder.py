@@ -115,8 +115,8 @@ class Decoder:
     def decode_step(self, seq: int, token_id: int, mode: str = "dense", budget: int = 4096) -> torch.Tensor:
         """Append one token and attend through the store; returns fp32 logits [vocab].
 
-        On CUDA, dense, topk and sketch run the captured step (engine_adapter/graph_decode.py: every
-        layer's append, select and attend in one graph replay) whenever the step can serve every block
+        On CUDA, the step's modes (kvstore/decode/step.py STEP_MODES) run the captured step (graph_decode.py:
+        every layer's append, select and attend in one graph replay) whenever the step can serve every block
         (on the GPU, or selected from a cpu tier: kvstore/decode/step.py); otherwise, and on CPU, the eager path
         (store.append + store.attend per layer, same contract)."""
         return self.decode_batch([seq], [token_id], mode, budget)[0]
