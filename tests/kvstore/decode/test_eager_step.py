@@ -97,13 +97,15 @@ def test_store_attend_serves_cpu_blocks_through_the_step(tmp_path, mode):
     api.close(), stepped.close()
 
 
-@pytest.mark.parametrize("mode, budget", [("h2o", 64), ("h2o", 128), (H2O(head_reduce="sum"), 64)],
-                         ids=["h2o-64", "h2o-128", "instance-sum"])
+@pytest.mark.parametrize("mode, budget", [("h2o", 64), ("h2o", 128), ("h2o", 16), (H2O(head_reduce="sum"), 64)],
+                         ids=["h2o-64", "h2o-128", "h2o-16", "instance-sum"])
 def test_h2o_runs_through_the_step_and_drops_what_the_eager_path_drops(tmp_path, mode, budget):
     """H2O drop mode through store.attend: its first token seeds the all-zero scores of the prefill through the
     DecodePath (counted not_ready), every later one runs through the step, which drops the same blocks at the
     same tokens as the DecodePath (the old path, in the twin store) and gives the same outputs bit for bit; from
-    150 tokens, 130 tokens: 8 block boundaries, each dropping a block in every layer, hot -> warm cooling."""
+    150 tokens, 130 tokens: 8 block boundaries, each dropping a block in every layer, hot -> warm cooling. At a
+    budget of 16 tokens the protected blocks set keep, and a block also drops the token after a boundary, when
+    the 2-token recent window leaves it."""
     api, old, sa, sb = twin_stores(tmp_path, 150, seed=2)
     work = tokens(130, seed=3)
     drops = []
