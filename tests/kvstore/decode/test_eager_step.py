@@ -102,7 +102,7 @@ def test_store_attend_serves_cpu_blocks_through_the_step(tmp_path, mode):
 def test_h2o_runs_through_the_step_and_drops_what_the_eager_path_drops(tmp_path, mode, budget):
     """H2O drop mode through store.attend: its first token seeds the all-zero scores of the prefill through the
     DecodePath (counted not_ready), every later one runs through the step, which drops the same blocks at the
-    same tokens as the DecodePath (the old path, in the twin store) and gives the same outputs bit for bit; from
+    same tokens as the DecodePath (the old path, in the twin store) and gives its outputs (like_the_old_path); from
     150 tokens, 130 tokens: 8 block boundaries, each dropping a block in every layer, hot -> warm cooling. At a
     budget of 16 tokens the protected blocks set keep, and a block also drops the token after a boundary, when
     the 2-token recent window leaves it."""
@@ -113,7 +113,7 @@ def test_h2o_runs_through_the_step_and_drops_what_the_eager_path_drops(tmp_path,
         token = work[t * L: (t + 1) * L]
         for got, want in zip(api_token(api, sa, token, mode=mode, budget=budget),
                              old_path_token(old, sb, token, mode=mode, budget=budget)):
-            assert torch.equal(got, want), t
+            like_the_old_path(got, want)
         for layer in range(L):
             assert api.table(sa, layer).block_ids.count(-1) == old.table(sb, layer).block_ids.count(-1), (t, layer)
         drops.append(old.table(sb, 0).num_dropped)
@@ -125,13 +125,22 @@ def test_h2o_runs_through_the_step_and_drops_what_the_eager_path_drops(tmp_path,
         assert [b == -1 for b in ta.block_ids] == [b == -1 for b in tb.block_ids]
         n = ta.num_blocks
         assert torch.equal(ta.summaries[:n], tb.summaries[:n])
-        assert torch.equal(ta.h2o_scores[:, :n], tb.h2o_scores[:, :n])
+        like_the_old_path(ta.h2o_scores[:, :n], tb.h2o_scores[:, :n])
         for x, y in zip(api.read(sa, layer, ta.num_tokens - 8), old.read(sb, layer, tb.num_tokens - 8)):
             assert torch.equal(x, y)  # the recent window: never dropped
     for key in ("calls", "context_tokens", "attended_tokens"):
         assert stats[key] == old.stats()["attend"][key], key
     api.check_integrity(), old.check_integrity()
     api.close(), old.close()
+
+
+def like_the_old_path(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The step against the DecodePath: bit for bit on CPU, where both run the kernel's reference; within fp16
+    rounding on CUDA, where the step appends inside its attention launch and the split plans differ."""
+    if DEVICE == "cpu":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
 
 
 def old_path_token(store, seq, q_k_v, mode, budget=4096, measure_mass=False, epsilon=None) -> list[torch.Tensor]:
@@ -303,7 +312,7 @@ def test_h2o_through_the_step_stages_its_live_cpu_blocks(tmp_path):
         token = work[t * L: (t + 1) * L]
         for got, want in zip(api_token(api, sa, token, mode="h2o", budget=128),
                              old_path_token(old, sb, token, mode="h2o", budget=128)):
-            assert torch.equal(got, want), t
+            like_the_old_path(got, want)
     stats = api.stats()["attend"]
     assert stats["step_calls"] == 39 * L and stats["cold_slices_staged"] > 0
     assert api.table(sa, 0).num_cold > 0
@@ -325,7 +334,7 @@ def test_h2o_through_the_step_on_a_fork_leaves_the_parent_whole(tmp_path):
         token = work[t * L: (t + 1) * L]
         for got, want in zip(api_token(api, sa, token, mode="h2o", budget=64),
                              old_path_token(old, sb, token, mode="h2o", budget=64)):
-            assert torch.equal(got, want), t
+            like_the_old_path(got, want)
     assert api.stats()["attend"]["step_calls"] == 59 * L
     for layer in range(L):
         assert api.table(sa, layer).num_dropped == old.table(sb, layer).num_dropped > 0
