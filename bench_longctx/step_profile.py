@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
               f"steps opening tails: {', '.join(f'{t:.1f}' for t in result['boundary_step_ms'])} ms; other "
               f"p50 {result['other_step_ms_p50']:.2f} max {result['other_step_ms_max']:.2f} ms")
         for r in result["kernels"][:25]:
-            print(f"{r['us_per_token']:9.1f} us {r['launches_per_token']:6.1f}x {100 * r['share']:5.1f}%  {r['kernel']}")
+            print(f"{r['us_per_token']:9.1f} us {r['launches_per_token']:6.1f}x {100 * r['share']:5.1f}%  "
+                  f"{r['kernel']}")
         return 0
     device = torch.device("cuda")
     p = dataclasses.replace(get_preset("h200").e2e, context=args.context, steps=3 * args.steps + 8, modes=args.mode)

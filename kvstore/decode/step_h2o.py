@@ -30,7 +30,8 @@ class StepEviction:
     def __init__(self, policy: H2O, tables: list[LayerTable], tiers: TierSet, k: int, budget: int,
                  window: dict, device: torch.device) -> None:
         """window: block_tokens, sink_tokens and recent_tokens of the step's SeqWindow (the DecodePath's)."""
-        self.policy, self.tables, self.tiers, self.k, self.budget, self.window = policy, tables, tiers, k, budget, window
+        self.policy, self.tables, self.tiers, self.k, self.budget = policy, tables, tiers, k, budget
+        self.window = window
         self.rows = torch.zeros((len(tables), k), dtype=torch.int64, device=device)  # [L, k]
         self.count = torch.ones(1, dtype=torch.int64, device=device)  # [1]
         self.live: list[list[int]] = [[] for _ in tables]  # host copy of each layer's live indices

@@ -88,7 +88,7 @@ def test_a_batch_equals_each_sequence_alone(tmp_path, mode, gpu_bytes):
         for s in singles:
             s.end_token()
     batch.verify()
-    if mode not in ("dense", "h2o") and not full:  # the short sequence changed phase in the batch while the others stayed topk
+    if mode not in ("dense", "h2o") and not full:  # the short sequence changed phase, the others stayed topk
         assert ("dense", "topk", "topk") in phases and ("topk", "topk", "topk") in phases
     # the window reads the sinks and the newest blocks, none of them in the cpu tier; h2o's seeding token (the
     # DecodePath) left its 8 live blocks on the GPU

@@ -297,7 +297,8 @@ def test_decoder_without_graphs_decodes_what_its_graph_decoder_does(mode):
 def test_a_step_of_settings_it_does_not_implement_is_refused_clearly(tmp_path):
     store = make_store(tmp_path, "refused")
     seq = store.create_sequence()
-    for mode in (TopK(group_reduce="sum"), CascadeTopK(basis=torch.eye(SPEC.head_dim).expand(SPEC.num_kv_heads, -1, -1))):
+    basis = torch.eye(SPEC.head_dim).expand(SPEC.num_kv_heads, -1, -1)
+    for mode in (TopK(group_reduce="sum"), CascadeTopK(basis=basis)):
         with pytest.raises(ValueError, match="the decode step serves modes"):
             store.decode_step(seq, mode=mode)
     store.close()
