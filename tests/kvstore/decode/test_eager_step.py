@@ -97,6 +97,40 @@ def test_store_attend_serves_cpu_blocks_through_the_step(tmp_path, mode):
     api.close(), stepped.close()
 
 
+def like_the_old_path(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The step against the DecodePath: bit for bit on CPU, where both run the kernel's reference; within fp16
+    rounding on CUDA, where the step appends inside its attention launch and the split plans differ."""
+    if DEVICE == "cpu":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+def h2o_alongside(api, old, sa, sb, num_tokens: int, budget: int, seed: int, mode=None) -> list[int]:
+    """num_tokens h2o tokens through the public API (api) and through the DecodePath (old): outputs and the
+    dropped blocks of every layer compared at each token; returns layer 0's dropped count after each."""
+    work, drops = tokens(num_tokens, seed=seed), []
+    for t in range(num_tokens):
+        token = work[t * L: (t + 1) * L]
+        for got, want in zip(api_token(api, sa, token, mode=mode or "h2o", budget=budget),
+                             old_path_token(old, sb, token, mode=mode or "h2o", budget=budget)):
+            like_the_old_path(got, want)
+        for layer in range(L):
+            assert api.table(sa, layer).block_ids.count(-1) == old.table(sb, layer).block_ids.count(-1), (t, layer)
+        drops.append(old.table(sb, 0).num_dropped)
+    return drops
+
+
+def old_path_token(store, seq, q_k_v, mode, budget=4096, measure_mass=False, epsilon=None) -> list[torch.Tensor]:
+    """What store.append + store.attend ran before: the AppendPath, then the DecodePath, per layer."""
+    outs = []
+    for layer, (q, k, v) in enumerate(q_k_v):
+        table = store.table(seq, layer)
+        store.appends.append(seq, layer, table, k[None], v[None])
+        outs.append(store.decode.attend(table, q, store._policy(mode), budget, measure_mass, epsilon))
+    return outs
+
+
 @pytest.mark.parametrize("mode, budget", [("h2o", 64), ("h2o", 128), ("h2o", 16), (H2O(head_reduce="sum"), 64)],
                          ids=["h2o-64", "h2o-128", "h2o-16", "instance-sum"])
 def test_h2o_runs_through_the_step_and_drops_what_the_eager_path_drops(tmp_path, mode, budget):
@@ -107,16 +141,7 @@ def test_h2o_runs_through_the_step_and_drops_what_the_eager_path_drops(tmp_path,
     budget of 16 tokens the protected blocks set keep, and a block also drops the token after a boundary, when
     the 2-token recent window leaves it."""
     api, old, sa, sb = twin_stores(tmp_path, 150, seed=2)
-    work = tokens(130, seed=3)
-    drops = []
-    for t in range(130):
-        token = work[t * L: (t + 1) * L]
-        for got, want in zip(api_token(api, sa, token, mode=mode, budget=budget),
-                             old_path_token(old, sb, token, mode=mode, budget=budget)):
-            like_the_old_path(got, want)
-        for layer in range(L):
-            assert api.table(sa, layer).block_ids.count(-1) == old.table(sb, layer).block_ids.count(-1), (t, layer)
-        drops.append(old.table(sb, 0).num_dropped)
+    drops = h2o_alongside(api, old, sa, sb, 130, budget, seed=3, mode=mode)
     stats = api.stats()["attend"]
     assert stats["step_calls"] == 129 * L and stats["fallback_calls"] == {"not_ready": L}
     assert drops[-1] >= 8 and len(set(drops)) > 8  # blocks dropped at many tokens, not once
@@ -132,25 +157,6 @@ def test_h2o_runs_through_the_step_and_drops_what_the_eager_path_drops(tmp_path,
         assert stats[key] == old.stats()["attend"][key], key
     api.check_integrity(), old.check_integrity()
     api.close(), old.close()
-
-
-def like_the_old_path(got: torch.Tensor, want: torch.Tensor) -> None:
-    """The step against the DecodePath: bit for bit on CPU, where both run the kernel's reference; within fp16
-    rounding on CUDA, where the step appends inside its attention launch and the split plans differ."""
-    if DEVICE == "cpu":
-        assert torch.equal(got, want)
-    else:
-        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
-
-
-def old_path_token(store, seq, q_k_v, mode, budget=4096, measure_mass=False, epsilon=None) -> list[torch.Tensor]:
-    """What store.append + store.attend ran before: the AppendPath, then the DecodePath, per layer."""
-    outs = []
-    for layer, (q, k, v) in enumerate(q_k_v):
-        table = store.table(seq, layer)
-        store.appends.append(seq, layer, table, k[None], v[None])
-        outs.append(store.decode.attend(table, q, store._policy(mode), budget, measure_mass, epsilon))
-    return outs
 
 
 FALLBACKS = [  # (store.attend arguments, the reason counted)
@@ -308,12 +314,7 @@ def test_h2o_through_the_step_stages_its_live_cpu_blocks(tmp_path):
     """H2O drop mode over a 600-token prefill mostly in an int8 cpu tier (no promotion, so its live blocks stay
     there): the step stages their head slices and gives the DecodePath's outputs and drops."""
     api, old, (sa, sb) = cold_pair(tmp_path, "h2o", promotions_per_boundary=0)
-    work = tokens(40, seed=7)
-    for t in range(40):
-        token = work[t * L: (t + 1) * L]
-        for got, want in zip(api_token(api, sa, token, mode="h2o", budget=128),
-                             old_path_token(old, sb, token, mode="h2o", budget=128)):
-            like_the_old_path(got, want)
+    h2o_alongside(api, old, sa, sb, 40, 128, seed=7)
     stats = api.stats()["attend"]
     assert stats["step_calls"] == 39 * L and stats["cold_slices_staged"] > 0
     assert api.table(sa, 0).num_cold > 0
@@ -330,12 +331,7 @@ def test_h2o_through_the_step_on_a_fork_leaves_the_parent_whole(tmp_path):
     api, old, pa, pb = twin_stores(tmp_path, 150, seed=4)
     before = [api.read(pa, layer) for layer in range(L)]
     sa, sb = api.fork(pa), old.fork(pb)
-    work = tokens(60, seed=5)
-    for t in range(60):
-        token = work[t * L: (t + 1) * L]
-        for got, want in zip(api_token(api, sa, token, mode="h2o", budget=64),
-                             old_path_token(old, sb, token, mode="h2o", budget=64)):
-            like_the_old_path(got, want)
+    h2o_alongside(api, old, sa, sb, 60, 64, seed=5)
     assert api.stats()["attend"]["step_calls"] == 59 * L
     for layer in range(L):
         assert api.table(sa, layer).num_dropped == old.table(sb, layer).num_dropped > 0
