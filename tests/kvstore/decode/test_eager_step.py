@@ -1,7 +1,9 @@
 """store.append + store.attend through the DecodeStep's code (kvstore/decode/eager_step.py): a decode token through the
 public API equals the same token through a DecodeStep of the same capacity, bit for bit (outputs, stored K/V,
 summaries, sketch codes, H2O scores, stats), across block boundaries, cooling, the dense -> topk phase change, a
-capacity rebuild and cpu-tier blocks; what the step cannot serve runs through the DecodePath as before and is
+capacity rebuild and cpu-tier blocks; h2o through the step drops what the DecodePath drops and gives its outputs
+(on a fork, over cpu blocks, at budgets the protected blocks set); what the step cannot serve runs through the
+DecodePath as before and is
 counted by reason; a caller that appends without attending, attends a layer twice or changes mode inside a token
 gets correct outputs and an intact store."""
 
