@@ -3,9 +3,8 @@ public API equals the same token through a DecodeStep of the same capacity, bit 
 summaries, sketch codes, H2O scores, stats), across block boundaries, cooling, the dense -> topk phase change, a
 capacity rebuild and cpu-tier blocks; h2o through the step drops what the DecodePath drops and gives its outputs
 (on a fork, over cpu blocks, at budgets the protected blocks set); what the step cannot serve runs through the
-DecodePath as before and is
-counted by reason; a caller that appends without attending, attends a layer twice or changes mode inside a token
-gets correct outputs and an intact store."""
+DecodePath as before and is counted by reason; a caller that appends without attending, attends a layer twice or
+changes mode inside a token gets correct outputs and an intact store."""
 
 from __future__ import annotations
 
