@@ -21,6 +21,7 @@ A request that could never fit, even in an empty store, is refused at submit (Va
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -73,6 +74,7 @@ class Scheduler:
         self.finished: list[Request] = []
         self.preemptions = 0
         self._read_from_saves: dict[str, str] = {}  # request id -> its save, still read: deleted when it finishes
+        self._warned_hot = False
 
     def now(self) -> float:
         return self.clock() - self.start
@@ -133,7 +135,24 @@ class Scheduler:
                 request.admitted_s = self.now()
                 self.fill(self.store, request.seq, request.context_tokens - 1)
             self.running.append(request)
+        self._warn_hot_pool()
         return produced
+
+    def _warn_hot_pool(self) -> None:
+        """Once: the running requests' sinks, hot windows and tails (at their full lengths) outgrow the hot pool
+        (Config.hot_sequences sizes it): new tails would make room by cooling them to the warm format."""
+        if self._warned_hot:
+            return
+        c, store = self.store.config, self.store
+        window = -(-c.sink_tokens // c.block_tokens) + -(-c.hot_tokens // c.block_tokens) + 1  # blocks per layer
+        need = c.model.num_layers * sum(min(store.blocks_for(r.length) // c.model.num_layers, window)
+                                        for r in self.running)
+        if need > store.tiers.hot.slots.num_slots:
+            self._warned_hot = True
+            warnings.warn(f"{len(self.running)} requests run at once, more than the hot pool holds the sinks and "
+                          f"hot windows of (Config.hot_sequences={c.hot_sequences}): new tail blocks make room by "
+                          "cooling them to the warm format, so a request's tokens may differ from its tokens alone "
+                          "(docs/decode.md)", RuntimeWarning, stacklevel=3)
 
     def _room_from_freeing(self, request: Request) -> bool:
         """Whether `request` fits once the finished requests' blocks still being returned (freed in the background,

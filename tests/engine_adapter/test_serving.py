@@ -17,7 +17,8 @@ VOCAB = 97
 # every block's format set by its position alone (a short fp16 window, int8 beyond, also in cpu), so a request
 # reads the same values whichever tier room puts its blocks in
 WINDOWS = dict(hot_tokens=32, cpu_dtype="int8", cpu_checksums="cpu", staging_tokens=64)
-SMALL = dict(gpu_bytes=96 << 10, cpu_bytes=64 << 10, **WINDOWS)  # about two requests at a time
+# about two requests at a time, the hot pool sized for both (Scheduler warns when more run than it holds)
+SMALL = dict(gpu_bytes=96 << 10, cpu_bytes=64 << 10, hot_sequences=2, **WINDOWS)
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -62,7 +63,7 @@ def test_a_trace_larger_than_the_store_finishes_and_each_request_decodes_as_alon
                 for i in range(4)]
     want = alone(requests, mode)
     model, clock = random_llama(TINY, seed=5, vocab_size=VOCAB), Steps()
-    with store_for(TINY, **SMALL, hot_sequences=running) as store:
+    with store_for(TINY, **{**SMALL, "hot_sequences": running}) as store:
         scheduler = Scheduler(Decoder(model, store), mode, 48, clock=clock)
         for r in requests:
             scheduler.submit(r)
@@ -126,6 +127,19 @@ def test_finished_requests_return_their_blocks_between_tokens_and_at_once_when_a
         runs[background] = ({r.request_id: (r.admitted_s, r.output) for r in trace}, pending)
     assert runs[True][0] == runs[False][0]
     assert any(runs[True][1]) and not any(runs[False][1])  # blocks were still being returned between tokens
+
+
+def test_running_more_requests_than_the_hot_pool_holds_warns_once(monkeypatch):
+    monkeypatch.setattr(Decoder, "_captures", lambda self: True)
+    model, clock = random_llama(TINY, seed=5, vocab_size=VOCAB), Steps()
+    requests = [Request(f"r{i}", max_new_tokens=4, prompt=prompt(250, 30 + i)) for i in range(3)]
+    with store_for(TINY, **{**SMALL, "cpu_bytes": 1 << 20}) as store:  # room for three, hot pool for two
+        scheduler = Scheduler(Decoder(model, store), "topk", 48, clock=clock)
+        for r in requests:
+            scheduler.submit(r)
+        with pytest.warns(RuntimeWarning, match="3 requests run at once, .*hot_sequences=2") as caught:
+            run(scheduler, clock)
+    assert len([w for w in caught if "hot_sequences" in str(w.message)]) == 1
 
 
 def test_requests_that_cannot_be_served_are_refused_and_change_nothing():
