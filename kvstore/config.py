@@ -95,7 +95,10 @@ class Config:
     gpu_bytes: int = 1 << 30  # hot + warm pools + staging, shared by all sequences
     staging_tokens: int | None = None  # GPU slots (fp16 and warm each) cold blocks are fetched into per step (None: hot_tokens)
     cpu_bytes: int = 4 << 30  # cold host tier
-    cpu_dtype: str = "float16"  # "float16" (exact) or warm_format (blocks cool as the warm tier holds them)
+    # "float16" (exact for blocks that reach it from the hot tier), warm_format (blocks cool as the warm tier holds
+    # them), or "auto": float16 beside an int8 or fp8 warm tier (their blocks quantize back to the same bytes),
+    # int4 beside an int4 one (a block's int4 bytes do not always survive dequantize + quantize: docs/tiers.md)
+    cpu_dtype: str = "auto"
     cpu_checksums: str = "auto"  # "auto": block sums on the GPU beside pinned slabs (what a captured step verifies
     # cpu blocks with), else xxh3 on the host; "host"; or a device ("cpu": block sums in torch, slow: tests)
     promotions_per_boundary: int = 512  # cpu blocks a captured decode step reads again and again that move up to
@@ -131,6 +134,8 @@ class Config:
             self.recent_tokens = min(1024, self.hot_tokens) if is_int(self.hot_tokens) else self.hot_tokens
         if self.staging_tokens is None:
             self.staging_tokens = self.hot_tokens
+        if self.cpu_dtype == "auto":
+            self.cpu_dtype = "int4" if self.warm_format == "int4" else "float16"
         for name, low, high in _INT_FIELDS:
             value = getattr(self, name)
             if not is_int(value) or not low <= value <= high:
@@ -164,7 +169,7 @@ class Config:
             raise ValueError(f"warm_format='int4' needs an even head_dim that int4_group ({self.int4_group}) "
                              f"divides or exceeds, got head_dim {self.model.head_dim}")
         if self.cpu_dtype not in ("float16", self.warm_format):
-            raise ValueError(f"cpu_dtype must be 'float16' or the warm_format {self.warm_format!r}, "
+            raise ValueError(f"cpu_dtype must be 'auto', 'float16' or the warm_format {self.warm_format!r}, "
                              f"got {self.cpu_dtype!r}")
 
     def _check_redis(self) -> None:

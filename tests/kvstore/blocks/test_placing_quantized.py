@@ -72,3 +72,27 @@ def test_a_tail_is_placed_in_the_hot_tier_whatever_format_it_arrives_in(tmp_path
         tiers.move([block], WARM_TIER, HOT_TIER, coldest=HOT_TIER, keep_format=False)
         assert tiers.blocks.tier_of[block] == HOT_TIER
         store.check_integrity()
+
+
+@pytest.mark.parametrize("cpu_dtype", ["auto", "float16"])
+def test_an_int4_block_cooled_into_the_cpu_tier_and_promoted_keeps_its_bytes_by_default(tmp_path, cpu_dtype):
+    """The default cpu_dtype ("auto") holds an int4 store's cpu blocks as int4, so a block that cools out of the
+    warm tier and is promoted back returns with its bytes; an fp16 cpu tier quantizes it a second time."""
+    config = Config(model=SPEC, block_tokens=32, sink_tokens=32, hot_tokens=64, warm_tokens=1 << 20,
+                    gpu_bytes=8 << 20, cpu_bytes=8 << 20, cpu_dtype=cpu_dtype, warm_format="int4",
+                    int4_group=GROUP, device="cpu", host_memory_reserve=0)
+    assert config.cpu_dtype == ("int4" if cpu_dtype == "auto" else "float16")
+    kv = requantizes_differently(0)
+    with KVStore(config) as store:
+        seq = store.create_sequence()
+        store.append(seq, 0, *(torch.zeros(32, 2, 64, dtype=torch.float16),) * 2)  # the sink block
+        store.append(seq, 0, kv[0], kv[1])  # block 1
+        store.append(seq, 0, *(torch.zeros(96, 2, 64, dtype=torch.float16),) * 2)  # block 1 leaves the hot window
+        tiers, block = store.tiers, store.table(seq, 0).block_ids[1]
+        want = tiers.warm.get([block])
+        tiers.move([block], WARM_TIER, CPU_TIER)
+        assert tiers.promote([block]) == 1 and tiers.blocks.tier_of[block] == WARM_TIER
+        got = tiers.warm.get([block])
+        same = all(torch.equal(a, b) for a, b in zip(got.tensors(), want.tensors()))
+        assert same == (cpu_dtype == "auto")
+        store.check_integrity()
