@@ -57,7 +57,7 @@ def store_bytes(spec: ModelSpec, block_tokens: int, hot_tokens: int, warm_tokens
 
 def model_store(spec: ModelSpec, device: torch.device, *, hot_tokens: int, warm_tokens: int, sink_tokens: int,
                 recent_tokens: int, sequences: int = 2, staging_tokens: int = 4096, block_tokens: int = 32,
-                cpu_bytes: int = 1 << 30, cpu_dtype: str = "float16", warm_format: str = "int8",
+                cpu_bytes: int = 1 << 30, cpu_dtype: str = "auto", warm_format: str = "int8",
                 sketch_codes: bool = True) -> KVStore:
     """A store whose GPU pools hold `sequences` sequences' full windows (a prefill and its fork)."""
     windows = sequences * store_bytes(spec, block_tokens, hot_tokens, warm_tokens, sink_tokens, warm_format)
