@@ -46,6 +46,12 @@ class LayerTable:
     def num_blocks(self) -> int:
         return len(self.block_ids)
 
+    def live_indices(self) -> list[int]:
+        """Indices of the blocks H2O drop mode has not freed, ascending."""
+        if not self.num_dropped:
+            return list(range(self.num_blocks))
+        return [i for i, b in enumerate(self.block_ids) if b != DROPPED]
+
 
 def droppable(table: LayerTable, indices: object) -> list[int]:
     """`indices` as a list of distinct entries of `table` that H2O drop mode may free (held, not the tail block),

@@ -209,8 +209,7 @@ class DecodePath:
     def live_blocks(self, table: LayerTable) -> torch.Tensor:
         """int64 [H, n_live]: every block not dropped, for every kv head."""
         if table.num_dropped:
-            live = [i for i, b in enumerate(table.block_ids) if b != DROPPED]
-            idx = torch.tensor(live, dtype=torch.int64).to(self.device)
+            idx = torch.tensor(table.live_indices(), dtype=torch.int64).to(self.device)
         else:
             idx = torch.arange(table.num_blocks, device=self.device)
         return idx.expand(table.h2o_scores.shape[0], -1)

@@ -21,7 +21,7 @@ import torch
 
 from eviction.h2o import H2O, h2o_evict
 from eviction.select import SeqWindow
-from kvstore.blocks.table import DROPPED, LayerTable
+from kvstore.blocks.table import LayerTable
 from kvstore.blocks.tierset import TierSet
 from tiers.base import device_ints
 
@@ -35,7 +35,6 @@ class StepEviction:
         self.rows = torch.zeros((len(tables), k), dtype=torch.int64, device=device)  # [L, k]
         self.count = torch.ones(1, dtype=torch.int64, device=device)  # [1]
         self.live: list[list[int]] = [[] for _ in tables]  # host copy of each layer's live indices
-        self.dropped: list[torch.Tensor] = [torch.zeros(0, dtype=torch.int64) for _ in tables]  # and dropped ones
         self.num_live = 0  # what `count` holds
         self._seeded = False
 
@@ -62,12 +61,13 @@ class StepEviction:
         for layer, table in enumerate(self.tables):
             changed |= self._follow(layer, table)
             if len(self.live[layer]) > keep:
+                dropped = torch.ones(table.num_blocks, dtype=torch.bool)  # the complement of the live list: a
+                dropped[self.live[layer]] = False  # long sequence's thousands of dropped blocks, never listed
                 evict = h2o_evict(table.h2o_scores[:, : table.num_blocks], window, keep_tokens=self.budget,
-                                  dropped=self.dropped[layer], head_reduce=self.policy.head_reduce)
+                                  dropped=dropped.nonzero().flatten(), head_reduce=self.policy.head_reduce)
                 self.tiers.drop(table, evict)
                 gone = set(evict)
                 self.live[layer] = [i for i in self.live[layer] if i not in gone]
-                self.dropped[layer] = torch.cat((self.dropped[layer], torch.tensor(evict, dtype=torch.int64)))
                 changed = True
         if changed:
             rows = [live + live[-1:] * (self.k - len(live)) for live in self.live]
@@ -84,7 +84,5 @@ class StepEviction:
         if len(live) == n - 1 - table.num_dropped and (not live or live[-1] == n - 2) and n:
             live.append(n - 1)
         else:
-            self.live[layer] = [i for i, b in enumerate(table.block_ids) if b != DROPPED]
-            self.dropped[layer] = torch.tensor([i for i, b in enumerate(table.block_ids) if b == DROPPED],
-                                               dtype=torch.int64)
+            self.live[layer] = table.live_indices()
         return True
